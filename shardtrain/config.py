@@ -1,0 +1,396 @@
+"""Typed configuration: one keyword-only dataclass per component, TOML presets, CLI overrides.
+
+A run's configuration is a `Config` made of small sections. It is read from a TOML file
+(`configs/*.toml`), then `--section.field VALUE` overrides are applied; both paths are
+strict: an unknown section or field is a `ConfigError` naming it and listing the valid
+names. `validate(world_size)` checks the whole thing before any process starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A bad configuration: the message names the field and the fix."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Decoder-only transformer shape. `style` picks the block design."""
+
+    style: Literal["llama", "gpt2"] = "llama"
+    vocab_size: int = 256
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 0  # 0 means n_heads (plain multi-head attention)
+    ffn_dim: int = 0  # 0 means 4 * dim (gpt2) or the Llama rule 2/3 * 4 * dim rounded to 64
+    max_seq_len: int = 256
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    n_experts: int = 0  # 0: dense MLP; > 0: mixture of experts with top-k routing
+    moe_top_k: int = 2
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        if self.ffn_dim:
+            return self.ffn_dim
+        if self.style == "gpt2":
+            return 4 * self.dim
+        return 64 * ((int(2 * 4 * self.dim / 3) + 63) // 64)
+
+    def validate(self) -> None:
+        _positive(self, "vocab_size", "dim", "n_layers", "n_heads", "max_seq_len")
+        if self.dim % self.n_heads:
+            raise ConfigError(
+                f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; "
+                "pick a head count that divides the width")
+        if self.n_kv_heads < 0 or self.n_heads % self.kv_heads:
+            raise ConfigError(
+                f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads="
+                f"{self.n_kv_heads}; grouped-query attention needs n_heads to be a multiple "
+                "of n_kv_heads (0 means n_kv_heads = n_heads)")
+        if self.style == "gpt2" and self.n_kv_heads not in (0, self.n_heads):
+            raise ConfigError("model.n_kv_heads: the gpt2 style has no grouped-query attention; "
+                              "set it to 0")
+        if self.style == "llama" and self.head_dim % 2:
+            raise ConfigError(f"model.dim / model.n_heads = {self.head_dim} must be even for RoPE")
+        if self.n_experts < 0 or (self.n_experts and not 1 <= self.moe_top_k <= self.n_experts):
+            raise ConfigError(f"model.moe_top_k={self.moe_top_k} must lie in 1..model.n_experts="
+                              f"{self.n_experts}")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where the text comes from and how it becomes tokens."""
+
+    source: str = "stdlib"  # "stdlib", a file, a directory, a glob, or a .jsonl file
+    text_field: str = "text"  # the field read from each JSONL record
+    tokenizer: str = "byte"  # "byte", "bpe" (trained locally), or a path to a tokenizer.json
+    bpe_vocab_size: int = 4096
+    max_bytes: int = 0  # read at most this many bytes of text (0: all of it)
+    eval_fraction: float = 0.02  # tail of the token stream held out for eval loss
+    cache_dir: str = "~/.cache/shardtrain"
+
+    def validate(self) -> None:
+        if not 0.0 < self.eval_fraction < 0.5:
+            raise ConfigError(f"data.eval_fraction={self.eval_fraction} must lie in (0, 0.5)")
+        _positive(self, "bpe_vocab_size")
+        if self.max_bytes < 0:
+            raise ConfigError("data.max_bytes must be >= 0 (0 reads everything)")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """The layout: degrees of each parallel dimension. dp=0 fills the world."""
+
+    dp: int = 0
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    node_size: int = 0  # ranks per (virtual) node; 0: LOCAL_WORLD_SIZE from the launcher
+
+    def resolved_dp(self, world_size: int) -> int:
+        return self.dp or max(1, world_size // (self.tp * self.pp * self.cp))
+
+    def validate(self, world_size: int) -> None:
+        _positive(self, "tp", "pp", "cp", "ep")
+        if self.dp < 0 or self.node_size < 0:
+            raise ConfigError("parallel.dp and parallel.node_size must be >= 0 (0 means automatic)")
+        dp = self.resolved_dp(world_size)
+        product = dp * self.tp * self.pp * self.cp
+        if product != world_size:
+            raise ConfigError(
+                f"parallel layout dp={dp} x tp={self.tp} x pp={self.pp} x cp={self.cp} = "
+                f"{product} does not equal the world size {world_size}; change parallel.dp "
+                f"(or set it to 0 to fill the world) or the number of processes (--nproc)")
+        if (dp * self.cp) % self.ep:
+            raise ConfigError(f"parallel.ep={self.ep} must divide dp x cp = {dp * self.cp}")
+        for name in ("tp", "pp", "cp", "ep"):
+            if getattr(self, name) > 1:
+                raise ConfigError(
+                    f"parallel.{name}={getattr(self, name)}: the trainer supports data "
+                    f"parallelism only in this release; set parallel.{name}=1")
+
+
+@dataclass(kw_only=True)
+class CommConfig:
+    """How bytes move: the collective algorithm and gradient bucketing."""
+
+    algorithm: Literal["native"] = "native"
+    bucket_mb: float = 25.0
+    timeout_s: float = 300.0
+
+    def validate(self) -> None:
+        _positive(self, "bucket_mb", "timeout_s")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """Optimizer and learning-rate schedule (linear warmup, cosine decay)."""
+
+    name: Literal["adamw", "sgd"] = "adamw"
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    momentum: float = 0.9  # sgd only
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    grad_clip: float = 1.0  # global-norm clipping; 0 disables
+
+    def validate(self) -> None:
+        if self.warmup_steps < 0 or self.grad_clip < 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError("optim.warmup_steps and optim.grad_clip must be >= 0 and "
+                              "optim.min_lr_ratio in [0, 1]")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The loop: batch geometry, precision, schedule of eval, logging and samples."""
+
+    run_dir: str = "runs/default"
+    steps: int = 300
+    global_batch: int = 16  # sequences per optimizer step, across all data-parallel ranks
+    micro_batch: int = 8  # sequences per forward/backward on one rank
+    seq_len: int = 256
+    seed: int = 1234
+    precision: Literal["fp32", "bf16"] = "fp32"
+    lr: float = 3e-3
+    activation_checkpointing: Literal["none", "full"] = "none"
+    eval_every: int = 100  # steps between evals (0: only at the end)
+    eval_batches: int = 4
+    log_every: int = 10
+    peak_flops: float = 0.0  # per device, for MFU; 0: from the device (measured on CPU)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    progress: bool = True
+    tensorboard: bool = False
+    sample_tokens: int = 200  # generated after training; 0 disables
+    sample_prompt: str = "def "
+
+    def validate(self, dp: int, model: ModelConfig) -> None:
+        _positive(self, "steps", "global_batch", "micro_batch", "seq_len", "lr", "eval_batches",
+                  "log_every")
+        if self.global_batch % (self.micro_batch * dp):
+            raise ConfigError(
+                f"train.global_batch={self.global_batch} is not divisible by train.micro_batch="
+                f"{self.micro_batch} x dp={dp}; choose a global batch that is a multiple of "
+                f"{self.micro_batch * dp}")
+        if self.seq_len > model.max_seq_len:
+            raise ConfigError(f"train.seq_len={self.seq_len} exceeds model.max_seq_len="
+                              f"{model.max_seq_len}; lower it or raise model.max_seq_len")
+
+    def accumulation_steps(self, dp: int) -> int:
+        return self.global_batch // (self.micro_batch * dp)
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Atomic checkpoints under <run_dir>/checkpoints, keeping the last `keep`."""
+
+    every: int = 0  # steps between checkpoints (0: only the final one)
+    keep: int = 2
+    resume: str = ""  # "", "latest" (newest in this run dir) or a checkpoint directory
+
+    def validate(self) -> None:
+        if self.every < 0 or self.keep < 1:
+            raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
+
+
+@dataclass(kw_only=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def validate(self, world_size: int) -> None:
+        """Every check that needs no data or process group; raises ConfigError."""
+        self.model.validate()
+        self.data.validate()
+        self.parallel.validate(world_size)
+        self.comm.validate()
+        self.optim.validate()
+        self.train.validate(self.parallel.resolved_dp(world_size), self.model)
+        self.checkpoint.validate()
+        if self.data.tokenizer == "byte" and self.model.vocab_size < 256:
+            raise ConfigError(f"model.vocab_size={self.model.vocab_size} is below 256, the "
+                              "byte tokenizer's vocabulary; raise it to at least 256")
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+def _positive(obj: Any, *names: str) -> None:
+    section = _SECTION_OF[type(obj)]
+    for name in names:
+        if getattr(obj, name) <= 0:
+            raise ConfigError(f"{section}.{name}={getattr(obj, name)} must be positive")
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+_SECTION_OF = {cls: name for name, cls in SECTIONS.items()}
+
+
+# ---------------------------------------------------------------------------- parsing
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Convert a TOML or command-line value to the field's declared type, strictly."""
+    origin = get_origin(annotation)
+    if origin is Literal:
+        choices = get_args(annotation)
+        if value not in choices:
+            raise ConfigError(f"{where}={value!r} is not one of {', '.join(map(str, choices))}")
+        return value
+    if origin in (types.UnionType, typing.Union):
+        raise TypeError(f"{where}: union types are not used in configs")
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{where}={value!r} is not a boolean (true or false)")
+    if annotation in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}={value!r} must be a number")
+        try:
+            number = annotation(value) if isinstance(value, str) else value
+        except ValueError:
+            raise ConfigError(f"{where}={value!r} is not a valid {annotation.__name__}") from None
+        if annotation is int and (not isinstance(number, int) and not float(number).is_integer()):
+            raise ConfigError(f"{where}={value!r} must be a whole number")
+        return annotation(number)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}={value!r} must be a string")
+        return value
+    raise TypeError(f"{where}: unsupported config type {annotation}")
+
+
+def _unknown(kind: str, name: str, valid: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"unknown {kind} {name!r}{hint} (valid: {', '.join(valid)})")
+
+
+def apply(cfg: Config, section: str, name: str, value: Any) -> None:
+    """Set `section.name = value` with type checking; unknown names are errors."""
+    if section not in SECTIONS:
+        raise _unknown("config section", section, list(SECTIONS))
+    obj = getattr(cfg, section)
+    hints = typing.get_type_hints(type(obj))
+    if name not in hints:
+        raise _unknown(f"field in [{section}]", name, list(hints))
+    setattr(obj, name, _coerce(value, hints[name], f"{section}.{name}"))
+
+
+def load(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML preset (a path, or a name under configs/) and apply `--a.b VALUE` overrides."""
+    cfg = Config()
+    if path is not None:
+        for section, values in read_toml(resolve_preset(path)).items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table")
+            for name, value in values.items():
+                apply(cfg, section, name, value)
+    for key, value in parse_overrides(overrides or []):
+        section, _, name = key.partition(".")
+        if not name:
+            raise ConfigError(f"override --{key} must name a field as --section.field")
+        apply(cfg, section, name, value)
+    return cfg
+
+
+def resolve_preset(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    if p.exists():
+        return p
+    preset = CONFIG_DIR / f"{path}.toml"
+    if preset.exists():
+        return preset
+    names = sorted(q.stem for q in CONFIG_DIR.glob("*.toml"))
+    raise ConfigError(f"config file {str(path)!r} does not exist; give a path to a TOML file or "
+                      f"one of the presets: {', '.join(names)}")
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """`--a.b VALUE` or `--a.b=VALUE` pairs; anything else is an error naming it."""
+    out: list[tuple[str, str]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=")[0]:
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.field VALUE")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override {arg} has no value")
+            key, value = arg[2:], args[i + 1]
+            i += 2
+        out.append((key, value))
+    return out
+
+
+def to_toml(cfg: Config) -> str:
+    """The fully resolved config as TOML (read back by `load` to an equal Config)."""
+    lines: list[str] = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        for name, value in values.items():
+            lines.append(f"{name} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{escaped}"'
+
+
+def field_help() -> list[str]:
+    """One line per field, `--section.field (type, default)`: the CLI's override list."""
+    out = []
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else None
+            out.append(f"  --{section}.{f.name} (default {default!r})")
+    return out

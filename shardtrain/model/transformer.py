@@ -1,0 +1,193 @@
+"""A plain decoder-only transformer: Llama style or GPT-2 style, from one ModelConfig.
+
+The model knows nothing about parallelism. Attention reads its head count from the
+shapes of its projections, so a layout that shards heads can swap the linears without
+touching this file. Shape legend: B batch, S sequence, H heads, G kv heads, D head dim,
+C model width (dim), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardtrain.config import ModelConfig
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [S, D/2] for rotary position embeddings (Su et al. 2021)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs of x [B, S, H, D] by position; cos/sin are [S, D/2]."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # [B, S, H, D/2] each
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        bias = cfg.style == "gpt2"
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=bias)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=bias)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=bias)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim)  # [B, S, H, D]
+        k = self.wk(x).view(b, s, -1, self.head_dim)  # [B, S, G, D]
+        v = self.wv(x).view(b, s, -1, self.head_dim)  # [B, S, G, D]
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H|G, S, D]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))  # [B, S, C]
+
+
+class MLP(nn.Module):
+    """SwiGLU (llama: w2(silu(w1 x) * w3 x)) or GELU (gpt2: w2(gelu(w1 x)))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        bias = cfg.style == "gpt2"
+        self.gated = cfg.style == "llama"
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=bias)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False) if self.gated else None
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class MoE(nn.Module):
+    """Mixture of experts: a linear router picks the top-k experts per token (Shazeer et al.
+    2017); the chosen experts' outputs are mixed by the renormalised router probabilities."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.moe_top_k
+        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.n_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])  # [B*S, C]
+        probs = self.router(tokens).float().softmax(-1)  # [B*S, E]
+        weight, chosen = probs.topk(self.top_k, dim=-1)  # [B*S, k]
+        weight = (weight / weight.sum(-1, keepdim=True)).type_as(x)
+        out = torch.zeros_like(tokens)
+        for e, expert in enumerate(self.experts):
+            token_idx, slot = (chosen == e).nonzero(as_tuple=True)
+            if token_idx.numel():
+                y = expert(tokens[token_idx]) * weight[token_idx, slot, None]
+                out.index_add_(0, token_idx, y)
+        return out.view_as(x)
+
+
+def _norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.style == "llama":
+        return nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = _norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = _norm(cfg)
+        self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """tokens [B, S] -> logits [B, S, V]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.style == "gpt2" else None
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = _norm(cfg)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        if cfg.style == "llama":
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        s = tokens.shape[1]
+        x = self.tok_emb(tokens)  # [B, S, C]
+        rope = None
+        if self.pos_emb is not None:
+            x = x + self.pos_emb.weight[:s]
+        else:
+            rope = (self.rope_cos[:s], self.rope_sin[:s])
+        for layer in self.layers:
+            x = layer(x, rope)
+        return self.head(self.norm(x))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic initialisation, independent of device and of module order: each
+        parameter is drawn on the CPU from a generator seeded by (seed, parameter name), so
+        a sharded layout can draw the same full tensor and keep its own slice."""
+        self.tie_weights()
+        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)  # GPT-2's scaled residual init
+        for name, p in self.named_parameters():
+            p.copy_(init_tensor(name, tuple(p.shape), seed, residual_std))
+        if self.cfg.style == "llama":
+            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+            self.rope_cos = cos.to(self.rope_cos.device)
+            self.rope_sin = sin.to(self.rope_sin.device)
+
+
+def init_tensor(name: str, shape: tuple[int, ...], seed: int, residual_std: float) -> torch.Tensor:
+    """The initial value of parameter `name`: ones for norm weights, zeros for biases,
+    N(0, 0.02) for weights, with residual output projections (wo, w2) scaled down."""
+    leaf = name.rsplit(".", 1)[-1]
+    owner = name.rsplit(".", 2)[-2] if name.count(".") else ""
+    if "norm" in owner:
+        return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
+    if leaf == "bias":
+        return torch.zeros(shape)
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    std = residual_std if owner in ("wo", "w2") else 0.02
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
+def build_model(cfg: ModelConfig, *, device: str | torch.device = "cpu",
+                seed: int | None = 0) -> Transformer:
+    """Build on the meta device, then materialise on `device` and initialise (seed=None
+    leaves it on meta: shapes only, for planning models that do not fit anywhere)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    if seed is None:
+        return model
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model

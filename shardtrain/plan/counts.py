@@ -1,0 +1,102 @@
+"""Closed-form parameter and FLOP counts of a ModelConfig (pure arithmetic, no torch).
+
+Conventions (see FORMULAS.md): a FLOP is one multiply or one add, so a matmul of
+[m, k] x [k, n] costs 2mkn. Model FLOPs count forward + backward (3x forward) of every
+matmul, attention scores included without halving for the causal mask, as Narayanan et
+al. 2021 and Korthikanti et al. 2022 do; hardware FLOPs add the recomputed forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardtrain.config import ModelConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamCounts:
+    total: int  # == sum(p.numel()) of the built model
+    embedding: int  # token (+ position) embedding; the head too when untied
+    per_layer: int  # one transformer block (all experts)
+    active_per_layer: int  # one block as one token sees it (top-k experts)
+    active: int  # parameters one token touches
+
+    @property
+    def non_embedding(self) -> int:
+        return self.total - self.embedding
+
+
+def mlp_params(cfg: ModelConfig) -> int:
+    h, f = cfg.dim, cfg.ffn_hidden
+    if cfg.style == "llama":
+        return 3 * h * f
+    return 2 * h * f + f + h  # two linears with biases
+
+
+def attention_params(cfg: ModelConfig) -> int:
+    h, q, kv = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    weights = h * q + 2 * h * kv + q * h
+    biases = q + 2 * kv + h if cfg.style == "gpt2" else 0
+    return weights + biases
+
+
+def norm_params(cfg: ModelConfig) -> int:
+    return cfg.dim if cfg.style == "llama" else 2 * cfg.dim  # RMSNorm weight; LayerNorm w + b
+
+
+def param_counts(cfg: ModelConfig) -> ParamCounts:
+    h, v = cfg.dim, cfg.vocab_size
+    mlp = mlp_params(cfg)
+    if cfg.n_experts:
+        router = h * cfg.n_experts
+        layer = attention_params(cfg) + 2 * norm_params(cfg) + router + cfg.n_experts * mlp
+        active_layer = layer - (cfg.n_experts - cfg.moe_top_k) * mlp
+    else:
+        layer = active_layer = attention_params(cfg) + 2 * norm_params(cfg) + mlp
+    embedding = v * h + (cfg.max_seq_len * h if cfg.style == "gpt2" else 0)
+    head = 0 if cfg.tie_embeddings else v * h
+    outside = embedding + head + norm_params(cfg)
+    total = cfg.n_layers * layer + outside
+    return ParamCounts(total=total, embedding=embedding + head, per_layer=layer,
+                       active_per_layer=active_layer,
+                       active=cfg.n_layers * active_layer + outside)
+
+
+def matmul_params_per_token(cfg: ModelConfig) -> int:
+    """Weights one token multiplies by: every active linear and the output head (embedding
+    lookups, norms and biases are not matmuls)."""
+    h, f = cfg.dim, cfg.ffn_hidden
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    mlp = (3 if cfg.style == "llama" else 2) * h * f
+    experts = cfg.moe_top_k if cfg.n_experts else 1
+    router = h * cfg.n_experts
+    layer = h * q + 2 * h * kv + q * h + experts * mlp + router
+    return cfg.n_layers * layer + cfg.vocab_size * h
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """2 x matmul weights + attention scores and weighted values (2 x 2 x s x q per layer)."""
+    q = cfg.n_heads * cfg.head_dim
+    return 2.0 * matmul_params_per_token(cfg) + 4.0 * cfg.n_layers * seq_len * q
+
+
+def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward + backward, no recomputation. For GPT-3-like shapes this equals
+    72 B s L h^2 (1 + s/(6h) + V/(12hL)) / (B s) of Narayanan et al. 2021 (eq. 3)."""
+    return 3.0 * forward_flops_per_token(cfg, seq_len)
+
+
+def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "none") -> float:
+    """Model FLOPs plus what recomputation redoes: full recomputation repeats the forward of
+    every block (the head is not recomputed), selective repeats the attention core only
+    (Korthikanti et al. 2022, section 5)."""
+    base = model_flops_per_token(cfg, seq_len)
+    if recompute == "none":
+        return base
+    q = cfg.n_heads * cfg.head_dim
+    attention_core = 4.0 * cfg.n_layers * seq_len * q
+    if recompute == "selective":
+        return base + attention_core
+    if recompute == "full":
+        return base + forward_flops_per_token(cfg, seq_len) - 2.0 * cfg.vocab_size * cfg.dim
+    raise ValueError(f"recompute={recompute!r} is not one of none, selective, full")
