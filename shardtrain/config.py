@@ -313,16 +313,28 @@ def load(path: str | os.PathLike | None = None, overrides: list[str] | None = No
     """Read a TOML preset (a path, or a name under configs/) and apply `--a.b VALUE` overrides."""
     cfg = Config()
     if path is not None:
-        for section, values in read_toml(resolve_preset(path)).items():
-            if not isinstance(values, dict):
-                raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table")
-            for name, value in values.items():
-                apply(cfg, section, name, value)
+        preset = resolve_preset(path)
+        _apply_tables(cfg, read_toml(preset), str(preset))
     for key, value in parse_overrides(overrides or []):
         section, _, name = key.partition(".")
         if not name:
             raise ConfigError(f"override --{key} must name a field as --section.field")
         apply(cfg, section, name, value)
+    return cfg
+
+
+def _apply_tables(cfg: Config, tables: dict[str, Any], where: str) -> None:
+    for section, values in tables.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{where}: top-level key {section!r} must be a [section] table")
+        for name, value in values.items():
+            apply(cfg, section, name, value)
+
+
+def loads(text: str) -> Config:
+    """A Config from TOML text (the inverse of `to_toml`)."""
+    cfg = Config()
+    _apply_tables(cfg, tomllib.loads(text), "config text")
     return cfg
 
 

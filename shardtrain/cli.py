@@ -1,0 +1,169 @@
+"""`shardtrain train | generate | plan | bench`.
+
+Everything that can be checked before a process starts is checked here, in the launching
+process: the config, the data source, the run dir, the checkpoint to resume from. A bad
+input ends with a message naming the field or file and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from shardtrain import config as config_mod
+from shardtrain.config import Config, ConfigError
+
+USAGE = """shardtrain train [--config FILE.toml|PRESET] [--nproc N] [--section.field VALUE ...]
+shardtrain generate --checkpoint DIR [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]
+shardtrain plan --model PRESET|FILE.toml [...]     (shardtrain plan --help)
+shardtrain bench calibrate                         (measure this machine for the cpu preset)"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    commands = {"train": cmd_train, "generate": cmd_generate, "plan": cmd_plan, "bench": cmd_bench}
+    if command not in commands:
+        print(f"shardtrain: unknown command {command!r}\n{USAGE}", file=sys.stderr)
+        return 2
+    try:
+        return commands[command](rest)
+    except ConfigError as e:
+        print(f"shardtrain {command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+# ---------------------------------------------------------------------------- train
+
+
+def cmd_train(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="shardtrain train", epilog="config fields:\n" + "\n".join(config_mod.field_help()),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="default",
+                        help="a TOML file or a preset name under configs/ (default: default)")
+    parser.add_argument("--nproc", type=int, default=0,
+                        help="local processes to launch (default: 1, or the launcher's world)")
+    args, overrides = parser.parse_known_args(argv)
+    cfg = config_mod.load(args.config, overrides)
+
+    from shardtrain.launch import ProcessInfo, launch_local, run_worker, under_launcher
+
+    if under_launcher():
+        info = ProcessInfo.from_env()
+        if args.nproc and args.nproc != info.local_world_size:
+            raise ConfigError(f"--nproc {args.nproc} conflicts with the launcher's "
+                              f"{info.local_world_size} processes per node; drop --nproc")
+        prepare_run(cfg, info.world_size, prepare_data=info.local_rank == 0)
+        run_worker(config_mod.to_toml(cfg))
+        return 0
+    nproc = args.nproc or 1
+    if nproc < 1:
+        raise ConfigError(f"--nproc {nproc} must be >= 1")
+    prepare_run(cfg, nproc, prepare_data=True)
+    if nproc == 1:
+        run_worker(config_mod.to_toml(cfg))
+        return 0
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        launch_local(nproc, run_worker, config_mod.to_toml(cfg))
+    except ChildFailedError as e:
+        print(f"shardtrain train: a worker failed:\n{e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool) -> None:
+    """Every check that can fail before training starts, and the token cache built once."""
+    from shardtrain.data import check_source, load_dataset, load_tokenizer
+    from shardtrain.train import checkpoint as ckpt
+
+    cfg.validate(world_size)
+    check_source(cfg.data)
+    if cfg.data.tokenizer not in ("byte", "bpe"):
+        load_tokenizer(cfg.data)  # a tokenizer.json path: fails fast if missing or invalid
+    check_writable(Path(cfg.train.run_dir))
+    resume = ckpt.resolve_resume(cfg)
+    if resume is not None:
+        ckpt.check_compatible(resume, cfg)
+    if cfg.train.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise ConfigError("train.tensorboard=true needs the tensorboard package: "
+                              "pip install 'shardtrain[tensorboard]'") from None
+    if prepare_data:
+        dataset = load_dataset(cfg.data, seq_len=cfg.train.seq_len)
+        if dataset.tokenizer.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
+                              f"tokenizer's vocabulary ({dataset.tokenizer.vocab_size}); raise "
+                              "model.vocab_size or lower data.bpe_vocab_size")
+
+
+def check_writable(run_dir: Path) -> None:
+    probe = run_dir / ".write-probe"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"train.run_dir={str(run_dir)!r} is not writable ({e.strerror}); "
+                          "choose a directory you can write to") from None
+
+
+# ---------------------------------------------------------------------------- generate
+
+
+def cmd_generate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="shardtrain generate")
+    parser.add_argument("--checkpoint", required=True, help="a checkpoint step_* directory")
+    parser.add_argument("--prompt", default="def ")
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--top-k", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from shardtrain.data import load_tokenizer
+    from shardtrain.model.generate import generate
+    from shardtrain.model.transformer import build_model
+    from shardtrain.train import checkpoint as ckpt
+
+    path = Path(args.checkpoint)
+    if not (path / "model.pt").is_file() or not (path / "config.toml").is_file():
+        raise ConfigError(f"--checkpoint {str(path)!r} is not a checkpoint directory (it must "
+                          "hold model.pt and config.toml); pass a <run_dir>/checkpoints/step_* dir")
+    cfg = ckpt.checkpoint_config(path)
+    tokenizer = load_tokenizer(cfg.data)
+    model = build_model(cfg.model, device="cpu", seed=0)
+    model.load_state_dict(torch.load(path / "model.pt", map_location="cpu", weights_only=True))
+    out = generate(model, tokenizer.encode(args.prompt), args.tokens,
+                   temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    print(tokenizer.decode(out))
+    return 0
+
+
+# ---------------------------------------------------------------------------- plan, bench
+
+
+def cmd_plan(argv: list[str]) -> int:
+    from shardtrain.plan.cli import main as plan_main
+
+    return plan_main(argv)
+
+
+def cmd_bench(argv: list[str]) -> int:
+    from shardtrain.bench import main as bench_main
+
+    return bench_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""The token stream split into a training part and a held-out eval tail."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from shardtrain.config import ConfigError, DataConfig
+from shardtrain.data.cache import load_tokens
+from shardtrain.data.tokenizer import Tokenizer, load_tokenizer
+
+
+@dataclass(frozen=True)
+class Dataset:
+    train: np.ndarray  # [n_train] token ids (a read-only memmap view)
+    eval: np.ndarray  # [n_eval] the last eval_fraction of the stream
+    tokenizer: Tokenizer
+
+
+def load_dataset(cfg: DataConfig, *, seq_len: int = 1) -> Dataset:
+    """Tokenize (or reuse the cache) and split; each split must hold one `seq_len` sequence."""
+    tokenizer = load_tokenizer(cfg)
+    tokens = load_tokens(cfg, tokenizer)
+    n_eval = int(len(tokens) * cfg.eval_fraction)
+    train, held_out = tokens[:len(tokens) - n_eval], tokens[len(tokens) - n_eval:]
+    need = seq_len + 1  # a sequence's inputs plus its shifted targets
+    if min(len(train), len(held_out)) < need:
+        raise ConfigError(
+            f"data.source={cfg.source!r} gives {len(tokens)} tokens: {len(train)} for training "
+            f"and {len(held_out)} for eval (data.eval_fraction={cfg.eval_fraction}), but one "
+            f"sequence needs seq_len + 1 = {need} in each; add text (data.source, "
+            "data.max_bytes) or lower train.seq_len")
+    return Dataset(train=train, eval=held_out, tokenizer=tokenizer)

@@ -1,0 +1,101 @@
+"""Process launch: local multi-process runs through torch's elastic launcher, and the
+per-process set-up shared with `torchrun`.
+
+`shardtrain train --nproc N` starts N workers on this machine exactly as
+`torchrun --standalone --nproc-per-node N` would; under torchrun (one node or many) the
+launcher has already started us, and each process goes straight to `run_worker`.
+The launcher's RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE variables are read here,
+once, and passed on explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProcessInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+
+    @staticmethod
+    def from_env() -> "ProcessInfo":
+        env = os.environ
+        return ProcessInfo(rank=int(env.get("RANK", 0)), world_size=int(env.get("WORLD_SIZE", 1)),
+                           local_rank=int(env.get("LOCAL_RANK", 0)),
+                           local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def under_launcher() -> bool:
+    """True inside a process started by torchrun or our own launcher."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def pick_device(kind: str, info: ProcessInfo) -> torch.device:
+    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("train.device=cuda but no CUDA device is visible")
+        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed(info: ProcessInfo, device: torch.device, timeout_s: float) -> None:
+    """Join the process group (NCCL on CUDA, Gloo on CPU) when there is more than one rank,
+    and share the CPU cores fairly among the local processes."""
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
+    if info.world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+
+
+def launch_local(nproc: int, entrypoint, *args) -> dict[int, object]:
+    """Run `entrypoint(*args)` in `nproc` local processes (a module-level function: it is
+    pickled); return each rank's return value. A failing worker raises ChildFailedError."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+                          run_id=f"shardtrain-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
+                          rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1)
+    return elastic_launch(config, entrypoint)(*args)
+
+
+def run_worker(config_text: str) -> dict:
+    """One training process: join the group, build the mesh, train. `config_text` is the
+    resolved config as TOML (it travels to workers by value, not through files or env)."""
+    from shardtrain import config as config_mod
+    from shardtrain.mesh import MeshShape, ParallelMesh
+    from shardtrain.train.trainer import Trainer
+
+    cfg = config_mod.loads(config_text)
+    info = ProcessInfo.from_env()
+    cfg.validate(info.world_size)
+    device = pick_device(cfg.train.device, info)
+    init_distributed(info, device, cfg.comm.timeout_s)
+    p = cfg.parallel
+    shape = MeshShape(pp=p.pp, dp=p.resolved_dp(info.world_size), cp=p.cp, tp=p.tp, ep=p.ep)
+    mesh = ParallelMesh(shape, rank=info.rank, node_size=p.node_size or info.local_world_size,
+                        algorithm=cfg.comm.algorithm, timeout_s=cfg.comm.timeout_s)
+    try:
+        result = Trainer(cfg, mesh, device).run()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if info.rank == 0:
+        last = result.history[-1] if result.history else {}
+        print(f"done: step {last.get('step', 0)}  loss {last.get('loss', float('nan')):.4f}  "
+              f"eval_loss {result.eval_loss if result.eval_loss is not None else float('nan'):.4f}"
+              f"  run dir {cfg.train.run_dir}", flush=True)
+        if result.sample is not None:
+            print("--- sample ---\n" + result.sample + "\n--------------", flush=True)
+    return {"losses": result.losses, "eval_loss": result.eval_loss}

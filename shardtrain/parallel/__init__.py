@@ -1,0 +1,1 @@
+"""Parallel layouts applied to the plain model by `parallelize`."""

@@ -1,0 +1,98 @@
+"""Checkpoints: atomic directories <run_dir>/checkpoints/step_NNNNNNNN, the last K kept.
+
+A checkpoint is written into a hidden temporary directory beside its final place, then
+renamed, so a crash never leaves a half-written checkpoint where resume would find it.
+It holds the model and optimizer state, the data sampler's position, the step, and the
+resolved config (whose [model] section is checked on resume).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardtrain import config as config_mod
+from shardtrain.config import Config, ConfigError
+
+_PREFIX = "step_"
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def save_checkpoint(cfg: Config, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    sampler_state: dict[str, Any]) -> Path:
+    root = checkpoint_root(cfg.train.run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{_PREFIX}{step:08d}"
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    torch.save(model.state_dict(), tmp / "model.pt")
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    (tmp / "meta.json").write_text(json.dumps({"step": step, "sampler": sampler_state}, indent=1))
+    (tmp / "config.toml").write_text(config_mod.to_toml(cfg))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in list_checkpoints(root)[:-cfg.checkpoint.keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX))
+
+
+def resolve_resume(cfg: Config) -> Path | None:
+    """The checkpoint directory `checkpoint.resume` names, or None; errors name the field."""
+    spec = cfg.checkpoint.resume
+    if not spec:
+        return None
+    if spec == "latest":
+        found = list_checkpoints(checkpoint_root(cfg.train.run_dir))
+        if not found:
+            raise ConfigError(f"checkpoint.resume=latest: no checkpoint under "
+                              f"{checkpoint_root(cfg.train.run_dir)}; train without resume first")
+        return found[-1]
+    path = Path(spec)
+    if not (path / "model.pt").is_file() or not (path / "meta.json").is_file():
+        raise ConfigError(f"checkpoint.resume={spec!r} is not a checkpoint directory (it must "
+                          "hold model.pt and meta.json); give a step_* directory or 'latest'")
+    return path
+
+
+def checkpoint_config(path: Path) -> Config:
+    return config_mod.load(path / "config.toml")
+
+
+def check_compatible(path: Path, cfg: Config) -> None:
+    """Resume must not change the model's shape; say which fields differ."""
+    saved = dataclasses.asdict(checkpoint_config(path).model)
+    wanted = dataclasses.asdict(cfg.model)
+    diff = [f"model.{k}: checkpoint {saved[k]!r} vs config {wanted[k]!r}"
+            for k in saved if saved[k] != wanted[k]]
+    if diff:
+        raise ConfigError(f"cannot resume from {path}: the model shape differs ("
+                          + "; ".join(diff) + "); use the checkpoint's model settings or "
+                          "start a new run without checkpoint.resume")
+
+
+def load_checkpoint(path: Path, *, model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """Restore model (and optimizer) state in place; return meta (step, sampler)."""
+    model.load_state_dict(torch.load(path / "model.pt", map_location="cpu", weights_only=True))
+    if optimizer is not None:
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu",
+                                             weights_only=True))
+    return json.loads((path / "meta.json").read_text())

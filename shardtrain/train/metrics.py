@@ -1,0 +1,92 @@
+"""Per-step metrics: metrics.jsonl, the memory ledger, MFU, optional TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+# Dense bf16 peak FLOP/s per GPU (vendor datasheets), matched against the device name.
+_GPU_PEAK = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "B200": 2250e12,
+             "A100": 312e12}
+
+
+def device_peak_flops(device: torch.device, configured: float) -> float:
+    """Peak FLOP/s of one device: `train.peak_flops` if set; the datasheet figure of a known
+    GPU; on CPU, the measured throughput of a large fp32 matmul on this process's threads
+    (an achievable peak: CPUs publish no single figure)."""
+    if configured > 0:
+        return configured
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, flops in _GPU_PEAK.items():
+            if key in name:
+                return flops
+        raise ValueError(f"unknown GPU {name!r}: set train.peak_flops to its peak FLOP/s")
+    return measure_matmul_flops()
+
+
+def measure_matmul_flops(n: int = 512, seconds: float = 0.2) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm up the kernels
+    iters, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        iters += 1
+    return 2 * n**3 * iters / (time.perf_counter() - start)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA peak allocated on GPU; peak resident set size of this process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+
+
+def memory_ledger(model: nn.Module, optimizer: torch.optim.Optimizer, grad_bytes: int,
+                  device: torch.device) -> dict[str, int]:
+    """Bytes held by model state on this rank, from the tensors themselves. Parameters are
+    the fp32 master weights (bf16 runs compute under autocast), so `master_bytes` counts
+    only a separate master copy, of which there is none here."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    opt = sum(t.numel() * t.element_size() for state in optimizer.state.values()
+              for t in state.values() if isinstance(t, torch.Tensor))
+    return {"params_bytes": params, "grads_bytes": grad_bytes, "optimizer_bytes": opt,
+            "master_bytes": 0, "peak_mem_bytes": peak_memory_bytes(device)}
+
+
+class MetricsWriter:
+    """Appends one JSON object per optimizer step to <run_dir>/metrics.jsonl (rank 0)."""
+
+    def __init__(self, run_dir: str | Path, *, enabled: bool, tensorboard: bool, resume: bool):
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._tb = None
+        if not enabled:
+            return
+        if not resume:
+            self.path.unlink(missing_ok=True)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # optional extra
+            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,29 @@
+"""Optimizers (AdamW, SGD with momentum) and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from shardtrain.config import OptimConfig
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float) -> torch.optim.Optimizer:
+    """Weight decay on matrices only; norms, biases (1-D tensors) are not decayed."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum)
+
+
+def lr_at(step: int, *, base_lr: float, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay to base_lr * min_ratio at `total`."""
+    if step < warmup:
+        return base_lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return base_lr * (min_ratio + (1.0 - min_ratio) * cosine)

@@ -1,0 +1,186 @@
+"""The training loop: one code path for one process or many.
+
+Each optimizer step processes `train.global_batch` sequences: this rank's share, cut into
+micro-batches, gradients accumulated (the loss of each micro-batch divided by their
+number) with communication only on the last; then clipping, the optimizer step, metrics,
+periodic eval and checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from shardtrain import config as config_mod
+from shardtrain.config import Config, ConfigError
+from shardtrain.data import eval_batches, load_dataset, TokenSampler
+from shardtrain.mesh import ParallelMesh
+from shardtrain.model.generate import generate
+from shardtrain.model.transformer import build_model
+from shardtrain.parallel.parallelize import parallelize
+from shardtrain.plan.counts import model_flops_per_token
+from shardtrain.train import checkpoint as ckpt
+from shardtrain.train.metrics import MetricsWriter, device_peak_flops, memory_ledger
+from shardtrain.train.optim import build_optimizer, lr_at
+
+
+@dataclass
+class TrainResult:
+    history: list[dict[str, Any]] = field(default_factory=list)  # one record per step run
+    eval_loss: float | None = None
+    sample: str | None = None
+
+    @property
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.history]
+
+
+class Trainer:
+    def __init__(self, cfg: Config, mesh: ParallelMesh, device: torch.device):
+        self.cfg, self.mesh, self.device = cfg, mesh, device
+        t = cfg.train
+        self.is_main = mesh.rank == 0
+        self.dp = mesh.comm("dp")
+        self.data = load_dataset(cfg.data, seq_len=t.seq_len)
+        if self.data.tokenizer.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
+                              f"tokenizer's vocabulary {self.data.tokenizer.vocab_size}; raise it")
+        self.model = build_model(cfg.model, device=device, seed=t.seed)
+        self.reducer = parallelize(self.model, mesh, cfg)
+        self.optimizer = build_optimizer(self.model, cfg.optim, t.lr)
+        self.accum = t.accumulation_steps(self.dp.size)
+        self.sampler = TokenSampler(self.data.train, seq_len=t.seq_len,
+                                    global_batch=t.global_batch, micro_batch=t.micro_batch,
+                                    dp_rank=self.dp.rank, dp_size=self.dp.size, seed=t.seed)
+        self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
+                         if t.precision == "bf16" else nullcontext())
+        self.step = 0
+        resume = ckpt.resolve_resume(cfg)
+        if resume is not None:
+            meta = ckpt.load_checkpoint(resume, model=self.model, optimizer=self.optimizer)
+            self.step = meta["step"]
+            self.sampler.load_state_dict(meta["sampler"])
+        self.tokens_per_step = t.global_batch * t.seq_len
+        self.flops_per_step = model_flops_per_token(cfg.model, t.seq_len) * self.tokens_per_step
+        self.peak_flops = device_peak_flops(device, t.peak_flops)
+        self.metrics = MetricsWriter(t.run_dir, enabled=self.is_main, tensorboard=t.tensorboard,
+                                     resume=resume is not None)
+
+    # ------------------------------------------------------------------ one step
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with self.autocast:
+            logits = self.model(inputs.to(self.device))  # [B, S, V]
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.device).flatten())
+
+    def train_step(self) -> dict[str, Any]:
+        t, o = self.cfg.train, self.cfg.optim
+        lr = lr_at(self.step, base_lr=t.lr, warmup=o.warmup_steps, total=t.steps,
+                   min_ratio=o.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        start = time.perf_counter()
+        self.reducer.zero_grad()
+        micro_batches = self.sampler.next_step()
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (inputs, targets) in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with nullcontext() if last else self.reducer.no_sync():
+                loss = self.loss(inputs, targets)
+                (loss / self.accum).backward()
+            loss_sum += loss.detach()
+        self.reducer.finish()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, o.grad_clip or float("inf"))
+        self.optimizer.step()
+        mean_loss = loss_sum / self.accum
+        self.dp.all_reduce(mean_loss, "avg", tag="metric")
+        elapsed = time.perf_counter() - start
+        self.step += 1
+        comm = self.mesh.ledger.totals(self.mesh.ledger.mark())
+        return {
+            "step": self.step, "loss": mean_loss.item(), "lr": lr,
+            "grad_norm": grad_norm.item(), "tokens": self.step * self.tokens_per_step,
+            "tokens_per_s": self.tokens_per_step / elapsed, "step_time_s": elapsed,
+            "mfu": self.flops_per_step / (elapsed * self.mesh.world_size * self.peak_flops),
+            "comm_bytes": comm["sent_bytes"], "comm_calls": comm["calls"],
+            **memory_ledger(self.model, self.optimizer, self.reducer.grad_bytes, self.device),
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the held-out batches, split across data-parallel ranks."""
+        t = self.cfg.train
+        batches = eval_batches(self.data.eval, seq_len=t.seq_len, batch_size=t.micro_batch,
+                               n_batches=t.eval_batches)
+        totals = torch.zeros(2, device=self.device)  # [loss sum, batch count]
+        self.model.eval()
+        for inputs, targets in batches[self.dp.rank::self.dp.size]:
+            totals += torch.stack([self.loss(inputs, targets), torch.ones((), device=self.device)])
+        self.model.train()
+        self.dp.all_reduce(totals, "sum", tag="metric")
+        return (totals[0] / totals[1]).item()
+
+    # ------------------------------------------------------------------ the run
+
+    def run(self) -> TrainResult:
+        t = self.cfg.train
+        result = TrainResult()
+        if self.is_main:
+            write_atomic(Path(t.run_dir) / "config.toml", config_mod.to_toml(self.cfg))
+        bar = tqdm(total=t.steps, initial=self.step, disable=not (self.is_main and t.progress),
+                   unit="step", dynamic_ncols=True)
+        while self.step < t.steps:
+            record = self.train_step()
+            final = self.step == t.steps
+            if (t.eval_every and self.step % t.eval_every == 0) or final:
+                record["eval_loss"] = result.eval_loss = self.evaluate()
+            self.metrics.write(record)
+            result.history.append(record)
+            every = self.cfg.checkpoint.every
+            if (every and self.step % every == 0) or final:
+                self.save()
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            if self.is_main and not t.progress and (self.step % t.log_every == 0 or final):
+                print(format_record(record), flush=True)
+        bar.close()
+        self.metrics.close()
+        if self.is_main and t.sample_tokens:
+            result.sample = self.sample(t.sample_prompt, t.sample_tokens)
+        return result
+
+    def save(self) -> None:
+        # Under data parallelism every rank holds the same model and optimizer state.
+        if self.is_main:
+            ckpt.save_checkpoint(self.cfg, step=self.step, model=self.model,
+                                 optimizer=self.optimizer, sampler_state=self.sampler.state_dict())
+        self.dp.barrier()
+
+    def sample(self, prompt: str, n_tokens: int) -> str:
+        tok = self.data.tokenizer
+        out = generate(self.model, tok.encode(prompt), n_tokens, seed=self.cfg.train.seed)
+        return tok.decode(out)
+
+
+def format_record(r: dict[str, Any]) -> str:
+    line = (f"step {r['step']:>6}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  "
+            f"grad_norm {r['grad_norm']:.3f}  tok/s {r['tokens_per_s']:.0f}  mfu {r['mfu']:.1%}")
+    if "eval_loss" in r:
+        line += f"  eval_loss {r['eval_loss']:.4f}"
+    return line
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
