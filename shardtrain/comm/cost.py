@@ -1,0 +1,260 @@
+"""The alpha-beta-gamma cost model of collectives, shared by the planner and the runtime.
+
+A message of n bytes over a `Link` costs alpha + n beta (+ n gamma where it is reduced).
+Forms follow Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication
+Operations in MPICH" (IJHPCA 2005) and Chan et al. 2007; see FORMULAS.md.
+
+Conventions (p ranks, n = `nbytes`):
+- n is the full buffer: the vector of all_reduce / reduce / broadcast; the gathered output
+  of all_gather and gather; the input of reduce_scatter and scatter; one rank's whole send
+  buffer of all_to_all (n/p to each peer). nccl-tests use the same sizes.
+- `Cost.sent_bytes` is what the busiest rank sends, `sent_bytes_mean` the average over the
+  p ranks (equal for the symmetric algorithms: ring, recursive doubling, Rabenseifner).
+  Chunks are the ideal n/p (no padding). `rounds` counts the alpha terms.
+- `native` is modelled as the runtime ledger models the backend: ring for all_reduce,
+  all_gather and reduce_scatter (NCCL and Gloo use rings for bandwidth-bound sizes),
+  pairwise exchange for all_to_all, direct root <-> peer transfers for rooted ops.
+- Recursive algorithms on a p that is not a power of two fold the r = p - 2^floor(lg p)
+  extra ranks into partners first and back out last (Thakur et al. section 4):
+  + 2 alpha + 2 n beta + n gamma (less on the way out when only a shard returns).
+- `hierarchical` (all_reduce): an intra-node reduce, an all_reduce among the node leaders
+  and an intra-node broadcast, each phase with the fastest flat algorithm for its size;
+  intra-node phases use `intra`, the leaders `link`; `sent_bytes` is then an upper bound
+  (the busiest rank of each phase). `torus2d` (all_reduce, all_gather, reduce_scatter): an
+  r x c grid, rows of c = `local_size` ranks on `intra` and columns on `link`, ring phases.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from collections.abc import Callable
+from functools import lru_cache
+
+OPS = ("broadcast", "reduce", "gather", "scatter", "all_reduce", "all_gather",
+       "reduce_scatter", "all_to_all")
+ALGORITHMS = ("native", "ring", "tree", "recursive_doubling", "halving_doubling",
+              "rabenseifner", "hierarchical", "torus2d")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """One tier of the network as seen by one rank: latency, inverse bandwidth, and the
+    time per byte of the local reduction (gamma)."""
+
+    alpha_s: float
+    beta_s_per_byte: float
+    gamma_s_per_byte: float = 0.0
+
+    @classmethod
+    def from_bandwidth(cls, *, bytes_per_s: float, latency_s: float,
+                       reduce_bytes_per_s: float = math.inf) -> Link:
+        return cls(alpha_s=latency_s, beta_s_per_byte=1.0 / bytes_per_s,
+                   gamma_s_per_byte=1.0 / reduce_bytes_per_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cost:
+    time_s: float
+    sent_bytes: float  # the busiest rank
+    sent_bytes_mean: float  # averaged over the ranks
+    rounds: int
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(time_s=self.time_s + other.time_s,
+                    sent_bytes=self.sent_bytes + other.sent_bytes,
+                    sent_bytes_mean=self.sent_bytes_mean + other.sent_bytes_mean,
+                    rounds=self.rounds + other.rounds)
+
+
+ZERO = Cost(time_s=0.0, sent_bytes=0.0, sent_bytes_mean=0.0, rounds=0)
+
+
+@dataclass(frozen=True)
+class _Terms:
+    rounds: float  # alpha count
+    beta: float  # bytes on the critical path
+    gamma: float  # bytes reduced on the critical path
+    sent_max: float
+    sent_total: float  # over all ranks
+
+    def cost(self, p: int, link: Link) -> Cost:
+        time = (self.rounds * link.alpha_s + self.beta * link.beta_s_per_byte
+                + self.gamma * link.gamma_s_per_byte)
+        return Cost(time_s=time, sent_bytes=self.sent_max, sent_bytes_mean=self.sent_total / p,
+                    rounds=int(self.rounds))
+
+
+def _lg(p: int) -> int:
+    return max(0, math.ceil(math.log2(p)))
+
+
+# (op, algorithm) -> f(n, p, q = (p-1)/p, lg = ceil(lg p)) ->
+#     (rounds, critical-path bytes, reduced bytes, busiest rank's sent, all ranks' sent)
+_FORMS: dict[tuple[str, str], Callable[[float, int, float, int], tuple[float, ...]]] = {
+    ("broadcast", "linear"): lambda n, p, q, lg: (p - 1, (p - 1) * n, 0, (p - 1) * n, (p - 1) * n),
+    ("scatter", "linear"): lambda n, p, q, lg: (p - 1, q * n, 0, q * n, q * n),
+    ("gather", "linear"): lambda n, p, q, lg: (p - 1, q * n, 0, n / p, q * n),
+    ("reduce", "linear"): lambda n, p, q, lg: (p - 1, (p - 1) * n, (p - 1) * n, n, (p - 1) * n),
+    ("all_reduce", "ring"): lambda n, p, q, lg: (2 * (p - 1), 2 * q * n, q * n, 2 * q * n,
+                                                 2 * (p - 1) * n),
+    ("all_gather", "ring"): lambda n, p, q, lg: (p - 1, q * n, 0, q * n, (p - 1) * n),
+    ("reduce_scatter", "ring"): lambda n, p, q, lg: (p - 1, q * n, q * n, q * n, (p - 1) * n),
+    # all_to_all "ring": the pairwise exchange (step i: send to rank + i, receive from rank - i)
+    ("all_to_all", "ring"): lambda n, p, q, lg: (p - 1, q * n, 0, q * n, (p - 1) * n),
+    # gather / scatter "ring": a pipelined chain, one n/p chunk per rank and step
+    ("gather", "ring"): lambda n, p, q, lg: (p - 1, q * n, 0, q * n, (p - 1) * n / 2),
+    ("scatter", "ring"): lambda n, p, q, lg: (p - 1, q * n, 0, q * n, (p - 1) * n / 2),
+    # broadcast = scatter + all_gather, reduce = reduce_scatter + gather (van de Geijn)
+    ("broadcast", "ring"): lambda n, p, q, lg: (2 * (p - 1), 2 * q * n, 0, 2 * q * n,
+                                                1.5 * (p - 1) * n),
+    ("reduce", "ring"): lambda n, p, q, lg: (2 * (p - 1), 2 * q * n, q * n, 2 * q * n,
+                                             1.5 * (p - 1) * n),
+    # binomial trees; all_reduce = reduce + broadcast
+    ("broadcast", "tree"): lambda n, p, q, lg: (lg, lg * n, 0, lg * n, (p - 1) * n),
+    ("reduce", "tree"): lambda n, p, q, lg: (lg, lg * n, lg * n, n, (p - 1) * n),
+    ("scatter", "tree"): lambda n, p, q, lg: (lg, q * n, 0, q * n, lg * n / 2),
+    ("gather", "tree"): lambda n, p, q, lg: (lg, q * n, 0, n / 2, lg * n / 2),
+    ("all_reduce", "tree"): lambda n, p, q, lg: (2 * lg, 2 * lg * n, lg * n, lg * n,
+                                                 2 * (p - 1) * n),
+    # recursive doubling (Bruck's variant where p is not a power of two)
+    ("all_gather", "recursive_doubling"): lambda n, p, q, lg: (lg, q * n, 0, q * n, (p - 1) * n),
+    ("all_gather", "halving_doubling"): lambda n, p, q, lg: (lg, q * n, 0, q * n, (p - 1) * n),
+    ("broadcast", "recursive_doubling"): lambda n, p, q, lg: (  # binomial scatter + all_gather
+        2 * lg, 2 * q * n, 0, 2 * q * n, lg * n / 2 + (p - 1) * n),
+    ("all_to_all", "recursive_doubling"): lambda n, p, q, lg: (  # Bruck
+        lg, lg * n / 2, 0, lg * n / 2, p * lg * n / 2),
+}
+
+# Reducing recursive algorithms on the power-of-two core c of p ranks: (terms as above,
+# bytes returned to each folded rank at the end).
+_FOLDED: dict[tuple[str, str], Callable[[float, int, float, int, int], tuple[tuple, float]]] = {
+    ("all_reduce", "recursive_doubling"): lambda n, c, q, lg, p: (
+        (lg, lg * n, lg * n, lg * n, c * lg * n), n),
+    ("reduce_scatter", "halving_doubling"): lambda n, c, q, lg, p: (
+        (lg, q * n, q * n, q * n, (c - 1) * n), n / p),
+    ("all_reduce", "halving_doubling"): lambda n, c, q, lg, p: (
+        (2 * lg, 2 * q * n, q * n, 2 * q * n, 2 * (c - 1) * n), n),
+    ("all_reduce", "rabenseifner"): lambda n, c, q, lg, p: (
+        (2 * lg, 2 * q * n, q * n, 2 * q * n, 2 * (c - 1) * n), n),
+    ("reduce", "rabenseifner"): lambda n, c, q, lg, p: (  # halving reduce_scatter + binomial gather
+        (2 * lg, 2 * q * n, q * n, q * n + n / 2, (c - 1) * n + lg * n / 2), 0.0),
+}
+
+
+def _flat_terms(op: str, algorithm: str, n: float, p: int) -> _Terms:
+    if (op, algorithm) in _FORMS:
+        return _Terms(*_FORMS[(op, algorithm)](n, p, (p - 1) / p, _lg(p)))
+    core = 1 << (p.bit_length() - 1)
+    (rounds, beta, gamma, sent_max, total), back = _FOLDED[(op, algorithm)](
+        n, core, (core - 1) / core, _lg(core), p)
+    if core < p:  # fold in: extra ranks send n to a partner; fold out: `back` returns
+        rounds += 1 + (back > 0)
+        beta, gamma = beta + n + back, gamma + n
+        sent_max, total = max(sent_max + back, n), total + (p - core) * (n + back)
+    return _Terms(rounds, beta, gamma, sent_max, total)
+
+
+_NATIVE = {"all_reduce": "ring", "all_gather": "ring", "reduce_scatter": "ring",
+           "all_to_all": "ring", "broadcast": "linear", "reduce": "linear",
+           "gather": "linear", "scatter": "linear"}
+_FLAT = ("ring", "tree", "recursive_doubling", "halving_doubling", "rabenseifner")
+_TORUS_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def torus_grid(p: int, local_size: int = 0) -> tuple[int, int]:
+    """(rows r, columns c) with r x c = p: c = local_size when it splits p, else the most
+    nearly square factorisation. r == 1 means no 2D grid exists."""
+    if 1 < local_size < p and p % local_size == 0:
+        return p // local_size, local_size
+    r = max(d for d in range(1, math.isqrt(p) + 1) if p % d == 0)
+    return r, p // r
+
+
+def supported(op: str, p: int, local_size: int = 0) -> tuple[str, ...]:
+    """The algorithms `cost` accepts for this op, group size and node size."""
+    _check_op(op)
+    out = ["native"] + [a for a in _FLAT if (op, a) in _FORMS or (op, a) in _FOLDED]
+    if op == "all_reduce" and 1 < local_size < p and p % local_size == 0:
+        out.append("hierarchical")
+    if op in _TORUS_OPS and torus_grid(p, local_size)[0] > 1:
+        out.append("torus2d")
+    return tuple(out)
+
+
+def cost(op: str, nbytes: float, p: int, link: Link, *, algorithm: str = "native",
+         intra: Link | None = None, local_size: int = 0) -> Cost:
+    """Time and bytes of one collective. `link` is what flat algorithms cross (the slowest
+    tier of the group); `intra` and `local_size` describe the node for the two-tier ones."""
+    _check_op(op)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+    if p <= 1 or nbytes <= 0:
+        return ZERO
+    if algorithm not in supported(op, p, local_size):
+        raise ValueError(f"algorithm {algorithm!r} does not implement {op} on {p} ranks "
+                         f"(node size {local_size}); use one of "
+                         f"{', '.join(supported(op, p, local_size))}")
+    intra = intra or link
+    if algorithm == "hierarchical":
+        return _hierarchical(nbytes, p, link, intra, local_size)
+    if algorithm == "torus2d":
+        return _torus(op, nbytes, p, link, intra, local_size)
+    return _flat_terms(op, _NATIVE[op] if algorithm == "native" else algorithm,
+                       nbytes, p).cost(p, link)
+
+
+def best_algorithm(op: str, nbytes: float, p: int, link: Link, *, intra: Link | None = None,
+                   local_size: int = 0) -> str:
+    """The `auto` choice: the fastest explicit algorithm (ties: the first in ALGORITHMS)."""
+    return _best(op, float(nbytes), p, link, intra, local_size)
+
+
+@lru_cache(maxsize=65536)
+def _best(op: str, nbytes: float, p: int, link: Link, intra: Link | None,
+          local_size: int) -> str:
+    candidates = [a for a in supported(op, p, local_size) if a != "native"]
+    return min(candidates, key=lambda a: cost(op, nbytes, p, link, algorithm=a, intra=intra,
+                                              local_size=local_size).time_s)
+
+
+def _fastest_flat(op: str, nbytes: float, p: int, link: Link) -> Cost:
+    algorithm = best_algorithm(op, nbytes, p, link) if p > 1 else "native"
+    return cost(op, nbytes, p, link, algorithm=algorithm)
+
+
+def _hierarchical(n: float, p: int, link: Link, intra: Link, k: int) -> Cost:
+    leaders = _fastest_flat("all_reduce", n, p // k, link)
+    share = (p // k) / p  # only the leaders take part in the middle phase
+    leaders = Cost(time_s=leaders.time_s, sent_bytes=leaders.sent_bytes,
+                   sent_bytes_mean=leaders.sent_bytes_mean * share, rounds=leaders.rounds)
+    return (_fastest_flat("reduce", n, k, intra) + leaders
+            + _fastest_flat("broadcast", n, k, intra))
+
+
+def _torus(op: str, n: float, p: int, link: Link, intra: Link, local_size: int) -> Cost:
+    r, c = torus_grid(p, local_size)
+
+    def ring(phase_op: str, size: float, ranks: int, on: Link) -> Cost:
+        return cost(phase_op, size, ranks, on, algorithm="ring")
+
+    if op == "all_reduce":
+        return (ring("reduce_scatter", n, c, intra) + ring("all_reduce", n / c, r, link)
+                + ring("all_gather", n, c, intra))
+    if op == "reduce_scatter":
+        return ring("reduce_scatter", n, c, intra) + ring("reduce_scatter", n / c, r, link)
+    return ring("all_gather", n / c, r, link) + ring("all_gather", n, c, intra)
+
+
+def bus_bandwidth(op: str, nbytes: float, p: int, time_s: float) -> float:
+    """nccl-tests busbw: algbw = n / t scaled by 2(p-1)/p (all_reduce), (p-1)/p (all_gather,
+    reduce_scatter, all_to_all) or 1 (rooted ops), comparable with the link bandwidth."""
+    _check_op(op)
+    factor = {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p,
+              "reduce_scatter": (p - 1) / p, "all_to_all": (p - 1) / p}.get(op, 1.0)
+    return nbytes / time_s * factor
+
+
+def _check_op(op: str) -> None:
+    if op not in OPS:
+        raise ValueError(f"collective {op!r} is not one of {', '.join(OPS)}")

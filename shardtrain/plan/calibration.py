@@ -1,0 +1,74 @@
+"""The CPU calibration file: what a measuring run found about this machine (pure I/O).
+
+Schema (JSON object, all keys required):
+    {"flops_per_s": float,        achieved fp32 matmul FLOP/s of one process
+     "alpha_s": float,            per-message latency between two local processes
+     "beta_s_per_byte": float,    seconds per byte between two local processes
+     "gamma_s_per_byte": float,   seconds per byte of a local reduction (a + b)
+     "cores": int,                CPU cores the measurement saw
+     "measured_at": str}          ISO-8601 time of the measurement
+The measuring code (it runs torch) lives outside the planner and calls `save`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardtrain.config import ConfigError
+
+DEFAULT_PATH = Path("~/.cache/shardtrain/cpu_calibration.json")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    flops_per_s: float
+    alpha_s: float
+    beta_s_per_byte: float
+    gamma_s_per_byte: float
+    cores: int
+    measured_at: str
+
+
+# Used when no calibration exists: a small x86 machine (2-4 cores, AVX2 fp32 GEMM) with
+# processes exchanging tensors through Gloo over loopback TCP. Measure to replace them.
+DEFAULT = Calibration(flops_per_s=2e10, alpha_s=5e-5, beta_s_per_byte=1 / 2e9,
+                      gamma_s_per_byte=1 / 4e9, cores=os.cpu_count() or 1,
+                      measured_at="never (built-in defaults)")
+
+
+def resolve(path: str | os.PathLike | None = None) -> Path:
+    return Path(path if path is not None else DEFAULT_PATH).expanduser()
+
+
+def load(path: str | os.PathLike | None = None) -> Calibration | None:
+    """The calibration at `path` (default DEFAULT_PATH), or None when there is none."""
+    file = resolve(path)
+    if not file.exists():
+        return None
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file}: invalid calibration JSON: {e}; delete it or re-measure") from None
+    fields = {f.name: f.type for f in dataclasses.fields(Calibration)}
+    if not isinstance(data, dict) or set(fields) - set(data):
+        missing = sorted(set(fields) - set(data)) if isinstance(data, dict) else list(fields)
+        raise ConfigError(f"{file}: calibration lacks {', '.join(missing)}; re-measure")
+    kinds = {"float": float, "int": int, "str": str}
+    try:
+        return Calibration(**{name: kinds[kind](data[name]) for name, kind in fields.items()})
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{file}: a calibration value has the wrong type ({e}); re-measure") from None
+
+
+def save(calibration: Calibration, path: str | os.PathLike | None = None) -> Path:
+    """Write atomically (a temporary file renamed over the target); returns the path."""
+    file = resolve(path)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_suffix(file.suffix + ".tmp")
+    tmp.write_text(json.dumps(dataclasses.asdict(calibration), indent=2) + "\n")
+    tmp.replace(file)
+    return file

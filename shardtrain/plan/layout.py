@@ -1,0 +1,163 @@
+"""A parallel layout for the planner, parsed from `dp=..,tp=..` text and checked against a
+model, a cluster and a batch before anything is computed.
+
+Rank order (ARCHITECTURE.md): tp innermost, then cp, then dp, then pp outermost, so a
+tensor-parallel group is `tp` consecutive ranks and sits inside a node when tp <= node
+size. ep is carved out of dp x cp. The global batch is dp x micro_batch x microbatches
+sequences; cp splits each sequence, not the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass
+from typing import Any
+
+from shardtrain.config import ConfigError, ModelConfig
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+RECOMPUTE = ("none", "selective", "full")
+OFFLOAD = ("none", "cpu", "nvme")
+PRECISIONS = ("fp32", "bf16")
+
+
+class PlanError(ConfigError):
+    """Bad planner input; the message names the field and the fix."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    offload: str = "none"
+    precision: str = "bf16"
+    recompute: str = "none"
+    sp: bool = False
+    micro_batch: int = 1  # sequences per forward/backward on one data-parallel rank
+    microbatches: int = 1  # m: micro-batches per optimizer step
+    schedule: str = "1f1b"
+    v: int = 1  # virtual stages per pipeline rank (interleaved schedule)
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same dense parameters: the gradient and ZeRO group (dp x cp)."""
+        return self.dp * self.cp
+
+    def describe(self) -> str:
+        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
+        parts += [f"{k}={getattr(self, k)}" for k in ("cp", "ep") if getattr(self, k) > 1]
+        parts += [f"zero={self.zero}", f"mb={self.micro_batch}", f"m={self.microbatches}"]
+        if self.sp:
+            parts.append("sp")
+        if self.recompute != "none":
+            parts.append(f"recompute={self.recompute}")
+        if self.pp > 1:
+            parts.append(self.schedule + (f"(v={self.v})" if self.v > 1 else ""))
+        if self.offload != "none":
+            parts.append(f"offload={self.offload}")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_KEYS = {f.name: f.type for f in dataclasses.fields(Layout)} | {"mb": "int"}
+_BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def parse_layout(text: str, *, gpus: int, global_batch: int, precision: str) -> Layout:
+    """`dp=32,tp=8,pp=4,zero=1,...`: dp may be left out (it fills the GPUs); give one of
+    microbatches / micro_batch (alias mb) and the other follows from the global batch
+    (neither: micro_batch = 1)."""
+    values: dict[str, Any] = {"precision": precision}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, raw = item.partition("=")
+        key, raw = key.strip(), raw.strip()
+        if not sep:
+            raise PlanError(f"--layout item {item!r} is not KEY=VALUE")
+        if key not in _KEYS:
+            close = difflib.get_close_matches(key, list(_KEYS), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise PlanError(f"--layout: unknown key {key!r}{hint} (valid: {', '.join(_KEYS)})")
+        values["micro_batch" if key == "mb" else key] = _value(key, raw, _KEYS[key])
+    tp, pp, cp = (values.get(k, 1) for k in ("tp", "pp", "cp"))
+    values.setdefault("dp", max(1, gpus // (tp * pp * cp)))
+    if "microbatches" not in values:
+        values["microbatches"] = max(1, global_batch // (values["dp"] * values.get("micro_batch", 1)))
+    elif "micro_batch" not in values:
+        values["micro_batch"] = max(1, global_batch // (values["dp"] * values["microbatches"]))
+    return Layout(**values)
+
+
+def _value(key: str, raw: str, kind: str) -> Any:
+    if kind == "bool":
+        if raw.lower() not in _BOOL:
+            raise PlanError(f"--layout {key}={raw!r} is not a boolean (true or false)")
+        return _BOOL[raw.lower()]
+    if kind == "int":
+        try:
+            return int(raw)
+        except ValueError:
+            raise PlanError(f"--layout {key}={raw!r} must be a whole number") from None
+    return raw
+
+
+def check(layout: Layout, cfg: ModelConfig, *, gpus: int, node_size: int, global_batch: int,
+          seq_len: int) -> None:
+    """Raise PlanError naming the field and the fix if the layout cannot run."""
+    lay = layout
+    for name, choices in (("schedule", SCHEDULES), ("recompute", RECOMPUTE),
+                          ("offload", OFFLOAD), ("precision", PRECISIONS)):
+        if getattr(lay, name) not in choices:
+            raise PlanError(f"layout {name}={getattr(lay, name)!r} is not one of {', '.join(choices)}")
+    for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "microbatches", "v"):
+        if getattr(lay, name) < 1:
+            raise PlanError(f"layout {name}={getattr(lay, name)} must be >= 1")
+    if lay.gpus != gpus:
+        raise PlanError(f"layout dp={lay.dp} x tp={lay.tp} x pp={lay.pp} x cp={lay.cp} = "
+                        f"{lay.gpus} does not equal --gpus {gpus}; change dp (or leave it out "
+                        "to fill the GPUs) or --gpus")
+    if lay.tp > node_size:
+        raise PlanError(f"layout tp={lay.tp} is above the node size {node_size} "
+                        "(--gpus-per-node): tensor parallelism communicates in every layer and "
+                        f"must stay inside a node; use tp <= {node_size} and more pp or dp")
+    if cfg.n_heads % lay.tp or cfg.ffn_hidden % lay.tp:
+        raise PlanError(f"layout tp={lay.tp} must divide model.n_heads={cfg.n_heads} and the "
+                        f"MLP width {cfg.ffn_hidden}")
+    if lay.pp > cfg.n_layers:
+        raise PlanError(f"layout pp={lay.pp} exceeds model.n_layers={cfg.n_layers}")
+    if seq_len % lay.cp:
+        raise PlanError(f"layout cp={lay.cp} must divide the sequence length {seq_len}")
+    if lay.ep > 1 and (not cfg.n_experts or cfg.n_experts % lay.ep or lay.replicas % lay.ep):
+        raise PlanError(f"layout ep={lay.ep} needs a mixture-of-experts model whose "
+                        f"model.n_experts={cfg.n_experts} and dp x cp = {lay.replicas} it divides")
+    if lay.dp * lay.micro_batch * lay.microbatches != global_batch:
+        raise PlanError(f"layout dp={lay.dp} x micro_batch={lay.micro_batch} x microbatches="
+                        f"{lay.microbatches} = {lay.dp * lay.micro_batch * lay.microbatches} does "
+                        f"not equal the global batch {global_batch} (--global-batch)")
+    if not 0 <= lay.zero <= 3:
+        raise PlanError(f"layout zero={lay.zero} must be 0, 1, 2 or 3")
+    if (lay.offload == "cpu" and lay.zero < 1) or (lay.offload == "nvme" and lay.zero != 3):
+        raise PlanError(f"layout offload={lay.offload} needs zero >= 1 (cpu) or zero = 3 (nvme): "
+                        "offloading moves the sharded optimizer state")
+    if lay.sp and lay.tp == 1:
+        raise PlanError("layout sp=true needs tp > 1: sequence parallelism splits along the "
+                        "tensor-parallel group")
+    if lay.schedule == "interleaved":
+        if lay.pp == 1 or lay.v < 2 or lay.microbatches % lay.pp:
+            raise PlanError(f"layout schedule=interleaved needs pp > 1, v >= 2 and microbatches "
+                            f"a multiple of pp (got pp={lay.pp}, v={lay.v}, "
+                            f"microbatches={lay.microbatches})")
+        if lay.pp * lay.v > cfg.n_layers:
+            raise PlanError(f"layout pp x v = {lay.pp * lay.v} exceeds model.n_layers={cfg.n_layers}")
+    elif lay.v != 1:
+        raise PlanError(f"layout v={lay.v} needs schedule=interleaved")

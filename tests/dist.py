@@ -1,0 +1,68 @@
+"""Spawn W Gloo processes on a free port and collect each rank's return value.
+
+`run_distributed(fn, world_size, *args)` runs `fn(rank, world_size, *args)` in every
+process (fn must be a module-level function: it is pickled) and returns the results in
+rank order. A failure on any rank raises with that rank's traceback; a hang ends at
+`timeout_s`. Spawns are slow (each imports torch): group several checks per call.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=120))
+        # Plain pickle copies tensors by value: torch's queue would pass shared-memory
+        # handles, which die with this process before the parent reads them.
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout_s: float = 300.0) -> list:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, object] = {}
+    try:
+        for _ in range(world_size):
+            rank, ok, value = results.get(timeout=timeout_s)
+            if not ok:
+                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
+            out[rank] = pickle.loads(value)
+    except queue.Empty:
+        raise TimeoutError(f"{fn.__name__}: no result from ranks "
+                           f"{sorted(set(range(world_size)) - set(out))} in {timeout_s}s") from None
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world_size)]
