@@ -150,8 +150,11 @@ class Trainer:
                 self.save()
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-            if self.is_main and not t.progress and (self.step % t.log_every == 0 or final):
-                print(format_record(record), flush=True)
+            if self.is_main and (self.step % t.log_every == 0 or final or "eval_loss" in record):
+                if not t.progress:
+                    print(format_record(record), flush=True)
+                elif "eval_loss" in record:
+                    bar.write(format_record(record))
         bar.close()
         self.metrics.close()
         if self.is_main and t.sample_tokens:

@@ -1,0 +1,136 @@
+"""`shardtrain plan`: predict memory, communication and step time for a model on a cluster.
+
+With --layout, evaluate that layout; without, search and rank the layouts that fit.
+Exit codes: 0 success; 2 bad input (unknown preset or field, a layout that cannot run or
+does not fit, a model that fits nowhere), with the reason on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, NoReturn
+
+from shardtrain.config import ConfigError, load, parse_overrides, read_toml, resolve_preset
+from shardtrain.plan import hardware, report
+from shardtrain.plan.evaluate import CONVENTIONS, evaluate
+from shardtrain.plan.layout import PRECISIONS, PlanError, check, parse_layout
+from shardtrain.plan.search import advice, search, shortfall
+
+_SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise PlanError(message)
+
+
+def _count(text: str) -> float:
+    """300e9, 300B, 2T, 1.5M."""
+    scale = _SUFFIX.get(text[-1:].lower(), 1.0)
+    try:
+        return float(text[:-1] if scale != 1.0 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count like 300e9 or 300B") from None
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="shardtrain plan", description=__doc__.split("\n")[0],
+                epilog="Model fields: --model.FIELD VALUE; hardware figures: --hw.FIELD VALUE.")
+    p.add_argument("--model", required=True, help="preset name or FILE.toml")
+    p.add_argument("--gpus", type=int, help="devices (default: one node)")
+    p.add_argument("--gpu", default="a100", help=f"device kind: {', '.join(hardware.NAMES)}")
+    p.add_argument("--gpus-per-node", type=int, help="override the preset's node size")
+    p.add_argument("--global-batch", type=int,
+                   help="sequences per step (default: the preset's train.global_batch, else "
+                        "2^22 tokens / seq)")
+    p.add_argument("--seq", type=int, help="sequence length (default: train.seq_len, else "
+                                           "model.max_seq_len)")
+    p.add_argument("--tokens", type=_count, help="token budget: report training days")
+    p.add_argument("--step-time", type=float, help="a measured step time, for MFU / HFU")
+    p.add_argument("--layout", help="dp=..,tp=..,pp=..,cp=..,ep=..,zero=..,recompute=..,sp=..,"
+                                    "microbatches=..,schedule=..,v=..,offload=..,precision=..")
+    p.add_argument("--precision", choices=PRECISIONS, help="default: the device's")
+    p.add_argument("--top", type=int, default=5, help="layouts to show when searching")
+    p.add_argument("--calibration", help="cpu calibration JSON (default ~/.cache/shardtrain/"
+                                         "cpu_calibration.json)")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    try:
+        return _run(argv)
+    except ConfigError as e:
+        print(f"shardtrain plan: error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+
+
+def _run(argv: list[str]) -> int:
+    args, rest = parser().parse_known_args(argv)
+    model_overrides, hw_overrides = [], {}
+    for key, value in parse_overrides(rest):
+        section, _, field = key.partition(".")
+        if section == "model":
+            model_overrides += [f"--{key}", value]
+        elif section == "hw":
+            hw_overrides[field] = value
+        else:
+            raise PlanError(f"unexpected option --{key}; the planner takes --model.FIELD and "
+                            "--hw.FIELD overrides")
+    cfg = load(args.model, model_overrides).model
+    cfg.validate()
+    if args.gpus_per_node is not None:
+        hw_overrides["gpus_per_node"] = str(args.gpus_per_node)
+    hw = hardware.get(args.gpu, hw_overrides, calibration_path=args.calibration)
+    train = read_toml(resolve_preset(args.model)).get("train", {})
+    seq = args.seq or train.get("seq_len") or cfg.max_seq_len
+    batch = args.global_batch or train.get("global_batch") or max(1, 2 ** 22 // seq)
+    gpus = args.gpus or hw.gpus_per_node or 1
+    for name, value in (("--gpus", gpus), ("--seq", seq), ("--global-batch", batch),
+                        ("--top", args.top)):
+        if value < 1:
+            raise PlanError(f"{name}={value} must be positive")
+    if seq > cfg.max_seq_len:
+        raise PlanError(f"--seq {seq} exceeds model.max_seq_len={cfg.max_seq_len}")
+    precision = args.precision or hw.default_precision
+    name = str(args.model)
+    measured = args.step_time
+    if args.layout is not None:
+        layout = parse_layout(args.layout, gpus=gpus, global_batch=batch, precision=precision)
+        check(layout, cfg, gpus=gpus, node_size=hw.node_size(gpus), global_batch=batch,
+              seq_len=seq)
+        plan = evaluate(cfg, layout, hw, global_batch=batch, seq_len=seq, name=name)
+        doc: dict[str, Any] = plan.to_dict(tokens=args.tokens, measured_step_s=measured)
+        text = report.header(plan) + "\n\n" + report.details(plan, tokens=args.tokens,
+                                                             measured_step_s=measured)
+        _emit(args.json, doc, text)
+        if not plan.fits:
+            raise PlanError(f"layout {layout.describe()} {shortfall(plan.memory, hw)}. "
+                            + advice(cfg, layout, hw, seq_len=seq, gpus=gpus,
+                                     global_batch=batch, memory=plan.memory))
+        return 0
+    result = search(cfg, hw, gpus=gpus, global_batch=batch, seq_len=seq, name=name, top=args.top,
+                    precision=precision)
+    best = result.ranked[0]
+    doc = best.to_dict(tokens=args.tokens, measured_step_s=measured)
+    doc["ranked"] = [p.to_dict(tokens=args.tokens, measured_step_s=measured)
+                     for p in result.ranked]
+    doc["rejected"] = [{"layout": r.layout.to_dict() | {"text": r.layout.describe()},
+                        "reason": r.reason, "memory_per_gpu_bytes": r.memory.to_dict()}
+                       for r in result.rejected]
+    doc["search"] = {"considered": result.considered, "rejected_total": result.rejected_total}
+    text = "\n\n".join([report.header(best), report.ranking(result), "best: " + report.details(
+        best, tokens=args.tokens, measured_step_s=measured)])
+    _emit(args.json, doc, text)
+    return 0
+
+
+def _emit(as_json: bool, doc: dict[str, Any], text: str) -> None:
+    if as_json:
+        print(json.dumps(doc | {"conventions": CONVENTIONS}, indent=1))
+    else:
+        print(text + "\n\nconventions: " + "; ".join(f"{k}: {v}" for k, v in CONVENTIONS.items()))

@@ -1,0 +1,135 @@
+"""One layout evaluated end to end: memory, communication and time, and its JSON form."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from shardtrain.config import ModelConfig
+from shardtrain.plan.closed_form import narayanan_params, training_flops
+from shardtrain.plan.counts import hardware_flops_per_token, model_flops_per_token, param_counts
+from shardtrain.plan.hardware import Hardware
+from shardtrain.plan.layout import Layout
+from shardtrain.plan.memory import BUCKET_BYTES, STATE_BYTES, MemoryBreakdown, memory_per_gpu
+from shardtrain.plan.partition import rank_params
+from shardtrain.plan.timing import StepTime, step_time, utilization
+from shardtrain.plan.traffic import CommOp, bytes_per_step, step_ops
+
+CONVENTIONS = {
+    "units": "bytes, seconds, FLOPs (one multiply or one add; a matmul [m,k]x[k,n] is 2mkn)",
+    "params": "exact: equals sum(p.numel()) of the built model; params_closed_form is "
+              "Narayanan et al. 2021 (GPT style, no final LayerNorm)",
+    "flops": "model FLOPs = forward + backward, causal attention not halved; hardware "
+             "FLOPs add recomputation (Korthikanti et al. 2022)",
+    "memory": "per GPU on the busiest pipeline stage; bf16: params 2 + grads 2 + master 4 + "
+              "optimizer (Adam m, v) 8 bytes per parameter (K = master + optimizer = 12); "
+              "fp32: 4 + 4 + 0 + 8; ZeRO shards over dp x cp; activations per Korthikanti "
+              "Table 2 times in-flight micro-batches; offloaded bytes are not in total",
+    "comm": "bytes sent per rank per step by group and op (ring all-reduce 2(n-1)/n S, "
+            "all-gather / reduce-scatter (n-1)/n S); alpha-beta-gamma times from "
+            "shardtrain.comm.cost",
+    "time": "step = (compute + exposed pipeline comm) / (1 - bubble_fraction) + exposed dp "
+            "comm + offload; bubble_fraction = (p-1)/(m+p-1) of the pipeline time, "
+            "bubble_ratio = (p-1)/m of the ideal time; MFU/HFU against the precision's peak",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    name: str
+    cfg: ModelConfig
+    hw: Hardware
+    layout: Layout
+    global_batch: int
+    seq_len: int
+    memory: MemoryBreakdown
+    ops: tuple[CommOp, ...]
+    time: StepTime
+    model_flops: float  # per step
+    hardware_flops: float
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.hw.usable_bytes
+
+    @property
+    def tokens(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def to_dict(self, *, tokens: float | None = None,
+                measured_step_s: float | None = None) -> dict[str, Any]:
+        """The `shardtrain plan --json` document of this layout."""
+        peak = self.hw.flops(self.layout.precision)
+        out: dict[str, Any] = {
+            "model": model_summary(self.cfg, self.seq_len, self.name, self.layout.recompute),
+            "hardware": self.hw.to_dict(),
+            "gpus": self.layout.gpus, "global_batch": self.global_batch, "seq": self.seq_len,
+            "layout": self.layout.to_dict() | {"text": self.layout.describe()},
+            "step": {"tokens": self.tokens, "model_flops": self.model_flops,
+                     "hardware_flops": self.hardware_flops},
+            "memory_per_gpu_bytes": self.memory.to_dict() | {
+                "usable": self.hw.usable_bytes, "fits": self.fits},
+            "comm": {"bytes_per_step": bytes_per_step(list(self.ops)),
+                     "time_s": sum(op.time_s for op in self.ops),
+                     "ops": [op.to_dict() for op in self.ops]},
+            "time": self.time.to_dict(),
+        }
+        if measured_step_s is not None:
+            out["measured"] = {
+                "step_s": measured_step_s, "tokens_per_s": self.tokens / measured_step_s,
+                "mfu": utilization(self.model_flops, measured_step_s, self.layout.gpus, peak),
+                "hfu": utilization(self.hardware_flops, measured_step_s, self.layout.gpus, peak)}
+        if tokens is not None:
+            out["training_days"] = tokens / self.time.tokens_per_s / 86400
+            if measured_step_s is not None:
+                out["measured"]["training_days"] = tokens / out["measured"]["tokens_per_s"] / 86400
+        return out
+
+
+def model_summary(cfg: ModelConfig, seq_len: int, name: str = "",
+                  recompute: str = "none") -> dict[str, Any]:
+    counts = param_counts(cfg)
+    return {"name": name, "style": cfg.style, "params": counts.total,
+            "params_non_embedding": counts.non_embedding, "params_active": counts.active,
+            "params_closed_form": narayanan_params(cfg) if cfg.style == "gpt2" else None,
+            "flops_per_token": model_flops_per_token(cfg, seq_len),
+            "hardware_flops_per_token": hardware_flops_per_token(cfg, seq_len, recompute),
+            "flops_per_token_6n": training_flops(counts.active, 1)}
+
+
+def evaluate(cfg: ModelConfig, layout: Layout, hw: Hardware, *, global_batch: int,
+             seq_len: int, name: str = "", bucket_bytes: float = BUCKET_BYTES,
+             memory: MemoryBreakdown | None = None) -> Plan:
+    """Predict one layout (already `layout.check`ed). `memory` skips recomputing it."""
+    lay = layout
+    tokens = global_batch * seq_len
+    model_flops = model_flops_per_token(cfg, seq_len) * tokens
+    hardware_flops = hardware_flops_per_token(cfg, seq_len, lay.recompute) * tokens
+    memory = memory or memory_per_gpu(cfg, lay, seq_len=seq_len, bucket_bytes=bucket_bytes)
+    ops = step_ops(cfg, lay, hw, seq_len=seq_len, bucket_bytes=bucket_bytes)
+    peak = hw.flops(lay.precision)
+    compute_s = hardware_flops / (lay.gpus * peak * hw.efficiency)
+    backward_share = (hardware_flops - model_flops / 3) / hardware_flops
+    time = step_time(ops=ops, compute_s=compute_s,
+                     last_backward_s=compute_s / lay.microbatches * backward_share,
+                     pp=lay.pp, microbatches=lay.microbatches, v=lay.v,
+                     offload_s=_offload_seconds(cfg, lay, hw, memory), tokens=tokens,
+                     model_flops=model_flops, hardware_flops=hardware_flops, gpus=lay.gpus,
+                     peak_flops=peak)
+    return Plan(name=name, cfg=cfg, hw=hw, layout=lay, global_batch=global_batch,
+                seq_len=seq_len, memory=memory, ops=tuple(ops), time=time,
+                model_flops=model_flops, hardware_flops=hardware_flops)
+
+
+def _offload_seconds(cfg: ModelConfig, layout: Layout, hw: Hardware,
+                     memory: MemoryBreakdown) -> float:
+    """Gradient shard down and parameter shard up over the host link; for NVMe also the
+    offloaded state read and written once (see timing.py)."""
+    if layout.offload == "none":
+        return 0.0
+    p_bytes, g_bytes = STATE_BYTES[layout.precision][:2]
+    shard = rank_params(cfg, layout).total / layout.replicas
+    seconds = shard * (p_bytes + g_bytes) / hw.host_bw
+    if layout.offload == "nvme":
+        seconds += 2 * memory.offloaded / (hw.nvme_bw / hw.node_size(layout.gpus))
+    return seconds

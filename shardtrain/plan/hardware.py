@@ -1,0 +1,139 @@
+"""Device presets: compute, memory and network figures per GPU kind, every one overridable.
+
+Figures are vendor datasheet peaks (dense, no sparsity): bf16 tensor-core FLOP/s, fp32
+FLOP/s without TF32 (PyTorch's default for fp32 matmuls), HBM capacity (the marketed
+figure read as GiB, which is what nvidia-smi reports to within 1%) and bandwidth. Links
+are per GPU and per direction: NVLink's marketed figure is bidirectional, so half of it
+is used (A100 600 GB/s -> 300, H100/H200 900 -> 450, B200 1.8 TB/s -> 900); without
+NVLink the intra-node link is PCIe. The network is the node's total per direction (DGX
+A100: 8 x 200 Gb/s = 200 GB/s; DGX H100/H200/B200: 8 x 400 Gb/s = 400 GB/s; the H100 PCIe
+server is assumed to carry 4 x 400 Gb/s), shared by its GPUs. Latencies, the achievable
+fraction of peak (`efficiency`) and the usable fraction of memory are planning
+assumptions, not measurements; override them (`--hw.FIELD VALUE`) with your own.
+
+The `cpu` preset describes local processes on this machine: its figures come from the
+calibration file (see calibration.py) or its documented defaults; all ranks share one
+node (gpus_per_node = 0) and train in fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from shardtrain.comm.cost import Link
+from shardtrain.plan import calibration
+from shardtrain.plan.layout import PlanError
+
+GiB = 2 ** 30
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s per device
+    peak_flops_fp32: float
+    efficiency: float = 0.7  # achievable fraction of peak on a transformer's matmuls
+    memory_bytes: float
+    usable_fraction: float = 0.9  # the rest: CUDA context, allocator fragmentation
+    memory_bw: float  # HBM bytes/s
+    intra_bw: float  # per GPU per direction inside a node (NVLink or PCIe), bytes/s
+    intra_latency_s: float = 2e-6
+    inter_bw_per_node: float  # the node's network bandwidth per direction, bytes/s
+    inter_latency_s: float = 5e-6
+    gpus_per_node: int = 8  # 0: every device on one node
+    host_bw: float  # device <-> host per GPU per direction (offload), bytes/s
+    nvme_bw: float  # per node, bytes/s
+    reduce_bw: float = 0.0  # bytes/s of a local reduction; 0: one pass over memory_bw
+    default_precision: str = "bf16"
+
+    def flops(self, precision: str) -> float:
+        """Peak FLOP/s for the precision: the denominator of MFU and HFU."""
+        return self.peak_flops_fp32 if precision == "fp32" else self.peak_flops
+
+    def node_size(self, gpus: int) -> int:
+        return self.gpus_per_node or gpus
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.memory_bytes * self.usable_fraction
+
+    def intra_link(self) -> Link:
+        return Link.from_bandwidth(bytes_per_s=self.intra_bw, latency_s=self.intra_latency_s,
+                                   reduce_bytes_per_s=self.reduce_bw or self.memory_bw)
+
+    def inter_link(self) -> Link:
+        """One GPU's share of the node's network: every GPU of the node runs its own group."""
+        per_gpu = self.inter_bw_per_node / max(1, self.gpus_per_node)
+        return Link.from_bandwidth(bytes_per_s=per_gpu, latency_s=self.inter_latency_s,
+                                   reduce_bytes_per_s=self.reduce_bw or self.memory_bw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_DGX_A100 = dict(peak_flops=312e12, peak_flops_fp32=19.5e12, intra_bw=300e9,
+                 inter_bw_per_node=200e9, host_bw=32e9, nvme_bw=25e9)
+_DGX_H100 = dict(peak_flops=989e12, peak_flops_fp32=67e12, memory_bytes=80 * GiB,
+                 memory_bw=3.35e12, intra_bw=450e9, inter_bw_per_node=400e9, host_bw=64e9,
+                 nvme_bw=50e9)
+
+PRESETS: dict[str, Hardware] = {
+    "a100-40gb": Hardware(name="a100-40gb", memory_bytes=40 * GiB, memory_bw=1.555e12,
+                          **_DGX_A100),
+    "a100-80gb": Hardware(name="a100-80gb", memory_bytes=80 * GiB, memory_bw=2.039e12,
+                          **_DGX_A100),
+    "h100-sxm": Hardware(name="h100-sxm", **_DGX_H100),
+    "h100-pcie": Hardware(name="h100-pcie", peak_flops=756e12, peak_flops_fp32=51e12,
+                          memory_bytes=80 * GiB, memory_bw=2.0e12, intra_bw=64e9,
+                          inter_bw_per_node=200e9, host_bw=64e9, nvme_bw=25e9),
+    "h200": Hardware(name="h200", **(_DGX_H100 | dict(memory_bytes=141 * GiB,
+                                                      memory_bw=4.8e12))),
+    "b200": Hardware(name="b200", peak_flops=2.25e15, peak_flops_fp32=75e12,
+                     memory_bytes=180 * GiB, memory_bw=8e12, intra_bw=900e9,
+                     inter_bw_per_node=400e9, host_bw=64e9, nvme_bw=50e9),
+}
+ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm"}
+NAMES = tuple(PRESETS) + tuple(ALIASES) + ("cpu",)
+
+
+def cpu(calibration_path: str | os.PathLike | None = None) -> Hardware:
+    """Local processes on this machine, from the calibration (or its defaults)."""
+    cal = calibration.load(calibration_path) or calibration.DEFAULT
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    bandwidth = 1.0 / cal.beta_s_per_byte
+    return Hardware(name="cpu", peak_flops=cal.flops_per_s, peak_flops_fp32=cal.flops_per_s,
+                    efficiency=1.0, memory_bytes=float(pages), usable_fraction=0.8,
+                    memory_bw=1.0 / cal.gamma_s_per_byte, intra_bw=bandwidth,
+                    intra_latency_s=cal.alpha_s, inter_bw_per_node=bandwidth,
+                    inter_latency_s=cal.alpha_s, gpus_per_node=0, host_bw=bandwidth,
+                    nvme_bw=1e9, reduce_bw=1.0 / cal.gamma_s_per_byte,
+                    default_precision="fp32")
+
+
+def get(name: str, overrides: dict[str, str] | None = None, *,
+        calibration_path: str | os.PathLike | None = None) -> Hardware:
+    """A preset by name (or alias) with `field -> value` overrides applied."""
+    key = ALIASES.get(name.lower(), name.lower())
+    if key == "cpu":
+        hw = cpu(calibration_path)
+    elif key in PRESETS:
+        hw = PRESETS[key]
+    else:
+        raise PlanError(f"unknown --gpu {name!r}; one of {', '.join(NAMES)}")
+    types = {f.name: f.type for f in dataclasses.fields(Hardware)}
+    changes: dict[str, Any] = {}
+    for field, raw in (overrides or {}).items():
+        if field not in types or field == "name":
+            close = difflib.get_close_matches(field, list(types), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise PlanError(f"unknown hardware field --hw.{field}{hint} "
+                            f"(valid: {', '.join(t for t in types if t != 'name')})")
+        try:
+            changes[field] = {"float": float, "int": int, "str": str}[types[field]](raw)
+        except ValueError:
+            raise PlanError(f"--hw.{field}={raw!r} is not a valid {types[field]}") from None
+    return dataclasses.replace(hw, **changes)

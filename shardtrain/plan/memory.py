@@ -1,0 +1,152 @@
+"""Memory per GPU: model states (ZeRO), activations (Korthikanti Table 2), buffers.
+
+Model states per parameter (Rajbhandari et al. 2020, FORMULAS.md), N_d = dp x cp:
+- bf16 mixed precision with Adam: params 2, grads 2, `master` 4 (the fp32 copy) and
+  `optimizer` 8 (Adam m and v): master + optimizer = K = 12, 16 bytes in all.
+- fp32 with Adam: params 4, grads 4, optimizer 8 (m, v), master 0.
+- ZeRO-1 shards master + optimizer over N_d, ZeRO-2 the gradients too, ZeRO-3 also the
+  parameters. Offload moves the sharded master + optimizer off the GPU (cpu: to host
+  memory; nvme: to NVMe, with the parameter shards too, as ZeRO-Infinity does); they are
+  reported under `offloaded`, not in `total`.
+Activations: the per-layer forms of Korthikanti et al. 2022 (16-bit values, 1-byte
+dropout masks; fp32 doubles the 16-bit values), times the layers of the first stage,
+times the micro-batches it holds in flight (m under GPipe, min(m, p) under 1F1B,
+(1 + (p-1)/(p v)) x min(m, p) interleaved); full recomputation adds one layer's full
+activations, rebuilt during its backward. cp splits the sequence: s -> s / cp.
+Buffers: two gradient buckets when gradients are synchronised (DDP's 25 MB default), for
+ZeRO-3 two layers of gathered parameters (current + prefetched) and one layer of full
+gradients, and for pp > 1 a send and a receive buffer of one boundary activation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardtrain.config import ModelConfig
+from shardtrain.plan.layout import Layout
+from shardtrain.plan.partition import rank_params
+
+BUCKET_BYTES = 25e6
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelStates:
+    params: float
+    grads: float
+    master: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.master + self.optimizer
+
+    def __add__(self, other: ModelStates) -> ModelStates:
+        return ModelStates(params=self.params + other.params, grads=self.grads + other.grads,
+                           master=self.master + other.master,
+                           optimizer=self.optimizer + other.optimizer)
+
+
+# bytes per parameter: (params, grads, master, optimizer)
+STATE_BYTES = {"bf16": (2, 2, 4, 8), "fp32": (4, 4, 0, 8)}
+
+
+def model_states(params: float, *, nd: int = 1, zero: int = 0,
+                 precision: str = "bf16") -> ModelStates:
+    """Model-state bytes of one rank holding `params` parameters replicated over `nd`
+    ranks: DP (2+2+K) Psi; ZeRO-1 4 Psi + K Psi/N_d; ZeRO-2 2 Psi + (2+K) Psi/N_d;
+    ZeRO-3 (2+2+K) Psi/N_d (Rajbhandari et al. 2020, section 5; K = master + optimizer)."""
+    p, g, m, o = STATE_BYTES[precision]
+    return ModelStates(params=p * params / (nd if zero >= 3 else 1),
+                       grads=g * params / (nd if zero >= 2 else 1),
+                       master=m * params / (nd if zero >= 1 else 1),
+                       optimizer=o * params / (nd if zero >= 1 else 1))
+
+
+def runtime_adamw_fp32(params: int, *, grad_padding: int = 0,
+                       step_tensors: int = 0) -> ModelStates:
+    """The runtime's ledger convention for a replicated fp32 AdamW data-parallel run,
+    exactly: params 4 Psi, grads 4 (Psi + grad_padding) (elements a flat or bucketed
+    gradient buffer adds), optimizer 8 Psi (exp_avg, exp_avg_sq) + 4 bytes per
+    `step_tensors` (PyTorch keeps one fp32 `step` per parameter tensor; 0 ignores them)."""
+    return ModelStates(params=4 * params, grads=4 * (params + grad_padding), master=0,
+                       optimizer=8 * params + 4 * step_tensors)
+
+
+def activation_bytes_per_layer(*, s: int, b: int, h: int, a: int, t: int = 1,
+                               sp: bool = False, recompute: str = "none",
+                               value_bytes: int = 2) -> float:
+    """One layer, one micro-batch (Korthikanti et al. 2022, Table 2), with value_bytes = 2:
+    none sbh(34 + 5as/h); tp sbh(10 + 24/t + 5as/(ht)); tp+sp (sbh/t)(34 + 5as/h);
+    selective drops the 5as/h term; full keeps the layer input, 2sbh (/t with sp).
+    Of the 10 sbh kept whole under tp, 2 sbh are 1-byte dropout masks; of 5as^2b, as^2b."""
+    sbh = s * b * h
+    if recompute == "full":
+        return value_bytes * sbh / (t if sp else 1)
+    replicated = (4 * value_bytes + 2) * sbh / (t if sp else 1)
+    split = 12 * value_bytes * sbh / t
+    scores = 0.0 if recompute == "selective" else (2 * value_bytes + 1) * a * s * s * b / t
+    return replicated + split + scores
+
+
+def in_flight(schedule: str, m: int, p: int, v: int = 1) -> float:
+    """Micro-batches whose activations the first stage holds (Narayanan et al. 2021)."""
+    if schedule == "gpipe":
+        return float(m)
+    held = float(min(m, p))
+    return held * (1 + (p - 1) / (p * v)) if schedule == "interleaved" else held
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryBreakdown:
+    params: float
+    grads: float
+    optimizer: float
+    master: float
+    activations: float
+    activations_per_layer: float  # one layer, one micro-batch
+    buffers: float
+    offloaded: float  # held in host memory or on NVMe instead
+
+    @property
+    def total(self) -> float:
+        return (self.params + self.grads + self.optimizer + self.master + self.activations
+                + self.buffers)
+
+    def to_dict(self) -> dict[str, float]:
+        names = ("params", "grads", "optimizer", "master", "activations",
+                 "activations_per_layer", "buffers", "offloaded")
+        return {n: float(getattr(self, n)) for n in names} | {"total": float(self.total)}
+
+
+def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
+                   bucket_bytes: float = BUCKET_BYTES) -> MemoryBreakdown:
+    lay = layout
+    ranks = rank_params(cfg, lay)
+    states = (model_states(ranks.dense, nd=lay.replicas, zero=lay.zero, precision=lay.precision)
+              + model_states(ranks.expert, nd=lay.replicas // lay.ep, zero=lay.zero,
+                             precision=lay.precision))
+    offloaded = 0.0
+    if lay.offload != "none":
+        offloaded = states.master + states.optimizer
+        states = ModelStates(params=states.params, grads=states.grads, master=0, optimizer=0)
+    if lay.offload == "nvme":
+        offloaded += states.params
+        states = ModelStates(params=0, grads=states.grads, master=0, optimizer=0)
+    value_bytes = 4 if lay.precision == "fp32" else 2
+    shape = dict(s=seq_len // lay.cp, b=lay.micro_batch, h=cfg.dim, a=cfg.n_heads, t=lay.tp,
+                 sp=lay.sp, value_bytes=value_bytes)
+    per_layer = activation_bytes_per_layer(recompute=lay.recompute, **shape)
+    activations = per_layer * ranks.layers * in_flight(lay.schedule, lay.microbatches, lay.pp,
+                                                       lay.v)
+    if lay.recompute == "full":
+        activations += activation_bytes_per_layer(recompute="none", **shape)
+    buffers = 0.0
+    if lay.replicas > 1:
+        buffers += 2 * min(bucket_bytes, STATE_BYTES[lay.precision][1] * ranks.total)
+        if lay.zero == 3:
+            buffers += 3 * ranks.layer * STATE_BYTES[lay.precision][0]
+    if lay.pp > 1:
+        buffers += 2 * value_bytes * shape["s"] * lay.micro_batch * cfg.dim / (lay.tp if lay.sp else 1)
+    return MemoryBreakdown(params=states.params, grads=states.grads, optimizer=states.optimizer,
+                           master=states.master, activations=activations,
+                           activations_per_layer=per_layer, buffers=buffers, offloaded=offloaded)

@@ -1,0 +1,53 @@
+"""Which parameters one rank holds under a layout (before ZeRO sharding).
+
+The planner reports the busiest rank: the pipeline stage with the most parameters. Each
+stage holds ceil(L / (p v)) layers per virtual chunk; the first stage also holds the
+token (and position) embedding, the last the final norm and the output head, or a copy of
+the tied embedding as Megatron-LM keeps one (Narayanan et al. 2021). Tensor parallelism
+splits every weight t ways (vocabulary-parallel embedding and head; replicated norms and
+biases are counted as split too, a < 0.1% simplification); expert parallelism splits the
+experts ep ways. With tp = pp = ep = 1 the total is exactly `param_counts(cfg).total`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from shardtrain.config import ModelConfig
+from shardtrain.plan.counts import mlp_params, norm_params, param_counts
+from shardtrain.plan.layout import Layout
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankParams:
+    dense: float  # replicated across the dp x cp group
+    expert: float  # replicated across the dp x cp / ep group
+    layer: float  # one transformer layer on this rank (a ZeRO-3 gather unit)
+    layers: int  # transformer layers on this rank's stage (all virtual chunks)
+
+    @property
+    def total(self) -> float:
+        return self.dense + self.expert
+
+
+def layers_per_stage(cfg: ModelConfig, layout: Layout) -> int:
+    chunks = layout.pp * layout.v
+    return layout.v * math.ceil(cfg.n_layers / chunks)
+
+
+def rank_params(cfg: ModelConfig, layout: Layout) -> RankParams:
+    counts = param_counts(cfg)
+    expert_layer = cfg.n_experts * mlp_params(cfg)
+    dense_layer = counts.per_layer - expert_layer
+    layers = layers_per_stage(cfg, layout)
+    outside = counts.total - cfg.n_layers * counts.per_layer  # embeddings, head, final norm
+    if layout.pp > 1:
+        word = cfg.vocab_size * cfg.dim
+        first = counts.embedding - (0 if cfg.tie_embeddings else word)  # word (+ position)
+        last = norm_params(cfg) + word  # the untied head, or the tied embedding's copy
+        outside = max(first, last)
+    t = layout.tp
+    return RankParams(dense=(layers * dense_layer + outside) / t,
+                      expert=layers * expert_layer / (t * layout.ep),
+                      layer=(dense_layer + expert_layer / layout.ep) / t, layers=layers)

@@ -1,0 +1,173 @@
+"""Layout search: enumerate valid layouts, drop those that do not fit, rank the rest.
+
+Enumerated: tp among the divisors of the node size that split the heads and the MLP; pp
+among the divisors of the layer count; cp > 1 only for sequences of 8K tokens or more;
+ep for mixture-of-experts models; micro-batches of 1-16 sequences dividing the per-replica
+batch; ZeRO 0-3 when there is data parallelism (one stage otherwise: they coincide); recompute none / selective / full; sp
+with tp; GPipe, 1F1B and interleaved (v dividing the layers per stage, m a multiple of
+p). Offload (cpu, nvme) is tried only when nothing fits without it. Ranked by predicted
+step time, then memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from shardtrain.config import ModelConfig
+from shardtrain.plan.counts import param_counts
+from shardtrain.plan.evaluate import Plan, evaluate
+from shardtrain.plan.hardware import Hardware
+from shardtrain.plan.layout import Layout, PlanError, check
+from shardtrain.plan.memory import MemoryBreakdown, memory_per_gpu
+
+GB = 1e9
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rejected:
+    layout: Layout
+    memory: MemoryBreakdown
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchResult:
+    ranked: tuple[Plan, ...]  # the fastest `top`
+    rejected: tuple[Rejected, ...]  # the `top` that came closest to fitting
+    considered: int
+    rejected_total: int
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(cfg: ModelConfig, *, gpus: int, node_size: int, global_batch: int,
+               seq_len: int, precision: str, offload: str = "none") -> Iterator[Layout]:
+    for tp in _divisors(min(node_size, gpus)):
+        if cfg.n_heads % tp or cfg.ffn_hidden % tp or gpus % tp:
+            continue
+        for pp in _divisors(cfg.n_layers):
+            cps = [c for c in (1, 2, 4, 8) if seq_len >= 8192 and seq_len % c == 0] or [1]
+            for cp in cps:
+                if gpus % (tp * pp * cp) or global_batch % (gpus // (tp * pp * cp)):
+                    continue
+                yield from _inner(cfg, dp=gpus // (tp * pp * cp), tp=tp, pp=pp, cp=cp,
+                                  global_batch=global_batch, precision=precision,
+                                  offload=offload)
+
+
+def _inner(cfg: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, global_batch: int,
+           precision: str, offload: str) -> Iterator[Layout]:
+    eps = [e for e in _divisors(cfg.n_experts) if (dp * cp) % e == 0] if cfg.n_experts else [1]
+    zeros = {"none": (0, 1, 2, 3), "cpu": (1, 2, 3), "nvme": (3,)}[offload]
+    zeros = tuple(z for z in zeros if dp * cp > 1 or z == zeros[0])  # all alike on one replica
+    per_replica = global_batch // dp
+    for ep in eps:
+        for b in (b for b in (1, 2, 4, 8, 16) if per_replica % b == 0):
+            m = per_replica // b
+            schedules = [("1f1b", 1)]
+            if pp > 1:
+                schedules.append(("gpipe", 1))
+                if m % pp == 0:
+                    schedules += [("interleaved", v) for v in _divisors(cfg.n_layers // pp)
+                                  if 2 <= v <= 8]
+            for zero in zeros:
+                for recompute in ("none", "selective", "full"):
+                    for sp in (False, True) if tp > 1 else (False,):
+                        for schedule, v in schedules:
+                            yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
+                                         offload=offload, precision=precision,
+                                         recompute=recompute, sp=sp, micro_batch=b,
+                                         microbatches=m, schedule=schedule, v=v)
+
+
+def search(cfg: ModelConfig, hw: Hardware, *, gpus: int, global_batch: int, seq_len: int,
+           name: str = "", top: int = 5, precision: str | None = None) -> SearchResult:
+    """The `top` fastest layouts that fit; PlanError (with the missing memory and the
+    knob that helps most) when none does."""
+    precision = precision or hw.default_precision
+    node = hw.node_size(gpus)
+    fitting: list[tuple[Layout, MemoryBreakdown]] = []
+    rejected: list[Rejected] = []
+    considered = 0
+    for offload in ("none", "cpu", "nvme"):
+        for layout in candidates(cfg, gpus=gpus, node_size=node, global_batch=global_batch,
+                                 seq_len=seq_len, precision=precision, offload=offload):
+            considered += 1
+            memory = memory_per_gpu(cfg, layout, seq_len=seq_len)
+            if memory.total <= hw.usable_bytes:
+                fitting.append((layout, memory))
+            else:
+                rejected.append(Rejected(layout=layout, memory=memory,
+                                         reason=shortfall(memory, hw)))
+        if fitting:
+            break
+    rejected.sort(key=lambda r: r.memory.total)
+    if not fitting:
+        if not rejected:
+            raise PlanError(f"no layout of {gpus} GPUs (node size {node}) can split the "
+                            f"global batch {global_batch} and {cfg.n_layers} layers; pick a "
+                            "--global-batch divisible by more data-parallel degrees")
+        closest = rejected[0]
+        raise PlanError(f"{name or 'the model'} fits nowhere on {gpus} x {hw.name}: the closest "
+                        f"layout ({closest.layout.describe()}) {closest.reason}. "
+                        + advice(cfg, closest.layout, hw, seq_len=seq_len, gpus=gpus,
+                                 global_batch=global_batch, memory=closest.memory))
+    plans = [evaluate(cfg, lay, hw, global_batch=global_batch, seq_len=seq_len, name=name,
+                      memory=mem) for lay, mem in fitting]
+    plans.sort(key=lambda p: (p.time.step_s, p.memory.total))
+    return SearchResult(ranked=tuple(plans[:top]), rejected=tuple(rejected[:top]),
+                        considered=considered, rejected_total=len(rejected))
+
+
+def shortfall(memory: MemoryBreakdown, hw: Hardware) -> str:
+    items = {k: v for k, v in memory.to_dict().items()
+             if k not in ("total", "activations_per_layer", "offloaded")}
+    largest = max(items, key=items.__getitem__)
+    return (f"needs {memory.total / GB:.2f} GB per GPU, {(memory.total - hw.usable_bytes) / GB:.2f}"
+            f" GB more than the {hw.usable_bytes / GB:.2f} GB usable (largest: {largest} "
+            f"{items[largest] / GB:.2f} GB)")
+
+
+def advice(cfg: ModelConfig, layout: Layout, hw: Hardware, *, seq_len: int, gpus: int,
+           global_batch: int, memory: MemoryBreakdown) -> str:
+    """Which single change lowers this layout's memory most (and what each would need), or,
+    when none makes it fit, roughly how many GPUs or how short a sequence would."""
+    lay = layout
+    knobs = {"zero=1": dict(zero=1), "zero=2": dict(zero=2), "zero=3": dict(zero=3),
+             "recompute=selective": dict(recompute="selective"),
+             "recompute=full": dict(recompute="full"), "sp=true": dict(sp=True),
+             "micro_batch=1": dict(micro_batch=1, microbatches=lay.microbatches * lay.micro_batch),
+             "offload=cpu": dict(offload="cpu", zero=max(1, lay.zero)),
+             "offload=nvme": dict(offload="nvme", zero=3)}
+    after: dict[str, float] = {}
+    for knob, change in knobs.items():
+        variant = dataclasses.replace(lay, **change)
+        try:
+            check(variant, cfg, gpus=gpus, node_size=hw.node_size(gpus),
+                  global_batch=global_batch, seq_len=seq_len)
+        except PlanError:
+            continue
+        total = memory_per_gpu(cfg, variant, seq_len=seq_len).total
+        if variant != lay and total < memory.total:
+            after[knob] = total
+    ranked = sorted(after, key=after.__getitem__)
+    if ranked and after[ranked[0]] <= hw.usable_bytes:
+        fitting = [k for k in ranked if after[k] <= hw.usable_bytes]
+        return (f"The knob that helps most: {ranked[0]} (then {after[ranked[0]] / GB:.1f} GB "
+                "per GPU); each of these fits alone: "
+                + ", ".join(f"{k} ({after[k] / GB:.1f} GB)" for k in fitting) + ".")
+    states = memory.params + memory.grads + memory.optimizer + memory.master
+    room = hw.usable_bytes - memory.activations - memory.buffers
+    if states >= memory.activations and room > 0:
+        node = hw.node_size(gpus)
+        need = math.ceil(16 * param_counts(cfg).total / room / node) * node
+        return (f"Model states take {states / GB:.1f} GB per GPU: the knob that helps most is "
+                f"more GPUs (about {max(need, gpus + 1):,} with zero=3, 16 bytes per parameter) "
+                "or a --gpu with more memory.")
+    return (f"Activations take {memory.activations / GB:.1f} GB per GPU: the knob that helps "
+            "most is a shorter --seq (or more pipeline stages and GPUs).")

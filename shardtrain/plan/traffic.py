@@ -1,0 +1,171 @@
+"""Communication per optimizer step: each group's ops, bytes sent per rank and time.
+
+Groups and what they move (bytes sent by one rank per step; X = s b h activation bytes of
+one micro-batch, s = seq / cp; P, G = this rank's parameter and gradient bytes):
+- dp (dp x cp ranks; ZeRO, Rajbhandari et al. 2020): DP all-reduces G once per step,
+  2 (n-1)/n G; ZeRO-1 reduce-scatters G once and all-gathers the updated P, the same
+  bytes; ZeRO-2 reduce-scatters every micro-batch (it keeps no full gradient to
+  accumulate into); ZeRO-3 all-gathers P twice (forward, backward) and reduce-scatters G
+  every micro-batch: 1.5x DP's bytes when m = 1. Gradients travel in 25 MB buckets, ZeRO-3
+  parameters one layer at a time. `edp` is the same for expert parameters (dp x cp / ep).
+- tp (Megatron-LM; Korthikanti et al. 2022): per layer and micro-batch, all-reduces of X,
+  2 forward + 2 backward (+2 with full recomputation); with sp, all-gathers and
+  reduce-scatters of X instead, 4 + 4 (+2 + 2): the same bytes.
+- pp: point-to-point, the busiest (middle) stage sends one activation forward and one
+  gradient backward per micro-batch and virtual chunk (X / t with sp).
+- cp (ring attention): per layer and micro-batch the K,V block of s/cp tokens goes round
+  the ring: (cp-1) sends forward, 2 (cp-1) backward (K,V and their gradients), +(cp-1)
+  with full recomputation; it overlaps the attention compute.
+- ep: per MoE layer and micro-batch, all-to-all dispatch and combine of the routed
+  tokens (top-k copies of b s/cp tokens, / t with sp), forward and backward.
+Times come from `shardtrain.comm.cost` with the fastest algorithm for the group's
+placement: inside a node the NVLink/PCIe link, across nodes one GPU's share of the node's
+network (flat), or two-tier (hierarchical, torus2d) when a group spans part of a node.
+Embedding and head gradients between the first and last stage and the tensor-parallel
+logits reduction are ignored (small).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from shardtrain.comm.cost import Link, best_algorithm, cost
+from shardtrain.config import ModelConfig
+from shardtrain.plan.hardware import Hardware
+from shardtrain.plan.layout import Layout
+from shardtrain.plan.memory import BUCKET_BYTES, STATE_BYTES
+from shardtrain.plan.partition import rank_params
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommOp:
+    group: str
+    op: str  # a cost-model collective, or send_recv (point-to-point)
+    ranks: int
+    message_bytes: float  # one call, in the cost model's convention
+    calls: int  # per step
+    algorithm: str
+    bytes_sent: float  # per rank per step
+    time_s: float  # per step, all calls, as if nothing overlapped
+    overlap: str  # "step": hides under the last backward; "compute": under all compute; "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"group": self.group, "op": self.op, "ranks": self.ranks,
+                "message_bytes": self.message_bytes, "calls": self.calls,
+                "algorithm": self.algorithm, "bytes_sent": self.bytes_sent,
+                "time_s": self.time_s, "overlap": self.overlap}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where a group's ranks sit: `link` is what a flat algorithm crosses; a group with
+    `local` (> 1) members per node and more outside can also run two-tier algorithms."""
+
+    link: Link
+    intra: Link | None = None
+    local: int = 0
+
+
+def placement(hw: Hardware, node: int, stride: int, size: int) -> Placement:
+    """A group of `size` ranks `stride` apart on nodes of `node` ranks."""
+    local = max(1, min(size, node // stride)) if stride < node else 1
+    if local == size:
+        return Placement(link=hw.intra_link())
+    if local == 1:
+        return Placement(link=hw.inter_link())
+    return Placement(link=hw.inter_link(), intra=hw.intra_link(), local=local)
+
+
+def _collective(group: str, op: str, size: int, nbytes: float, calls: int, where: Placement,
+                overlap: str) -> CommOp:
+    algorithm = best_algorithm(op, nbytes, size, where.link, intra=where.intra,
+                               local_size=where.local)
+    one = cost(op, nbytes, size, where.link, algorithm=algorithm, intra=where.intra,
+               local_size=where.local)
+    return CommOp(group=group, op=op, ranks=size, message_bytes=nbytes, calls=calls,
+                  algorithm=algorithm, bytes_sent=one.sent_bytes * calls,
+                  time_s=one.time_s * calls, overlap=overlap)
+
+
+def _p2p(group: str, size: int, nbytes: float, calls: int, link: Link, overlap: str) -> CommOp:
+    return CommOp(group=group, op="send_recv", ranks=size, message_bytes=nbytes, calls=calls,
+                  algorithm="p2p", bytes_sent=nbytes * calls,
+                  time_s=calls * (link.alpha_s + nbytes * link.beta_s_per_byte), overlap=overlap)
+
+
+def data_parallel_ops(*, group: str, params: float, size: int, zero: int, microbatches: int,
+                      precision: str, where: Placement, layers: int = 1,
+                      bucket_bytes: float = BUCKET_BYTES) -> list[CommOp]:
+    """Gradient synchronisation and ZeRO parameter traffic of `params` parameters held by
+    each of `size` ranks (see the module docstring)."""
+    if size <= 1 or params <= 0:
+        return []
+    p_bytes, g_bytes = (b * params for b in STATE_BYTES[precision][:2])
+    buckets = max(1, math.ceil(g_bytes / bucket_bytes))
+    m = microbatches
+    if zero == 0:
+        return [_collective(group, "all_reduce", size, g_bytes / buckets, buckets, where, "step")]
+    if zero in (1, 2):
+        syncs = 1 if zero == 1 else m
+        return [_collective(group, "reduce_scatter", size, g_bytes / buckets, buckets * syncs,
+                            where, "step" if zero == 1 else "compute"),
+                _collective(group, "all_gather", size, p_bytes / buckets, buckets, where, "none")]
+    return [_collective(group, "all_gather", size, p_bytes / layers, 2 * m * layers, where,
+                        "compute"),
+            _collective(group, "reduce_scatter", size, g_bytes / layers, m * layers, where,
+                        "compute")]
+
+
+def step_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, seq_len: int,
+             bucket_bytes: float = BUCKET_BYTES) -> list[CommOp]:
+    """Every op one (busiest) rank takes part in during one optimizer step."""
+    lay = layout
+    node = hw.node_size(lay.gpus)
+    ranks = rank_params(cfg, lay)
+    value = 4 if lay.precision == "fp32" else 2
+    s, m, b, h = seq_len // lay.cp, lay.microbatches, lay.micro_batch, cfg.dim
+    x = s * b * h * value
+    extra = lay.recompute == "full"
+    ops: list[CommOp] = []
+    common = dict(zero=lay.zero, microbatches=m, precision=lay.precision, layers=ranks.layers,
+                  bucket_bytes=bucket_bytes)
+    ops += data_parallel_ops(group="dp", params=ranks.dense, size=lay.replicas,
+                             where=placement(hw, node, lay.tp, lay.replicas), **common)
+    ops += data_parallel_ops(group="edp", params=ranks.expert, size=lay.replicas // lay.ep,
+                             where=placement(hw, node, lay.tp * lay.ep, lay.replicas // lay.ep),
+                             **common)
+    if lay.tp > 1:
+        where = placement(hw, node, 1, lay.tp)
+        per_layer = ranks.layers * m
+        if lay.sp:
+            ops += [_collective("tp", op, lay.tp, x, per_layer * (6 if extra else 4), where, "none")
+                    for op in ("all_gather", "reduce_scatter")]
+        else:
+            ops.append(_collective("tp", "all_reduce", lay.tp, x, per_layer * (6 if extra else 4),
+                                   where, "none"))
+    if lay.pp > 1:
+        where = placement(hw, node, lay.tp * lay.cp * lay.dp, lay.pp)
+        ops.append(_p2p("pp", lay.pp, x / (lay.tp if lay.sp else 1), 2 * m * lay.v, where.link,
+                        "none"))
+    if lay.cp > 1:
+        where = placement(hw, node, lay.tp, lay.cp)
+        kv = 2 * s * b * cfg.kv_heads * cfg.head_dim * value / lay.tp
+        sends = (lay.cp - 1) * (4 if extra else 3) * ranks.layers * m
+        ops.append(_p2p("cp", lay.cp, kv, sends, where.link, "compute"))
+    if lay.ep > 1:
+        where = placement(hw, node, lay.tp, lay.ep)
+        routed = cfg.moe_top_k * x / (lay.tp if lay.sp else 1)
+        ops.append(_collective("ep", "all_to_all", lay.ep, routed,
+                               ranks.layers * m * (6 if extra else 4), where, "none"))
+    return ops
+
+
+def bytes_per_step(ops: list[CommOp]) -> dict[str, dict[str, float]]:
+    """{group: {op: bytes sent per rank per step}}."""
+    out: dict[str, dict[str, float]] = {}
+    for op in ops:
+        out.setdefault(op.group, {}).setdefault(op.op, 0.0)
+        out[op.group][op.op] += op.bytes_sent
+    return out
