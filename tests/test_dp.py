@@ -12,6 +12,8 @@ from dist import run_distributed
 from parity import assert_parity, make_mesh, tiny, train_layout, train_layouts
 from shardtrain import config
 from shardtrain.model.transformer import build_model
+from shardtrain.plan.memory import runtime_adamw_fp32
+from shardtrain.plan.traffic import bytes_per_step, data_parallel_ops
 from shardtrain.train.trainer import Trainer
 
 STEPS = "8"
@@ -110,13 +112,21 @@ def test_dp_mechanics(tmp):
         assert [g[1] for g in grads] == [4 * n for n in numels]
         # Overlap: the first bucket launched while later buckets still awaited gradients.
         assert r["pending_at_launch"][0] > 0
-        # Memory ledger vs what the dtypes imply (fp32 AdamW: m and v, plus a step scalar).
+        # ... and the planner predicts exactly that volume.
+        predicted = bytes_per_step(data_parallel_ops(params=padded, size=world, zero=0,
+                                                     precision="fp32"))
+        assert predicted["dp"]["all_reduce"] == pytest.approx(sent, abs=1)
+        # Memory ledger vs what the dtypes imply (fp32 AdamW: m and v, plus a step scalar)
+        # and vs the planner's model-state bytes for this layout.
         rec = r["record"]
         implied = {"params_bytes": 4 * psi, "grads_bytes": 4 * padded,
                    "optimizer_bytes": 8 * psi + 4 * r["n_tensors"], "master_bytes": 0}
+        plan = runtime_adamw_fp32(psi, grad_padding=padded - psi, step_tensors=r["n_tensors"])
+        planned = {"params_bytes": plan.params, "grads_bytes": plan.grads,
+                   "optimizer_bytes": plan.optimizer, "master_bytes": plan.master}
         for key, value in implied.items():
-            print(f"rank {rank}: {key} ledger {rec[key]} implied {value}")
-            assert rec[key] == value
+            print(f"rank {rank}: {key} ledger {rec[key]} implied {value} planner {planned[key]}")
+            assert rec[key] == value == planned[key]
         assert rec["comm_bytes"] >= expected and rec["peak_mem_bytes"] > 0
 
 

@@ -26,10 +26,12 @@ Conventions (p ranks, n = `nbytes`):
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 OPS = ("broadcast", "reduce", "gather", "scatter", "all_reduce", "all_gather",
        "reduce_scatter", "all_to_all")
@@ -70,8 +72,7 @@ class Cost:
 ZERO = Cost(time_s=0.0, sent_bytes=0.0, sent_bytes_mean=0.0, rounds=0)
 
 
-@dataclass(frozen=True)
-class _Terms:
+class _Terms(NamedTuple):
     rounds: float  # alpha count
     beta: float  # bytes on the critical path
     gamma: float  # bytes reduced on the critical path
@@ -219,15 +220,14 @@ def _best(op: str, nbytes: float, p: int, link: Link, intra: Link | None,
 
 
 def _fastest_flat(op: str, nbytes: float, p: int, link: Link) -> Cost:
-    algorithm = best_algorithm(op, nbytes, p, link) if p > 1 else "native"
-    return cost(op, nbytes, p, link, algorithm=algorithm)
+    flat = [a for a in supported(op, p) if a in _FLAT]
+    return min((cost(op, nbytes, p, link, algorithm=a) for a in flat), key=lambda c: c.time_s)
 
 
 def _hierarchical(n: float, p: int, link: Link, intra: Link, k: int) -> Cost:
     leaders = _fastest_flat("all_reduce", n, p // k, link)
-    share = (p // k) / p  # only the leaders take part in the middle phase
-    leaders = Cost(time_s=leaders.time_s, sent_bytes=leaders.sent_bytes,
-                   sent_bytes_mean=leaders.sent_bytes_mean * share, rounds=leaders.rounds)
+    # only the p / k leaders (one rank in k) take part in the middle phase
+    leaders = dataclasses.replace(leaders, sent_bytes_mean=leaders.sent_bytes_mean / k)
     return (_fastest_flat("reduce", n, k, intra) + leaders
             + _fastest_flat("broadcast", n, k, intra))
 

@@ -93,13 +93,18 @@ class DataParallel:
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
 
 
+FIRST_BUCKET_BYTES = 2**20
+
+
 def _make_buckets(params: list[nn.Parameter], cap_bytes: float, group_size: int) -> list[Bucket]:
-    """Greedy packing in the given order; a bucket closes once it holds >= cap_bytes. Each
-    buffer is padded to a multiple of the group size so ring chunks are equal."""
+    """Greedy packing in the given order; a bucket closes once it holds >= its cap. The first
+    bucket's cap is at most 1 MiB so that communication starts early in backward (as torch
+    DDP does). Each buffer is padded to a multiple of the group size so ring chunks are equal."""
     groups: list[list[nn.Parameter]] = [[]]
     size = 0
     for p in params:
-        if groups[-1] and (size >= cap_bytes or p.dtype != groups[-1][0].dtype):
+        cap = min(cap_bytes, FIRST_BUCKET_BYTES) if len(groups) == 1 else cap_bytes
+        if groups[-1] and (size >= cap or p.dtype != groups[-1][0].dtype):
             groups.append([])
             size = 0
         groups[-1].append(p)

@@ -52,7 +52,8 @@ def load(path: str | os.PathLike | None = None) -> Calibration | None:
     try:
         data = json.loads(file.read_text())
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{file}: invalid calibration JSON: {e}; delete it or re-measure") from None
+        raise ConfigError(f"{file}: invalid calibration JSON: {e}; delete it or "
+                          "re-measure") from None
     fields = {f.name: f.type for f in dataclasses.fields(Calibration)}
     if not isinstance(data, dict) or set(fields) - set(data):
         missing = sorted(set(fields) - set(data)) if isinstance(data, dict) else list(fields)
@@ -61,7 +62,8 @@ def load(path: str | os.PathLike | None = None) -> Calibration | None:
     try:
         return Calibration(**{name: kinds[kind](data[name]) for name, kind in fields.items()})
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"{file}: a calibration value has the wrong type ({e}); re-measure") from None
+        raise ConfigError(f"{file}: a calibration value has the wrong type ({e}); "
+                          "re-measure") from None
 
 
 def save(calibration: Calibration, path: str | os.PathLike | None = None) -> Path:

@@ -85,11 +85,11 @@ def _run(argv: list[str]) -> int:
     cfg.validate()
     if args.gpus_per_node is not None:
         hw_overrides["gpus_per_node"] = str(args.gpus_per_node)
-    hw = hardware.get(args.gpu, hw_overrides, calibration_path=args.calibration)
+    gpus = args.gpus or args.gpus_per_node or hardware.get(args.gpu).gpus_per_node or 1
+    hw = hardware.get(args.gpu, hw_overrides, calibration_path=args.calibration, processes=gpus)
     train = read_toml(resolve_preset(args.model)).get("train", {})
     seq = args.seq or train.get("seq_len") or cfg.max_seq_len
     batch = args.global_batch or train.get("global_batch") or max(1, 2 ** 22 // seq)
-    gpus = args.gpus or hw.gpus_per_node or 1
     for name, value in (("--gpus", gpus), ("--seq", seq), ("--global-batch", batch),
                         ("--top", args.top)):
         if value < 1:

@@ -87,16 +87,18 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "none") -> float:
-    """Model FLOPs plus what recomputation redoes: full recomputation repeats the forward of
-    every block (the head is not recomputed), selective repeats the attention core only
-    (Korthikanti et al. 2022, section 5)."""
+    """Model FLOPs plus what recomputation redoes (Korthikanti et al. 2022, section 5).
+    Full recomputation repeats the forward of every block (not the head): for GPT-3-like
+    shapes 96 B s L h^2 (1 + s/(6h) + V/(16Lh)). Selective recomputation follows the
+    paper's published form 72 B s L h^2 (1 + s/(3h) + V/(12hL)), as FORMULAS.md adopts: it
+    charges the attention core's 12 s^2 h per layer and sequence once more, although the
+    recomputed forward alone is 4 s^2 h; HFU stays comparable with the paper's tables."""
     base = model_flops_per_token(cfg, seq_len)
     if recompute == "none":
         return base
-    q = cfg.n_heads * cfg.head_dim
-    attention_core = 4.0 * cfg.n_layers * seq_len * q
+    attention_core = 4.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim  # forward
     if recompute == "selective":
-        return base + attention_core
+        return base + 3.0 * attention_core
     if recompute == "full":
         return base + forward_flops_per_token(cfg, seq_len) - 2.0 * cfg.vocab_size * cfg.dim
     raise ValueError(f"recompute={recompute!r} is not one of none, selective, full")

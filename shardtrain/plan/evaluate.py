@@ -109,9 +109,8 @@ def evaluate(cfg: ModelConfig, layout: Layout, hw: Hardware, *, global_batch: in
     ops = step_ops(cfg, lay, hw, seq_len=seq_len, bucket_bytes=bucket_bytes)
     peak = hw.flops(lay.precision)
     compute_s = hardware_flops / (lay.gpus * peak * hw.efficiency)
-    backward_share = (hardware_flops - model_flops / 3) / hardware_flops
     time = step_time(ops=ops, compute_s=compute_s,
-                     last_backward_s=compute_s / lay.microbatches * backward_share,
+                     backward_share=(hardware_flops - model_flops / 3) / hardware_flops,
                      pp=lay.pp, microbatches=lay.microbatches, v=lay.v,
                      offload_s=_offload_seconds(cfg, lay, hw, memory), tokens=tokens,
                      model_flops=model_flops, hardware_flops=hardware_flops, gpus=lay.gpus,

@@ -13,7 +13,8 @@ assumptions, not measurements; override them (`--hw.FIELD VALUE`) with your own.
 
 The `cpu` preset describes local processes on this machine: its figures come from the
 calibration file (see calibration.py) or its documented defaults; all ranks share one
-node (gpus_per_node = 0) and train in fp32.
+node (gpus_per_node = 0) and its physical memory (each gets an equal share), and train in
+fp32.
 """
 
 from __future__ import annotations
@@ -100,10 +101,10 @@ ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm"}
 NAMES = tuple(PRESETS) + tuple(ALIASES) + ("cpu",)
 
 
-def cpu(calibration_path: str | os.PathLike | None = None) -> Hardware:
-    """Local processes on this machine, from the calibration (or its defaults)."""
+def cpu(calibration_path: str | os.PathLike | None = None, processes: int = 1) -> Hardware:
+    """`processes` local processes on this machine, from the calibration (or its defaults)."""
     cal = calibration.load(calibration_path) or calibration.DEFAULT
-    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / max(1, processes)
     bandwidth = 1.0 / cal.beta_s_per_byte
     return Hardware(name="cpu", peak_flops=cal.flops_per_s, peak_flops_fp32=cal.flops_per_s,
                     efficiency=1.0, memory_bytes=float(pages), usable_fraction=0.8,
@@ -115,11 +116,12 @@ def cpu(calibration_path: str | os.PathLike | None = None) -> Hardware:
 
 
 def get(name: str, overrides: dict[str, str] | None = None, *,
-        calibration_path: str | os.PathLike | None = None) -> Hardware:
-    """A preset by name (or alias) with `field -> value` overrides applied."""
+        calibration_path: str | os.PathLike | None = None, processes: int = 1) -> Hardware:
+    """A preset by name (or alias) with `field -> value` overrides applied; `processes`
+    sharing the machine matters to the cpu preset only."""
     key = ALIASES.get(name.lower(), name.lower())
     if key == "cpu":
-        hw = cpu(calibration_path)
+        hw = cpu(calibration_path, processes)
     elif key in PRESETS:
         hw = PRESETS[key]
     else:

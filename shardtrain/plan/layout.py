@@ -92,7 +92,8 @@ def parse_layout(text: str, *, gpus: int, global_batch: int, precision: str) -> 
     tp, pp, cp = (values.get(k, 1) for k in ("tp", "pp", "cp"))
     values.setdefault("dp", max(1, gpus // (tp * pp * cp)))
     if "microbatches" not in values:
-        values["microbatches"] = max(1, global_batch // (values["dp"] * values.get("micro_batch", 1)))
+        per_call = values["dp"] * values.get("micro_batch", 1)
+        values["microbatches"] = max(1, global_batch // per_call)
     elif "micro_batch" not in values:
         values["micro_batch"] = max(1, global_batch // (values["dp"] * values["microbatches"]))
     return Layout(**values)
@@ -118,7 +119,8 @@ def check(layout: Layout, cfg: ModelConfig, *, gpus: int, node_size: int, global
     for name, choices in (("schedule", SCHEDULES), ("recompute", RECOMPUTE),
                           ("offload", OFFLOAD), ("precision", PRECISIONS)):
         if getattr(lay, name) not in choices:
-            raise PlanError(f"layout {name}={getattr(lay, name)!r} is not one of {', '.join(choices)}")
+            raise PlanError(f"layout {name}={getattr(lay, name)!r} is not one of "
+                            f"{', '.join(choices)}")
     for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "microbatches", "v"):
         if getattr(lay, name) < 1:
             raise PlanError(f"layout {name}={getattr(lay, name)} must be >= 1")
@@ -158,6 +160,7 @@ def check(layout: Layout, cfg: ModelConfig, *, gpus: int, node_size: int, global
                             f"a multiple of pp (got pp={lay.pp}, v={lay.v}, "
                             f"microbatches={lay.microbatches})")
         if lay.pp * lay.v > cfg.n_layers:
-            raise PlanError(f"layout pp x v = {lay.pp * lay.v} exceeds model.n_layers={cfg.n_layers}")
+            raise PlanError(f"layout pp x v = {lay.pp * lay.v} exceeds "
+                            f"model.n_layers={cfg.n_layers}")
     elif lay.v != 1:
         raise PlanError(f"layout v={lay.v} needs schedule=interleaved")

@@ -146,7 +146,8 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
         if lay.zero == 3:
             buffers += 3 * ranks.layer * STATE_BYTES[lay.precision][0]
     if lay.pp > 1:
-        buffers += 2 * value_bytes * shape["s"] * lay.micro_batch * cfg.dim / (lay.tp if lay.sp else 1)
+        boundary = value_bytes * shape["s"] * lay.micro_batch * cfg.dim
+        buffers += 2 * boundary / (lay.tp if lay.sp else 1)
     return MemoryBreakdown(params=states.params, grads=states.grads, optimizer=states.optimizer,
                            master=states.master, activations=activations,
                            activations_per_layer=per_layer, buffers=buffers, offloaded=offloaded)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardtrain.plan.evaluate import Plan
+from shardtrain.plan.evaluate import Plan, model_summary
 from shardtrain.plan.search import SearchResult
 
 GB = 1e9
@@ -14,7 +14,8 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
     """Columns padded to their widest cell; numbers right-aligned, text left-aligned."""
     cells = [headers] + [[_cell(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    numeric = [all(_is_number(row[i]) for row in rows) for i in range(len(headers))]
+    numeric = [all(_is_number(row[i]) or row[i] == "" for row in rows)
+               for i in range(len(headers))]
 
     def line(row: list[str]) -> str:
         return "  ".join(c.rjust(w) if n else c.ljust(w)
@@ -37,13 +38,13 @@ def _is_number(value: Any) -> bool:
 
 
 def header(plan: Plan) -> str:
-    summary = plan.to_dict()["model"]
+    summary = model_summary(plan.cfg, plan.seq_len, plan.name, plan.layout.recompute)
     closed = summary["params_closed_form"]
     closed_text = f"; closed form {closed:,.0f}" if closed else ""
     return (f"model {plan.name or '(file)'} ({plan.cfg.style}): {summary['params']:,} params "
             f"({summary['params_non_embedding']:,} non-embedding{closed_text}); "
-            f"{summary['flops_per_token'] / 1e9:,.1f} GFLOP/token (6N: "
-            f"{summary['flops_per_token_6n'] / 1e9:,.1f})\n"
+            f"{summary['flops_per_token']:.4g} FLOP/token (6N: "
+            f"{summary['flops_per_token_6n']:.4g})\n"
             f"cluster {plan.layout.gpus} x {plan.hw.name} ({plan.hw.node_size(plan.layout.gpus)}"
             f" per node); global batch {plan.global_batch} x {plan.seq_len} tokens = "
             f"{plan.tokens:,} tokens per step")
@@ -75,9 +76,9 @@ def details(plan: Plan, *, tokens: float | None = None,
     parts.append(table(["", "step s", "compute s", "exposed comm s", "bubble", "tokens/s",
                         "MFU", "HFU"], [[c if c is not None else "" for c in r] for r in rows]))
     if tokens is not None:
-        parts.append(f"\n{tokens:,.0f} tokens take {doc['training_days']:,.1f} days at the "
+        parts.append(f"\n{tokens:,.0f} tokens take {doc['training_days']:,.3g} days at the "
                      "predicted rate"
-                     + (f", {doc['measured']['training_days']:,.1f} at the measured one"
+                     + (f", {doc['measured']['training_days']:,.3g} at the measured one"
                         if measured_step_s is not None else ""))
     return "\n".join(parts)
 

@@ -3,10 +3,10 @@
 Enumerated: tp among the divisors of the node size that split the heads and the MLP; pp
 among the divisors of the layer count; cp > 1 only for sequences of 8K tokens or more;
 ep for mixture-of-experts models; micro-batches of 1-16 sequences dividing the per-replica
-batch; ZeRO 0-3 when there is data parallelism (one stage otherwise: they coincide); recompute none / selective / full; sp
-with tp; GPipe, 1F1B and interleaved (v dividing the layers per stage, m a multiple of
-p). Offload (cpu, nvme) is tried only when nothing fits without it. Ranked by predicted
-step time, then memory.
+batch; ZeRO 0-3 when there is data parallelism (one stage otherwise: they coincide);
+recompute none / selective / full; sp with tp; GPipe, 1F1B and interleaved (v dividing
+the layers per stage, m a multiple of p). Offload (cpu, nvme) is tried only when nothing
+fits without it. Ranked by predicted step time, then memory.
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@
            + offload
 - compute: the step's hardware FLOPs spread evenly over the GPUs at the achievable rate
   (peak x efficiency of the hardware preset).
-- exposed communication: tp, pp and ep ops are on the critical path; cp's ring hides under
-  compute; data-parallel gradient buckets hide under the last micro-batch's backward
-  (once-per-step syncs) or under all compute (ZeRO-2/3 per-micro-batch traffic, ZeRO-3
-  prefetch): exposed = max(0, comm - window) + one call (the first or last cannot hide).
-  ZeRO-1/2's parameter all-gather after the optimizer step is exposed.
+- exposed communication: tp, pp and ep ops are on the critical path; cp's ring and ZeRO-3's
+  prefetched all-gathers hide under all compute; gradient buckets hide under the last
+  micro-batch's backward (once-per-step syncs) or under every backward (ZeRO-2/3
+  reduce-scatters each micro-batch): per group, exposed = max(0, comm - window) + one call
+  (the first or last cannot hide). ZeRO-1/2's all-gather after the optimizer step is exposed.
 - bubble_fraction = (p-1)/(m+p-1), interleaved (p-1)/(v m + p-1), of the pipeline time
   (Narayanan et al. 2021); the bubble-to-ideal ratio (p-1)/m is `bubble_ratio`.
 - offload: the gradient shard down and the parameter shard up over the host link, and for
@@ -19,7 +19,7 @@ MFU = model FLOPs / (step x GPUs x peak); HFU the same with hardware FLOPs (FORM
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
 
 from shardtrain.plan.traffic import CommOp
 
@@ -54,31 +54,41 @@ def utilization(flops: float, step_s: float, gpus: int, peak_flops: float) -> fl
     return flops / (step_s * gpus * peak_flops)
 
 
-def exposed(ops: list[CommOp], *, compute_s: float, last_backward_s: float) -> tuple[float, float]:
-    """(exposed seconds inside the pipeline, exposed seconds after it)."""
-    buckets: dict[tuple[str, str], list[CommOp]] = {}
+def exposed(ops: list[CommOp], *, compute_s: float, backward_s: float,
+            last_backward_s: float) -> tuple[float, float]:
+    """(exposed seconds inside the pipeline, exposed seconds after it). A group's ops share
+    its links: what hides is bounded by each window and by the widest one."""
+    windows = {"compute": compute_s, "backward": backward_s, "step": last_backward_s}
+    groups: dict[str, list[CommOp]] = {}
     for op in ops:
-        buckets.setdefault((op.group, op.overlap), []).append(op)
+        groups.setdefault(op.group, []).append(op)
     inside = outside = 0.0
-    for (group, overlap), group_ops in buckets.items():
-        total = sum(o.time_s for o in group_ops)
-        if overlap == "none":
-            hidden = total
-        else:
-            window = compute_s if overlap == "compute" else last_backward_s
-            hidden = max(0.0, total - window) + max(o.time_s / o.calls for o in group_ops)
-            hidden = min(hidden, total)
+    for group, group_ops in groups.items():
+        seconds = sum(o.time_s for o in group_ops if o.overlap == "none")
+        per_window: dict[str, float] = {}
+        for o in group_ops:
+            if o.overlap != "none":
+                per_window[o.overlap] = per_window.get(o.overlap, 0.0) + o.time_s
+        if per_window:
+            hideable = sum(per_window.values())
+            late = max(sum(max(0.0, t - windows[w]) for w, t in per_window.items()),
+                       hideable - max(windows[w] for w in per_window))
+            last_call = max(o.time_s / o.calls for o in group_ops if o.overlap != "none")
+            seconds += min(hideable, late + last_call)
         if group in _PIPELINE_GROUPS:
-            inside += hidden
+            inside += seconds
         else:
-            outside += hidden
+            outside += seconds
     return inside, outside
 
 
-def step_time(*, ops: list[CommOp], compute_s: float, last_backward_s: float, pp: int,
+def step_time(*, ops: list[CommOp], compute_s: float, backward_share: float, pp: int,
               microbatches: int, v: int, offload_s: float, tokens: int, model_flops: float,
               hardware_flops: float, gpus: int, peak_flops: float) -> StepTime:
-    inside, outside = exposed(ops, compute_s=compute_s, last_backward_s=last_backward_s)
+    """Compose the step (module docstring); backward_share: backward's part of compute."""
+    backward_s = compute_s * backward_share
+    inside, outside = exposed(ops, compute_s=compute_s, backward_s=backward_s,
+                              last_backward_s=backward_s / microbatches)
     bubble = bubble_fraction(pp, microbatches, v=v)
     pipeline_s = (compute_s + inside) / (1 - bubble)
     step = pipeline_s + outside + offload_s
@@ -91,6 +101,8 @@ def step_time(*, ops: list[CommOp], compute_s: float, last_backward_s: float, pp
 
 
 def training_seconds(total_flops: float, *, gpus: int, flops_per_gpu: float) -> float:
+    """Wall time of `total_flops` on `gpus` GPUs sustaining `flops_per_gpu` each: with
+    training_flops, the rule 6TP/(nX) (8TP/(nX) with full recomputation)."""
     return total_flops / (gpus * flops_per_gpu)
 
 

@@ -49,7 +49,8 @@ class CommOp:
     algorithm: str
     bytes_sent: float  # per rank per step
     time_s: float  # per step, all calls, as if nothing overlapped
-    overlap: str  # "step": hides under the last backward; "compute": under all compute; "none"
+    overlap: str  # hides under: "step" the last backward, "backward" every backward,
+    # "compute" all compute; "none": exposed
 
     def to_dict(self) -> dict[str, Any]:
         return {"group": self.group, "op": self.op, "ranks": self.ranks,
@@ -95,11 +96,14 @@ def _p2p(group: str, size: int, nbytes: float, calls: int, link: Link, overlap: 
                   time_s=calls * (link.alpha_s + nbytes * link.beta_s_per_byte), overlap=overlap)
 
 
-def data_parallel_ops(*, group: str, params: float, size: int, zero: int, microbatches: int,
-                      precision: str, where: Placement, layers: int = 1,
-                      bucket_bytes: float = BUCKET_BYTES) -> list[CommOp]:
+FREE = Placement(link=Link(alpha_s=0.0, beta_s_per_byte=0.0))  # bytes only, no time
+
+
+def data_parallel_ops(*, params: float, size: int, zero: int, microbatches: int = 1,
+                      precision: str = "bf16", where: Placement = FREE, group: str = "dp",
+                      layers: int = 1, bucket_bytes: float = BUCKET_BYTES) -> list[CommOp]:
     """Gradient synchronisation and ZeRO parameter traffic of `params` parameters held by
-    each of `size` ranks (see the module docstring)."""
+    each of `size` ranks (see the module docstring); `layers` is ZeRO-3's gather unit."""
     if size <= 1 or params <= 0:
         return []
     p_bytes, g_bytes = (b * params for b in STATE_BYTES[precision][:2])
@@ -110,12 +114,12 @@ def data_parallel_ops(*, group: str, params: float, size: int, zero: int, microb
     if zero in (1, 2):
         syncs = 1 if zero == 1 else m
         return [_collective(group, "reduce_scatter", size, g_bytes / buckets, buckets * syncs,
-                            where, "step" if zero == 1 else "compute"),
+                            where, "step" if zero == 1 else "backward"),
                 _collective(group, "all_gather", size, p_bytes / buckets, buckets, where, "none")]
     return [_collective(group, "all_gather", size, p_bytes / layers, 2 * m * layers, where,
                         "compute"),
             _collective(group, "reduce_scatter", size, g_bytes / layers, m * layers, where,
-                        "compute")]
+                        "backward")]
 
 
 def step_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, seq_len: int,

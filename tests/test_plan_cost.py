@@ -1,0 +1,123 @@
+"""The alpha-beta-gamma cost model (shardtrain.comm.cost) against Thakur et al. 2005's forms."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from shardtrain.comm.cost import (ALGORITHMS, OPS, Link, best_algorithm, bus_bandwidth, cost,
+                                  supported, torus_grid)
+
+A, B, G = 1e-5, 1e-9, 1e-10
+LINK = Link(alpha_s=A, beta_s_per_byte=B, gamma_s_per_byte=G)
+N = 1e8
+
+
+@pytest.mark.parametrize("op,algorithm,expected", [
+    ("all_reduce", "ring", lambda n, p: 2 * (p - 1) * A + 2 * (p - 1) / p * n * B
+     + (p - 1) / p * n * G),
+    ("all_reduce", "rabenseifner", lambda n, p: 2 * math.log2(p) * A + 2 * (p - 1) / p * n * B
+     + (p - 1) / p * n * G),
+    ("all_reduce", "halving_doubling", lambda n, p: 2 * math.log2(p) * A + 2 * (p - 1) / p * n * B
+     + (p - 1) / p * n * G),
+    ("all_reduce", "recursive_doubling", lambda n, p: math.log2(p) * (A + n * B + n * G)),
+    ("all_reduce", "tree", lambda n, p: 2 * math.log2(p) * (A + n * B) + math.log2(p) * n * G),
+    ("all_gather", "ring", lambda n, p: (p - 1) * A + (p - 1) / p * n * B),
+    ("all_gather", "recursive_doubling", lambda n, p: math.log2(p) * A + (p - 1) / p * n * B),
+    ("reduce_scatter", "ring", lambda n, p: (p - 1) * (A + n / p * B + n / p * G)),
+    ("broadcast", "tree", lambda n, p: math.log2(p) * (A + n * B)),
+    ("reduce", "tree", lambda n, p: math.log2(p) * (A + n * B + n * G)),
+    ("all_to_all", "ring", lambda n, p: (p - 1) * (A + n / p * B)),
+])
+@pytest.mark.parametrize("p", [2, 8, 64])
+def test_formulas(op, algorithm, expected, p):
+    assert cost(op, N, p, LINK, algorithm=algorithm).time_s == pytest.approx(expected(N, p))
+
+
+def test_bytes_sent_per_rank():
+    p = 8
+    ring = cost("all_reduce", N, p, LINK, algorithm="ring")
+    assert ring.sent_bytes == pytest.approx(2 * 7 / 8 * N)
+    for op in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert cost(op, N, p, LINK, algorithm="ring").sent_bytes == pytest.approx(7 / 8 * N)
+    tree = cost("broadcast", N, p, LINK, algorithm="tree")
+    assert tree.sent_bytes == 3 * N  # the root sends lg p times
+    assert tree.sent_bytes_mean == pytest.approx(7 / 8 * N)  # p - 1 messages over p ranks
+
+
+def test_native_matches_the_runtime_ledger():
+    pytest.importorskip("torch")  # shardtrain.comm's package imports the communicator
+    from shardtrain.comm.ledger import native_volume
+    p, msg = 8, 8 * 2 ** 20
+    for op in OPS:
+        modelled = cost(op, msg, p, LINK)
+        root, other = (native_volume(op, msg, p, is_root=r)[0] for r in (True, False))
+        assert modelled.sent_bytes == max(root, other), op
+        rounds = max(native_volume(op, msg, p, is_root=r)[2] for r in (True, False))
+        assert modelled.rounds == rounds, op
+
+
+def test_one_rank_and_empty_messages_cost_nothing():
+    for op in OPS:
+        assert cost(op, N, 1, LINK).time_s == 0 and cost(op, 0, 8, LINK).sent_bytes == 0
+
+
+def test_unsupported_and_unknown_raise():
+    with pytest.raises(ValueError, match="does not implement all_to_all"):
+        cost("all_to_all", N, 8, LINK, algorithm="tree")
+    with pytest.raises(ValueError, match="is not one of"):
+        cost("all_reduce", N, 8, LINK, algorithm="butterfly")
+    with pytest.raises(ValueError, match="collective"):
+        cost("allreduce", N, 8, LINK)
+    assert "hierarchical" not in supported("all_reduce", 8)
+    assert "hierarchical" in supported("all_reduce", 16, local_size=8)
+    assert set(supported("all_reduce", 16, local_size=8)) == set(ALGORITHMS)
+
+
+def test_non_power_of_two_folds_extra_ranks():
+    # 6 ranks = a core of 4 plus 2 folded: + 2 alpha + 2 n beta + n gamma (Thakur et al. s. 4)
+    core = cost("all_reduce", N, 4, LINK, algorithm="rabenseifner").time_s
+    six = cost("all_reduce", N, 6, LINK, algorithm="rabenseifner").time_s
+    assert six == pytest.approx(core + 2 * A + 2 * N * B + N * G)
+
+
+def test_best_algorithm_small_vs_large():
+    slow_start = Link(alpha_s=1e-4, beta_s_per_byte=1e-10)
+    assert best_algorithm("all_reduce", 64, 64, slow_start) in ("recursive_doubling", "tree")
+    assert best_algorithm("all_reduce", 1e9, 64, slow_start) in ("rabenseifner",
+                                                                  "halving_doubling", "torus2d")
+    assert best_algorithm("all_reduce", 1e9, 7, slow_start) == "ring"
+
+
+def test_hierarchical_is_reduce_leaders_broadcast():
+    intra = Link(alpha_s=1e-6, beta_s_per_byte=1 / 300e9)
+    inter = Link(alpha_s=5e-6, beta_s_per_byte=1 / 25e9)
+    h = cost("all_reduce", N, 32, inter, algorithm="hierarchical", intra=intra, local_size=8)
+
+    def fastest(op, p, link):
+        return min(cost(op, N, p, link, algorithm=a).time_s for a in supported(op, p)
+                   if a not in ("native",))
+    expected = (fastest("reduce", 8, intra) + fastest("all_reduce", 4, inter)
+                + fastest("broadcast", 8, intra))
+    assert h.time_s == pytest.approx(expected)
+    # Leaders cross the slow tier with n bytes; a flat ring sends 2(p-1)/p n across it.
+    flat = cost("all_reduce", N, 32, inter, algorithm="ring")
+    assert h.time_s < flat.time_s
+
+
+def test_torus2d_rows_inside_columns_across():
+    intra = Link(alpha_s=0, beta_s_per_byte=1 / 300e9)
+    inter = Link(alpha_s=0, beta_s_per_byte=1 / 25e9)
+    assert torus_grid(32, 8) == (4, 8) and torus_grid(12) == (3, 4) and torus_grid(7) == (1, 7)
+    t = cost("all_reduce", N, 32, inter, algorithm="torus2d", intra=intra, local_size=8)
+    rows = 2 * 7 / 8 * N / 300e9
+    cols = 2 * 3 / 4 * (N / 8) / 25e9
+    assert t.time_s == pytest.approx(rows + cols)
+    assert t.sent_bytes == pytest.approx(2 * 7 / 8 * N + 2 * 3 / 4 * N / 8)
+
+
+def test_bus_bandwidth_nccl_tests_convention():
+    assert bus_bandwidth("all_reduce", 1e9, 8, 1.0) == pytest.approx(1.75e9)
+    assert bus_bandwidth("all_gather", 1e9, 8, 1.0) == pytest.approx(0.875e9)
+    assert bus_bandwidth("broadcast", 1e9, 8, 1.0) == pytest.approx(1e9)
