@@ -91,6 +91,9 @@ def test_nproc_2_then_torchrun_resume_then_generate(tmp_path):
     assert all(r["comm_bytes"] > 0 for r in records)
     assert "eval_loss" in records[-1]
     assert "[train]" in (run / "config.toml").read_text()
+    for rank in (0, 1):
+        ledger = json.loads((run / f"memory_rank{rank}.json").read_text())
+        assert ledger["params_bytes"] > 0 and ledger["peak_mem_bytes"] > 0
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000004",
                                                                       "step_00000008"]
     sample = _run([sys.executable, "-m", "shardtrain", "generate", "--checkpoint",

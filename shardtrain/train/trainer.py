@@ -8,6 +8,7 @@ periodic eval and checkpoints.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from contextlib import nullcontext
@@ -157,6 +158,10 @@ class Trainer:
                     bar.write(format_record(record))
         bar.close()
         self.metrics.close()
+        # Each rank's own memory ledger (metrics.jsonl carries rank 0's).
+        ledger = memory_ledger(self.model, self.optimizer, self.reducer.grad_bytes, self.device)
+        write_atomic(Path(t.run_dir) / f"memory_rank{self.mesh.rank}.json",
+                     json.dumps(ledger, indent=1))
         if self.is_main and t.sample_tokens:
             result.sample = self.sample(t.sample_prompt, t.sample_tokens)
         return result
