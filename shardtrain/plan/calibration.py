@@ -6,7 +6,9 @@ Schema (JSON object, all keys required):
      "beta_s_per_byte": float,    seconds per byte between two local processes
      "gamma_s_per_byte": float,   seconds per byte of a local reduction (a + b)
      "cores": int,                CPU cores the measurement saw
-     "measured_at": str}          ISO-8601 time of the measurement
+     "measured_at": str,          ISO-8601 time of the measurement
+     "efficiency": float}         optional (default 1.0): a training step's model FLOP/s over
+                                  flops_per_s, measured on a reference transformer
 The measuring code (it runs torch) lives outside the planner and calls `save`.
 """
 
@@ -31,6 +33,7 @@ class Calibration:
     gamma_s_per_byte: float
     cores: int
     measured_at: str
+    efficiency: float = 1.0
 
 
 # Used when no calibration exists: a small x86 machine (2-4 cores, AVX2 fp32 GEMM) with
@@ -54,7 +57,8 @@ def load(path: str | os.PathLike | None = None) -> Calibration | None:
     except json.JSONDecodeError as e:
         raise ConfigError(f"{file}: invalid calibration JSON: {e}; delete it or "
                           "re-measure") from None
-    fields = {f.name: f.type for f in dataclasses.fields(Calibration)}
+    fields = {f.name: f.type for f in dataclasses.fields(Calibration) if f.name in data
+              or f.default is dataclasses.MISSING}
     if not isinstance(data, dict) or set(fields) - set(data):
         missing = sorted(set(fields) - set(data)) if isinstance(data, dict) else list(fields)
         raise ConfigError(f"{file}: calibration lacks {', '.join(missing)}; re-measure")

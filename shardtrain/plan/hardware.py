@@ -107,7 +107,7 @@ def cpu(calibration_path: str | os.PathLike | None = None, processes: int = 1) -
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / max(1, processes)
     bandwidth = 1.0 / cal.beta_s_per_byte
     return Hardware(name="cpu", peak_flops=cal.flops_per_s, peak_flops_fp32=cal.flops_per_s,
-                    efficiency=1.0, memory_bytes=float(pages), usable_fraction=0.8,
+                    efficiency=cal.efficiency, memory_bytes=float(pages), usable_fraction=0.8,
                     memory_bw=1.0 / cal.gamma_s_per_byte, intra_bw=bandwidth,
                     intra_latency_s=cal.alpha_s, inter_bw_per_node=bandwidth,
                     inter_latency_s=cal.alpha_s, gpus_per_node=0, host_bw=bandwidth,
