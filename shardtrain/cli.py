@@ -132,6 +132,7 @@ def cmd_generate(argv: list[str]) -> int:
     import torch
 
     from shardtrain.data import load_tokenizer
+    from shardtrain.data.tokenizer import BPETokenizer
     from shardtrain.model.generate import generate
     from shardtrain.model.transformer import build_model
     from shardtrain.train import checkpoint as ckpt
@@ -141,7 +142,8 @@ def cmd_generate(argv: list[str]) -> int:
         raise ConfigError(f"--checkpoint {str(path)!r} is not a checkpoint directory (it must "
                           "hold model.pt and config.toml); pass a <run_dir>/checkpoints/step_* dir")
     cfg = ckpt.checkpoint_config(path)
-    tokenizer = load_tokenizer(cfg.data)
+    saved = path / ckpt.TOKENIZER_FILE
+    tokenizer = BPETokenizer(saved) if saved.is_file() else load_tokenizer(cfg.data)
     model = build_model(cfg.model, device="cpu", seed=0)
     model.load_state_dict(torch.load(path / "model.pt", map_location="cpu", weights_only=True))
     out = generate(model, tokenizer.encode(args.prompt), args.tokens,

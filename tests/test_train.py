@@ -2,12 +2,14 @@
 checkpoint rotation, and a BPE-tokenized run."""
 
 import math
+import shutil
 
 import pytest
 import torch
 
 from parity import assert_parity, tiny, train_layout
 from shardtrain import config
+from shardtrain.cli import main
 from shardtrain.mesh import MeshShape, ParallelMesh
 from shardtrain.train.optim import lr_at
 from shardtrain.train.trainer import Trainer
@@ -52,10 +54,16 @@ def test_checkpoints_rotate_and_are_atomic(tmp_path):
     assert ckpts == ["step_00000004", "step_00000006"]  # no leftover temporary directories
 
 
-def test_bpe_tokenized_run(tmp_path):
+def test_bpe_tokenized_run(tmp_path, capsys):
     cfg = tiny(tmp_path, "bpe", "--train.steps", "3", "--data.tokenizer", "bpe",
                "--data.bpe_vocab_size", "512", "--model.vocab_size", "512",
                "--data.max_bytes", "300000")
     trainer, result = _run(cfg)
     assert trainer.data.tokenizer.vocab_size <= 512 and len(result.losses) == 3
     assert trainer.sample("def ", 5).startswith("def")
+    # The checkpoint carries the tokenizer: generate works with the token cache gone.
+    shutil.rmtree(tmp_path / "cache")
+    step = tmp_path / "bpe" / "checkpoints" / "step_00000003"
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(step), "--prompt", "def ", "--tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("def")

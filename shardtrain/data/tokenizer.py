@@ -50,6 +50,7 @@ class BPETokenizer:
     """A `tokenizers` tokenizer read from a tokenizer.json; named by the file's hash."""
 
     def __init__(self, path: Path) -> None:
+        self.path = path  # checkpoints carry a copy, so a model stays decodable on its own
         self._tok = HFTokenizer.from_file(str(path))
         self.vocab_size: int = self._tok.get_vocab_size()
         self.name = "bpe-" + hashlib.sha256(path.read_bytes()).hexdigest()[:16]

@@ -2,8 +2,9 @@
 
 A checkpoint is written into a hidden temporary directory beside its final place, then
 renamed, so a crash never leaves a half-written checkpoint where resume would find it.
-It holds the model and optimizer state, the data sampler's position, the step, and the
-resolved config (whose [model] section is checked on resume).
+It holds the model and optimizer state, the data sampler's position, the step, the
+resolved config (whose [model] section is checked on resume) and, for a BPE run, a copy
+of the tokenizer, so `shardtrain generate` needs nothing but the checkpoint.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from shardtrain import config as config_mod
 from shardtrain.config import Config, ConfigError
 
 _PREFIX = "step_"
+TOKENIZER_FILE = "tokenizer.json"
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -29,7 +31,7 @@ def checkpoint_root(run_dir: str | Path) -> Path:
 
 
 def save_checkpoint(cfg: Config, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    sampler_state: dict[str, Any]) -> Path:
+                    sampler_state: dict[str, Any], tokenizer_file: Path | None = None) -> Path:
     root = checkpoint_root(cfg.train.run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_PREFIX}{step:08d}"
@@ -40,6 +42,8 @@ def save_checkpoint(cfg: Config, *, step: int, model: nn.Module, optimizer: torc
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     (tmp / "meta.json").write_text(json.dumps({"step": step, "sampler": sampler_state}, indent=1))
     (tmp / "config.toml").write_text(config_mod.to_toml(cfg))
+    if tokenizer_file is not None:
+        shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)

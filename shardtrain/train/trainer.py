@@ -170,7 +170,8 @@ class Trainer:
         # Under data parallelism every rank holds the same model and optimizer state.
         if self.is_main:
             ckpt.save_checkpoint(self.cfg, step=self.step, model=self.model,
-                                 optimizer=self.optimizer, sampler_state=self.sampler.state_dict())
+                                 optimizer=self.optimizer, sampler_state=self.sampler.state_dict(),
+                                 tokenizer_file=getattr(self.data.tokenizer, "path", None))
         self.dp.barrier()
 
     def sample(self, prompt: str, n_tokens: int) -> str:
