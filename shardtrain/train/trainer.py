@@ -56,6 +56,7 @@ class Trainer:
                               f"tokenizer's vocabulary {self.data.tokenizer.vocab_size}; raise it")
         self.model = build_model(cfg.model, device=device, seed=t.seed)
         self.reducer = parallelize(self.model, mesh, cfg)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, cfg.optim, t.lr)
         self.accum = t.accumulation_steps(self.dp.size)
         self.sampler = TokenSampler(self.data.train, seq_len=t.seq_len,
@@ -99,8 +100,7 @@ class Trainer:
                 (loss / self.accum).backward()
             loss_sum += loss.detach()
         self.reducer.finish()
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, o.grad_clip or float("inf"))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, o.grad_clip or float("inf"))
         self.optimizer.step()
         mean_loss = loss_sum / self.accum
         self.dp.all_reduce(mean_loss, "avg", tag="metric")
