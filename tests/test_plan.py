@@ -233,3 +233,13 @@ def test_bad_input_exit_code_2(argv, needles):
     assert code == 2
     for needle in needles:
         assert needle in err
+
+
+def test_the_planner_does_not_load_torch():
+    """plan/ and comm/cost.py are pure arithmetic: planning must not pay torch's import."""
+    import subprocess
+    import sys
+
+    code = "import sys, shardtrain.plan.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,14 +1,15 @@
-"""Every byte goes through here: a Communicator per process group, and the ledger.
+"""Every byte goes through here: a Communicator per process group, the algorithms it runs,
+the ledger that records each call, gradient compression, and the shared cost model.
 
 The names are imported lazily so that `shardtrain.comm.cost` (pure arithmetic, shared with
-the planner) can be imported without loading torch.
+the planner) imports without loading torch.
 """
 
 import importlib
 
-_EXPORTS = {"Communicator": "communicator", "Handle": "communicator",
-            "CommLedger": "ledger", "CommRecord": "ledger"}
-__all__ = list(_EXPORTS)
+_EXPORTS = {"Communicator": "communicator", "Handle": "lane", "CommLedger": "ledger",
+            "CommRecord": "ledger", "CommError": "p2p"}
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):

@@ -1,205 +1,266 @@
 """Communicator: the collectives of one process group, each call recorded in the ledger.
 
-Parallel code calls these methods, never torch.distributed directly. A communicator over
-a group of one rank (or no group at all) turns every collective into a no-op or a local
-copy, so world size 1 runs the same code. Ops: sum, avg, max, min (avg is a sum followed
-by a division: Gloo has no native average).
+Parallel code calls these methods, never torch.distributed directly. Each call runs the
+algorithm named for it (`algorithm=`), or the run's `comm.algorithm`, or -- for ops that
+algorithm does not implement -- the backend's own (`native`); `auto` asks the cost model
+(see dispatch.py). Our algorithms are plain functions over point-to-point messages
+(algorithms/); the ledger records the bytes they really moved.
+
+A communicator over a group of one rank (or no group at all) turns every collective into a
+no-op or a local copy, so world size 1 runs the same code. Ops: sum, avg, max, min (avg is a
+sum followed by one division). fp32, bf16 and fp16 travel in their own dtype; each
+reduction step computes in fp32 and rounds once (torch's CPU kernels; NCCL does the same).
+Inputs may be non-contiguous (the result is copied back) and of any element count. Every
+wait honours `timeout_s` (comm.timeout_s): a peer that never answers ends in a CommError
+naming the group, the op and the algorithm.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from shardtrain.comm.ledger import CommLedger, CommRecord, native_volume
-
-ALGORITHMS = ("native",)
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
-               "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
-
-class Handle:
-    """A launched collective. `wait()` blocks until it is done, applies any finishing step
-    (the division of an average), and stamps the ledger record with the elapsed time."""
-
-    def __init__(self, work: dist.Work | None, record: CommRecord | None,
-                 finish: Callable[[], None] | None = None):
-        self._work, self._record, self._finish = work, record, finish
-        self._start = time.perf_counter()
-        self._done = False
-
-    def wait(self) -> None:
-        if self._done:
-            return
-        if self._work is not None:
-            self._work.wait()
-        if self._finish is not None:
-            self._finish()
-        if self._record is not None:
-            self._record.time_s = time.perf_counter() - self._start
-        self._done = True
+from shardtrain.comm.algorithms import IMPLEMENTATIONS
+from shardtrain.comm.lane import Handle, wait_native
+from shardtrain.comm.p2p import Team
+from shardtrain.comm.runner import REDUCE_OPS, GroupRunner, flat_view, then
 
 
-class Communicator:
-    def __init__(self, group: dist.ProcessGroup | None, *, name: str, ranks: list[int],
-                 ledger: CommLedger, node_size: int = 0, algorithm: str = "native",
-                 timeout_s: float = 300.0):
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"comm.algorithm={algorithm!r} is not one of {', '.join(ALGORITHMS)}")
-        self.group, self.name, self.ranks, self.ledger = group, name, list(ranks), ledger
-        self.size = len(ranks)
-        self.node_size = node_size or self.size
-        self.algorithm = algorithm
-        self.timeout_s = timeout_s
-        self.rank = self.ranks.index(dist.get_rank()) if group is not None else 0
-
-    def __repr__(self) -> str:
-        return f"Communicator({self.name}, rank {self.rank} of {self.size}, {self.algorithm})"
-
-    # ------------------------------------------------------------------ bookkeeping
-
-    def _record(self, op: str, t: torch.Tensor, *, is_root: bool = False, tag: str = "",
-                numel: int | None = None) -> CommRecord | None:
-        if self.size == 1:
-            return None
-        numel = t.numel() if numel is None else numel
-        msg = numel * t.element_size()
-        sent, recv, rounds = native_volume(op, msg, self.size, is_root=is_root)
-        record = CommRecord(op=op, group=self.name, algorithm=self.algorithm,
-                            dtype=str(t.dtype).removeprefix("torch."), numel=numel,
-                            msg_bytes=msg, sent_bytes=sent, recv_bytes=recv, rounds=rounds,
-                            tag=tag)
-        self.ledger.add(record)
-        return record
-
-    def _done(self, work: dist.Work | None, record: CommRecord | None, async_op: bool,
-              finish: Callable[[], None] | None = None) -> Handle:
-        handle = Handle(work, record, finish)
-        if not async_op:
-            handle.wait()
-        return handle
-
-    def _global(self, group_rank: int) -> int:
-        return self.ranks[group_rank]
-
-    @staticmethod
-    def _check_op(op: str) -> dist.ReduceOp:
-        if op not in _REDUCE_OPS:
-            raise ValueError(f"reduce op {op!r} is not one of {', '.join(_REDUCE_OPS)}")
-        return _REDUCE_OPS[op]
-
-    def _average(self, t: torch.Tensor, op: str) -> Callable[[], None] | None:
-        return (lambda: t.div_(self.size)) if op == "avg" else None
+class Communicator(GroupRunner):
+    """The collectives of one group (constructor: see GroupRunner)."""
 
     # ------------------------------------------------------------------ collectives
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False,
-                   tag: str = "") -> Handle:
-        """Reduce `tensor` in place across the group; every rank gets the result."""
-        reduce_op = self._check_op(op)
-        record = self._record("all_reduce", tensor, tag=tag)
-        if record is None:
-            return self._done(None, None, async_op)
-        work = dist.all_reduce(tensor, reduce_op, group=self.group, async_op=True)
-        return self._done(work, record, async_op, self._average(tensor, op))
+                   tag: str = "", algorithm: str | None = None, compress=None) -> Handle:
+        """Reduce `tensor` in place across the group; every rank gets the result. With
+        `compress` (see compress.py) the gradient travels compressed (op sum or avg)."""
+        self._check_op(op)
+        if self.size == 1:
+            return _finished()
+        if compress is not None:
+            return Handle(future=self._lane.run(
+                lambda: compress.all_reduce(self, tensor, op, tag), async_op=async_op))
+        flat, back = flat_view(tensor)
+        name = self._choose("all_reduce", flat, algorithm)
+        return self._launch(
+            "all_reduce", name, self._record("all_reduce", flat, name, tag), async_op=async_op,
+            agree=dict(numel=flat.numel(), dtype=flat.dtype, reduce_op=op),
+            native=lambda: dist.all_reduce(flat, REDUCE_OPS[op], group=self.group, async_op=True),
+            body=lambda team: IMPLEMENTATIONS[name]["all_reduce"](team, flat, op),
+            finish=then(self._average(flat, op), back))
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False,
-                  tag: str = "") -> Handle:
+                  tag: str = "", algorithm: str | None = None) -> Handle:
         """Copy group rank `src`'s tensor into every rank's tensor."""
-        record = self._record("broadcast", tensor, is_root=self.rank == src, tag=tag)
-        if record is None:
-            return self._done(None, None, async_op)
-        work = dist.broadcast(tensor, self._global(src), group=self.group, async_op=True)
-        return self._done(work, record, async_op)
+        if self.size == 1:
+            return _finished()
+        flat, back = flat_view(tensor)
+        name = self._choose("broadcast", flat, algorithm)
+        return self._launch(
+            "broadcast", name, self._record("broadcast", flat, name, tag, root=src),
+            async_op=async_op, agree=dict(numel=flat.numel(), dtype=flat.dtype, reduce_op=""),
+            native=lambda: dist.broadcast(flat, self.ranks[src], group=self.group, async_op=True),
+            body=lambda team: IMPLEMENTATIONS[name]["broadcast"](team.rotated(src), flat),
+            finish=back)
 
     def reduce(self, tensor: torch.Tensor, dst: int = 0, op: str = "sum", *,
-               async_op: bool = False, tag: str = "") -> Handle:
+               async_op: bool = False, tag: str = "", algorithm: str | None = None) -> Handle:
         """Reduce into group rank `dst`'s tensor; other ranks' tensors are scratch."""
-        reduce_op = self._check_op(op)
-        record = self._record("reduce", tensor, is_root=self.rank == dst, tag=tag)
-        if record is None:
-            return self._done(None, None, async_op)
-        work = dist.reduce(tensor, self._global(dst), reduce_op, group=self.group, async_op=True)
-        finish = self._average(tensor, op) if self.rank == dst else None
-        return self._done(work, record, async_op, finish)
+        self._check_op(op)
+        if self.size == 1:
+            return _finished()
+        flat, back = flat_view(tensor)
+        name = self._choose("reduce", flat, algorithm)
+        root = self.rank == dst
+        return self._launch(
+            "reduce", name, self._record("reduce", flat, name, tag, root=dst),
+            async_op=async_op, agree=dict(numel=flat.numel(), dtype=flat.dtype, reduce_op=op),
+            native=lambda: dist.reduce(flat, self.ranks[dst], REDUCE_OPS[op], group=self.group,
+                                       async_op=True),
+            body=lambda team: IMPLEMENTATIONS[name]["reduce"](team.rotated(dst), flat, op),
+            finish=then(self._average(flat, op) if root else None, back))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
-                   tag: str = "") -> Handle:
+                   tag: str = "", algorithm: str | None = None) -> Handle:
         """output [size * n] <- the concatenation of every rank's input [n]."""
-        _expect(output.numel() == input.numel() * self.size, "all_gather", self,
-                f"output has {output.numel()} elements, expected {self.size} x {input.numel()}")
-        record = self._record("all_gather", output, tag=tag)
-        if record is None:
-            output.view(-1).copy_(input.reshape(-1))
-            return self._done(None, None, async_op)
-        work = dist.all_gather_into_tensor(output, input.contiguous(), group=self.group,
-                                           async_op=True)
-        return self._done(work, record, async_op)
+        m = input.numel()
+        self._expect(output.numel() == m * self.size, "all_gather",
+                     f"output has {output.numel()} elements, expected {self.size} x {m}")
+        out, back = flat_view(output)
+        if self.size == 1:
+            out.copy_(input.reshape(-1))
+            return _finished(back)
+        name = self._choose("all_gather", out, algorithm)
+        inp = input.reshape(-1)
+
+        def body(team: Team) -> None:
+            out[self.rank * m:(self.rank + 1) * m].copy_(inp)
+            IMPLEMENTATIONS[name]["all_gather"](team, out, _equal(m, self.size))
+
+        return self._launch(
+            "all_gather", name, self._record("all_gather", out, name, tag), async_op=async_op,
+            agree=dict(numel=m, dtype=out.dtype, reduce_op=""),
+            native=lambda: dist.all_gather_single(out, inp.contiguous(), group=self.group,
+                                                 async_op=True),
+            body=body, finish=back)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *,
-                       async_op: bool = False, tag: str = "") -> Handle:
+                       async_op: bool = False, tag: str = "",
+                       algorithm: str | None = None) -> Handle:
         """output [n] <- chunk `rank` of the reduction of every rank's input [size * n]."""
-        reduce_op = self._check_op(op)
-        _expect(input.numel() == output.numel() * self.size, "reduce_scatter", self,
-                f"input has {input.numel()} elements, expected {self.size} x {output.numel()}")
-        record = self._record("reduce_scatter", input, tag=tag)
-        if record is None:
-            output.view(-1).copy_(input.reshape(-1))
-            return self._done(None, None, async_op)
-        work = dist.reduce_scatter_tensor(output, input.contiguous(), reduce_op,
-                                          group=self.group, async_op=True)
-        return self._done(work, record, async_op, self._average(output, op))
+        self._check_op(op)
+        self._expect(input.numel() == output.numel() * self.size, "reduce_scatter",
+                     f"input has {input.numel()} elements, expected {self.size} x {output.numel()}")
+        out, back = flat_view(output)
+        if self.size == 1:
+            out.copy_(input.reshape(-1))
+            return _finished(back)
+        inp = input.reshape(-1)
+        name = self._choose("reduce_scatter", inp, algorithm)
+
+        def body(team: Team) -> None:  # the algorithms leave their input intact
+            out.copy_(IMPLEMENTATIONS[name]["reduce_scatter"](
+                team, inp, _equal(out.numel(), self.size), op))
+
+        return self._launch(
+            "reduce_scatter", name, self._record("reduce_scatter", inp, name, tag),
+            async_op=async_op, agree=dict(numel=out.numel(), dtype=out.dtype, reduce_op=op),
+            native=lambda: dist.reduce_scatter_single(out, inp.contiguous(), REDUCE_OPS[op],
+                                                      group=self.group, async_op=True),
+            body=body, finish=then(self._average(out, op), back))
 
     def gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int = 0, *,
-               tag: str = "") -> None:
+               tag: str = "", algorithm: str | None = None) -> None:
         """On `dst`, output [size * n] <- every rank's input [n]; output is ignored elsewhere."""
-        is_root = self.rank == dst
-        if self.size == 1:
+        m, p, root = input.numel(), self.size, self.rank == dst
+        if root:
+            self._expect(output.numel() == m * p, "gather",
+                         f"output has {output.numel()} elements, expected {p} x {m}")
+        if p == 1:
             output.view(-1).copy_(input.reshape(-1))
             return
-        self._record("gather", input, is_root=is_root, tag=tag, numel=input.numel() * self.size)
-        chunks = list(output.view(self.size, -1).unbind(0)) if is_root else None
-        dist.gather(input.reshape(-1).contiguous(), chunks, dst=self._global(dst), group=self.group)
+        inp = input.reshape(-1).contiguous()
+        name = self._choose("gather", inp, algorithm, numel=m * p)
+        # Our algorithms gather in team order (root first): rotated by dst from rank order.
+        direct = root and output.is_contiguous() and (name == "native" or dst == 0)
+        work = output.view(-1) if direct else \
+            self._scratch.get("rooted", m * p, inp.dtype) if root or name != "native" else None
+
+        def native() -> dist.Work:
+            chunks = list(work.view(p, m).unbind(0)) if root else None
+            return dist.gather(inp, chunks, dst=self.ranks[dst], group=self.group, async_op=True)
+
+        def body(team: Team) -> None:
+            me = (self.rank - dst) % p
+            work[me * m:(me + 1) * m].copy_(inp)
+            IMPLEMENTATIONS[name]["gather"](team.rotated(dst), work, _equal(m, p))
+
+        def finish() -> None:
+            if root and not direct:
+                shift = 0 if name == "native" else dst
+                _rotate_into(output.view(p, m), work.view(p, m), shift)
+
+        self._launch("gather", name, self._record("gather", inp, name, tag, root=dst,
+                                                  numel=m * p),
+                     async_op=False, agree=dict(numel=m, dtype=inp.dtype, reduce_op=""),
+                     native=native, body=body, finish=finish)
 
     def scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int = 0, *,
-                tag: str = "") -> None:
+                tag: str = "", algorithm: str | None = None) -> None:
         """output [n] <- chunk `rank` of `src`'s input [size * n]."""
-        is_root = self.rank == src
-        if self.size == 1:
+        m, p, root = output.numel(), self.size, self.rank == src
+        if p == 1:
             output.view(-1).copy_(input.reshape(-1))
             return
-        self._record("scatter", output, is_root=is_root, tag=tag, numel=output.numel() * self.size)
-        chunks = [c.contiguous() for c in input.reshape(self.size, -1).unbind(0)] if is_root else None
-        dist.scatter(output.view(-1), chunks, src=self._global(src), group=self.group)
+        out, back = flat_view(output)
+        name = self._choose("scatter", out, algorithm, numel=m * p)
+        if root:
+            self._expect(input.numel() == m * p, "scatter",
+                         f"input has {input.numel()} elements, expected {p} x {m}")
+            flat_in = input.reshape(-1).contiguous()
+
+        def native() -> dist.Work:
+            chunks = list(flat_in.view(p, m).unbind(0)) if root else None
+            return dist.scatter(out, chunks, src=self.ranks[src], group=self.group, async_op=True)
+
+        def body(team: Team) -> None:
+            # In team order (root first): the root's input rotated by src.
+            work = flat_in if root and src == 0 else self._scratch.get("rooted", m * p, out.dtype)
+            if root and src:
+                _rotate_into(work.view(p, m), flat_in.view(p, m), -src)
+            IMPLEMENTATIONS[name]["scatter"](team.rotated(src), work, _equal(m, p))
+            me = (self.rank - src) % p
+            out.copy_(work[me * m:(me + 1) * m])
+
+        self._launch("scatter", name, self._record("scatter", out, name, tag, root=src,
+                                                   numel=m * p),
+                     async_op=False, agree=dict(numel=m, dtype=out.dtype, reduce_op=""),
+                     native=native, body=body, finish=back)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *,
                    output_splits: list[int] | None = None, input_splits: list[int] | None = None,
-                   tag: str = "") -> None:
+                   tag: str = "", algorithm: str | None = None) -> None:
         """Chunk j of this rank's input goes to rank j; chunk i of output comes from rank i
         (equal chunks unless splits, in elements of dim 0, are given)."""
         if self.size == 1:
             output.copy_(input)
             return
-        self._record("all_to_all", input, tag=tag)
-        dist.all_to_all_single(output, input.contiguous(), output_splits, input_splits,
-                               group=self.group)
+        out, back = flat_view(output)
+        inp = input.reshape(-1).contiguous()
+        in_rows = input_splits or [input.shape[0] // self.size] * self.size
+        out_rows = output_splits or [output.shape[0] // self.size] * self.size
+        row = inp.numel() // max(1, input.shape[0]) if input.dim() else 1
+        equal = len(set(in_rows)) == 1 and in_rows == out_rows
+        name = self._choose("all_to_all", inp, algorithm, equal_splits=equal)
+        self._launch(
+            "all_to_all", name, self._record("all_to_all", inp, name, tag), async_op=False,
+            agree=dict(numel=0, dtype=inp.dtype, reduce_op=""), splits=(out_rows, in_rows),
+            native=lambda: dist.all_to_all_single(out.view(output.shape), inp.view(input.shape),
+                                                  output_splits, input_splits,
+                                                  group=self.group, async_op=True),
+            body=lambda team: IMPLEMENTATIONS[name]["all_to_all"](
+                team, out, inp, _offsets(out_rows, row), _offsets(in_rows, row)),
+            finish=back)
 
     def send(self, tensor: torch.Tensor, dst: int, *, tag: str = "") -> None:
-        self._record("send", tensor, tag=tag)
-        dist.send(tensor.contiguous(), self._global(dst), group=self.group)
+        self._record("send", tensor, "native", tag)
+        work = dist.isend(tensor.contiguous(), group=self.group, group_dst=dst)
+        wait_native(work, f"send to group rank {dst} on group {self.name}", self.timeout_s)
 
     def recv(self, tensor: torch.Tensor, src: int, *, tag: str = "") -> None:
-        self._record("recv", tensor, tag=tag)
-        dist.recv(tensor, self._global(src), group=self.group)
+        self._record("recv", tensor, "native", tag)
+        work = dist.irecv(tensor, group=self.group, group_src=src)
+        wait_native(work, f"recv from group rank {src} on group {self.name}", self.timeout_s)
 
     def barrier(self) -> None:
         if self.size > 1:
-            dist.barrier(group=self.group)
+            work = dist.barrier(group=self.group, async_op=True)
+            wait_native(work, f"barrier on group {self.name}", self.timeout_s)
 
 
-def _expect(ok: bool, op: str, comm: Communicator, why: str) -> None:
-    if not ok:
-        raise ValueError(f"{op} on group {comm.name}: {why}")
+def _rotate_into(dst: torch.Tensor, src: torch.Tensor, shift: int) -> None:
+    """dst[(j + shift) % p] = src[j] for the p rows, without a temporary."""
+    p = src.shape[0]
+    shift %= p
+    dst[shift:] = src[:p - shift]
+    dst[:shift] = src[p - shift:]
+
+
+def _equal(m: int, p: int) -> list[int]:
+    return [i * m for i in range(p + 1)]
+
+
+def _offsets(rows: list[int], row: int) -> list[int]:
+    out = [0]
+    for r in rows:
+        out.append(out[-1] + r * row)
+    return out
+
+
+def _finished(back: Callable[[], None] | None = None) -> Handle:
+    if back is not None:
+        back()
+    return Handle()

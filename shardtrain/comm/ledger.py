@@ -1,7 +1,8 @@
 """The communication ledger: one record per collective call, per rank.
 
-Bytes are what this rank puts on (sent) and takes off (recv) the wire. For the native
-backend they follow the algorithm the backend is modelled as (see `native_volume`):
+Bytes are what this rank puts on (sent) and takes off (recv) the wire. Our point-to-point
+algorithms count them message by message (comm/p2p.py). For the native backend they follow
+the algorithm the backend is modelled as (see `native_volume`):
 ring for all-reduce / all-gather / reduce-scatter (NCCL and Gloo both use ring-style
 algorithms for large messages), pairwise exchange for all-to-all, and direct root <-> peer
 transfers for the rooted ops.
@@ -22,9 +23,12 @@ class CommRecord:
     msg_bytes: int
     sent_bytes: int
     recv_bytes: int
-    rounds: int  # communication steps on the critical path
+    rounds: int  # communication steps (our algorithms: the steps this rank took part in)
     tag: str = ""  # what the bytes are for: "grad", "metric", ...
     time_s: float = 0.0  # launch to completion (async ops: includes overlapped compute)
+    # Bytes this rank sent to ranks on other nodes: counted by our point-to-point algorithms;
+    # None for the native backend, whose routing is not visible.
+    sent_inter_node_bytes: int | None = None
 
 
 @dataclass

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from shardtrain.comm import Communicator, Handle
+from shardtrain.comm.compress import make_compressor
 
 
 @dataclass(eq=False)
@@ -35,10 +36,17 @@ class Bucket:
 class DataParallel:
     """Averages gradients over `comm`'s group; wraps nothing, only hooks the parameters."""
 
-    def __init__(self, module: nn.Module, comm: Communicator, *, bucket_mb: float = 25.0):
+    def __init__(self, module: nn.Module, comm: Communicator, *, bucket_mb: float = 25.0,
+                 compress: str = "none", topk_ratio: float = 0.01, quant_block: int = 256,
+                 error_feedback: bool = True):
+        """`compress`: gradient compression (comm/compress.py): none, int8 or topk; each
+        bucket gets its own compressor (top-k keeps its error-feedback residual per bucket)."""
         self.module, self.comm = module, comm
         params = [p for p in module.parameters() if p.requires_grad]  # tied weights once
         self.buckets = _make_buckets(list(reversed(params)), bucket_mb * 2**20, comm.size)
+        self.compressors = [make_compressor(compress, topk_ratio=topk_ratio, block=quant_block,
+                                            error_feedback=error_feedback)
+                            for _ in self.buckets]
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self._next = 0  # index of the next bucket to launch
         self._sync = True
@@ -69,7 +77,8 @@ class DataParallel:
             self._launch(self.buckets[self._next])
 
     def _launch(self, bucket: Bucket) -> None:
-        bucket.handle = self.comm.all_reduce(bucket.buffer, "avg", async_op=True, tag="grad")
+        bucket.handle = self.comm.all_reduce(bucket.buffer, "avg", async_op=True, tag="grad",
+                                             compress=self.compressors[self._next])
         self._next += 1
 
     def finish(self) -> None:

@@ -1,0 +1,125 @@
+"""`shardtrain bench comm | calibrate`: measure collectives and this machine.
+
+    shardtrain bench comm [--nproc 4] [--ops OP ...] [--algorithms NAME ...]
+                          [--min-bytes 1K] [--max-bytes 256M] [--factor 4] [--node-size N]
+                          [--repeats 3] [--json] [--plot FILE.png | --plot none]
+    shardtrain bench calibrate [--nproc 4] [--output FILE.json] [--max-bytes 64M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from datetime import datetime, timezone
+
+from shardtrain.comm import cost
+from shardtrain.comm.dispatch import ALGORITHMS
+
+UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in ("comm", "calibrate"):
+        print(__doc__, file=sys.stderr if argv else sys.stdout)
+        return 2 if argv and argv[0] not in ("-h", "--help") else 0
+    return (bench_comm if argv[0] == "comm" else calibrate)(argv[1:])
+
+
+def _bytes(text: str) -> int:
+    try:
+        return int(float(text[:-1]) * UNITS[text[-1].upper()]) if text[-1].upper() in UNITS \
+            else int(text)
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 1K, 16M or 4096") from None
+
+
+def _sizes(low: int, high: int, factor: int) -> tuple[int, ...]:
+    out = [low]
+    while out[-1] * factor <= high:
+        out.append(out[-1] * factor)
+    return tuple(out)
+
+
+def _run(args, ops, algorithms, measure_flops: bool = False) -> dict:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from shardtrain.bench.comm import Spec, worker
+    from shardtrain.launch import launch_local
+
+    if args.nproc < 2:
+        raise SystemExit(f"shardtrain bench: --nproc {args.nproc} must be >= 2")
+    node = args.node_size or (args.nproc // 2 if args.nproc % 2 == 0 else args.nproc)
+    spec = Spec(ops=tuple(ops), algorithms=tuple(algorithms), node_size=node,
+                sizes=_sizes(args.min_bytes, args.max_bytes, args.factor),
+                repeats=args.repeats, measure_flops=measure_flops)
+    try:
+        return launch_local(args.nproc, worker, spec)[0]
+    except ChildFailedError as e:
+        raise SystemExit(f"shardtrain bench: a worker failed:\n{e}") from None
+
+
+def _common(parser: argparse.ArgumentParser, max_bytes: str) -> None:
+    parser.add_argument("--nproc", type=int, default=4, help="worker processes (default 4)")
+    parser.add_argument("--min-bytes", type=_bytes, default=_bytes("1K"))
+    parser.add_argument("--max-bytes", type=_bytes, default=_bytes(max_bytes))
+    parser.add_argument("--factor", type=int, default=4, help="size step (default x4)")
+    parser.add_argument("--node-size", type=int, default=0,
+                        help="ranks per virtual node (default nproc/2: two nodes)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="turns per measurement; the best counts (default 3)")
+
+
+def bench_comm(argv: list[str]) -> int:
+    from shardtrain.bench import report
+
+    parser = argparse.ArgumentParser(prog="shardtrain bench comm")
+    _common(parser, "256M")
+    parser.add_argument("--ops", nargs="+", choices=cost.OPS, default=list(cost.OPS))
+    parser.add_argument("--algorithms", nargs="+", choices=ALGORITHMS, default=list(ALGORITHMS))
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.add_argument("--plot", default="runs/bench/comm_busbw.png",
+                        help="PNG of busbw vs size per algorithm ('none': no plot)")
+    args = parser.parse_args(argv)
+    result = _run(args, args.ops, args.algorithms)
+    rows = report.annotate(result)
+    figures = report.acceptance(rows)
+    message = report.plot(rows, args.plot) if args.plot != "none" else ""
+    if args.json:
+        doc = {**{k: v for k, v in result.items() if k != "link"},
+               "link": dataclasses.asdict(result["link"]), "acceptance": figures}
+        print(json.dumps(doc, indent=1))
+    else:
+        report.print_tables(rows)
+        report.print_summary(result, figures)
+    if message:
+        print(message, file=sys.stderr)
+    return 0
+
+
+def calibrate(argv: list[str]) -> int:
+    """fp32 matmul FLOP/s per process and alpha/beta/gamma fitted from a comm bench of the
+    fitted algorithms at --nproc processes, saved where the planner's `cpu` preset reads."""
+    from shardtrain.bench import fit
+    from shardtrain.plan import calibration
+
+    parser = argparse.ArgumentParser(prog="shardtrain bench calibrate")
+    _common(parser, "64M")
+    parser.add_argument("--output", default=None,
+                        help=f"calibration file (default {calibration.DEFAULT_PATH})")
+    args = parser.parse_args(argv)
+    args.min_bytes = max(args.min_bytes, 4 * 2**10)
+    result = _run(args, ("all_reduce", "all_gather", "reduce_scatter", "broadcast"),
+                  fit.FITTED, measure_flops=True)
+    link = result["link"]
+    cal = calibration.Calibration(
+        flops_per_s=result["flops_per_s"], alpha_s=link.alpha_s,
+        beta_s_per_byte=link.beta_s_per_byte, gamma_s_per_byte=link.gamma_s_per_byte,
+        cores=os.cpu_count() or 1, measured_at=datetime.now(timezone.utc).isoformat())
+    path = calibration.save(cal, args.output)
+    print(f"{args.nproc} processes: {cal.flops_per_s / 1e9:.1f} GFLOP/s fp32 per process; "
+          f"alpha {cal.alpha_s * 1e6:.1f} us, beta {cal.beta_s_per_byte * 1e9:.3f} ns/B, "
+          f"gamma {cal.gamma_s_per_byte * 1e9:.3f} ns/B -> {path}")
+    return 0

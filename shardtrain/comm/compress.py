@@ -1,0 +1,121 @@
+"""Gradient compression for data parallelism (seed 001, "Sparsification and Quantization":
+keep the values with large absolute values and send an index vector; map gradients to low
+precision). A compressor is handed to `Communicator.all_reduce(..., compress=...)`, runs in
+the communicator's lane like any collective, and moves its bytes with the communicator's
+all_to_all / all_gather, so the ledger records the compressed bytes (tag "<tag>:<name>").
+Every rank ends with bit-identical results (replicas must not drift apart).
+
+- int8: block-wise absmax quantization (one fp32 scale per `block` values). Quantized values
+  cannot be summed in int8, so the reduce-scatter is an all-to-all of quantized parts, each
+  rank dequantizes and sums its part in fp32, re-quantizes it, and an all-gather returns the
+  parts (ZeRO++'s quantized gradient communication, seed 001). Bytes per rank: 2(p-1)/p x
+  (n + 4n/block) -- about 4x fewer than a ring all-reduce of fp32.
+- topk: each rank sends its k = ratio x n largest-magnitude entries as (value, index) pairs;
+  an all-gather delivers all p sparse vectors and every rank adds them up. With error
+  feedback (Seide et al. 2014; Stich et al. 2018) what was not sent is kept and added to the
+  next step's gradient, so no gradient is lost, only delayed. Bytes per rank: (p-1) x 8k,
+  i.e. n / (p k) times fewer than the ring (50x at 1% on 2 ranks).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from shardtrain.comm.p2p import even_bounds
+
+KINDS = ("none", "int8", "topk")
+
+
+def make_compressor(kind: str, *, topk_ratio: float = 0.01, block: int = 256,
+                    error_feedback: bool = True):
+    """A fresh compressor (it may hold state for one buffer), or None for "none"."""
+    if kind == "none":
+        return None
+    if kind == "int8":
+        return Int8Compressor(block)
+    if kind == "topk":
+        return TopKCompressor(topk_ratio, error_feedback=error_feedback)
+    raise ValueError(f"comm.compress={kind!r} is not one of {', '.join(KINDS)}")
+
+
+def _reducible(op: str, name: str) -> None:
+    if op not in ("sum", "avg"):
+        raise ValueError(f"{name} gradient compression sums gradients; op {op!r} is not "
+                         "supported (use sum or avg)")
+
+
+class Int8Compressor:
+    name = "int8"
+
+    def __init__(self, block: int = 256):
+        self.block = block
+
+    def all_reduce(self, comm, x: torch.Tensor, op: str, tag: str) -> None:
+        _reducible(op, self.name)
+        p, flat = comm.size, x.view(-1)
+        bounds = even_bounds(flat.numel(), p)
+        blocks = -(-(bounds[1] - bounds[0]) // self.block)  # per part (the widest)
+        width = blocks * self.block
+        parts = torch.zeros(p, width, dtype=torch.float32)  # [p, width], zero padded
+        for j in range(p):
+            parts[j, :bounds[j + 1] - bounds[j]] = flat[bounds[j]:bounds[j + 1]]
+        received = torch.empty(p, width + 4 * blocks, dtype=torch.uint8)
+        comm.all_to_all(received, self._pack(parts), tag=f"{tag}:{self.name}")
+        mine = self._unpack(received, blocks).sum(0, keepdim=True)  # [1, width], fp32
+        gathered = torch.empty(p, width + 4 * blocks, dtype=torch.uint8)
+        comm.all_gather(gathered, self._pack(mine), tag=f"{tag}:{self.name}")
+        summed = self._unpack(gathered, blocks)  # [p, width]
+        for j in range(p):
+            flat[bounds[j]:bounds[j + 1]] = summed[j, :bounds[j + 1] - bounds[j]]
+        if op == "avg":
+            flat.div_(p)
+
+    def _pack(self, rows: torch.Tensor) -> torch.Tensor:
+        """[r, blocks x block] fp32 -> [r, blocks x block int8 | blocks fp32 scales] bytes."""
+        r = rows.shape[0]
+        blocks = rows.view(r, -1, self.block)  # [r, blocks, block]
+        scale = blocks.abs().amax(-1) / 127.0  # [r, blocks]
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(blocks / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+        return torch.cat([q.view(r, -1).view(torch.uint8), scale.view(torch.uint8)], dim=1)
+
+    def _unpack(self, packed: torch.Tensor, blocks: int) -> torch.Tensor:
+        r, width = packed.shape[0], blocks * self.block
+        q = packed[:, :width].contiguous().view(torch.int8).view(r, blocks, self.block)
+        scale = packed[:, width:].contiguous().view(torch.float32)  # [r, blocks]
+        return (q.float() * scale.unsqueeze(-1)).view(r, width)
+
+
+class TopKCompressor:
+    name = "topk"
+
+    def __init__(self, ratio: float = 0.01, *, error_feedback: bool = True):
+        if not 0 < ratio <= 1:
+            raise ValueError(f"comm.topk_ratio={ratio} must be in (0, 1]")
+        self.ratio, self.error_feedback = ratio, error_feedback
+        self.residual: torch.Tensor | None = None  # fp32, what earlier steps did not send
+
+    def all_reduce(self, comm, x: torch.Tensor, op: str, tag: str) -> None:
+        _reducible(op, self.name)
+        p, flat = comm.size, x.view(-1)
+        n = flat.numel()
+        k = min(n, max(1, math.ceil(self.ratio * n)))
+        acc = flat.to(torch.float32, copy=True)
+        if self.error_feedback and self.residual is not None:
+            acc += self.residual
+        index = acc.abs().topk(k, sorted=False).indices
+        values = acc[index]
+        if self.error_feedback:
+            acc[index] = 0
+            self.residual = acc
+        payload = torch.cat([values.view(torch.int32), index.to(torch.int32)])  # [2k]
+        gathered = torch.empty(p, 2 * k, dtype=torch.int32)
+        comm.all_gather(gathered, payload, tag=f"{tag}:{self.name}")
+        dense = torch.zeros(n, dtype=torch.float32)
+        dense.index_add_(0, gathered[:, k:].reshape(-1).long(),
+                         gathered[:, :k].contiguous().view(torch.float32).reshape(-1))
+        if op == "avg":
+            dense.div_(p)
+        flat.copy_(dense)

@@ -1,0 +1,166 @@
+"""The machinery under every collective of one process group: the group's topology, the
+choice of algorithm, the cross-rank agreement check, running the call on the lane (see
+lane.py) and its entry in the ledger. Communicator (communicator.py) adds the collectives.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from shardtrain.comm import cost
+from shardtrain.comm.dispatch import ALGORITHMS, check_agreement, check_splits, choose
+from shardtrain.comm.lane import Handle, Lane, wait_native
+from shardtrain.comm.ledger import CommLedger, CommRecord, native_volume
+from shardtrain.comm.p2p import Scratch, Team, Wire
+
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
+              "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+CHECKS = ("first", "all", "off")
+
+
+class GroupRunner:
+    """State and machinery shared by every collective of one group."""
+
+    def __init__(self, group: dist.ProcessGroup | None, *, name: str, ranks: list[int],
+                 ledger: CommLedger, node_size: int = 0, algorithm: str = "native",
+                 timeout_s: float = 300.0, link: cost.Link | None = None,
+                 check_sizes: str = "first"):
+        """`ranks`: the group's global ranks; `node_size`: ranks per (virtual) node, nodes
+        being runs of consecutive global ranks (0: one node); `link`: the alpha-beta-gamma
+        figures `auto` and the hierarchical phases price with (None: this machine's
+        calibration); `check_sizes`: compare sizes across ranks before the first call of
+        each op ("first"), every call ("all") or never ("off")."""
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"comm.algorithm={algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+        if check_sizes not in CHECKS:
+            raise ValueError(f"check_sizes={check_sizes!r} is not one of {', '.join(CHECKS)}")
+        self.group, self.name, self.ranks, self.ledger = group, name, list(ranks), ledger
+        self.size = len(ranks)
+        self.node_size = node_size or self.size
+        self.nodes = [g // node_size for g in self.ranks] if node_size else [0] * self.size
+        counts = {self.nodes.count(n) for n in self.nodes}
+        self.local_size = self.nodes.count(self.nodes[0]) if len(counts) == 1 else 0
+        self.algorithm, self.timeout_s, self.check_sizes = algorithm, timeout_s, check_sizes
+        self.rank = self.ranks.index(dist.get_rank()) if group is not None else 0
+        # Communicators sharing a process group (dp and dp_cp may both be WORLD) use their
+        # own message tag, so their point-to-point messages never match each other's.
+        self._tag = zlib.crc32(name.encode()) & 0x7FFF
+        self._lane = Lane(name)
+        self._scratch = Scratch()
+        self._checked: set[str] = set()
+        self.link = link
+        if link is None and self.size > 1 and algorithm in ("auto", "hierarchical"):
+            self.link = self._agreed_link()
+
+    def __repr__(self) -> str:
+        return f"Communicator({self.name}, rank {self.rank} of {self.size}, {self.algorithm})"
+
+    def _choose(self, op: str, flat: torch.Tensor, requested: str | None, *,
+                numel: int | None = None, equal_splits: bool = True) -> str:
+        nbytes = (flat.numel() if numel is None else numel) * flat.element_size()
+        if (requested or self.algorithm) in ("auto", "hierarchical") and self.link is None:
+            self.link = _calibrated_link()
+        return choose(op, nbytes, requested=requested, default=self.algorithm, group=self.name,
+                      p=self.size, local_size=self.local_size, link=self.link,
+                      equal_splits=equal_splits)
+
+    def _launch(self, op: str, name: str, record: CommRecord, *, async_op: bool, agree: dict,
+                native: Callable[[], dist.Work], body: Callable[[Team], None],
+                finish: Callable[[], None] | None, splits: tuple | None = None) -> Handle:
+        """Run one call: on the lane (see lane.py), or -- a native async call with nothing
+        queued and nothing to check -- issued at once. The agreement check, when due, is
+        decided when the call runs, so every rank decides it at the same call."""
+        where = f"{op} on group {self.name} (algorithm {name})"
+        started = time.perf_counter()
+
+        def job() -> None:
+            if self._check_due(op):
+                check_agreement(self.group, where, self.timeout_s, algorithm=name, **agree)
+                if splits is not None:
+                    check_splits(self.group, where, self.timeout_s, *splits)
+            if name == "native":
+                wait_native(native(), where, self.timeout_s)
+            else:
+                wire = Wire(self.group, where, self.timeout_s, self.nodes, self.rank,
+                            self._scratch, self._tag)
+                body(Team(wire, tuple(range(self.size)), self.rank, self.link))
+                record.sent_bytes, record.recv_bytes = wire.sent, wire.recv
+                record.sent_inter_node_bytes, record.rounds = wire.sent_inter_node, wire.rounds
+            if finish is not None:
+                finish()
+            record.time_s = time.perf_counter() - started
+
+        direct = name == "native" and async_op and not self._lane.busy()
+        if direct and not self._check_due(op, peek=True):
+            return Handle(work=native(), record=record, finish=finish, where=where,
+                          timeout_s=self.timeout_s)
+        handle = Handle(future=self._lane.run(job, async_op=async_op))
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def _check_due(self, op: str, *, peek: bool = False) -> bool:
+        due = self.check_sizes == "all" or (self.check_sizes == "first" and op not in self._checked)
+        if not peek:
+            self._checked.add(op)
+        return due
+
+    def _record(self, op: str, t: torch.Tensor, name: str, tag: str, *, root: int | None = None,
+                numel: int | None = None) -> CommRecord:
+        """The ledger entry; p2p algorithms overwrite the modelled volume with what they moved."""
+        numel = t.numel() if numel is None else numel
+        msg = numel * t.element_size()
+        sent, recv, rounds = native_volume(op, msg, self.size, is_root=self.rank == root)
+        record = CommRecord(op=op, group=self.name, algorithm=name,
+                            dtype=str(t.dtype).removeprefix("torch."), numel=numel,
+                            msg_bytes=msg, sent_bytes=sent, recv_bytes=recv, rounds=rounds,
+                            tag=tag)
+        self.ledger.add(record)
+        return record
+
+    def _agreed_link(self) -> cost.Link:
+        """Rank 0's calibration, so that every rank's `auto` makes the same choices."""
+        link = _calibrated_link()
+        figures = torch.tensor([link.alpha_s, link.beta_s_per_byte, link.gamma_s_per_byte],
+                               dtype=torch.float64)
+        dist.broadcast(figures, self.ranks[0], group=self.group)
+        alpha, beta, gamma = figures.tolist()
+        return cost.Link(alpha_s=alpha, beta_s_per_byte=beta, gamma_s_per_byte=gamma)
+
+    def _check_op(self, op: str) -> None:
+        if op not in REDUCE_OPS:
+            raise ValueError(f"reduce op {op!r} on group {self.name} is not one of "
+                             f"{', '.join(REDUCE_OPS)}")
+
+    def _average(self, t: torch.Tensor, op: str) -> Callable[[], None] | None:
+        return (lambda: t.div_(self.size)) if op == "avg" else None
+
+    def _expect(self, ok: bool, op: str, why: str) -> None:
+        if not ok:
+            raise ValueError(f"{op} on group {self.name}: {why}")
+
+
+def _calibrated_link() -> cost.Link:
+    from shardtrain.plan import calibration
+
+    cal = calibration.load() or calibration.DEFAULT
+    return cost.Link(alpha_s=cal.alpha_s, beta_s_per_byte=cal.beta_s_per_byte,
+                     gamma_s_per_byte=cal.gamma_s_per_byte)
+
+
+def flat_view(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """A flat contiguous view of t, or a contiguous copy and the step that writes it back."""
+    if t.is_contiguous():
+        return t.view(-1), None
+    work = t.contiguous().view(-1)
+    return work, lambda: t.copy_(work.view(t.shape))
+
+
+def then(*steps: Callable[[], None] | None) -> Callable[[], None] | None:
+    steps = [s for s in steps if s is not None]
+    return (lambda: [s() for s in steps]) if steps else None

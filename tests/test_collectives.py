@@ -1,0 +1,329 @@
+"""Collectives: every op x algorithm equals the native backend, the ledger's bytes equal
+theory, bad input fails clearly. World sizes 1-8 come from one spawn of 8 processes (a
+sub-group per size: spawning is the slow part); world size 1 runs in this process.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist import run_distributed
+from shardtrain.comm import CommLedger, Communicator
+from shardtrain.comm.algorithms import IMPLEMENTATIONS
+from shardtrain.comm.cost import Link
+from shardtrain.comm.dispatch import ALGORITHMS, choose
+from shardtrain.comm.p2p import CommError
+
+COUNTS = (0, 1, 7, 1000, 2**20 + 3)
+REDUCE_OPS = ("sum", "avg", "max", "min")
+TOPOLOGICAL = ("hierarchical", "torus2d")
+# Ties under a pure-bandwidth link go to the first algorithm, ring: a deterministic choice
+# for hierarchical's phases in the volume checks.
+BANDWIDTH_LINK = Link(alpha_s=0.0, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0)
+
+
+def _data(count: int, rank: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return torch.randn(count, generator=g).to(dtype)
+
+
+def _same(got: torch.Tensor, ref: torch.Tensor, exact: bool) -> bool:
+    if exact:
+        return torch.equal(got, ref)
+    tol = 1e-5 if got.dtype == torch.float32 else 3e-2
+    return torch.allclose(got.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def _algorithms(op: str, topological: bool) -> list[str]:
+    return [a for a, ops in IMPLEMENTATIONS.items()
+            if op in ops and (a in TOPOLOGICAL) == topological]
+
+
+def _check_ops(comm: Communicator, topological: bool, bad: list) -> None:
+    """Every op this communicator's algorithms serve, against native, on every count."""
+    p, r = comm.size, comm.rank
+    note = lambda *what: bad.append((p, comm.node_size, *what))  # noqa: E731
+    for seed, n in enumerate(COUNTS):
+        chunk = -(-n // p) if n > 1000 else n  # per-rank count of the gathering ops
+        for op in REDUCE_OPS:
+            x = _data(n, r, seed)
+            ref = x.clone()
+            comm.all_reduce(ref, op)
+            for a in _algorithms("all_reduce", topological):
+                y = x.clone()
+                comm.all_reduce(y, op, algorithm=a)
+                if not _same(y, ref, op in ("max", "min")):
+                    note("all_reduce", a, op, n)
+        for op in ("sum", "max"):
+            x = _data(chunk * p, r, seed)
+            ref = torch.empty(chunk)
+            comm.reduce_scatter(ref, x, op)
+            for a in _algorithms("reduce_scatter", topological):
+                y = torch.empty(chunk)
+                comm.reduce_scatter(y, x, op, algorithm=a)
+                if not _same(y, ref, op == "max"):
+                    note("reduce_scatter", a, op, n)
+        x = _data(chunk, r, seed)
+        ref = torch.empty(chunk * p)
+        comm.all_gather(ref, x)
+        for a in _algorithms("all_gather", topological):
+            y = torch.full((chunk * p,), float("nan"))
+            comm.all_gather(y, x, algorithm=a)
+            if not torch.equal(y, ref):
+                note("all_gather", a, n)
+        if topological:
+            continue
+        for root in {0, p - 1}:
+            x = _data(n, r, seed)
+            ref = x.clone()
+            comm.broadcast(ref, root)
+            for a in _algorithms("broadcast", False):
+                y = x.clone()
+                comm.broadcast(y, root, algorithm=a)
+                if not torch.equal(y, ref):
+                    note("broadcast", a, root, n)
+            for op in ("sum", "min"):
+                ref = x.clone()
+                comm.reduce(ref, root, op)
+                for a in _algorithms("reduce", False):
+                    y = x.clone()
+                    comm.reduce(y, root, op, algorithm=a)
+                    if r == root and not _same(y, ref, op == "min"):
+                        note("reduce", a, op, root, n)
+            x = _data(chunk, r, seed)
+            ref = torch.empty(chunk * p) if r == root else None
+            comm.gather(ref, x, root)
+            full = _data(chunk * p, root, seed)
+            ref_scatter = torch.empty(chunk)
+            comm.scatter(ref_scatter, full, root)
+            for a in _algorithms("gather", False):
+                y = torch.empty(chunk * p) if r == root else None
+                comm.gather(y, x, root, algorithm=a)
+                if r == root and not torch.equal(y, ref):
+                    note("gather", a, root, n)
+                y = torch.empty(chunk)
+                comm.scatter(y, full if r == root else None, root, algorithm=a)
+                if not torch.equal(y, ref_scatter):
+                    note("scatter", a, root, n)
+        x = _data(chunk * p, r, seed).view(p, chunk)
+        ref = torch.empty(p, chunk)
+        comm.all_to_all(ref, x)
+        for a in _algorithms("all_to_all", False):
+            y = torch.empty(p, chunk)
+            comm.all_to_all(y, x, algorithm=a)
+            if not torch.equal(y, ref):
+                note("all_to_all", a, n)
+
+
+def _check_extras(comm: Communicator, bad: list) -> None:
+    """Uneven all-to-all splits, bf16/fp16 inputs, non-contiguous tensors."""
+    p, r = comm.size, comm.rank
+    rows_to = [(r + j) % 3 for j in range(p)]  # rows this rank sends to j
+    rows_from = [(j + r) % 3 for j in range(p)]  # rows j sends here
+    x = _data(sum(rows_to) * 5, r, 7).view(-1, 5)
+    ref = torch.empty(sum(rows_from), 5)
+    comm.all_to_all(ref, x, output_splits=rows_from, input_splits=rows_to)
+    y = torch.empty_like(ref)
+    comm.all_to_all(y, x, output_splits=rows_from, input_splits=rows_to, algorithm="ring")
+    if not torch.equal(y, ref):
+        bad.append((p, "all_to_all uneven"))
+    for dtype in (torch.bfloat16, torch.float16):
+        x = _data(1000, r, 8, dtype)
+        ref = x.clone()
+        comm.all_reduce(ref, "sum")
+        for a in _algorithms("all_reduce", False):
+            y = x.clone()
+            comm.all_reduce(y, "avg", algorithm=a)
+            if y.dtype != dtype or not _same(y * p, ref, exact=False):
+                bad.append((p, "all_reduce", a, dtype))
+    base = _data(40 * 30, r, 9).view(40, 30)
+    ref = base.t().contiguous()
+    comm.all_reduce(ref, "sum")
+    out_ref = torch.empty(30 * p, 40)
+    comm.all_gather(out_ref, base.t().contiguous())
+    for a in _algorithms("all_reduce", False):
+        y = base.clone().t()  # non-contiguous
+        comm.all_reduce(y, "sum", algorithm=a)
+        if y.is_contiguous() or not _same(y, ref, exact=False):
+            bad.append((p, "non-contiguous all_reduce", a))
+    out = torch.empty(40, 30 * p).t()  # non-contiguous output
+    comm.all_gather(out, base.t(), algorithm="ring")
+    if not torch.equal(out, out_ref):
+        bad.append((p, "non-contiguous all_gather"))
+
+
+def _volumes(comm: Communicator, n: int) -> dict:
+    """(sent, recv, inter-node sent, rounds) of one call per algorithm; S = 4n bytes."""
+    comm.ledger.records.clear()
+    out = {}
+    for a in _algorithms("all_reduce", False) + list(TOPOLOGICAL):
+        comm.all_reduce(torch.ones(n), algorithm=a)
+        out[("all_reduce", a)] = comm.ledger.records[-1]
+    for a in _algorithms("all_gather", False):
+        comm.all_gather(torch.empty(n), torch.ones(n // comm.size), algorithm=a)
+        out[("all_gather", a)] = comm.ledger.records[-1]
+    for a in _algorithms("reduce_scatter", False):
+        comm.reduce_scatter(torch.empty(n // comm.size), torch.ones(n), algorithm=a)
+        out[("reduce_scatter", a)] = comm.ledger.records[-1]
+    comm.broadcast(torch.ones(n), 0, algorithm="tree")
+    out[("broadcast", "tree")] = comm.ledger.records[-1]
+    return {k: (v.sent_bytes, v.recv_bytes, v.sent_inter_node_bytes, v.rounds)
+            for k, v in out.items()}
+
+
+def _errors(rank: int) -> dict:
+    """Bad input on fresh two-rank groups (made by every rank, used by ranks 0 and 1)."""
+    groups = [dist.new_group([0, 1]) for _ in range(4)]
+    if rank > 1:
+        return {}
+    out = {}
+
+    def comm(i: int, **kw) -> Communicator:
+        return Communicator(groups[i], name=f"err{i}", ranks=[0, 1], ledger=CommLedger(), **kw)
+
+    def catch(fn) -> str:
+        try:
+            fn()
+        except (CommError, ValueError) as e:
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    c = comm(0, timeout_s=30)
+    out["unknown"] = catch(lambda: c.all_reduce(torch.ones(4), algorithm="warp"))
+    out["cannot"] = catch(lambda: c.all_gather(torch.empty(8), torch.ones(4), algorithm="tree"))
+    out["size"] = catch(lambda: c.all_reduce(torch.ones(10 + 2 * rank), algorithm="ring"))
+    out["splits"] = catch(lambda: c.all_to_all(torch.empty(3), torch.ones(3), output_splits=[1, 2],
+                                               input_splits=[1, 2]))
+    # A peer that never answers: rank 1 stays away (alive) while rank 0 waits 1 s.
+    if rank == 0:
+        for i, name in ((1, "ring"), (2, "native")):
+            start = time.perf_counter()
+            out[f"timeout_{name}"] = catch(lambda: comm(i, timeout_s=1.0, check_sizes="off")
+                                           .all_reduce(torch.ones(64), algorithm=name))
+            out[f"timeout_{name}_s"] = time.perf_counter() - start
+    else:
+        time.sleep(4.0)
+    return out
+
+
+def _suite(rank: int, world: int) -> dict:
+    bad: list = []
+    volumes: dict = {}
+    for p in range(2, world + 1):
+        group = dist.new_group(list(range(p))) if p < world else dist.group.WORLD
+        if rank < p:
+            make = lambda node, **kw: Communicator(  # noqa: E731
+                group, name=f"w{p}n{node}", ranks=list(range(p)), ledger=CommLedger(),
+                node_size=node, timeout_s=120, **kw)
+            _check_ops(make(0), False, bad)
+            _check_extras(make(0), bad)
+            for node in (0, 2, 3):
+                _check_ops(make(node, link=BANDWIDTH_LINK), True, bad)
+            if p in (4, 6, 8, 5):
+                volumes[p] = _volumes(make(2 if p != 6 else 3, link=BANDWIDTH_LINK), 840 * 8)
+        dist.barrier()
+    return {"bad": bad, "volumes": volumes, "errors": _errors(rank)}
+
+
+@pytest.fixture(scope="module")
+def suite() -> list[dict]:
+    return run_distributed(_suite, 8, timeout_s=600)
+
+
+def test_every_op_and_algorithm_equals_native(suite):
+    """World sizes 2-8 (3, 5, 6, 7 included), counts 0, 1, 7, 1000, 2^20+3; hierarchical
+    and torus with virtual nodes of 2 and 3 (grids 2x2, 2x3, 3x2, 2x4, ...)."""
+    bad = [b for r in suite for b in r["bad"]]
+    assert not bad, f"differs from native: {bad[:20]}"
+
+
+def test_world_size_one_is_local():
+    comm = Communicator(None, name="dp", ranks=[0], ledger=CommLedger(), algorithm="ring")
+    x = torch.arange(5.0)
+    for op in REDUCE_OPS:
+        comm.all_reduce(x, op)
+    out = torch.empty(5)
+    comm.all_gather(out, x)
+    comm.reduce_scatter(out, x)
+    assert torch.equal(x, torch.arange(5.0)) and torch.equal(out, x) and not comm.ledger.records
+
+
+def _core(p: int) -> int:
+    return 1 << (p.bit_length() - 1)
+
+
+def test_ledger_volumes_equal_theory(suite):
+    """Bytes sent per rank, S the message (the gathered size for all_gather / reduce_scatter;
+    S divisible by every p here, so no padding):
+    - ring and Rabenseifner / halving-doubling all-reduce: 2(p-1)/p S (power-of-two p);
+      off powers of two, with core c = 2^floor(lg p) and r = p - c: members 2i+1 < 2r send S
+      (fold), members 2i < 2r send 2(c-1)/c S + S (core share + unfold), the rest 2(c-1)/c S;
+    - recursive doubling all-reduce: lg2(p) S (folded as above, lg2(c) S in the core);
+    - ring and recursive-doubling all-gather, ring reduce-scatter: (p-1)/p S;
+    - binomial broadcast: the root sends ceil(lg2 p) S;
+    - hierarchical (nodes of k, m = p/k nodes): only node leaders send across nodes, exactly
+      a ring all-reduce among the leaders, 2(m-1)/m S; torus r x c: 2(r-1)/r S/c across nodes.
+    """
+    S = 4 * 840 * 8
+    for p, per_rank in {p: [r["volumes"].get(p) for r in suite[:p]] for p in (4, 5, 6, 8)}.items():
+        c, k = _core(p), 3 if p == 6 else 2
+        m = p // k
+        for rank, v in enumerate(per_rank):
+            folded = rank < 2 * (p - c)
+            odd = folded and rank % 2 == 1
+            ring_ar = 2 * (p - 1) * S // p
+            assert v[("all_reduce", "ring")][:2] == (ring_ar, ring_ar)
+            assert v[("all_reduce", "ring")][3] == 2 * (p - 1)
+            core_share = 2 * (c - 1) * S // c
+            expect = S if odd else core_share + (S if folded else 0)
+            for a in ("rabenseifner", "halving_doubling"):
+                assert v[("all_reduce", a)][0] == expect, (p, rank, a)
+            lg = c.bit_length() - 1
+            expect = S if odd else lg * S + (S if folded else 0)
+            assert v[("all_reduce", "recursive_doubling")][0] == expect, (p, rank)
+            for op in ("all_gather", "reduce_scatter"):
+                assert v[(op, "ring")][:2] == ((p - 1) * S // p,) * 2, (p, op)
+            if p == c:
+                assert v[("all_gather", "recursive_doubling")][0] == (p - 1) * S // p
+            if rank == 0:
+                assert v[("broadcast", "tree")][0] == (p - 1).bit_length() * S
+            if p == 5:  # nodes of 2, 2, 1: checked for correctness only
+                continue
+            leader = rank % k == 0
+            inter = v[("all_reduce", "hierarchical")][2]
+            assert inter == (2 * (m - 1) * S // m if leader else 0), (p, rank, inter)
+            rows = p // k
+            assert v[("all_reduce", "torus2d")][2] == 2 * (rows - 1) * S // (rows * k)
+
+
+def test_bad_input_fails_clearly(suite):
+    e = suite[0]["errors"]
+    assert "all_reduce on group err0: unknown algorithm 'warp'" in e["unknown"]
+    assert ("all_gather on group err0: algorithm 'tree' cannot serve this call (it has no "
+            "all_gather); use one of native, ring, recursive_doubling") in e["cannot"]
+    for rank in (0, 1):
+        err = suite[rank]["errors"]
+        assert "CommError: all_reduce on group err0 (algorithm ring): ranks disagree on the " \
+               "element count" in err["size"]
+        assert "all_to_all on group err0 (algorithm native): output_splits disagree" \
+            in err["splits"]
+    for name in ("ring", "native"):
+        assert f"all_reduce on group err{1 if name == 'ring' else 2} (algorithm {name})" \
+            in e[f"timeout_{name}"] and "comm.timeout_s" in e[f"timeout_{name}"]
+        assert e[f"timeout_{name}_s"] < 3.0
+
+
+def test_choice_and_names():
+    link = Link(alpha_s=1e-4, beta_s_per_byte=1e-9, gamma_s_per_byte=1e-10)
+    kw = dict(requested=None, group="dp", p=8, local_size=2, link=link)
+    assert choose("all_reduce", 1024, default="auto", **kw) == "recursive_doubling"
+    assert choose("all_reduce", 2**28, default="auto", **kw) in ("ring", "rabenseifner",
+                                                                  "halving_doubling", "torus2d")
+    assert choose("all_to_all", 2**10, default="auto", **kw) == "recursive_doubling"
+    assert choose("all_to_all", 2**10, default="auto", equal_splits=False, **kw) == "ring"
+    assert choose("all_gather", 2**20, default="tree", **kw) == "native"  # run default
+    assert ALGORITHMS[-1] == "auto" and set(ALGORITHMS[1:-1]) == set(IMPLEMENTATIONS)

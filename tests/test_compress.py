@@ -1,0 +1,57 @@
+"""Gradient compressors on one process (a communicator of one rank moves bytes by copying):
+the quantization error bound, top-k selection, and error feedback losing nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardtrain.comm import CommLedger, Communicator
+from shardtrain.comm.compress import Int8Compressor, TopKCompressor, make_compressor
+
+
+def _comm() -> Communicator:
+    return Communicator(None, name="dp", ranks=[0], ledger=CommLedger())
+
+
+def test_int8_round_trip_error_is_within_half_a_step_per_quantization():
+    torch.manual_seed(0)
+    x = torch.randn(5000) * torch.linspace(0.01, 10, 5000)  # blocks of very different scale
+    c = Int8Compressor(block=256)
+    y = x.clone()
+    c.all_reduce(_comm(), y, "sum", "grad")
+    # Two quantizations (the parts, then the reduced part), each off by <= scale / 2.
+    padded = torch.cat([x, torch.zeros(5120 - 5000)])
+    scale = padded.abs().view(-1, 256).amax(1).repeat_interleave(256)[:5000] / 127
+    error = (y - x).abs()
+    assert torch.all(error <= scale * 1.01) and error.max() > 0
+    packed = c._pack(torch.zeros(1, 512))
+    assert packed.dtype == torch.uint8 and packed.numel() == 512 + 2 * 4  # int8 + fp32 scales
+
+
+def test_topk_sends_the_largest_and_error_feedback_keeps_the_rest():
+    torch.manual_seed(1)
+    c = TopKCompressor(0.1)
+    total_in, total_out = torch.zeros(1000), torch.zeros(1000)
+    for step in range(5):
+        g = torch.randn(1000)
+        y = g.clone()
+        c.all_reduce(_comm(), y, "avg", "grad")
+        assert int((y != 0).sum()) <= 100
+        total_in += g
+        total_out += y
+        # Everything received so far plus the residual is everything produced.
+        assert torch.allclose(total_out + c.residual, total_in, atol=1e-5)
+    y = torch.tensor([0.1, -5.0, 0.2, 3.0])
+    TopKCompressor(0.5, error_feedback=False).all_reduce(_comm(), y, "sum", "grad")
+    assert y.tolist() == [0.0, -5.0, 0.0, 3.0]
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ValueError, match="comm.compress='zip' is not one of none, int8, topk"):
+        make_compressor("zip")
+    with pytest.raises(ValueError, match=r"comm.topk_ratio=0 must be in \(0, 1\]"):
+        make_compressor("topk", topk_ratio=0)
+    with pytest.raises(ValueError, match="op 'max' is not supported"):
+        Int8Compressor().all_reduce(_comm(), torch.ones(4), "max", "grad")
+    assert make_compressor("none") is None
