@@ -14,6 +14,7 @@ import os
 import tomllib
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -102,13 +103,15 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    """The layout: degrees of each parallel dimension. dp=0 fills the world."""
+    """The layout: degrees of each parallel dimension. dp=0 fills the world. sp: sequence
+    parallelism inside each tensor-parallel group (needs tp > 1)."""
 
     dp: int = 0
     tp: int = 1
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    sp: bool = False
     node_size: int = 0  # ranks per (virtual) node; 0: LOCAL_WORLD_SIZE from the launcher
 
     def resolved_dp(self, world_size: int) -> int:
@@ -127,23 +130,36 @@ class ParallelConfig:
                 f"(or set it to 0 to fill the world) or the number of processes (--nproc)")
         if (dp * self.cp) % self.ep:
             raise ConfigError(f"parallel.ep={self.ep} must divide dp x cp = {dp * self.cp}")
-        for name in ("tp", "pp", "cp", "ep"):
+        for name in ("pp", "cp", "ep"):
             if getattr(self, name) > 1:
                 raise ConfigError(
-                    f"parallel.{name}={getattr(self, name)}: the trainer supports data "
-                    f"parallelism only in this release; set parallel.{name}=1")
+                    f"parallel.{name}={getattr(self, name)}: the trainer supports data and "
+                    f"tensor parallelism only in this release; set parallel.{name}=1")
 
 
 @dataclass(kw_only=True)
 class CommConfig:
-    """How bytes move: the collective algorithm and gradient bucketing."""
+    """How bytes move: the collective algorithm, gradient bucketing and compression.
 
-    algorithm: Literal["native"] = "native"
+    algorithm: the backend's own (native), one of ours on point-to-point messages, or auto
+    (the cost model picks per call). compress: gradient compression for data parallelism,
+    int8 block-wise quantization (quant_block values per scale) or top-k sparsification
+    (topk_ratio of the entries, with error feedback unless error_feedback=false)."""
+
+    algorithm: Literal["native", "ring", "tree", "recursive_doubling", "halving_doubling",
+                       "rabenseifner", "hierarchical", "torus2d", "auto"] = "native"
     bucket_mb: float = 25.0
     timeout_s: float = 300.0
+    compress: Literal["none", "int8", "topk"] = "none"
+    topk_ratio: float = 0.01
+    quant_block: int = 256
+    error_feedback: bool = True
 
     def validate(self) -> None:
-        _positive(self, "bucket_mb", "timeout_s")
+        _positive(self, "bucket_mb", "timeout_s", "quant_block")
+        if not 0 < self.topk_ratio <= 1:
+            raise ConfigError(f"comm.topk_ratio={self.topk_ratio} must be in (0, 1] "
+                              "(0.01 keeps the largest 1% of gradient entries)")
 
 
 @dataclass(kw_only=True)
@@ -237,9 +253,50 @@ class Config:
         self.optim.validate()
         self.train.validate(self.parallel.resolved_dp(world_size), self.model)
         self.checkpoint.validate()
+        self._validate_tensor_parallel()
         if self.data.tokenizer == "byte" and self.model.vocab_size < 256:
             raise ConfigError(f"model.vocab_size={self.model.vocab_size} is below 256, the "
                               "byte tokenizer's vocabulary; raise it to at least 256")
+
+    def _validate_tensor_parallel(self) -> None:
+        """The checks that need the model and the layout together: attention is split by
+        heads and the MLP by its hidden units (Shoeybi et al. 2019), the sequence by tp
+        under sequence parallelism (Korthikanti et al. 2022)."""
+        m, p, t = self.model, self.parallel, self.parallel.tp
+        if p.sp and t == 1:
+            raise ConfigError("parallel.sp=true needs parallel.tp > 1: sequence parallelism "
+                              "shards the norms that tensor parallelism leaves replicated, "
+                              "along the sequence of the tp group; set parallel.tp or drop "
+                              "parallel.sp")
+        if t == 1:
+            return
+        if m.n_heads % t:
+            raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={t}; "
+                              "attention is split by heads: choose a tp that divides the head "
+                              "count")
+        g = m.kv_heads
+        if g % t if g >= t else t % g:
+            raise ConfigError(
+                f"model.n_kv_heads={g} does not fit parallel.tp={t}: kv heads are split when "
+                "n_kv_heads >= tp (tp must divide them) and replicated when n_kv_heads < tp "
+                "(tp must be a multiple of them); choose another tp or n_kv_heads")
+        if m.ffn_hidden % t:
+            raise ConfigError(f"the MLP hidden size {m.ffn_hidden} (model.ffn_dim) is not "
+                              f"divisible by parallel.tp={t}; choose a tp that divides it")
+        if m.n_experts:
+            raise ConfigError(f"parallel.tp={t} with model.n_experts={m.n_experts}: tensor "
+                              "parallelism of mixture-of-experts layers is not supported; set "
+                              "parallel.tp=1 or model.n_experts=0")
+        if p.sp and self.train.seq_len % t:
+            raise ConfigError(f"train.seq_len={self.train.seq_len} is not divisible by "
+                              f"parallel.tp={t}; sequence parallelism splits the sequence "
+                              "over the tp group")
+        if p.node_size and t > p.node_size:
+            warnings.warn(
+                f"parallel.tp={t} is larger than parallel.node_size={p.node_size}: tensor-"
+                "parallel groups then span nodes, and their activation all-reduces, on the "
+                "critical path of every layer, cross the slower inter-node network; keep "
+                "tp <= the devices per node", stacklevel=3)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

@@ -35,12 +35,13 @@ def make_mesh(cfg: Config, rank: int, world_size: int) -> ParallelMesh:
 
 
 def train_layout(rank: int, world_size: int, cfg_text: str) -> dict:
-    """Worker: train one config on this rank; return its losses and final weights."""
+    """Worker: train one config on this rank; return its losses and final full weights
+    (gathered over tensor-parallel ranks, so every layout's are comparable)."""
     cfg = config.loads(cfg_text)
     trainer = Trainer(cfg, make_mesh(cfg, rank, world_size), torch.device("cpu"))
     result = trainer.run()
     return {"losses": result.losses, "eval_loss": result.eval_loss,
-            "weights": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}}
+            "weights": trainer.parallel.full_state_dict()}
 
 
 def train_layouts(rank: int, world_size: int, cfg_texts: list[str]) -> list[dict]:

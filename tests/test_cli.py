@@ -31,6 +31,7 @@ def _fails(capsys, argv: list[str], needle: str, tmp: Path) -> None:
     (["--parallel.dp", "3"], "dp=3 x tp=1 x pp=1 x cp=1 = 3 does not equal the world size 1"),
     (["--model.n_kv_heads", "3"], "model.n_heads=4 is not divisible by model.n_kv_heads=3"),
     (["--train.global_batch", "9"], "train.global_batch=9 is not divisible by train.micro_batch=2"),
+    (["--parallel.sp", "true"], "parallel.sp=true needs parallel.tp > 1"),
     (["--data.source", "/nonexistent/corpus.txt"], "data.source"),
     (["--data.tokenizer", "/nonexistent/tokenizer.json"], "data.tokenizer"),
 ])

@@ -55,7 +55,16 @@ def test_round_trip_through_toml():
     (["--parallel.dp", "3"], 2, "dp=3 x tp=1 x pp=1 x cp=1 = 3 does not equal the world size 2"),
     (["--model.n_kv_heads", "3"], 1, "model.n_heads=4 is not divisible by model.n_kv_heads=3"),
     (["--train.global_batch", "7"], 2, "train.global_batch=7 is not divisible by train.micro_batch=2 x dp=2"),
-    (["--parallel.tp", "2"], 2, "parallel.tp=2"),
+    (["--parallel.pp", "2"], 2, "parallel.pp=2: the trainer supports data and tensor parallelism"),
+    (["--parallel.tp", "3"], 3, "model.n_heads=4 is not divisible by parallel.tp=3"),
+    (["--parallel.tp", "4", "--model.n_heads", "12", "--model.n_kv_heads", "6",
+      "--model.dim", "96"], 4, "model.n_kv_heads=6 does not fit parallel.tp=4"),
+    (["--parallel.tp", "4", "--model.n_heads", "12", "--model.n_kv_heads", "3",
+      "--model.dim", "96"], 4, "model.n_kv_heads=3 does not fit parallel.tp=4"),
+    (["--parallel.sp", "true"], 2, "parallel.sp=true needs parallel.tp > 1"),
+    (["--parallel.tp", "2", "--parallel.sp", "true", "--train.seq_len", "31"], 2,
+     "train.seq_len=31 is not divisible by parallel.tp=2"),
+    (["--parallel.tp", "2", "--model.n_experts", "4"], 2, "tensor parallelism of mixture-of-experts"),
     (["--train.seq_len", "1000"], 1, "train.seq_len=1000 exceeds model.max_seq_len=64"),
     (["--model.vocab_size", "100"], 1, "model.vocab_size=100 is below 256"),
 ])
@@ -63,3 +72,17 @@ def test_validate_names_field_and_fix(args, world, needle):
     with pytest.raises(ConfigError) as e:
         config.load("tiny", args).validate(world)
     assert needle in str(e.value)
+
+
+def test_tensor_parallel_layouts_validate():
+    for args in (["--parallel.tp", "2", "--parallel.sp", "true"],  # kv heads split
+                 ["--parallel.tp", "4"]):  # 2 kv heads for 4 ranks: each shared by 2
+        config.load("tiny", args).validate(4)
+
+
+def test_tp_wider_than_a_node_warns_with_the_reason():
+    cfg = config.load("tiny", ["--parallel.tp", "4", "--parallel.node_size", "2"])
+    with pytest.warns(UserWarning, match="parallel.tp=4 is larger than parallel.node_size=2: "
+                      "tensor-parallel groups then span nodes"):
+        cfg.validate(4)
+

@@ -168,9 +168,16 @@ def test_calibration_roundtrip_and_cpu_preset(tmp_path: Path):
                                   gamma_s_per_byte=2e-10, cores=2, measured_at="2026-01-01T00:00")
     assert calibration.save(cal, path) == path and calibration.load(path) == cal
     assert set(json.loads(path.read_text())) == {"flops_per_s", "alpha_s", "beta_s_per_byte",
-                                                 "gamma_s_per_byte", "cores", "measured_at"}
+                                                 "gamma_s_per_byte", "cores", "measured_at",
+                                                 "efficiency"}
     cpu = hardware.get("cpu", calibration_path=path)
     assert cpu.peak_flops == 3e10 and cpu.intra_link().alpha_s == 1e-4
+    data = json.loads(path.read_text())
+    del data["efficiency"]  # optional: a file without it loads with efficiency 1.0
+    path.write_text(json.dumps(data))
+    assert hardware.get("cpu", calibration_path=path).efficiency == 1.0
+    path.write_text(json.dumps({**data, "efficiency": 0.75}))
+    assert hardware.get("cpu", calibration_path=path).efficiency == 0.75
     assert cpu.intra_link().beta_s_per_byte == pytest.approx(1e-9)
     assert cpu.default_precision == "fp32" and cpu.node_size(4) == 4
     path.write_text('{"flops_per_s": 1}')

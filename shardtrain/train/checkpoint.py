@@ -4,7 +4,8 @@ A checkpoint is written into a hidden temporary directory beside its final place
 renamed, so a crash never leaves a half-written checkpoint where resume would find it.
 It holds the model and optimizer state, the data sampler's position, the step, the
 resolved config (whose [model] section is checked on resume) and, for a BPE run, a copy
-of the tokenizer, so `shardtrain generate` needs nothing but the checkpoint.
+of the tokenizer, so `shardtrain generate` needs nothing but the checkpoint. The states are
+full (unsharded) whatever the layout that wrote them, so any layout can resume from them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from shardtrain import config as config_mod
 from shardtrain.config import Config, ConfigError
@@ -30,16 +30,17 @@ def checkpoint_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def save_checkpoint(cfg: Config, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    sampler_state: dict[str, Any], tokenizer_file: Path | None = None) -> Path:
+def save_checkpoint(cfg: Config, *, step: int, model_state: dict[str, torch.Tensor],
+                    optimizer_state: dict[str, Any], sampler_state: dict[str, Any],
+                    tokenizer_file: Path | None = None) -> Path:
     root = checkpoint_root(cfg.train.run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_PREFIX}{step:08d}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    torch.save(model.state_dict(), tmp / "model.pt")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(model_state, tmp / "model.pt")
+    torch.save(optimizer_state, tmp / "optimizer.pt")
     (tmp / "meta.json").write_text(json.dumps({"step": step, "sampler": sampler_state}, indent=1))
     (tmp / "config.toml").write_text(config_mod.to_toml(cfg))
     if tokenizer_file is not None:
@@ -92,11 +93,8 @@ def check_compatible(path: Path, cfg: Config) -> None:
                           "start a new run without checkpoint.resume")
 
 
-def load_checkpoint(path: Path, *, model: nn.Module,
-                    optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """Restore model (and optimizer) state in place; return meta (step, sampler)."""
-    model.load_state_dict(torch.load(path / "model.pt", map_location="cpu", weights_only=True))
-    if optimizer is not None:
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu",
-                                             weights_only=True))
-    return json.loads((path / "meta.json").read_text())
+def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """(model state, optimizer state, meta: step and sampler position), all full."""
+    model_state = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
+    optimizer_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    return model_state, optimizer_state, json.loads((path / "meta.json").read_text())

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from shardtrain import config as config_mod
@@ -54,9 +53,9 @@ class Trainer:
         if self.data.tokenizer.vocab_size > cfg.model.vocab_size:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
                               f"tokenizer's vocabulary {self.data.tokenizer.vocab_size}; raise it")
-        self.model = build_model(cfg.model, device=device, seed=t.seed)
-        self.reducer = parallelize(self.model, mesh, cfg)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.model = build_model(cfg.model, seed=None)  # shapes only: parallelize materialises
+        self.parallel = parallelize(self.model, mesh, cfg, device=device)
+        self.reducer = self.parallel.reducer
         self.optimizer = build_optimizer(self.model, cfg.optim, t.lr)
         self.accum = t.accumulation_steps(self.dp.size)
         self.sampler = TokenSampler(self.data.train, seq_len=t.seq_len,
@@ -67,7 +66,9 @@ class Trainer:
         self.step = 0
         resume = ckpt.resolve_resume(cfg)
         if resume is not None:
-            meta = ckpt.load_checkpoint(resume, model=self.model, optimizer=self.optimizer)
+            model_state, optimizer_state, meta = ckpt.load_checkpoint(resume)
+            self.parallel.load_full_state_dict(model_state)
+            self.parallel.load_full_optimizer_state_dict(self.optimizer, optimizer_state)
             self.step = meta["step"]
             self.sampler.load_state_dict(meta["sampler"])
         self.tokens_per_step = t.global_batch * t.seq_len
@@ -80,8 +81,8 @@ class Trainer:
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with self.autocast:
-            logits = self.model(inputs.to(self.device))  # [B, S, V]
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.device).flatten())
+            logits = self.model(inputs.to(self.device))  # [B, S, V] (or [B, S, V/tp])
+        return self.parallel.loss(logits, targets.to(self.device))
 
     def train_step(self) -> dict[str, Any]:
         t, o = self.cfg.train, self.cfg.optim
@@ -99,8 +100,8 @@ class Trainer:
                 loss = self.loss(inputs, targets)
                 (loss / self.accum).backward()
             loss_sum += loss.detach()
-        self.reducer.finish()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, o.grad_clip or float("inf"))
+        self.parallel.sync_grads()
+        grad_norm = self.parallel.clip_grad_norm(o.grad_clip or float("inf"))
         self.optimizer.step()
         mean_loss = loss_sum / self.accum
         self.dp.all_reduce(mean_loss, "avg", tag="metric")
@@ -162,21 +163,33 @@ class Trainer:
         ledger = memory_ledger(self.model, self.optimizer, self.reducer.grad_bytes, self.device)
         write_atomic(Path(t.run_dir) / f"memory_rank{self.mesh.rank}.json",
                      json.dumps(ledger, indent=1))
-        if self.is_main and t.sample_tokens:
+        if t.sample_tokens:
             result.sample = self.sample(t.sample_prompt, t.sample_tokens)
         return result
 
     def save(self) -> None:
-        # Under data parallelism every rank holds the same model and optimizer state.
+        """Full (layout-independent) states, gathered over tp; data-parallel replicas hold
+        the same, and rank 0 writes them."""
+        model_state = self.parallel.full_state_dict()
+        optimizer_state = self.parallel.full_optimizer_state_dict(self.optimizer)
         if self.is_main:
-            ckpt.save_checkpoint(self.cfg, step=self.step, model=self.model,
-                                 optimizer=self.optimizer, sampler_state=self.sampler.state_dict(),
+            ckpt.save_checkpoint(self.cfg, step=self.step, model_state=model_state,
+                                 optimizer_state=optimizer_state,
+                                 sampler_state=self.sampler.state_dict(),
                                  tokenizer_file=getattr(self.data.tokenizer, "path", None))
-        self.dp.barrier()
+        self.dp.barrier()  # then tp: every rank waits for rank 0's write
+        self.mesh.comm("tp").barrier()
 
-    def sample(self, prompt: str, n_tokens: int) -> str:
+    def sample(self, prompt: str, n_tokens: int) -> str | None:
+        """Generated text on rank 0 (None elsewhere), from the plain model with the full
+        weights (gathered over tp: every rank calls this)."""
+        state = self.parallel.full_state_dict()
+        if not self.is_main:
+            return None
+        model = build_model(self.cfg.model, device=self.device)
+        model.load_state_dict(state)
         tok = self.data.tokenizer
-        out = generate(self.model, tok.encode(prompt), n_tokens, seed=self.cfg.train.seed)
+        out = generate(model, tok.encode(prompt), n_tokens, seed=self.cfg.train.seed)
         return tok.decode(out)
 
 

@@ -1,0 +1,166 @@
+"""Which slice of each full parameter a tensor-parallel rank holds, and the model-wide
+operations that need it: full (layout-independent) state dicts, loading by slicing,
+initialisation, the gradient sums of partially computed gradients, the global grad norm.
+
+A `Placement` says: of the full tensor, zero-padded along `dim` to a multiple of `parts`,
+this rank holds block `index` of `parts` equal blocks. parts == tp: a proper shard;
+parts == 1: the whole tensor (replicated); 1 < parts < tp: a block shared by tp / parts
+ranks (kv heads when there are fewer of them than ranks). Parameters without an entry are
+replicated whole.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from shardtrain.comm import Communicator
+from shardtrain.model.transformer import Transformer, init_tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    dim: int = 0
+    size: int = 0  # the full tensor's length along dim, before padding
+    parts: int = 1
+    index: int = 0
+    partial: bool = False  # each holder's gradient is a part of the block's gradient
+
+    def block(self) -> int:
+        return -(-self.size // self.parts)
+
+    def full_shape(self, local: torch.Size) -> tuple[int, ...]:
+        return tuple(self.size if d == self.dim else n for d, n in enumerate(local))
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's block of `full` (a copy)."""
+        if self.parts == 1:
+            return full.detach().clone()
+        pad = self.block() * self.parts - self.size
+        if pad:
+            zeros = full.new_zeros(*(pad if d == self.dim else n for d, n in enumerate(full.shape)))
+            full = torch.cat([full, zeros], dim=self.dim)
+        return full.narrow(self.dim, self.index * self.block(), self.block()).detach().clone()
+
+    def unshard(self, blocks: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from its `parts` blocks, in order."""
+        return torch.cat(blocks, dim=self.dim).narrow(self.dim, 0, self.size)
+
+
+REPLICATED = Placement()
+
+
+class TensorShards:
+    """The placements of one model's parameters over the tensor-parallel group `comm`."""
+
+    def __init__(self, model: Transformer, comm: Communicator, placements: dict[str, Placement]):
+        self.model, self.comm, self.placements = model, comm, placements
+        self.named = dict(model.named_parameters())
+        self.partial = [(p, placements[n]) for n, p in self.named.items()
+                        if placements.get(n, REPLICATED).partial]
+
+    def placement(self, name: str) -> Placement:
+        return self.placements.get(name, REPLICATED)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Each shard is its slice of the full tensor a single process draws
+        (`init_tensor` by name), so every layout starts from the same weights."""
+        self.model.init_weights(seed)  # ties, RoPE tables and the replicated parameters
+        residual_std = 0.02 / math.sqrt(2 * self.model.cfg.n_layers)  # as Transformer.init_weights
+        for name, p in self.named.items():
+            place = self.placement(name)
+            if place.parts > 1:
+                full = init_tensor(name, place.full_shape(p.shape), seed, residual_std)
+                p.copy_(place.shard(full))
+
+    # ------------------------------------------------------------------ gradients
+
+    @torch.no_grad()
+    def sum_partial_grads(self) -> None:
+        """Sum the gradient parts of blocks held by several ranks: the norms (and row-parallel
+        biases) under sequence parallelism see 1/t of the tokens; a shared kv head sees the
+        query heads of one rank. One all-reduce: each rank writes its part at its block's
+        offset of a zeroed [parts, numel] segment. Parameters without a gradient (the same
+        on every rank) are skipped."""
+        partial = [(p, place) for p, place in self.partial if p.grad is not None]
+        if not partial:
+            return
+        segments = []
+        for p, place in partial:
+            seg = p.grad.new_zeros(place.parts, p.numel())
+            seg[place.index] = p.grad.flatten()
+            segments.append(seg)
+        flat = torch.cat([s.flatten() for s in segments])
+        self.comm.all_reduce(flat, "sum", tag="grad")
+        offset = 0
+        for (p, place), seg in zip(partial, segments):
+            start = offset + place.index * p.numel()
+            p.grad.copy_(flat[start:start + p.numel()].view_as(p.grad))
+            offset += seg.numel()
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The L2 norm of the full model's gradient; scales gradients to at most `max_norm`.
+        A block held by r ranks counts 1/r on each, and the tp ranks' sums are added."""
+        named = [(n, p) for n, p in self.named.items() if p.grad is not None]
+        grads = [p.grad for _, p in named]
+        share = torch.tensor([self.placement(n).parts / self.comm.size for n, _ in named])
+        norms = torch.stack(torch._foreach_norm(grads)).float()  # [P]
+        total = (norms.square() * share.to(norms.device)).sum()
+        self.comm.all_reduce(total, "sum", tag="grad_norm")
+        total = total.sqrt()
+        if max_norm < float("inf"):
+            torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
+        return total
+
+    # ------------------------------------------------------------------ state
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict as one process would hold it (collective over tp)."""
+        state = self.model.state_dict()
+        return self._gather({k: (v, self.placement(k)) for k, v in state.items()})
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict({k: self.placement(k).shard(v) for k, v in state.items()})
+
+    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The optimizer's state dict with every per-element tensor made full."""
+        state = optimizer.state_dict()
+        places = self._optimizer_placements(optimizer)
+        flat = {(i, k): (v, places[i] if v.ndim else REPLICATED)
+                for i, s in state["state"].items() for k, v in s.items()}
+        full = self._gather(flat)
+        per_param = {i: {k: full[i, k] for k in s} for i, s in state["state"].items()}
+        return {**state, "state": per_param}
+
+    def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        places = self._optimizer_placements(optimizer)
+        local = {i: {k: places[i].shard(v) if v.ndim else v for k, v in s.items()}
+                 for i, s in state["state"].items()}
+        optimizer.load_state_dict({**state, "state": local})
+
+    def _optimizer_placements(self, optimizer: torch.optim.Optimizer) -> list[Placement]:
+        name_of = {p: n for n, p in self.named.items()}
+        return [self.placement(name_of[p]) for g in optimizer.param_groups for p in g["params"]]
+
+    def _gather(self, items: dict) -> dict:
+        """{key: (local tensor, placement)} -> {key: full tensor}: the sharded ones in one
+        all-gather over tp per dtype; a block comes from the first rank holding it."""
+        out = {k: v.detach().clone() for k, (v, place) in items.items() if place.parts == 1}
+        sharded = [k for k, (_, place) in items.items() if place.parts > 1]
+        for dtype in dict.fromkeys(items[k][0].dtype for k in sharded):  # same order everywhere
+            keys = [k for k in sharded if items[k][0].dtype == dtype]
+            local = torch.cat([items[k][0].detach().flatten() for k in keys])
+            gathered = local.new_empty(self.comm.size, local.numel())  # [t, n]
+            self.comm.all_gather(gathered, local, tag="state")
+            offset = 0
+            for k in keys:
+                v, place = items[k]
+                ranks = range(0, self.comm.size, self.comm.size // place.parts)
+                out[k] = place.unshard([gathered[r, offset:offset + v.numel()].view(v.shape)
+                                        for r in ranks])
+                offset += v.numel()
+        return {k: out[k] for k in items}

@@ -1,0 +1,189 @@
+"""Tensor and sequence parallelism, Megatron-style, applied to the plain model by swapping
+modules according to a small table.
+
+Tensor parallel (Shoeybi et al. 2019, sec. 3): attention and the MLP of each block are
+parallel regions. A region is entered through `f` (tensor_ops.py) once per forward; its
+column-parallel linears (wq, wk, wv; w1, w3) split their output features -- attention
+heads, MLP hidden units -- so everything up to the row-parallel linear (wo; w2) is local;
+the row-parallel linear's partial products leave through `g`, an all-reduce. Per layer:
+two all-reduces of [B, S, C] in forward, two in backward. The embedding and the output
+head split the vocabulary (vocab.py).
+
+Grouped-query attention: with n_kv_heads >= t the kv heads are split like the query heads;
+with fewer, rank r holds a copy of the one kv head its query heads use, shared by
+t / n_kv_heads ranks, whose gradient parts are summed (sharding.py).
+
+Sequence parallel (Korthikanti et al. 2022, sec. 4.2.2): the residual stream between the
+regions (norms, residual adds) is split along the sequence: the embedding's output is cut
+into chunks before the first block, `f` becomes an all-gather and `g` a reduce-scatter (the
+same bytes as the all-reduce), the column-parallel linears keep only the sequence chunk of
+their input for backward, and the head all-gathers the final norm's output. The norm
+weights (and row-parallel biases) then see 1/t of the tokens: their gradients are summed
+over tp.
+
+Rank r of the tp group holds block r of every split dimension (sharding.Placement).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd import Function
+
+from shardtrain.comm import Communicator
+from shardtrain.model.transformer import Transformer
+from shardtrain.parallel.sharding import Placement
+from shardtrain.parallel.tensor_ops import (CopyToRegion, GatheredInput, GatherFromSequence,
+                                            ReduceFromRegion, ReduceScatterToSequence,
+                                            ScatterToSequence)
+from shardtrain.parallel.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
+
+# Region of a block -> {linear: how its weight is split}. kv: column, or shared kv heads.
+TABLE = {
+    "attn": {"wq": "column", "wk": "kv", "wv": "kv", "wo": "row"},
+    "mlp": {"w1": "column", "w3": "column", "w2": "row"},
+}
+
+
+class Region:
+    """The entry of one parallel region (attention, MLP, or the head), applied by a forward
+    pre-hook on its module however many column-parallel linears read the input."""
+
+    def __init__(self, comm: Communicator, *, sp: bool):
+        self.comm, self.sp = comm, sp
+        self.chunk: torch.Tensor | None = None  # sp: this forward's input chunk [B, S/t, C]
+        self.gathered: GatheredInput | None = None
+
+    def attach(self, module: nn.Module) -> None:
+        module.register_forward_pre_hook(self._enter)
+        module.register_forward_hook(self._leave)
+
+    def _enter(self, module: nn.Module, args: tuple) -> tuple:
+        x, *rest = args
+        if not self.sp:
+            return (CopyToRegion.apply(x, self.comm), *rest)  # [B, S, C]
+        self.chunk, self.gathered = x, GatheredInput(self.comm)
+        return (GatherFromSequence.apply(x, self.comm, self.gathered), *rest)  # [B, S, C]
+
+    def _leave(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        self.chunk = self.gathered = None
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T + b with the rows of A (output features) split: weight [out/t, in]. Its
+    input is its region's (replicated [B, S, in]); its output stays split [B, S, out/t]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, region: Region):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = None if bias is None else nn.Parameter(bias)
+        self.region = region
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r = self.region
+        if r.sp:
+            return _LinearOnGathered.apply(x, r.chunk, self.weight, self.bias, r.gathered)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum_r x_r A_r^T + b with the columns of A (input features) split: weight
+    [out, in/t]. The partial products [B, S, out] are all-reduced (`g`), or reduce-scattered
+    along the sequence under sp; the bias is added once, after."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Communicator, *,
+                 sp: bool):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = None if bias is None else nn.Parameter(bias)
+        self.comm, self.sp = comm, sp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)  # [B, S, out] partial sums
+        y = (ReduceScatterToSequence if self.sp else ReduceFromRegion).apply(y, self.comm)
+        return y if self.bias is None else y + self.bias
+
+
+class _LinearOnGathered(Function):
+    """A column-parallel linear under sp that saves its input's sequence chunk, not the
+    gathered input: backward all-gathers it again (once per region, GatheredInput)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, chunk: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None, gathered: GatheredInput) -> torch.Tensor:
+        ctx.save_for_backward(chunk, weight)
+        ctx.gathered, ctx.has_bias = gathered, bias is not None
+        return F.linear(x, weight, bias)  # [B, S, out/t]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        chunk, weight = ctx.saved_tensors
+        x = ctx.gathered.rebuild(chunk).to(grad.dtype).flatten(0, -2)  # [B*S, in]
+        rows = grad.flatten(0, -2)  # [B*S, out/t]
+        grad_w = (rows.t() @ x).to(weight.dtype)  # [out/t, in]
+        grad_b = rows.sum(0).to(weight.dtype) if ctx.has_bias else None
+        return grad @ weight.to(grad.dtype), None, grad_w, grad_b, None
+
+
+def apply_tensor_parallel(model: Transformer, comm: Communicator, *, sp: bool
+                          ) -> tuple[dict[str, Placement], VocabParallelCrossEntropy]:
+    """Swap the model's modules for their tensor-parallel versions, in place. Works on a
+    model on the meta device (shapes only) or a materialised one (each rank keeps its
+    slice). Returns the placement of every split or partially-reduced parameter, and the
+    loss over the vocab-split logits."""
+    t, r, cfg = comm.size, comm.rank, model.cfg
+    places: dict[str, Placement] = {}
+
+    def split(name: str, full: torch.Tensor | None, dim: int, parts: int = t,
+              index: int = r, partial: bool = False) -> torch.Tensor | None:
+        if full is None:
+            return None
+        places[name] = Placement(dim=dim, size=full.shape[dim], parts=parts, index=index,
+                                 partial=partial)
+        return places[name].shard(full)
+
+    def replicate(name: str, full: torch.Tensor | None) -> torch.Tensor | None:
+        """Held whole by every rank; under sp its gradient comes from 1/t of the tokens."""
+        if full is not None and sp:
+            places[name] = Placement(partial=True)
+        return full
+
+    shared_kv = cfg.kv_heads < t  # parts = kv heads, rank r holds kv head r * g / t
+    kv_split = (cfg.kv_heads, r * cfg.kv_heads // t) if shared_kv else (t, r)
+    for i, block in enumerate(model.layers):
+        for region_name, linears in TABLE.items():
+            module = block.get_submodule(region_name)
+            region = Region(comm, sp=sp)
+            region.attach(module)
+            for name, kind in linears.items():
+                dense, prefix = getattr(module, name), f"layers.{i}.{region_name}.{name}."
+                if dense is None:  # no w3 in the GELU MLP
+                    continue
+                if kind == "row":
+                    new = RowParallelLinear(split(prefix + "weight", dense.weight, 1),
+                                            replicate(prefix + "bias", dense.bias), comm, sp=sp)
+                else:
+                    parts, index = kv_split if kind == "kv" else (t, r)
+                    partial = parts < t
+                    new = ColumnParallelLinear(
+                        split(prefix + "weight", dense.weight, 0, parts, index, partial),
+                        split(prefix + "bias", dense.bias, 0, parts, index, partial), region)
+                setattr(module, name, new)
+    for module_name, module in model.named_modules():
+        if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            for pname, p in module.named_parameters():
+                replicate(f"{module_name}.{pname}", p)
+
+    emb = split("tok_emb.weight", model.tok_emb.weight, 0)
+    start = r * places["tok_emb.weight"].block()  # first vocabulary row of this rank
+    model.tok_emb = VocabParallelEmbedding(emb, start=start, comm=comm)
+    head_region = Region(comm, sp=sp)
+    model.head = ColumnParallelLinear(split("head.weight", model.head.weight, 0), None,
+                                      head_region)
+    head_region.attach(model.head)
+    model.tie_weights()
+    if sp:  # the residual stream is split along the sequence from the first block on
+        model.layers[0].register_forward_pre_hook(
+            lambda module, args: (ScatterToSequence.apply(args[0], comm), *args[1:]))
+    return places, VocabParallelCrossEntropy(start=start, vocab_size=cfg.vocab_size, comm=comm)
