@@ -101,9 +101,11 @@ def bench_comm(argv: list[str]) -> int:
 
 def calibrate(argv: list[str]) -> int:
     """fp32 matmul FLOP/s per process and alpha/beta/gamma fitted from a comm bench of the
-    fitted algorithms at --nproc processes, saved where the planner's `cpu` preset reads."""
+    fitted algorithms at --nproc processes, and the training-step efficiency of a reference
+    transformer (train/calibrate.py), saved where the planner's `cpu` preset reads."""
     from shardtrain.bench import fit
     from shardtrain.plan import calibration
+    from shardtrain.train.calibrate import measure_compute
 
     parser = argparse.ArgumentParser(prog="shardtrain bench calibrate")
     _common(parser, "64M")
@@ -114,12 +116,15 @@ def calibrate(argv: list[str]) -> int:
     result = _run(args, ("all_reduce", "all_gather", "reduce_scatter", "broadcast"),
                   fit.FITTED, measure_flops=True)
     link = result["link"]
+    _, efficiency = measure_compute()  # a ratio: measured here, once, on all threads
     cal = calibration.Calibration(
         flops_per_s=result["flops_per_s"], alpha_s=link.alpha_s,
         beta_s_per_byte=link.beta_s_per_byte, gamma_s_per_byte=link.gamma_s_per_byte,
-        cores=os.cpu_count() or 1, measured_at=datetime.now(timezone.utc).isoformat())
+        cores=os.cpu_count() or 1, measured_at=datetime.now(timezone.utc).isoformat(),
+        efficiency=efficiency)
     path = calibration.save(cal, args.output)
-    print(f"{args.nproc} processes: {cal.flops_per_s / 1e9:.1f} GFLOP/s fp32 per process; "
+    print(f"{args.nproc} processes: {cal.flops_per_s / 1e9:.1f} GFLOP/s fp32 per process, "
+          f"training-step efficiency {efficiency:.2f}; "
           f"alpha {cal.alpha_s * 1e6:.1f} us, beta {cal.beta_s_per_byte * 1e9:.3f} ns/B, "
           f"gamma {cal.gamma_s_per_byte * 1e9:.3f} ns/B -> {path}")
     return 0
