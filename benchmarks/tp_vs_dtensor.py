@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +25,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
                                                parallelize_module)
 
+from interleave import interleaved_tokens_per_s
 from shardtrain import config
 from shardtrain.launch import ProcessInfo, init_distributed, launch_local
 from shardtrain.mesh import MeshShape, ParallelMesh
@@ -70,16 +70,8 @@ def worker(cfg_text: str, steps: int) -> dict:
         "ours": lambda: ours.train_step(),
         "dtensor": lambda: dtensor_step(model, optimizer, ours.sampler.next_step(), ours.accum),
     }
-    for run in runners.values():  # warm up both
-        run()
-    elapsed = {name: 0.0 for name in runners}
-    for i in range(steps):  # one step of each in turn, alternating who goes first
-        for name in (list(runners) if i % 2 else list(reversed(runners))):
-            start = time.perf_counter()
-            runners[name]()
-            elapsed[name] += time.perf_counter() - start
-    tokens = cfg.train.global_batch * cfg.train.seq_len * steps
-    result = {name: tokens / t for name, t in elapsed.items()}
+    result = interleaved_tokens_per_s(
+        runners, steps=steps, tokens_per_step=cfg.train.global_batch * cfg.train.seq_len)
     torch.distributed.destroy_process_group()
     return result
 
