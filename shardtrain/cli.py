@@ -80,7 +80,7 @@ def cmd_train(argv: list[str]) -> int:
 
 def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool) -> None:
     """Every check that can fail before training starts, and the token cache built once."""
-    from shardtrain.data import check_source, load_dataset, load_tokenizer
+    from shardtrain.data import check_source, check_vocab, load_dataset, load_tokenizer
     from shardtrain.train import checkpoint as ckpt
 
     cfg.validate(world_size)
@@ -98,11 +98,7 @@ def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool) -> None:
             raise ConfigError("train.tensorboard=true needs the tensorboard package: "
                               "pip install 'shardtrain[tensorboard]'") from None
     if prepare_data:
-        dataset = load_dataset(cfg.data, seq_len=cfg.train.seq_len)
-        if dataset.tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
-                              f"tokenizer's vocabulary ({dataset.tokenizer.vocab_size}); raise "
-                              "model.vocab_size or lower data.bpe_vocab_size")
+        check_vocab(load_dataset(cfg.data, seq_len=cfg.train.seq_len), cfg.model.vocab_size)
 
 
 def check_writable(run_dir: Path) -> None:

@@ -45,6 +45,12 @@ def test_data_without_text_is_named(tmp_path, capsys):
     _fails(capsys, _args(tmp_path, "--data.source", str(empty)), str(empty), tmp_path)
 
 
+def test_tokenizer_larger_than_the_model_vocab_is_named(tmp_path, capsys):
+    _fails(capsys, _args(tmp_path, "--data.tokenizer", "bpe", "--data.bpe_vocab_size", "300",
+                         "--data.max_bytes", "100000"),
+           "model.vocab_size=256 is smaller than the tokenizer's vocabulary", tmp_path)
+
+
 def test_unwritable_run_dir_is_named(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

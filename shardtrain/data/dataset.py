@@ -32,3 +32,11 @@ def load_dataset(cfg: DataConfig, *, seq_len: int = 1) -> Dataset:
             f"sequence needs seq_len + 1 = {need} in each; add text (data.source, "
             "data.max_bytes) or lower train.seq_len")
     return Dataset(train=train, eval=held_out, tokenizer=tokenizer)
+
+
+def check_vocab(dataset: Dataset, model_vocab_size: int) -> None:
+    """The model's embedding must cover every token id the tokenizer can produce."""
+    if dataset.tokenizer.vocab_size > model_vocab_size:
+        raise ConfigError(f"model.vocab_size={model_vocab_size} is smaller than the tokenizer's "
+                          f"vocabulary ({dataset.tokenizer.vocab_size}); raise model.vocab_size "
+                          "or lower data.bpe_vocab_size")

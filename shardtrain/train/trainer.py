@@ -20,8 +20,8 @@ import torch
 from tqdm import tqdm
 
 from shardtrain import config as config_mod
-from shardtrain.config import Config, ConfigError
-from shardtrain.data import eval_batches, load_dataset, TokenSampler
+from shardtrain.config import Config
+from shardtrain.data import TokenSampler, check_vocab, eval_batches, load_dataset
 from shardtrain.mesh import ParallelMesh
 from shardtrain.model.generate import generate
 from shardtrain.model.transformer import build_model
@@ -50,9 +50,7 @@ class Trainer:
         self.is_main = mesh.rank == 0
         self.dp = mesh.comm("dp")
         self.data = load_dataset(cfg.data, seq_len=t.seq_len)
-        if self.data.tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
-                              f"tokenizer's vocabulary {self.data.tokenizer.vocab_size}; raise it")
+        check_vocab(self.data, cfg.model.vocab_size)
         self.model = build_model(cfg.model, seed=None)  # shapes only: parallelize materialises
         self.parallel = parallelize(self.model, mesh, cfg, device=device)
         self.reducer = self.parallel.reducer
