@@ -101,6 +101,20 @@ class ParallelConfig:
     ep: int = 1
     sp: bool = False
     node_size: int = 0  # ranks per (virtual) node; 0: LOCAL_WORLD_SIZE from the launcher
+    # ZeRO over the dp group: 1 shards optimizer state and master weights, 2 also gradients,
+    # 3 also parameters (gathered unit by unit, zero_prefetch units ahead).
+    zero: int = 0
+    zero_prefetch: int = 1
+    offload: Literal["none", "cpu", "nvme"] = "none"  # where optimizer state and step live
+    offload_dir: str = ""  # nvme offload: directory of the memory-mapped shard files
+    zero_quantized_weights: bool = False  # ZeRO++ qwZ: int8 parameter all-gather
+    zero_hpz: bool = False  # ZeRO++ hpZ: a secondary parameter shard per node
+    zero_quantized_gradients: bool = False  # ZeRO++ qgZ: int8 reduce-scatter over all-to-all
+    # Pipeline: micro-batches per step (0: global_batch / (dp x train.micro_batch)), the
+    # schedule, and model chunks per stage for the interleaved schedule.
+    microbatches: int = 0
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    virtual_stages: int = 1
 
     def resolved_dp(self, world_size: int) -> int:
         return self.dp or max(1, world_size // (self.tp * self.pp * self.cp))
@@ -116,6 +130,12 @@ class ParallelConfig:
                 f"parallel layout dp={dp} x tp={self.tp} x pp={self.pp} x cp={self.cp} = "
                 f"{product} does not equal the world size {world_size}; change parallel.dp "
                 f"(or set it to 0 to fill the world) or the number of processes (--nproc)")
+        if not 0 <= self.zero <= 3:
+            raise ConfigError(f"parallel.zero={self.zero} must be 0, 1, 2 or 3 (0: plain data "
+                              "parallel; 1, 2, 3: ZeRO stage)")
+        if self.zero_prefetch < 0 or self.microbatches < 0:
+            raise ConfigError("parallel.zero_prefetch and parallel.microbatches must be >= 0")
+        _positive(self, "virtual_stages")
         if (dp * self.cp) % self.ep:
             raise ConfigError(f"parallel.ep={self.ep} must divide dp x cp = {dp * self.cp}")
         for name in ("pp", "cp", "ep"):
