@@ -169,7 +169,7 @@ def test_calibration_roundtrip_and_cpu_preset(tmp_path: Path):
     assert calibration.save(cal, path) == path and calibration.load(path) == cal
     assert set(json.loads(path.read_text())) == {"flops_per_s", "alpha_s", "beta_s_per_byte",
                                                  "gamma_s_per_byte", "cores", "measured_at",
-                                                 "efficiency"}
+                                                 "efficiency", "shared_s_per_byte"}
     cpu = hardware.get("cpu", calibration_path=path)
     assert cpu.peak_flops == 3e10 and cpu.intra_link().alpha_s == 1e-4
     data = json.loads(path.read_text())
@@ -180,6 +180,11 @@ def test_calibration_roundtrip_and_cpu_preset(tmp_path: Path):
     assert hardware.get("cpu", calibration_path=path).efficiency == 0.75
     assert cpu.intra_link().beta_s_per_byte == pytest.approx(1e-9)
     assert cpu.default_precision == "fp32" and cpu.node_size(4) == 4
+    # a host whose processes share one medium: the fit may put every byte on it (beta 0)
+    path.write_text(json.dumps({**data, "beta_s_per_byte": 0.0, "shared_s_per_byte": 3e-10}))
+    shared = hardware.get("cpu", calibration_path=path)
+    assert shared.intra_link().shared_s_per_byte == pytest.approx(3e-10)
+    assert shared.to_dict()["intra_bw"] is None  # unlimited per rank: JSON null
     path.write_text('{"flops_per_s": 1}')
     with pytest.raises(ConfigError, match="lacks alpha_s"):
         calibration.load(path)

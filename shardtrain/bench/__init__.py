@@ -121,10 +121,11 @@ def calibrate(argv: list[str]) -> int:
         flops_per_s=result["flops_per_s"], alpha_s=link.alpha_s,
         beta_s_per_byte=link.beta_s_per_byte, gamma_s_per_byte=link.gamma_s_per_byte,
         cores=os.cpu_count() or 1, measured_at=datetime.now(timezone.utc).isoformat(),
-        efficiency=efficiency)
+        efficiency=efficiency, shared_s_per_byte=link.shared_s_per_byte)
     path = calibration.save(cal, args.output)
     print(f"{args.nproc} processes: {cal.flops_per_s / 1e9:.1f} GFLOP/s fp32 per process, "
           f"training-step efficiency {efficiency:.2f}; "
           f"alpha {cal.alpha_s * 1e6:.1f} us, beta {cal.beta_s_per_byte * 1e9:.3f} ns/B, "
-          f"gamma {cal.gamma_s_per_byte * 1e9:.3f} ns/B -> {path}")
+          f"gamma {cal.gamma_s_per_byte * 1e9:.3f} ns/B, shared "
+          f"{cal.shared_s_per_byte * 1e9:.3f} ns/B -> {path}")
     return 0

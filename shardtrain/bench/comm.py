@@ -61,11 +61,9 @@ def _measure_all(spec: Spec, rank: int, p: int) -> dict | None:
     fixed = [a for a in spec.algorithms if a not in PRICED]
     rows = _sweep(comm, spec, lambda op, size: fixed)
     link = fit.fit(list(rows.values()), p, comm.local_size)
-    figures = torch.tensor([link.alpha_s, link.beta_s_per_byte, link.gamma_s_per_byte],
-                           dtype=torch.float64)
+    figures = torch.tensor(link.figures(), dtype=torch.float64)
     dist.broadcast(figures, 0)  # identical figures, identical choices on every rank
-    comm.link = link = cost.Link(alpha_s=figures[0].item(), beta_s_per_byte=figures[1].item(),
-                                 gamma_s_per_byte=figures[2].item())
+    comm.link = link = cost.Link.from_figures(figures.tolist())
     priced = [a for a in spec.algorithms if a in PRICED]
 
     def rivals(op: str, size: int) -> list[str]:

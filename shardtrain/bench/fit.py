@@ -1,9 +1,11 @@
 """Fitting the alpha-beta-gamma model to measured collective times, and predicting with it.
 
 The cost model (comm/cost.py) is linear in the link figures for the algorithms whose phases
-do not depend on them: time = R alpha + B beta + G gamma, where R (rounds), B (bytes on the
-critical path) and G (bytes reduced on it) are read off the model by pricing the call on
-unit links. The fit minimises the squared *relative* error over all measured calls of those
+do not depend on them: time = R alpha + B beta + G gamma + T shared, where R (rounds), B
+(bytes on the critical path), G (bytes reduced on it) and T (bytes all ranks send) are read
+off the model by pricing the call on unit links. On one host T is what costs: the ranks
+share its memory and cores, and the fit says so (beta near 0, shared the host's inverse
+bandwidth). The fit minimises the squared *relative* error over all measured calls of those
 algorithms (so 1 KiB and 256 MiB count alike), with every coefficient kept >= 0.
 `hierarchical` and `auto` pick their phases by price, so they are predicted, never fitted;
 `native` is the backend's own algorithm, which the model only approximates (as a ring).
@@ -16,13 +18,11 @@ import numpy as np
 from shardtrain.comm import cost
 
 FITTED = ("ring", "tree", "recursive_doubling", "halving_doubling", "rabenseifner", "torus2d")
-_UNIT = (cost.Link(alpha_s=1.0, beta_s_per_byte=0.0, gamma_s_per_byte=0.0),
-         cost.Link(alpha_s=0.0, beta_s_per_byte=1.0, gamma_s_per_byte=0.0),
-         cost.Link(alpha_s=0.0, beta_s_per_byte=0.0, gamma_s_per_byte=1.0))
+_UNIT = tuple(cost.Link.from_figures(row) for row in np.eye(4))  # alpha, beta, gamma, shared
 
 
 def terms(op: str, algorithm: str, nbytes: int, p: int, local_size: int) -> tuple | None:
-    """(R, B, G) of one call, or None where the model does not price it linearly."""
+    """(R, B, G, T) of one call, or None where the model does not price it linearly."""
     if algorithm not in FITTED:
         return None
     try:
@@ -41,23 +41,23 @@ def fit(rows: list[dict], p: int, local_size: int) -> cost.Link:
             x.append([v / row["time_s"] for v in t])
             y.append(1.0)
     x, y = np.array(x), np.array(y)
-    keep = [0, 1, 2]
-    while True:  # non-negative least squares by elimination (3 unknowns)
+    keep = [0, 1, 2, 3]
+    while True:  # non-negative least squares by elimination (4 unknowns)
         solution = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
         if (solution >= 0).all():
             break
         keep.pop(int(np.argmin(solution)))
-    figures = [0.0, 0.0, 0.0]
+    figures = [0.0] * 4
     for k, v in zip(keep, solution):
         figures[k] = float(v)
-    return cost.Link(alpha_s=figures[0], beta_s_per_byte=figures[1], gamma_s_per_byte=figures[2])
+    return cost.Link.from_figures(figures)
 
 
 def predict(op: str, algorithm: str, nbytes: int, p: int, link: cost.Link,
             local_size: int) -> float | None:
     """Modelled seconds (None where the model has no such algorithm for this call)."""
     if algorithm == "auto":
-        algorithm = cost.best_algorithm(op, nbytes, p, link, local_size=local_size)
+        algorithm = cost.best_algorithm(op, nbytes, p, link, local_size=local_size, native=True)
     try:
         return cost.cost(op, nbytes, p, link, algorithm=algorithm, local_size=local_size).time_s
     except ValueError:

@@ -42,17 +42,37 @@ ALGORITHMS = ("native", "ring", "tree", "recursive_doubling", "halving_doubling"
 @dataclass(frozen=True, kw_only=True)
 class Link:
     """One tier of the network as seen by one rank: latency, inverse bandwidth, and the
-    time per byte of the local reduction (gamma)."""
+    time per byte of the local reduction (gamma).
+
+    `shared_s_per_byte` prices a medium every rank of the group shares, charged on the
+    bytes all ranks send together: the memory bus and cores of one host when processes
+    exchange through loopback or shared memory (there a ring and a tree that send the same
+    total take the same time, whatever their critical paths). 0 on a network where each
+    rank has a link of its own (full bisection bandwidth), the alpha-beta model proper."""
 
     alpha_s: float
     beta_s_per_byte: float
     gamma_s_per_byte: float = 0.0
+    shared_s_per_byte: float = 0.0
 
     @classmethod
     def from_bandwidth(cls, *, bytes_per_s: float, latency_s: float,
-                       reduce_bytes_per_s: float = math.inf) -> Link:
+                       reduce_bytes_per_s: float = math.inf,
+                       shared_bytes_per_s: float = math.inf) -> Link:
         return cls(alpha_s=latency_s, beta_s_per_byte=1.0 / bytes_per_s,
-                   gamma_s_per_byte=1.0 / reduce_bytes_per_s)
+                   gamma_s_per_byte=1.0 / reduce_bytes_per_s,
+                   shared_s_per_byte=1.0 / shared_bytes_per_s)
+
+    def figures(self) -> tuple[float, float, float, float]:
+        """(alpha, beta, gamma, shared): what travels between ranks and into files."""
+        return (self.alpha_s, self.beta_s_per_byte, self.gamma_s_per_byte,
+                self.shared_s_per_byte)
+
+    @classmethod
+    def from_figures(cls, figures) -> Link:
+        alpha, beta, gamma, shared = (float(f) for f in figures)
+        return cls(alpha_s=alpha, beta_s_per_byte=beta, gamma_s_per_byte=gamma,
+                   shared_s_per_byte=shared)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,7 +101,7 @@ class _Terms(NamedTuple):
 
     def cost(self, p: int, link: Link) -> Cost:
         time = (self.rounds * link.alpha_s + self.beta * link.beta_s_per_byte
-                + self.gamma * link.gamma_s_per_byte)
+                + self.gamma * link.gamma_s_per_byte + self.sent_total * link.shared_s_per_byte)
         return Cost(time_s=time, sent_bytes=self.sent_max, sent_bytes_mean=self.sent_total / p,
                     rounds=int(self.rounds))
 
@@ -206,15 +226,17 @@ def cost(op: str, nbytes: float, p: int, link: Link, *, algorithm: str = "native
 
 
 def best_algorithm(op: str, nbytes: float, p: int, link: Link, *, intra: Link | None = None,
-                   local_size: int = 0) -> str:
-    """The `auto` choice: the fastest explicit algorithm (ties: the first in ALGORITHMS)."""
-    return _best(op, float(nbytes), p, link, intra, local_size)
+                   local_size: int = 0, native: bool = False) -> str:
+    """The fastest algorithm (ties: the first in ALGORITHMS); `native`: the backend's own
+    may be chosen too (the runtime's `auto`), else only ours (a phase of a two-tier
+    algorithm; the planner, which names the algorithm it prices)."""
+    return _best(op, float(nbytes), p, link, intra, local_size, native)
 
 
 @lru_cache(maxsize=65536)
 def _best(op: str, nbytes: float, p: int, link: Link, intra: Link | None,
-          local_size: int) -> str:
-    candidates = [a for a in supported(op, p, local_size) if a != "native"]
+          local_size: int, native: bool) -> str:
+    candidates = [a for a in supported(op, p, local_size) if native or a != "native"]
     return min(candidates, key=lambda a: cost(op, nbytes, p, link, algorithm=a, intra=intra,
                                               local_size=local_size).time_s)
 

@@ -4,7 +4,7 @@ Choice: an algorithm named for the call must serve the op (else a ValueError nam
 group, the op and the algorithms that can); the run's algorithm (comm.algorithm) serves the
 ops it implements and leaves the others to the backend (`native`); `auto` asks the cost
 model (`cost.best_algorithm`) for the fastest algorithm for this op, size, group and node
-layout, priced with this machine's calibration.
+layout, the backend's own included, priced with this machine's calibration.
 
 Checks: a rank that calls a collective with a different size, dtype, op or algorithm than
 its peers would hang or corrupt memory (Gloo aborts the process on an oversized message).
@@ -46,8 +46,8 @@ def choose(op: str, nbytes: int, *, requested: str | None, default: str, group: 
     if name == "native":
         return name
     if name == "auto":
-        best = cost.best_algorithm(op, nbytes, p, link, local_size=local_size)
-        if serves(best, op, equal_splits=equal_splits):
+        best = cost.best_algorithm(op, nbytes, p, link, local_size=local_size, native=True)
+        if best == "native" or serves(best, op, equal_splits=equal_splits):
             return best
         able = [a for a in cost.supported(op, p, local_size)
                 if a != "native" and serves(a, op, equal_splits=equal_splits)]

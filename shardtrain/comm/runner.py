@@ -125,12 +125,9 @@ class GroupRunner:
 
     def _agreed_link(self) -> cost.Link:
         """Rank 0's calibration, so that every rank's `auto` makes the same choices."""
-        link = _calibrated_link()
-        figures = torch.tensor([link.alpha_s, link.beta_s_per_byte, link.gamma_s_per_byte],
-                               dtype=torch.float64)
+        figures = torch.tensor(_calibrated_link().figures(), dtype=torch.float64)
         dist.broadcast(figures, self.ranks[0], group=self.group)
-        alpha, beta, gamma = figures.tolist()
-        return cost.Link(alpha_s=alpha, beta_s_per_byte=beta, gamma_s_per_byte=gamma)
+        return cost.Link.from_figures(figures.tolist())
 
     def _check_op(self, op: str) -> None:
         if op not in REDUCE_OPS:
@@ -150,7 +147,8 @@ def _calibrated_link() -> cost.Link:
 
     cal = calibration.load() or calibration.DEFAULT
     return cost.Link(alpha_s=cal.alpha_s, beta_s_per_byte=cal.beta_s_per_byte,
-                     gamma_s_per_byte=cal.gamma_s_per_byte)
+                     gamma_s_per_byte=cal.gamma_s_per_byte,
+                     shared_s_per_byte=cal.shared_s_per_byte)
 
 
 def flat_view(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:

@@ -7,8 +7,10 @@ Schema (JSON object, all keys required):
      "gamma_s_per_byte": float,   seconds per byte of a local reduction (a + b)
      "cores": int,                CPU cores the measurement saw
      "measured_at": str,          ISO-8601 time of the measurement
-     "efficiency": float}         optional (default 1.0): a training step's model FLOP/s over
+     "efficiency": float,         optional (default 1.0): a training step's model FLOP/s over
                                   flops_per_s, measured on a reference transformer
+     "shared_s_per_byte": float}  optional (default 0): seconds per byte of all processes'
+                                  traffic together, the host they share (comm/cost.py Link)
 The measuring code (it runs torch) lives outside the planner and calls `save`.
 """
 
@@ -34,6 +36,7 @@ class Calibration:
     cores: int
     measured_at: str
     efficiency: float = 1.0
+    shared_s_per_byte: float = 0.0
 
 
 # Used when no calibration exists: a small x86 machine (2-4 cores, AVX2 fp32 GEMM) with

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,7 @@ class Hardware:
     host_bw: float  # device <-> host per GPU per direction (offload), bytes/s
     nvme_bw: float  # per node, bytes/s
     reduce_bw: float = 0.0  # bytes/s of a local reduction; 0: one pass over memory_bw
+    shared_bw: float = 0.0  # bytes/s of all ranks' traffic on a medium they share; 0: none
     default_precision: str = "bf16"
 
     def flops(self, precision: str) -> float:
@@ -64,16 +66,19 @@ class Hardware:
 
     def intra_link(self) -> Link:
         return Link.from_bandwidth(bytes_per_s=self.intra_bw, latency_s=self.intra_latency_s,
-                                   reduce_bytes_per_s=self.reduce_bw or self.memory_bw)
+                                   reduce_bytes_per_s=self.reduce_bw or self.memory_bw,
+                                   shared_bytes_per_s=self.shared_bw or math.inf)
 
     def inter_link(self) -> Link:
         """One GPU's share of the node's network: every GPU of the node runs its own group."""
         per_gpu = self.inter_bw_per_node / max(1, self.gpus_per_node)
         return Link.from_bandwidth(bytes_per_s=per_gpu, latency_s=self.inter_latency_s,
-                                   reduce_bytes_per_s=self.reduce_bw or self.memory_bw)
+                                   reduce_bytes_per_s=self.reduce_bw or self.memory_bw,
+                                   shared_bytes_per_s=self.shared_bw or math.inf)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """JSON-ready: an unlimited bandwidth (inf) is null."""
+        return {k: None if v == math.inf else v for k, v in dataclasses.asdict(self).items()}
 
 
 _DGX_A100 = dict(peak_flops=312e12, peak_flops_fp32=19.5e12, intra_bw=300e9,
@@ -105,14 +110,19 @@ def cpu(calibration_path: str | os.PathLike | None = None, processes: int = 1) -
     """`processes` local processes on this machine, from the calibration (or its defaults)."""
     cal = calibration.load(calibration_path) or calibration.DEFAULT
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / max(1, processes)
-    bandwidth = 1.0 / cal.beta_s_per_byte
+    bandwidth = _inverse(cal.beta_s_per_byte)  # 0 when the shared medium is all that costs
     return Hardware(name="cpu", peak_flops=cal.flops_per_s, peak_flops_fp32=cal.flops_per_s,
                     efficiency=cal.efficiency, memory_bytes=float(pages), usable_fraction=0.8,
-                    memory_bw=1.0 / cal.gamma_s_per_byte, intra_bw=bandwidth,
+                    memory_bw=_inverse(cal.gamma_s_per_byte), intra_bw=bandwidth,
                     intra_latency_s=cal.alpha_s, inter_bw_per_node=bandwidth,
                     inter_latency_s=cal.alpha_s, gpus_per_node=0, host_bw=bandwidth,
-                    nvme_bw=1e9, reduce_bw=1.0 / cal.gamma_s_per_byte,
+                    nvme_bw=1e9, reduce_bw=_inverse(cal.gamma_s_per_byte),
+                    shared_bw=_inverse(cal.shared_s_per_byte) if cal.shared_s_per_byte else 0.0,
                     default_precision="fp32")
+
+
+def _inverse(seconds_per_byte: float) -> float:
+    return 1.0 / seconds_per_byte if seconds_per_byte > 0 else math.inf
 
 
 def get(name: str, overrides: dict[str, str] | None = None, *,
