@@ -90,6 +90,43 @@ def test_best_algorithm_small_vs_large():
     assert best_algorithm("all_reduce", 1e9, 7, slow_start) == "ring"
 
 
+def test_best_algorithm_may_choose_native_when_asked():
+    """The runtime's auto weighs the backend's own algorithm (modelled as a ring for
+    all_reduce, ties going to native); the planner and two-tier phases name ours."""
+    link = Link(alpha_s=1e-6, beta_s_per_byte=1e-9)
+    assert best_algorithm("all_reduce", 1e9, 7, link, native=True) == "native"
+    assert best_algorithm("all_reduce", 1e9, 7, link) == "ring"
+
+
+def test_shared_medium_charges_all_ranks_bytes():
+    """On a shared medium time follows the total sent by all ranks, not the critical path:
+    a ring all-reduce and a binomial-tree all-reduce both send 2(p-1) n in all."""
+    p, n, s = 8, 1e6, 1e-10
+    shared = Link(alpha_s=0.0, beta_s_per_byte=0.0, shared_s_per_byte=s)
+    for algorithm in ("ring", "tree"):
+        assert cost("all_reduce", n, p, shared, algorithm=algorithm).time_s == pytest.approx(
+            2 * (p - 1) * n * s)
+    both = Link(alpha_s=A, beta_s_per_byte=B, gamma_s_per_byte=G, shared_s_per_byte=s)
+    assert cost("all_gather", n, p, both, algorithm="ring").time_s == pytest.approx(
+        (p - 1) * A + (p - 1) / p * n * B + (p - 1) * n * s)
+    assert Link.from_figures(both.figures()) == both
+
+
+def test_fit_recovers_the_link_figures():
+    """Times made by the model from known figures fit back to those figures."""
+    from shardtrain.bench import fit
+
+    truth = Link(alpha_s=3e-4, beta_s_per_byte=2e-10, gamma_s_per_byte=1e-10,
+                 shared_s_per_byte=2.5e-10)
+    rows = [{"op": op, "algorithm": a, "bytes": n,
+             "time_s": cost(op, n, 4, truth, algorithm=a, local_size=2).time_s}
+            for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+            for a in fit.FITTED if a in supported(op, 4, 2) for n in (2**10, 2**16, 2**22, 2**28)]
+    got = fit.fit(rows, 4, 2)
+    for want, have in zip(truth.figures(), got.figures()):
+        assert have == pytest.approx(want, rel=1e-6)
+
+
 def test_hierarchical_is_reduce_leaders_broadcast():
     intra = Link(alpha_s=1e-6, beta_s_per_byte=1 / 300e9)
     inter = Link(alpha_s=5e-6, beta_s_per_byte=1 / 25e9)
