@@ -1,0 +1,107 @@
+"""ZeRO-3's parameter life cycle: gathered just before a unit computes, freed right after.
+
+At rest each unit keeps only its shard; its flat buffer's storage is resized to zero, and
+the parameters stay views of that buffer (the trick of FSDP's FlatParameter, Zhao et al.
+2023, sec. 3.2): re-growing the storage and all-gathering into it makes every parameter, and
+every tensor autograd saved from it, valid again without touching the model.
+
+Forward runs through a fixed sequence of events (embedding, block 0, ..., block L-1, final
+norm + head), each a forward pre-hook: at event k unit(k) must be ready, units not needed
+by events k..k+prefetch are freed first, then the next `prefetch` units are all-gathered
+asynchronously while unit(k) computes (Rajbhandari et al. 2020, sec. 5.3; Ren et al. 2021
+call it prefetching). Backward visits the events in reverse. Event k's backward starts when
+the gradient of unit(k)'s output arrives -- a tensor hook on the input of event k + 1, or
+on the model's output for the last event -- and unit(k) is gathered there (it was freed
+after forward), with the unit before it prefetched; the engine frees a unit once its
+gradients are complete and reduce-scattered. Under activation checkpointing the recompute
+happens inside the block's backward, after its backward event, so it finds the unit
+gathered. Every rank issues the same gathers in the same order: the events are the same.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardtrain.comm import Handle
+from shardtrain.parallel.zero_units import FlatUnit, UnitComm
+
+
+class ParamGatherer:
+    def __init__(self, model: nn.Module, units: list[FlatUnit], unit_comm: UnitComm, *,
+                 prefetch: int, events: list[tuple[nn.Module, FlatUnit]]):
+        """`events`: (module whose forward pre-hook starts the event, unit it computes
+        with), in forward order; the first module is the model itself."""
+        self.units, self.unit_comm, self.prefetch = units, unit_comm, prefetch
+        self.events = [unit for _, unit in events]
+        self.live: dict[FlatUnit, Handle | None] = {}  # gathered or gathering
+        self.max_live = 0  # instrument: the most units held full at once
+        for unit in units:
+            self.free(unit)
+        for k, (module, _) in enumerate(events):
+            module.register_forward_pre_hook(self._pre_forward_hook(k))
+        model.register_forward_hook(self._end_of_forward)
+
+    # ------------------------------------------------------------------ gather / free
+
+    def start(self, unit: FlatUnit, phase: str) -> None:
+        """Begin gathering `unit` (no-op if it is gathered or on its way)."""
+        if unit in self.live:
+            return
+        storage = unit.flat.untyped_storage()
+        storage.resize_(unit.padded * unit.flat.element_size())
+        self.live[unit] = self.unit_comm.gather_params(unit, unit.flat, unit.shard, phase=phase)
+        self.max_live = max(self.max_live, len(self.live))
+
+    def ready(self, unit: FlatUnit, phase: str) -> None:
+        self.start(unit, phase)
+        handle = self.live[unit]
+        if handle is not None:
+            handle.wait()
+            self.live[unit] = None
+
+    def free(self, unit: FlatUnit) -> None:
+        handle = self.live.pop(unit, None)
+        if handle is not None:
+            handle.wait()  # never free a buffer a collective still writes into
+        unit.flat.untyped_storage().resize_(0)
+
+    def free_all(self) -> None:
+        for unit in list(self.live):
+            self.free(unit)
+
+    # ------------------------------------------------------------------ hooks
+
+    def _pre_forward_hook(self, k: int):
+        def hook(module: nn.Module, args: tuple) -> None:
+            upcoming = self.events[k:k + self.prefetch + 1]
+            for unit in list(self.live):
+                if unit not in upcoming:
+                    self.free(unit)
+            for unit in upcoming:
+                self.start(unit, "forward")
+            self.ready(self.events[k], "forward")
+            if k > 0 and torch.is_grad_enabled():
+                _on_grad(args[0], lambda: self._pre_backward(k - 1))
+        return hook
+
+    def _end_of_forward(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        self.free_all()
+        if torch.is_grad_enabled():
+            _on_grad(output, lambda: self._pre_backward(len(self.events) - 1))
+
+    def _pre_backward(self, k: int) -> None:
+        self.start(self.events[k], "backward")
+        for unit in reversed(self.events[max(0, k - self.prefetch):k]):
+            self.start(unit, "backward")
+        self.ready(self.events[k], "backward")
+
+
+def _on_grad(tensor: torch.Tensor, fn) -> None:
+    """Call fn() when the gradient of `tensor` has been computed (before it flows on)."""
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        fn()
+        return grad
+
+    if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+        tensor.register_hook(hook)

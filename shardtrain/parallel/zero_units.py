@@ -1,0 +1,140 @@
+"""ZeRO's flat units and how their bytes move.
+
+A unit is a group of parameters gathered, reduced and updated together: the embedding
+(token and learned position tables), each transformer block, and the final norm with the
+output head; tied embeddings join the head's unit, so the shared matrix is counted once.
+Like FSDP's FlatParameter (Zhao et al. 2023, sec. 3.2), a unit's parameters are views into
+one flat buffer [padded], padded to a multiple of the dp size so that every rank owns an
+equal contiguous shard [padded / dp]: rank r owns elements [r * shard, (r + 1) * shard).
+
+`UnitComm` is the one place a unit's parameters are all-gathered and its gradients
+reduce-scattered: ZeRO++ (Wang et al. 2023: int8 weights, hpZ's node-local secondary shard,
+int8 gradients over all-to-all) replaces it with a subclass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardtrain.comm import Communicator, Handle
+from shardtrain.parallel.shard_optim import Runs
+from shardtrain.parallel.sharding import Placement
+
+
+@dataclass(eq=False)
+class FlatUnit:
+    index: int
+    names: list[str]
+    params: list[nn.Parameter]
+    offsets: list[int]  # of each parameter in the flat buffer
+    padded: int  # elements of the flat buffer, a multiple of the dp size
+    shard_numel: int
+    rank: int  # dp rank: owner of elements [rank * shard_numel, (rank + 1) * shard_numel)
+    flat: torch.Tensor  # [padded] the full parameters (ZeRO-3: storage freed at rest)
+    shard: torch.Tensor  # [shard] this rank's slice of the parameters (param dtype)
+    grad_shard: torch.Tensor | None = None  # [shard] fp32, averaged over dp (ZeroReducer)
+    grad_flat: torch.Tensor | None = None  # [padded] ZeRO-1: the full gradients
+    pending: int = 0  # gradients still to arrive in this backward (ZeRO-2/3)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def shard_slice(self) -> slice:
+        return slice(self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel)
+
+    def shard_runs(self, keep) -> list[tuple[int, int, int]]:
+        """(param index, start, end) of the parameters with keep(i) inside this rank's shard,
+        shard-relative."""
+        lo, hi = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
+        out = []
+        for i, (p, off) in enumerate(zip(self.params, self.offsets)):
+            a, b = max(off, lo), min(off + p.numel(), hi)
+            if a < b and keep(i):
+                out.append((i, a - lo, b - lo))
+        return out
+
+    def decay_runs(self) -> Runs:
+        """Where weight decay applies: matrices, as train/optim.py groups them."""
+        return [(a, b) for _, a, b in self.shard_runs(lambda i: self.params[i].ndim >= 2)]
+
+    def param_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's slice of a [padded] buffer, in its shape."""
+        return [flat[o:o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
+
+
+def unit_key(name: str, *, tied: bool) -> tuple[int, int]:
+    """Forward-order key of the unit a parameter belongs to: embedding, blocks, final."""
+    if name.startswith("layers."):
+        return (1, int(name.split(".")[1]))
+    if name.startswith(("tok_emb.", "pos_emb.")) and not tied:
+        return (0, 0)
+    return (2, 0)
+
+
+@torch.no_grad()
+def build_units(model: nn.Module, *, dp_size: int, dp_rank: int, dtype: torch.dtype,
+                tied: bool) -> list[FlatUnit]:
+    """Group the model's parameters (tied ones once) into units in forward order; copy
+    their values into each unit's flat buffer (cast to `dtype`) and make every parameter a
+    view of it."""
+    groups: dict[tuple[int, int], list[tuple[str, nn.Parameter]]] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups.setdefault(unit_key(name, tied=tied), []).append((name, p))
+    units = []
+    for index, key in enumerate(sorted(groups)):
+        named = groups[key]
+        offsets, total = [], 0
+        for _, p in named:
+            offsets.append(total)
+            total += p.numel()
+        padded = -(-total // dp_size) * dp_size
+        device = named[0][1].device
+        flat = torch.zeros(padded, dtype=dtype, device=device)
+        unit = FlatUnit(index=index, names=[n for n, _ in named], params=[p for _, p in named],
+                        offsets=offsets, padded=padded, shard_numel=padded // dp_size,
+                        rank=dp_rank, flat=flat, shard=flat[0:0])
+        for p, view in zip(unit.params, unit.param_views(flat)):
+            view.copy_(p.detach())
+            p.data = view
+        unit.shard = flat[unit.shard_slice()]
+        units.append(unit)
+    return units
+
+
+def partial_runs(unit: FlatUnit, placements: dict[str, Placement]
+                 ) -> list[tuple[Placement, int, int]]:
+    """(placement, start, end) of the shard's slices of tensor-parallel blocks whose
+    gradient is a part to be summed over tp (sharding.py)."""
+    return [(placements[unit.names[i]], a, b) for i, a, b in
+            unit.shard_runs(lambda i: unit.names[i] in placements
+                            and placements[unit.names[i]].partial)]
+
+
+class UnitComm:
+    """The all-gather of a unit's parameters and the reduce-scatter of its gradients over
+    the dp group. `phase` says why a gather happens: "forward" or "backward" (ZeRO-3) or
+    "step" (ZeRO-1/2, after the optimizer step), so a variant can route them differently
+    (hpZ gathers backward from a node-local copy)."""
+
+    def __init__(self, comm: Communicator):
+        self.comm = comm
+
+    def gather_params(self, unit: FlatUnit, full: torch.Tensor, shard: torch.Tensor, *,
+                      phase: str, async_op: bool = True) -> Handle:
+        """full [padded] <- every rank's shard [padded / dp]."""
+        return self.comm.all_gather(full, shard, async_op=async_op, tag="param")
+
+    def reduce_grads(self, unit: FlatUnit, shard: torch.Tensor, full: torch.Tensor, *,
+                     async_op: bool = True) -> Handle:
+        """shard [padded / dp] <- this rank's chunk of the dp average of full [padded]."""
+        return self.comm.reduce_scatter(shard, full, "avg", async_op=async_op, tag="grad")
+
+    @property
+    def held_param_bytes(self) -> int:
+        """Parameter bytes kept between collectives (hpZ's secondary shards; none here)."""
+        return 0

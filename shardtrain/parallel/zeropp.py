@@ -1,0 +1,168 @@
+"""ZeRO++ (Wang et al. 2023): ZeRO's parameter all-gathers and gradient reduce-scatters with
+less traffic, and less of it between nodes.
+
+- qwZ, `parallel.zero_quantized_weights`: each rank quantizes its parameter shard to int8
+  in blocks of `comm.quant_block` values with one fp32 scale each (comm/compress.py), the
+  ranks all-gather the int8 bytes and scales, and every rank dequantizes the same bytes,
+  so every rank computes with the same (quantized) weights. A shard of n values costs
+  n + 4n/block bytes on the wire instead of 2n (bf16) or 4n (fp32). Only the all-gather's
+  copy is quantized: the fp32 master shards and the optimizer never see int8.
+- hpZ, `parallel.zero_hpz`: ZeRO-3 gathers each unit twice per step, before its forward and
+  again before its backward. After the forward all-gather over the whole dp group, each
+  rank keeps a secondary shard, its 1/s of the gathered unit (s = the dp ranks on its node);
+  the backward all-gather then runs over the node's ranks only, so it never crosses the
+  inter-node network. The price is the secondary shards' memory (full parameters / s per
+  rank), and the weights used in backward are exactly those of the forward.
+- qgZ, `parallel.zero_quantized_gradients`: int8 values cannot be summed on the wire, so
+  the reduce-scatter becomes an all-to-all: each rank quantizes the chunk destined for each
+  peer, the all-to-all delivers them, and each rank dequantizes its p chunks and reduces
+  them in fp32 (one quantization per gradient, versus one per ring hop if a quantized ring
+  reduced as it went). This is the paper's one-hop form; its hierarchical two-hop variant
+  (reduce inside the node first) is not built here.
+
+`ZeroPlusPlusComm` is the UnitComm (zero_units.py) that ZeRO's units then call: it picks
+the exact or quantized collective, and the node-local one for hpZ's backward gathers.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from shardtrain.comm import Communicator, Handle
+from shardtrain.comm.compress import pack_int8, unpack_int8
+from shardtrain.config import ParallelConfig
+from shardtrain.mesh import ParallelMesh
+from shardtrain.parallel.zero_units import FlatUnit, UnitComm
+
+
+def quantized_all_gather(comm: Communicator, output: torch.Tensor, shard: torch.Tensor, *,
+                         block: int, tag: str = "param", async_op: bool = False) -> Handle:
+    """qwZ: output [p * n] <- every rank's shard [n], sent as int8 blocks plus fp32 scales.
+    Every rank (this one too) gets the dequantized values, so all ranks agree bit for bit."""
+    n, p = shard.numel(), comm.size
+    blocks = -(-n // block)
+
+    def job() -> None:
+        rows = torch.zeros(1, blocks * block, dtype=torch.float32, device=shard.device)
+        rows[0, :n] = shard.reshape(-1)  # [1, blocks x block], zero padded
+        gathered = torch.empty(p, blocks * block + 4 * blocks, dtype=torch.uint8,
+                               device=shard.device)
+        comm.all_gather(gathered, pack_int8(rows, block), tag=f"{tag}:int8")
+        output.view(p, n).copy_(unpack_int8(gathered, blocks, block)[:, :n])  # [p, n]
+
+    return comm.composite(job, async_op=async_op)
+
+
+def quantized_reduce_scatter(comm: Communicator, output: torch.Tensor, input: torch.Tensor,
+                             op: str = "avg", *, block: int, tag: str = "grad",
+                             async_op: bool = False) -> Handle:
+    """qgZ: output [n] <- chunk `rank` of the sum (or average) over ranks of input [p * n],
+    each chunk quantized once by its sender and reduced in fp32 by its receiver."""
+    if op not in ("sum", "avg"):
+        raise ValueError(f"quantized reduce-scatter sums gradients; op {op!r} is not supported")
+    n, p = output.numel(), comm.size
+    blocks = -(-n // block)
+
+    def job() -> None:
+        chunks = torch.zeros(p, blocks * block, dtype=torch.float32, device=input.device)
+        chunks[:, :n] = input.view(p, n)  # [p, blocks x block]: row j goes to rank j
+        received = torch.empty(p, blocks * block + 4 * blocks, dtype=torch.uint8,
+                               device=input.device)
+        comm.all_to_all(received, pack_int8(chunks, block), tag=f"{tag}:int8")
+        total = unpack_int8(received, blocks, block).sum(0)[:n]  # [n] fp32: row i from rank i
+        output.view(-1).copy_(total.div_(p) if op == "avg" else total)
+
+    return comm.composite(job, async_op=async_op)
+
+
+def node_comm(mesh: ParallelMesh, dim: str = "dp") -> Communicator:
+    """The ranks of this rank's `dim` group that share its node, as a Communicator named
+    "<dim>_node" on the mesh's ledger. Collective: every rank calls it at the same point,
+    and creates every such group in the same order (torch.distributed's rule), as the mesh
+    does for its own groups. The node groups must all be the same size."""
+    base = mesh.comm(dim)
+    subgroups = []
+    for ranks in mesh.shape.groups(dim):
+        by_node: dict[int, list[int]] = {}
+        for r in ranks:
+            by_node.setdefault(mesh.node_of(r), []).append(r)
+        subgroups += by_node.values()
+    if len({len(s) for s in subgroups}) != 1:
+        raise ValueError(f"hpZ needs the same number of {dim} ranks on every node; nodes of "
+                         f"{mesh.node_size} ranks give {sorted({len(s) for s in subgroups})} "
+                         "(set parallel.node_size to a multiple of tp)")
+    timeout = timedelta(seconds=base.timeout_s)
+    mine = None
+    for ranks in subgroups:
+        group = None
+        if len(ranks) > 1:
+            group = dist.group.WORLD if len(ranks) == mesh.world_size else \
+                dist.new_group(ranks, timeout=timeout)
+        if mesh.rank in ranks:
+            mine = (ranks, group)
+    ranks, group = mine
+    return Communicator(group, name=f"{dim}_node", ranks=ranks, ledger=mesh.ledger,
+                        node_size=mesh.node_size, algorithm=base.algorithm,
+                        timeout_s=base.timeout_s)
+
+
+class ZeroPlusPlusComm(UnitComm):
+    """ZeRO's unit all-gathers and gradient reduce-scatters (zero_units.UnitComm) with the
+    ZeRO++ options: `quantize_weights` (qwZ), `node` (hpZ: the dp ranks on this node, see
+    node_comm) and `quantize_gradients` (qgZ); `block` values per int8 scale."""
+
+    def __init__(self, comm: Communicator, *, quantize_weights: bool = False,
+                 quantize_gradients: bool = False, node: Communicator | None = None,
+                 block: int = 256):
+        super().__init__(comm)
+        self.node, self.block = node, block
+        self.quantize_weights, self.quantize_gradients = quantize_weights, quantize_gradients
+        self.secondary: dict[FlatUnit, torch.Tensor] = {}  # hpZ: this rank's node shard
+
+    def gather_params(self, unit: FlatUnit, full: torch.Tensor, shard: torch.Tensor, *,
+                      phase: str, async_op: bool = True) -> Handle:
+        """full [padded] <- every rank's shard. With hpZ a backward gather runs inside the
+        node, from the secondary shard that the unit's last forward gather kept."""
+        if phase == "backward" and self.node is not None:
+            return self.node.all_gather(full, self.secondary[unit], tag="param:hpz",
+                                        async_op=async_op)
+
+        def job() -> None:
+            if self.quantize_weights:
+                quantized_all_gather(self.comm, full, shard, block=self.block)
+            else:
+                self.comm.all_gather(full, shard, tag="param")
+            if self.node is not None and phase == "forward":
+                # [s, padded / s]: row i is node member i's part
+                self.secondary[unit] = full.view(self.node.size, -1)[self.node.rank].clone()
+
+        return self.comm.composite(job, async_op=async_op)
+
+    def reduce_grads(self, unit: FlatUnit, shard: torch.Tensor, full: torch.Tensor, *,
+                     async_op: bool = True) -> Handle:
+        """shard [padded / dp] <- this rank's chunk of the dp average of full [padded]."""
+        if self.quantize_gradients:
+            return quantized_reduce_scatter(self.comm, shard, full, "avg", block=self.block,
+                                            async_op=async_op)
+        return super().reduce_grads(unit, shard, full, async_op=async_op)
+
+    @property
+    def held_param_bytes(self) -> int:
+        """hpZ's secondary shards: full parameters / (dp ranks per node), once every unit
+        has been through a forward."""
+        return sum(t.numel() * t.element_size() for t in self.secondary.values())
+
+
+def build_unit_comm(mesh: ParallelMesh, parallel: ParallelConfig, *, block: int) -> UnitComm:
+    """The UnitComm the config asks for: ZeRO++'s when any of its options is on. Collective
+    with hpZ (creates the node groups)."""
+    dp = mesh.comm("dp")
+    if not (parallel.zero_quantized_weights or parallel.zero_hpz
+            or parallel.zero_quantized_gradients):
+        return UnitComm(dp)
+    return ZeroPlusPlusComm(dp, quantize_weights=parallel.zero_quantized_weights,
+                            quantize_gradients=parallel.zero_quantized_gradients,
+                            node=node_comm(mesh) if parallel.zero_hpz else None, block=block)

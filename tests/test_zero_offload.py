@@ -1,0 +1,173 @@
+"""ZeRO-Offload (cpu) and ZeRO-Infinity's NVMe tier: the host optimizer equals torch.optim
+bit for bit, its files are written atomically and removed, stages 1-3 with either offload
+reproduce the single-process run on 2 ranks and resume bitwise from a checkpoint, and a bad
+offload dir is refused before launch."""
+
+from __future__ import annotations
+
+import shutil
+from collections import namedtuple
+
+import pytest
+import torch
+
+from dist import run_distributed
+from parity import assert_parity, make_mesh, tiny, train_layout, train_layouts
+from shardtrain import config
+from shardtrain.cli import prepare_run
+from shardtrain.config import ConfigError, OptimConfig
+from shardtrain.parallel.offload import HostOptimizer
+from shardtrain.train.trainer import Trainer
+
+SHAPES = [(5, 7), (7,), (3, 4), (11,)]  # matrices are decayed, vectors not
+CUT = 20  # two shards: elements [0, 20) and [20, 65) of the flat parameters
+
+
+def _decay_runs() -> list[list[tuple[int, int]]]:
+    """Where the matrices fall in the two shards (the flat layout is SHAPES in order)."""
+    return [[(0, 20)], [(0, 15), (22, 34)]]
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+@pytest.mark.parametrize("name,momentum", [("adamw", 0.0), ("sgd", 0.9), ("sgd", 0.0)])
+def test_host_optimizer_equals_torch_optim(tmp_path, offload, name, momentum):
+    torch.manual_seed(0)
+    optim = OptimConfig(name=name, momentum=momentum, weight_decay=0.1)
+    init = [torch.randn(s) for s in SHAPES]
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    groups = [{"params": [p for p in ref if p.ndim >= 2], "weight_decay": 0.1},
+              {"params": [p for p in ref if p.ndim < 2], "weight_decay": 0.0}]
+    torch_opt = (torch.optim.AdamW(groups, lr=1e-2, betas=(optim.beta1, optim.beta2),
+                                   eps=optim.eps) if name == "adamw"
+                 else torch.optim.SGD(groups, lr=1e-2, momentum=momentum))
+    flat = torch.cat([t.reshape(-1) for t in init])
+    # Windows of 7 elements: the nvme step streams each shard in pieces.
+    host = HostOptimizer([flat[:CUT], flat[CUT:]], _decay_runs(), optim, offload=offload,
+                         directory=str(tmp_path), stream_numel=7)
+    params = [flat[:CUT].clone(), flat[CUT:].clone()]
+    if offload == "nvme":
+        files = sorted(p.name for p in tmp_path.glob("shardtrain-rank0-*/*"))
+        assert files == ["unit0000.fp32", "unit0001.fp32"]  # no temporary names left
+    for _ in range(5):
+        grads = [torch.randn(s) for s in SHAPES]
+        for p, g in zip(ref, grads):
+            p.grad = g.clone()
+        torch_opt.step()
+        flat_grad = torch.cat([g.reshape(-1) for g in grads])
+        host.step([flat_grad[:CUT], flat_grad[CUT:]], params, lr=1e-2)
+    want = torch.cat([p.detach().reshape(-1) for p in ref])
+    assert torch.equal(torch.cat(params), want)
+    assert torch.equal(torch.cat([host.master(0), host.master(1)]), want)
+    n_states = 1 + (2 if name == "adamw" else int(momentum > 0))
+    assert host.memory() == {"master_bytes": 0, "optimizer_bytes": 0,
+                             "offloaded_bytes": 4 * n_states * flat.numel()}
+    # The state round-trips through state_dict (checkpoints) into a fresh optimizer.
+    state = host.state_dict()
+    again = HostOptimizer([torch.zeros(CUT), torch.zeros(flat.numel() - CUT)], _decay_runs(),
+                          optim, offload=offload, directory=str(tmp_path), stream_numel=7)
+    again.load_state_dict(state)
+    assert again.steps == 5 and torch.equal(again.master(1), host.master(1))
+    host.close()
+    again.close()
+    assert list(tmp_path.iterdir()) == []  # the state files are gone
+
+
+# ---------------------------------------------------------------- parity on 2 ranks
+
+STEPS = "6"
+ACCUMULATE = ["--train.global_batch", "8", "--train.micro_batch", "2"]  # 2 micro-batches/rank
+Row = namedtuple("Row", "label overrides")
+
+
+def _rows(offload_dir: str) -> list[Row]:
+    rows = []
+    for stage in (1, 2, 3):
+        rows.append(Row(f"zero{stage} cpu offload", ["--parallel.zero", str(stage),
+                                                     "--parallel.offload", "cpu"]))
+        rows.append(Row(f"zero{stage} nvme offload", ["--parallel.zero", str(stage),
+                                                      "--parallel.offload", "nvme",
+                                                      "--parallel.offload_dir", offload_dir]))
+    rows.append(Row("zero2 nvme offload sgd", ["--parallel.zero", "2", "--parallel.offload",
+                                               "nvme", "--parallel.offload_dir", offload_dir,
+                                               "--optim.name", "sgd"]))
+    return rows
+
+
+def _cfg(tmp, name, overrides):
+    return tiny(tmp, name, "--train.steps", STEPS, *ACCUMULATE, *overrides)
+
+
+def _parity_and_resume(rank: int, world_size: int, texts: list[str], split_text: str,
+                       resumed_text: str) -> tuple[list[dict], list[float]]:
+    """Worker: every row; then 3 steps of the split config, a checkpoint, and a resume to the
+    end (the offloaded optimizer state goes through the checkpoint)."""
+    results = train_layouts(rank, world_size, texts)
+    split_cfg = config.loads(split_text)
+    first = Trainer(split_cfg, make_mesh(split_cfg, rank, world_size), torch.device("cpu"))
+    losses = [first.train_step()["loss"] for _ in range(3)]
+    first.save()
+    resumed_cfg = config.loads(resumed_text)
+    resumed = Trainer(resumed_cfg, make_mesh(resumed_cfg, rank, world_size), torch.device("cpu"))
+    return results, losses + resumed.run().losses
+
+
+def test_offload_parity_with_single_process_and_resume(tmp_path):
+    offload_dir = tmp_path / "offload"
+    offload_dir.mkdir()
+    rows = _rows(str(offload_dir))
+    texts = [config.to_toml(_cfg(tmp_path, f"row{i}", r.overrides)) for i, r in enumerate(rows)]
+    split = rows[5]  # zero3 nvme offload
+    assert split.label == "zero3 nvme offload"
+    split_texts = [config.to_toml(_cfg(tmp_path, "split", split.overrides + more))
+                   for more in ([], ["--checkpoint.resume", "latest"])]
+    outputs = run_distributed(_parity_and_resume, 2, texts, *split_texts)
+    per_rank = [results for results, _ in outputs]
+    for rank, (results, split_losses) in enumerate(outputs):
+        assert split_losses == results[5]["losses"], f"resume rank {rank}"
+    references = {}
+    for i, row in enumerate(rows):
+        optim = ["--optim.name", "sgd"] if "sgd" in row.label else []
+        key = tuple(optim)
+        if key not in references:
+            references[key] = train_layout(0, 1, config.to_toml(
+                _cfg(tmp_path, "ref-" + "-".join(optim), optim)))
+        for rank, results in enumerate(per_rank):
+            assert_parity(references[key], results[i], f"{row.label} rank {rank}")
+        print(f"{row.label}: losses {[round(x, 5) for x in per_rank[0][i]['losses']]}")
+    # Every optimizer's files went with it.
+    assert not any(offload_dir.iterdir())
+
+
+# ---------------------------------------------------------------- bad input, before launch
+
+
+def _nvme(tmp_path, offload_dir):
+    return tiny(tmp_path, "bad", "--parallel.zero", "3", "--parallel.offload", "nvme",
+                "--parallel.offload_dir", str(offload_dir))
+
+
+def test_bad_offload_dir_is_refused_before_launch(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match=r"parallel.offload_dir=.*does not exist; create it"):
+        prepare_run(_nvme(tmp_path, tmp_path / "missing"), 2, prepare_data=False)
+    # /proc: a directory even root cannot create files in.
+    with pytest.raises(ConfigError, match=r"parallel.offload_dir='/proc' is not writable"):
+        prepare_run(_nvme(tmp_path, "/proc"), 2, prepare_data=False)
+    # Out of space: the disk reports less free space than the state needs.
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    with pytest.raises(ConfigError, match=r"has 0.0 MiB free, but the offloaded optimizer "
+                                          r"state needs [0-9.]+ MiB"):
+        prepare_run(_nvme(tmp_path, tmp_path), 2, prepare_data=False)
+    monkeypatch.undo()
+    prepare_run(_nvme(tmp_path, tmp_path), 2, prepare_data=False)  # and a good one passes
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["--parallel.offload", "cpu"], "parallel.offload=cpu moves ZeRO's sharded optimizer"),
+    (["--parallel.zero", "1", "--parallel.offload", "nvme"], "needs parallel.offload_dir"),
+    (["--parallel.zero_quantized_weights", "true"], "set parallel.zero to 1, 2 or 3"),
+    (["--parallel.zero", "2", "--parallel.zero_hpz", "true"], "has parallel.zero=2: set zero=3"),
+])
+def test_offload_and_zeropp_need_zero(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny(tmp_path, "bad", *overrides).validate(2)

@@ -1,0 +1,207 @@
+"""ZeRO++ primitives against the exact collectives (4 ranks, virtual nodes of 2): quantized
+all-gather (qwZ) and quantized reduce-scatter over all-to-all (qgZ) agree within their
+quantization error and move the bytes the ledger says; hpZ's backward all-gathers stay
+inside nodes and return exactly the forward's weights. Then each option wired into ZeRO-3
+training: hpZ exact, qwZ / qgZ close, with the bytes the ledger shows."""
+
+from __future__ import annotations
+
+import torch
+
+from dist import run_distributed
+from parity import assert_parity, make_mesh, tiny, train_layout
+from shardtrain import config
+from shardtrain.mesh import MeshShape, ParallelMesh
+from shardtrain.parallel.zeropp import (ZeroPlusPlusComm, node_comm, quantized_all_gather,
+                                        quantized_reduce_scatter)
+from shardtrain.train.trainer import Trainer
+
+BLOCK = 64
+N = 1000  # elements per shard: not a multiple of BLOCK (the last block is padded)
+
+
+def _half_steps(x: torch.Tensor) -> torch.Tensor:
+    """Per element, half the int8 step of its block (the rounding error bound)."""
+    blocks = -(-x.numel() // BLOCK)
+    padded = torch.cat([x, x.new_zeros(blocks * BLOCK - x.numel())])
+    return (padded.abs().view(-1, BLOCK).amax(1) / 127 / 2).repeat_interleave(BLOCK)[:x.numel()]
+
+
+def _primitives(rank: int, world_size: int) -> dict:
+    # ring: our point-to-point algorithms count the bytes that cross nodes.
+    mesh = ParallelMesh(MeshShape(dp=world_size), rank=rank, node_size=2, algorithm="ring")
+    dp, ledger = mesh.comm("dp"), mesh.ledger
+    out: dict = {}
+
+    # qwZ: shards of very different scales, gathered exactly (bf16 and fp32) and quantized.
+    torch.manual_seed(rank)
+    shard = torch.randn(N) * (rank + 1)
+    exact = torch.empty(world_size * N)
+    dp.all_gather(exact, shard, tag="exact")
+    bf16 = torch.empty(world_size * N, dtype=torch.bfloat16)
+    dp.all_gather(bf16, shard.bfloat16(), tag="exact-bf16")
+    got = torch.empty(world_size * N)
+    quantized_all_gather(dp, got, shard, block=BLOCK)
+    bound = torch.cat([_half_steps(s) for s in exact.view(world_size, N)])
+    out["qw_within"] = bool(torch.all((got - exact).abs() <= bound * 1.001))
+    out["qw_error"] = float((got - exact).abs().max())
+    out["qw"] = got
+    bytes_of = {r.tag: r.sent_bytes for r in ledger.records}
+    out["qw_bytes"] = (bytes_of["param:int8"], bytes_of["exact-bf16"], bytes_of["exact"])
+
+    # qgZ: each rank's full gradient [p * N]; its chunk of the average.
+    grad = torch.randn(world_size * N) * torch.linspace(0.1, 3, world_size * N)
+    exact_rs, got_rs = torch.empty(N), torch.empty(N)
+    dp.reduce_scatter(exact_rs, grad, "avg", tag="exact-rs")
+    quantized_reduce_scatter(dp, got_rs, grad, "avg", block=BLOCK)
+    out["qg"] = (grad, exact_rs, got_rs)
+    bytes_of = {r.tag: r.sent_bytes for r in ledger.records}
+    out["qg_bytes"] = (bytes_of["grad:int8"], bytes_of["exact-rs"])
+
+    # hpZ: forward gather over dp, backward gather inside the node from the secondary shard.
+    node = node_comm(mesh)
+    out["node_ranks"] = node.ranks
+    zc = ZeroPlusPlusComm(dp, node=node, quantize_weights=True, block=BLOCK)
+    first = len(ledger.records)
+    unit = object()  # stands for a FlatUnit: only its identity matters
+    forward, backward = torch.empty(world_size * N), torch.empty(world_size * N)
+    zc.gather_params(unit, forward, shard, phase="forward").wait()
+    zc.gather_params(unit, backward, shard, phase="backward").wait()
+    out["hpz_equal"] = torch.equal(forward, backward)
+    out["hpz_forward_equals_qw"] = torch.equal(forward, got)
+    out["hpz_records"] = [(r.op, r.group, r.tag, r.sent_bytes, r.sent_inter_node_bytes)
+                          for r in ledger.records[first:]]
+    out["hpz_secondary_bytes"] = zc.held_param_bytes
+    return out
+
+
+def test_zeropp_primitives_match_exact_collectives_and_ledger_bytes():
+    world = 4
+    per_rank = run_distributed(_primitives, world)
+    p, blocks = world, -(-N // BLOCK)
+    crossing = 0  # bytes the forward (dp-wide) gathers sent across nodes, all ranks
+    for rank, r in enumerate(per_rank):
+        # qwZ: within half an int8 step of every block, identical on every rank.
+        assert r["qw_within"] and r["qw_error"] > 0, r["qw_error"]
+        assert torch.equal(r["qw"], per_rank[0]["qw"])
+        int8, bf16, fp32 = r["qw_bytes"]
+        assert int8 == (p - 1) * (blocks * BLOCK + 4 * blocks)  # ring: (p-1)/p of p packed shards
+        print(f"rank {rank} all-gather bytes: int8 {int8}, bf16 {bf16} ({int8 / bf16:.3f}x), "
+              f"fp32 {fp32} ({int8 / fp32:.3f}x)")
+        assert 0.5 <= int8 / bf16 <= 0.5 * (1 + 4 / BLOCK) * blocks * BLOCK / N + 1e-9
+        # qgZ: sender i's chunk for this rank is off by at most half its block's step; the
+        # average is off by at most the mean of those bounds (plus fp32 summation order).
+        _, exact_rs, got_rs = r["qg"]
+        sent = [q["qg"][0].view(p, N)[rank] for q in per_rank]
+        bound = torch.stack([_half_steps(c) for c in sent]).mean(0)
+        error = (got_rs - exact_rs).abs()
+        assert error.max() > 0 and torch.all(error <= bound * 1.001 + 1e-6), error.max()
+        int8_rs, fp32_rs = r["qg_bytes"]
+        assert int8_rs == (p - 1) * (blocks * BLOCK + 4 * blocks)  # pairwise all-to-all
+        assert int8_rs / fp32_rs <= 0.25 * (1 + 4 / BLOCK) * blocks * BLOCK / N + 1e-9
+        print(f"rank {rank} reduce-scatter bytes: int8 {int8_rs}, fp32 {fp32_rs} "
+              f"({int8_rs / fp32_rs:.3f}x)")
+        # hpZ: nodes of 2 consecutive ranks; the backward gather equals the forward one and
+        # sends nothing across nodes; the forward ones do (on the ring, from 1 and 3).
+        assert r["node_ranks"] == [rank // 2 * 2, rank // 2 * 2 + 1]
+        assert r["hpz_equal"] and r["hpz_forward_equals_qw"]
+        forward = [x for x in r["hpz_records"] if x[2] == "param:int8"]
+        backward = [x for x in r["hpz_records"] if x[2] == "param:hpz"]
+        assert len(forward) == 1 and forward[0][1] == "dp"
+        crossing += forward[0][4]
+        assert len(backward) == 1 and backward[0][:2] == ("all_gather", "dp_node")
+        assert backward[0][4] == 0 and backward[0][3] == world * N * 4 // 2  # (s-1)/s of S, s=2
+        assert r["hpz_secondary_bytes"] == world * N * 4 // 2
+    assert crossing > 0
+
+
+# ---------------------------------------------------------------- wired into ZeRO-3 training
+
+STEPS = 3
+VARIANTS = {  # label -> overrides on top of ZeRO-3 over 4 ranks in virtual nodes of 2
+    "plain": [],
+    "qwZ": ["--parallel.zero_quantized_weights", "true"],
+    "hpZ": ["--parallel.zero_hpz", "true"],
+    "qgZ": ["--parallel.zero_quantized_gradients", "true"],
+}
+
+
+def _cfg(tmp, label, overrides):
+    return tiny(tmp, label, "--train.steps", str(STEPS), "--train.global_batch", "8",
+                "--train.micro_batch", "2", "--parallel.zero", "3", "--parallel.node_size", "2",
+                "--comm.algorithm", "ring", *overrides)
+
+
+def _train(rank: int, world_size: int, texts: dict[str, str]) -> dict:
+    """Worker: each variant's losses, final weights and the ledger of its training steps."""
+    out = {}
+    for label, text in texts.items():
+        cfg = config.loads(text)
+        trainer = Trainer(cfg, make_mesh(cfg, rank, world_size), torch.device("cpu"))
+        steps = [trainer.train_step() for _ in range(STEPS)]
+        losses = [r["loss"] for r in steps]
+        records = [(r.op, r.group, r.tag, r.dtype, r.sent_bytes, r.sent_inter_node_bytes)
+                   for r in trainer.mesh.ledger.records if r.tag.startswith(("param", "grad"))]
+        out[label] = {"losses": losses, "records": records,
+                      "params_bytes": steps[-1]["params_bytes"],
+                      "weights": trainer.parallel.full_state_dict()}
+    return out
+
+
+def _sent(records, tag: str) -> int:
+    return sum(r[4] for r in records if r[2] == tag)
+
+
+def test_zeropp_options_in_zero3_training(tmp_path):
+    texts = {label: config.to_toml(_cfg(tmp_path, label, o)) for label, o in VARIANTS.items()}
+    per_rank = run_distributed(_train, 4, texts)
+    reference = train_layout(0, 1, config.to_toml(tiny(
+        tmp_path, "ref", "--train.steps", str(STEPS), "--train.global_batch", "8",
+        "--train.micro_batch", "2")))
+    crossing = 0
+    for rank, runs in enumerate(per_rank):
+        plain = runs["plain"]["records"]
+        # hpZ quantizes nothing: it reproduces the single-process run exactly, and its
+        # backward gathers (one per forward gather) run inside the node.
+        hpz = runs["hpZ"]
+        reference_run = {**reference, "eval_loss": None}
+        assert_parity(reference_run, {**hpz, "eval_loss": None}, f"hpZ rank {rank}")
+        forward = [r for r in hpz["records"] if r[2] == "param"]
+        backward = [r for r in hpz["records"] if r[2] == "param:hpz"]
+        assert len(backward) == len(forward) > 0
+        assert {r[1] for r in forward} == {"dp"} and {r[1] for r in backward} == {"dp_node"}
+        assert all(r[5] == 0 for r in backward)
+        crossing += sum(r[5] for r in forward)
+        # Memory: the secondary shards are half of every unit (nodes of 2), twice the
+        # quarter each rank keeps as its ZeRO-3 shard.
+        assert hpz["params_bytes"] == 3 * runs["plain"]["params_bytes"]
+        # The dp-wide gather bytes halve: half the gathers left the dp group.
+        assert _sent(hpz["records"], "param") == _sent(plain, "param") // 2
+        # qwZ: int8 all-gathers, about a quarter of the fp32 bytes (plus scales, padding).
+        qw = _sent(runs["qwZ"]["records"], "param:int8") / _sent(plain, "param")
+        # qgZ: int8 all-to-all instead of the fp32 reduce-scatter.
+        qg = _sent(runs["qgZ"]["records"], "grad:int8") / _sent(plain, "grad")
+        print(f"rank {rank}: qwZ param bytes {qw:.3f}x fp32, qgZ grad bytes {qg:.3f}x fp32")
+        assert 0.25 < qw < 0.30 and 0.25 < qg < 0.30
+        for label in ("qwZ", "qgZ"):
+            losses = torch.tensor(runs[label]["losses"])
+            exact = torch.tensor(runs["plain"]["losses"])
+            assert not torch.equal(losses, exact)  # quantization changed something ...
+            torch.testing.assert_close(losses, exact, rtol=1e-2, atol=0)  # ... a little
+    assert crossing > 0
+
+
+def test_qwz_keeps_exact_master_weights_at_stage_1(tmp_path):
+    """Stages 1-2 gather the updated parameters over this rank's own shard: with qwZ the
+    dequantized values land there, so the fp32 master must live apart (one process: the
+    same path, the collectives degenerate to copies)."""
+    cfg = tiny(tmp_path, "qwz1", "--train.steps", "2", "--parallel.zero", "1",
+               "--parallel.zero_quantized_weights", "true")
+    trainer = Trainer(cfg, make_mesh(cfg, 0, 1), torch.device("cpu"))
+    trainer.train_step()
+    zero = trainer.parallel.zero
+    for k, unit in enumerate(zero.units):
+        master = zero.optimizer.master(k)
+        assert master.data_ptr() != unit.shard.data_ptr()
+        assert not torch.equal(master, unit.shard)  # the shard holds int8-rounded values
+        torch.testing.assert_close(unit.shard, master, rtol=0, atol=_half_steps(master).max())
