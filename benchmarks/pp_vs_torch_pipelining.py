@@ -1,0 +1,144 @@
+"""Our 1F1B pipeline against torch.distributed.pipelining's Schedule1F1B: same model, same
+split, same micro-batches, same optimizer.
+
+    python benchmarks/pp_vs_torch_pipelining.py [--nproc 2] [--steps 20] [--section.field V ...]
+
+Each of the `--nproc` processes is one pipeline stage (parallel.pp = nproc). Ours is the
+trainer with parallel.pp and schedule 1f1b; torch's wraps the very stage modules our
+partition cuts from the plain model (`split_stages`: the same layers per stage,
+initialised by name from the same seed) in `PipelineStage` and drives them with
+`Schedule1F1B` over Gloo, then clips the global gradient norm and steps the same optimizer:
+the trainer's work. Both read their own copy of the token sampler, so step k of each sees
+the same micro-batches. One step of each in turn, alternating which goes first, so machine
+noise and drift hit both alike. Prints both first-step losses (they must agree), tokens/s
+of each (the last stage's timing) and, as the last line, one JSON object with the ratio
+(ours / torch; > 1 means ours is faster). A figure, never a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+from interleave import interleaved_tokens_per_s
+from shardtrain import config
+from shardtrain.data import TokenSampler
+from shardtrain.launch import ProcessInfo, init_distributed, launch_local
+from shardtrain.mesh import MeshShape, ParallelMesh
+from shardtrain.model.transformer import build_model
+from shardtrain.parallel.pipeline.stage import split_stages
+from shardtrain.parallel.vocab import cross_entropy
+from shardtrain.train.optim import build_optimizer
+from shardtrain.train.trainer import Trainer
+
+
+class TorchStage(nn.Module):
+    """Our stage's one chunk as torch's pipelining wants it: a module whose own parameters
+    are the stage's (so Schedule1F1B scales and zeroes the right gradients)."""
+
+    def __init__(self, stage: nn.Module, chunk: nn.Module):
+        super().__init__()
+        self.stage = stage
+        self.__dict__["chunk"] = chunk  # shares `stage`'s parameters: not a second owner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.chunk(x)  # tokens or [B, S, C] -> [B, S, C] or logits [B, S, V]
+
+
+class TorchPipeline:
+    """One optimizer step with torch's Schedule1F1B, then what the trainer does after the
+    backwards: the global gradient norm over the stages, clipping, the optimizer step and
+    the mean loss sent from the last stage to all."""
+
+    def __init__(self, cfg: config.Config, rank: int, pp: int, microbatches: int,
+                 sampler: TokenSampler):
+        model = build_model(cfg.model, seed=None)  # meta: this stage alone is materialised
+        module, chunks = split_stages(model, cfg, stage=rank)
+        module.to_empty(device="cpu")
+        module.tie_weights()
+        module.init_weights(cfg.train.seed)
+        self.module, self.rank, self.pp, self.sampler = module, rank, pp, sampler
+        self.stage = PipelineStage(TorchStage(module, chunks[0]), rank, pp, torch.device("cpu"))
+        self.schedule = Schedule1F1B(self.stage, microbatches, loss_fn=cross_entropy)
+        self.optimizer = build_optimizer(module, cfg.optim, cfg.train.lr)
+        self.clip = cfg.optim.grad_clip or float("inf")
+
+    def step(self) -> float:
+        self.optimizer.zero_grad(set_to_none=False)
+        inputs, targets = (torch.cat(t) for t in zip(*self.sampler.next_step()))  # [B, S]
+        losses: list[torch.Tensor] = []
+        if self.rank == 0:
+            self.schedule.step(inputs)
+        elif self.rank == self.pp - 1:
+            self.schedule.step(target=targets, losses=losses)
+        else:
+            self.schedule.step()
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        norm = torch.stack([g.square().sum() for g in grads]).sum()
+        dist.all_reduce(norm)
+        scale = torch.clamp(self.clip / (norm.sqrt() + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(scale)
+        self.optimizer.step()
+        loss = torch.stack(losses).mean() if losses else torch.zeros(())
+        dist.broadcast(loss, src=self.pp - 1)
+        return loss.item()
+
+
+def worker(cfg_text: str, steps: int) -> dict:
+    cfg = config.loads(cfg_text)
+    info = ProcessInfo.from_env()
+    device = torch.device("cpu")
+    init_distributed(info, device, cfg.comm.timeout_s)
+    mesh = ParallelMesh(MeshShape(pp=info.world_size), rank=info.rank)
+    ours = Trainer(cfg, mesh, device)
+    t = cfg.train
+    sampler = TokenSampler(ours.data.train, seq_len=t.seq_len, global_batch=t.global_batch,
+                           micro_batch=t.micro_batch, dp_rank=0, dp_size=1, seed=t.seed)
+    theirs = TorchPipeline(cfg, info.rank, info.world_size, ours.accum, sampler)
+    losses: dict[str, list[float]] = {"ours": [], "torch_pipelining": []}
+    runners = {
+        "ours": lambda: losses["ours"].append(ours.train_step()["loss"]),
+        "torch_pipelining": lambda: losses["torch_pipelining"].append(theirs.step()),
+    }
+    result = interleaved_tokens_per_s(
+        runners, steps=steps, tokens_per_step=t.global_batch * t.seq_len)
+    dist.destroy_process_group()
+    return {"tokens_per_s": result, "first_loss": {k: v[0] for k, v in losses.items()},
+            "microbatches": ours.accum}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--nproc", type=int, default=2, help="pipeline stages (parallel.pp)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps of each pipeline")
+    args, overrides = parser.parse_known_args()
+    cfg = config.load("default", ["--train.global_batch", "16", "--train.micro_batch", "2",
+                                  "--train.progress", "false", "--train.run_dir",
+                                  "runs/bench-pp", "--parallel.pp", str(args.nproc),
+                                  "--parallel.schedule", "1f1b", *overrides])
+    cfg.validate(args.nproc)
+    results = launch_local(args.nproc, worker, config.to_toml(cfg), args.steps)
+    last = results[args.nproc - 1]  # the last stage ends each step: its timing
+    tokens, first = last["tokens_per_s"], last["first_loss"]
+    ratio = tokens["ours"] / tokens["torch_pipelining"]
+    same = abs(first["ours"] - first["torch_pipelining"]) <= 1e-5 * abs(first["ours"])
+    print(f"first-step loss: ours {first['ours']:.6f}, torch {first['torch_pipelining']:.6f} "
+          f"({'equal' if same else 'DIFFERENT'} at rtol 1e-5)")
+    print(f"ours              {tokens['ours']:10.0f} tokens/s")
+    print(f"torch pipelining  {tokens['torch_pipelining']:10.0f} tokens/s")
+    print(json.dumps({"pp": args.nproc, "microbatches": last["microbatches"],
+                      "ours_tokens_per_s": round(tokens["ours"]),
+                      "torch_pipelining_tokens_per_s": round(tokens["torch_pipelining"]),
+                      "ratio": round(ratio, 3), "first_loss_ours": round(first["ours"], 6),
+                      "first_loss_torch": round(first["torch_pipelining"], 6),
+                      "first_loss_equal": same}))
+
+
+if __name__ == "__main__":
+    main()

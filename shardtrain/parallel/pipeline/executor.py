@@ -1,0 +1,181 @@
+"""Run one rank's part of any valid pipeline schedule, and record its timeline.
+
+The executor knows nothing about transformers: it drives a list of chunk modules (local
+chunk c is virtual stage c * pp + stage, schedules.py) and, on the last virtual stage, a
+loss function. Virtual stage 0 takes the micro-batch's inputs; every other chunk takes an
+activation received from the previous virtual stage. All boundary activations share one
+shape and dtype, known in advance ([micro_batch, seq_len / seq_shards, dim] for the
+transformer), so receives are posted into preallocated buffers with no shape handshake.
+
+Transfers go through the pipeline communicator (so the ledger counts them): consecutive
+transfer actions are posted as one batch and waited for together, the semantics the
+validator proved deadlock-free. Gradients accumulate over the micro-batches; the caller's
+`no_sync` context suppresses gradient communication on every backward except each chunk's
+last, so a data-parallel reducer all-reduces once, overlapping the remaining backwards.
+
+Timeline format (`PipelineExecutor.timeline`, written by the trainer as
+`<run_dir>/timeline_rank{R}.json`; read by `shardtrain report`; keep it stable):
+
+    {"rank": r, "stage": s, "pp": p, "microbatches": m, "virtual_stages": v,
+     "schedule": "1f1b", "step": k,
+     "actions": [{"op": "F"|"B"|"send_act"|"recv_act"|"send_grad"|"recv_grad",
+                  "mb": i, "chunk": c, "start": t0, "end": t1}, ...]}
+
+`rank` is the global rank, `stage` the pipeline stage, `chunk` the local chunk index, `step`
+the optimizer step (added by the trainer; `schedule` comes from the caller); times
+are seconds of time.perf_counter() from the step's start, taken right after a barrier over
+the pipeline group (so stages share a time origin up to the barrier's skew). Transfers of
+one batch share its start (posting) and end (all complete).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardtrain.comm import Communicator
+from shardtrain.parallel.pipeline.schedules import COMPUTE, Action
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (output, targets) -> mean
+
+
+class PipelineExecutor:
+    def __init__(self, chunks: Sequence[nn.Module], comm: Communicator, *, loss: LossFn,
+                 act_shape: tuple[int, ...], act_dtype: torch.dtype, device: torch.device,
+                 autocast: AbstractContextManager | None = None, rank: int = 0):
+        """`comm`: the pipeline group (group rank = stage); `act_shape`/`act_dtype`: the
+        boundary activation of one micro-batch; `autocast`: entered around each forward;
+        `rank`: the global rank, for the timeline."""
+        self.chunks, self.comm, self.loss = list(chunks), comm, loss
+        self.stage, self.pp = comm.rank, comm.size
+        self.act_shape, self.act_dtype, self.device = act_shape, act_dtype, device
+        self.autocast = autocast or nullcontext()
+        self.rank = rank
+        self.timeline: dict[str, Any] | None = None
+        self.peak_live = 0  # most micro-batches' activations held at once in the last run
+
+    @property
+    def virtual_stages(self) -> int:
+        return len(self.chunks)
+
+    def run(self, actions: list[Action], inputs: Sequence[torch.Tensor],
+            targets: Sequence[torch.Tensor], *, backward: bool = True,
+            no_sync: Callable[[], AbstractContextManager] | None = None,
+            info: dict[str, Any] | None = None) -> torch.Tensor:
+        """Run this rank's `actions` over m micro-batches: `inputs` and `targets` hold m
+        each (inputs are read on virtual stage 0, targets on the last). Returns the sum
+        over micro-batches of their mean loss on the rank holding the last virtual stage
+        (zero elsewhere). With `backward`, each micro-batch's loss is scaled by 1/m before
+        its backward, so the accumulated gradients are those of the mean loss. `info`:
+        extra timeline fields (the schedule's name)."""
+        m = len(inputs)
+        run = _Run(self, m, backward)
+        final_backward = {a.chunk: a.mb for a in actions if a.op == "B"}  # the last per chunk
+        self.comm.barrier()
+        run.origin = time.perf_counter()
+        i = 0
+        while i < len(actions):
+            a = actions[i]
+            if a.op in COMPUTE:
+                start = time.perf_counter()
+                if a.op == "F":
+                    run.forward(a, inputs, targets)
+                else:
+                    last = final_backward[a.chunk] == a.mb
+                    with nullcontext() if last or no_sync is None else no_sync():
+                        run.backward(a)
+                run.record([a], start)
+                i += 1
+                continue
+            j = i
+            while j < len(actions) and actions[j].op not in COMPUTE:
+                j += 1
+            start = time.perf_counter()
+            run.transfer(actions[i:j])
+            run.record(actions[i:j], start)
+            i = j
+        self.peak_live = run.peak_live
+        self.timeline = {"rank": self.rank, "stage": self.stage, "pp": self.pp,
+                         "microbatches": m, "virtual_stages": self.virtual_stages,
+                         **(info or {}), "actions": run.events}
+        return run.loss_sum
+
+    def _virtual(self, chunk: int) -> int:
+        return chunk * self.pp + self.stage
+
+
+class _Run:
+    """The state of one executor run: saved activations, buffers in flight, the timeline."""
+
+    def __init__(self, ex: PipelineExecutor, m: int, backward: bool):
+        self.ex, self.m, self.backward_pass = ex, m, backward
+        self.last_virtual = ex.pp * ex.virtual_stages - 1
+        self.received: dict[tuple[str, int, int], torch.Tensor] = {}  # (kind, mb, chunk)
+        self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.outgoing: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.loss_sum = torch.zeros((), device=ex.device)
+        self.events: list[dict[str, Any]] = []
+        self.origin = 0.0
+        self.peak_live = 0
+
+    def forward(self, a: Action, inputs: Sequence[torch.Tensor],
+                targets: Sequence[torch.Tensor]) -> None:
+        ex, g = self.ex, self.ex._virtual(a.chunk)
+        if g == 0:
+            x = inputs[a.mb].to(ex.device)
+        else:
+            x = self.received.pop(("act", a.mb, a.chunk))
+            x.requires_grad_(self.backward_pass)
+        with ex.autocast:
+            out = ex.chunks[a.chunk](x)
+        if g == self.last_virtual:
+            loss = ex.loss(out, targets[a.mb].to(ex.device))
+            self.loss_sum += loss.detach()
+            out = loss / self.m
+        else:
+            if out.shape != ex.act_shape or out.dtype != ex.act_dtype:
+                raise RuntimeError(
+                    f"stage {ex.stage} chunk {a.chunk} produced {tuple(out.shape)} "
+                    f"{out.dtype}, but the pipeline's boundary activations are "
+                    f"{ex.act_shape} {ex.act_dtype}")
+            self.outgoing[("act", a.mb, a.chunk)] = out.detach()
+        if self.backward_pass:
+            self.saved[(a.mb, a.chunk)] = (x, out)
+            self.peak_live = max(self.peak_live, len(self.saved))
+
+    def backward(self, a: Action) -> None:
+        x, out = self.saved.pop((a.mb, a.chunk))
+        g = self.ex._virtual(a.chunk)
+        if g == self.last_virtual:
+            out.backward()  # out: this micro-batch's loss / m
+        else:
+            out.backward(self.received.pop(("grad", a.mb, a.chunk)))
+        if g > 0:
+            self.outgoing[("grad", a.mb, a.chunk)] = x.grad
+
+    def transfer(self, batch: list[Action]) -> None:
+        """Post the batch's sends and receives together; return when all are done."""
+        ex = self.ex
+        sends, recvs = [], []
+        for a in batch:
+            kind = "act" if a.op.endswith("act") else "grad"
+            if a.op.startswith("send"):
+                peer = (ex.stage + 1) % ex.pp if kind == "act" else (ex.stage - 1) % ex.pp
+                sends.append((peer, self.outgoing.pop((kind, a.mb, a.chunk)), f"pp_{kind}"))
+            else:
+                peer = (ex.stage - 1) % ex.pp if kind == "act" else (ex.stage + 1) % ex.pp
+                buffer = torch.empty(ex.act_shape, dtype=ex.act_dtype, device=ex.device)
+                self.received[(kind, a.mb, a.chunk)] = buffer
+                recvs.append((peer, buffer, f"pp_{kind}"))
+        ex.comm.exchange(sends, recvs)
+
+    def record(self, actions: list[Action], start: float) -> None:
+        end = time.perf_counter() - self.origin
+        for a in actions:
+            self.events.append({"op": a.op, "mb": a.mb, "chunk": a.chunk,
+                                "start": start - self.origin, "end": end})

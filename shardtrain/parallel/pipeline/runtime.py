@@ -1,0 +1,73 @@
+"""The pipeline as the trainer's step sees it: micro-batches in, the mean loss out.
+
+`Pipeline` builds the configured schedule and the forward-only evaluation schedule once,
+proves both sound (validate.py) before anything runs, and drives the executor. Without
+pipeline parallelism the same path runs: one stage, one chunk (the model), and the 1F1B
+schedule degenerates to forward, backward, forward, backward, ... -- gradient accumulation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardtrain.config import Config
+from shardtrain.mesh import ParallelMesh
+from shardtrain.parallel.pipeline import schedules
+from shardtrain.parallel.pipeline.executor import LossFn, PipelineExecutor
+from shardtrain.parallel.pipeline.validate import validate
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), each [micro_batch, seq_len]
+
+
+class Pipeline:
+    def __init__(self, chunks: Sequence[nn.Module], mesh: ParallelMesh, cfg: Config, *,
+                 loss: LossFn, device: torch.device):
+        p, t = cfg.parallel, cfg.train
+        self.pp, self.dp = mesh.comm("pp"), mesh.comm("dp")
+        self.schedule = p.schedule
+        self.m = t.accumulation_steps(self.dp.size)
+        v = p.virtual_stages
+        plan = schedules.build(p.schedule, self.pp.size, self.m, v)
+        validate(plan, self.pp.size, self.m, v)
+        evaluation = schedules.build_forward_only(self.pp.size, 1, v)
+        validate(evaluation, self.pp.size, 1, v, backward=False)
+        self.actions, self.eval_actions = plan[self.pp.rank], evaluation[self.pp.rank]
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16) \
+            if t.precision == "bf16" else nullcontext()
+        seq = t.seq_len // (p.tp if p.sp else 1)  # sequence parallel: activations split
+        self.executor = PipelineExecutor(
+            chunks, self.pp, loss=loss, act_shape=(t.micro_batch, seq, cfg.model.dim),
+            act_dtype=torch.float32, device=device, autocast=autocast, rank=mesh.rank)
+        # The last training step's timeline (format: executor.py) and the most micro-batches
+        # whose activations this rank held at once during it.
+        self.timeline: dict[str, Any] | None = None
+        self.peak_live = 0
+
+    def train(self, micro_batches: list[Batch],
+              no_sync: Callable[[], AbstractContextManager]) -> torch.Tensor:
+        """Forward and backward of this replica's m micro-batches, gradients accumulated
+        (`no_sync` silences gradient communication but on each chunk's last backward).
+        Returns the mean loss, the same on every stage."""
+        inputs, targets = zip(*micro_batches)
+        total = self.executor.run(self.actions, inputs, targets, no_sync=no_sync,
+                                  info={"schedule": self.schedule})
+        self.timeline, self.peak_live = self.executor.timeline, self.executor.peak_live
+        return self._from_last_stage(total / self.m)
+
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean loss of one batch (forward only), the same on every stage."""
+        total = self.executor.run(self.eval_actions, [inputs], [targets], backward=False)
+        return self._from_last_stage(total)
+
+    def average_over_replicas(self, loss: torch.Tensor) -> torch.Tensor:
+        self.dp.all_reduce(loss, "avg", tag="metric")
+        return loss
+
+    def _from_last_stage(self, loss: torch.Tensor) -> torch.Tensor:
+        self.pp.broadcast(loss, src=self.pp.size - 1, tag="metric")
+        return loss

@@ -1,0 +1,167 @@
+"""Pipeline schedules as data: for every rank, the ordered list of actions it runs in one
+optimizer step.
+
+An `Action` is a forward (F) or backward (B) of micro-batch `mb` on the rank's local model
+chunk `chunk`, or a point-to-point transfer of that (micro-batch, chunk)'s boundary tensor:
+`recv_act` before its forward, `send_act` after it, `recv_grad` before its backward,
+`send_grad` after it. Chunk c of stage s is virtual stage g = c * pp + s (Narayanan et al.
+2021, sec. 2.2): it feeds virtual stage g + 1 on stage (s + 1) % pp and takes its gradient
+back from there. Virtual stage 0 has no input to receive (it embeds the tokens); the last,
+G - 1 = pp * v - 1, has no output to send (it computes the loss).
+
+Communication semantics (what the validator simulates and the executor does): consecutive
+transfer actions of a rank form one batch, posted together (batch_isend_irecv) and waited
+for together; a transfer completes only once its peer has posted the matching one
+(rendezvous: no buffering is assumed). Activations and gradients travel under different
+message tags, and on each (sender, receiver, kind) channel the k-th send matches the k-th
+receive.
+
+Schedules (the compute order in steps; `with_transfers` places the transfers):
+- GPipe (Huang et al. 2019): all forwards, then all backwards; stage 0 holds the
+  activations of all m micro-batches at once.
+- 1F1B (PipeDream-Flush, Narayanan et al. 2021, sec. 2.1): stage s runs pp - s - 1 warm-up
+  forwards, then alternates one forward and one backward, then drains the backwards; at most
+  pp micro-batches in flight on stage 0, the same bubble as GPipe.
+- Interleaved 1F1B (Narayanan et al. 2021, sec. 2.2): v chunks per stage; forwards go in
+  rounds of pp micro-batches through chunk 0, then chunk 1, ...; backwards mirror that from
+  the last chunk. The bubble shrinks by v, (pp - 1) / (v m); m must be a multiple of pp so
+  the rounds are whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+COMPUTE = ("F", "B")
+TRANSFERS = ("recv_act", "send_act", "recv_grad", "send_grad")
+
+
+@dataclass(frozen=True)
+class Action:
+    op: str  # F | B | send_act | recv_act | send_grad | recv_grad
+    mb: int
+    chunk: int  # the rank's local chunk (virtual stage chunk * pp + stage)
+
+    def __repr__(self) -> str:
+        return f"{self.op}(mb={self.mb}, chunk={self.chunk})"
+
+
+Schedule = list[list[Action]]  # [rank] -> actions in order
+Steps = list[list[tuple[Action, ...]]]  # [rank] -> compute steps, each one or two computes
+
+
+def gpipe(pp: int, m: int) -> Steps:
+    return [[(Action("F", i, 0),) for i in range(m)] + [(Action("B", i, 0),) for i in range(m)]
+            for _ in range(pp)]
+
+
+def one_f_one_b(pp: int, m: int) -> Steps:
+    """Each compute is its own step: in the steady state a stage's forward output and its
+    next backward's gradient then travel in one batch (see with_transfers)."""
+    out = []
+    for s in range(pp):
+        warmup = min(pp - s - 1, m)
+        order = [(Action("F", i, 0),) for i in range(warmup)]
+        for i in range(m - warmup):  # steady state: one forward, one backward
+            order += [(Action("F", warmup + i, 0),), (Action("B", i, 0),)]
+        order += [(Action("B", i, 0),) for i in range(m - warmup, m)]  # cool-down
+        out.append(order)
+    return out
+
+
+def interleaved(pp: int, m: int, v: int) -> Steps:
+    """Megatron-LM's order: the k-th forward of a stage is micro-batch
+    (k // (pp v)) pp + k % pp of chunk (k // pp) % v; the k-th backward the same micro-batch
+    of chunk v - 1 - (k // pp) % v. Stage s warms up with 2 (pp - s - 1) + (v - 1) pp
+    forwards (all of them when m = pp), then each steady step is a forward and a backward
+    whose four transfers (send the forward's output and the backward's input gradient,
+    receive the next step's input and gradient) form one batch after the step: with a
+    batch between the two computes, stages in the ring of chunks would wait on each other
+    (the validator finds that deadlock for m > pp)."""
+    check_interleaved(pp, m, v)
+    total = m * v
+
+    def mb(k: int) -> int:
+        return (k // (pp * v)) * pp + k % pp
+
+    out = []
+    for s in range(pp):
+        warmup = total if m == pp else min(2 * (pp - s - 1) + (v - 1) * pp, total)
+        fwd = [Action("F", mb(k), (k // pp) % v) for k in range(total)]
+        bwd = [Action("B", mb(k), v - 1 - (k // pp) % v) for k in range(total)]
+        steps = [(a,) for a in fwd[:warmup]]
+        steps += [(fwd[warmup + i], bwd[i]) for i in range(total - warmup)]
+        steps += [(a,) for a in bwd[total - warmup:]]
+        out.append(steps)
+    return out
+
+
+def forward_only(pp: int, m: int, v: int) -> Steps:
+    """Evaluation: each micro-batch through every virtual stage in turn, no backward."""
+    return [[(Action("F", i, c),) for i in range(m) for c in range(v)] for _ in range(pp)]
+
+
+def check_interleaved(pp: int, m: int, v: int) -> None:
+    """(Config validation says the same to users, naming the fields, before launch.)"""
+    if pp < 2 or v < 2 or m % pp:
+        raise ValueError(f"the interleaved schedule needs pp >= 2, v >= 2 chunks per stage "
+                         f"and micro-batches in whole rounds of pp (got pp={pp}, v={v}, m={m})")
+
+
+def compute_steps(schedule: str, pp: int, m: int, v: int = 1) -> Steps:
+    """The F/B order of `schedule` (gpipe, 1f1b, interleaved) for every rank."""
+    if schedule == "interleaved":
+        return interleaved(pp, m, v)
+    builders: dict[str, Callable[[int, int], Steps]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+    if schedule not in builders or v != 1:
+        raise ValueError(f"schedule {schedule!r} with v={v} chunks per stage: one of gpipe, "
+                         "1f1b (v = 1) or interleaved")
+    return builders[schedule](pp, m)
+
+
+def with_transfers(steps: Steps, pp: int, v: int) -> Schedule:
+    """Place each step's transfers around it: the receives of its computes' inputs (the
+    activation before a forward, the gradient before a backward) just before it, the sends
+    of their outputs just after. The transfers between two steps form one batch: in 1F1B's
+    steady state a stage sends its forward output and receives its next backward's gradient
+    together while its neighbour sends that gradient and receives the next input -- blocking
+    transfers one at a time would have both wait for the other."""
+    last = pp * v - 1
+    out = []
+    for s, rank_steps in enumerate(steps):
+        actions: list[Action] = []
+        for step in rank_steps:
+            for a in step:
+                g = a.chunk * pp + s
+                if (a.op == "F" and g > 0) or (a.op == "B" and g < last):
+                    actions.append(Action("recv_act" if a.op == "F" else "recv_grad", a.mb,
+                                          a.chunk))
+            actions += step
+            for a in step:
+                g = a.chunk * pp + s
+                if (a.op == "F" and g < last) or (a.op == "B" and g > 0):
+                    actions.append(Action("send_act" if a.op == "F" else "send_grad", a.mb,
+                                          a.chunk))
+        out.append(actions)
+    return out
+
+
+def build(schedule: str, pp: int, m: int, v: int = 1) -> Schedule:
+    """The full schedule (compute and transfers) of every rank."""
+    return with_transfers(compute_steps(schedule, pp, m, v), pp, v)
+
+
+def build_forward_only(pp: int, m: int, v: int = 1) -> Schedule:
+    return with_transfers(forward_only(pp, m, v), pp, v)
+
+
+def peak_in_flight(actions: list[Action]) -> int:
+    """The most micro-batches whose forward has run and backward not yet (activations held),
+    over the rank's chunks, at any point of its schedule."""
+    live = peak = 0
+    for a in actions:
+        live += (a.op == "F") - (a.op == "B")
+        peak = max(peak, live)
+    return peak

@@ -1,0 +1,115 @@
+"""One pipeline stage: the part of the plain model a rank holds, split from the outside.
+
+`PipelineStage` registers the selected submodules of the (meta-built, possibly tensor-
+parallel) model under the model's own attribute names -- `tok_emb`, `pos_emb`,
+`layers.<i>`, `norm`, `head` -- so its parameter names, state-dict keys and initial values
+are those of the single-process model: the same init-by-name draws the same tensors, and
+full state dicts are the union of the stages'. Its chunks (one per virtual stage) are the
+modules the executor runs: tokens -> activations on the first, activations -> logits on the
+last, activations -> activations between.
+
+Tied embeddings (Press & Wolf 2017): the last stage keeps its own copy of the embedding
+matrix as the head's weight, registered as `tok_emb` (the first name, as in the full model)
+though only the head uses it there; the two copies start equal and stay equal because
+their gradients are summed across the first and last stage every step (state.py), as
+Megatron-LM does (Narayanan et al. 2021).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from shardtrain.config import Config
+from shardtrain.model.transformer import Transformer, init_tensor, rope_tables
+from shardtrain.parallel.pipeline.partition import layer_ranges, stage_costs
+
+
+class PipelineStage(nn.Module):
+    def __init__(self, model: Transformer, ranges: list[range], *, stage: int, pp: int,
+                 seq_shards: int):
+        """`ranges`: the layers of each local chunk; `seq_shards`: how many ways the
+        activations between stages are split along the sequence (tp under sp, else 1)."""
+        super().__init__()
+        cfg = self.cfg = model.cfg
+        first, last = stage == 0, stage == pp - 1
+        if first or (last and cfg.tie_embeddings):
+            self.tok_emb = model.tok_emb
+        if first and model.pos_emb is not None:
+            self.pos_emb = model.pos_emb
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for r in ranges for i in r})
+        if last:
+            self.norm, self.head = model.norm, model.head
+        self.seq_shards = seq_shards
+        if cfg.style == "llama":  # filled in by init_weights, after materialisation
+            self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        v = len(ranges)
+        # A plain list: the chunks share this module's parameters, registered above.
+        self.chunks = [StageChunk(self, r, first=first and c == 0, last=last and c == v - 1)
+                       for c, r in enumerate(ranges)]
+
+    def tie_weights(self) -> None:
+        """The last stage's head and embedding copy share one tensor (as in the model)."""
+        if self.cfg.tie_embeddings and hasattr(self, "head") and hasattr(self, "tok_emb"):
+            self.head.weight = self.tok_emb.weight
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Every parameter by its full-model name, as Transformer.init_weights draws it
+        (tensor-parallel shards are then overwritten with their slices: sharding.py)."""
+        self.tie_weights()
+        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            p.copy_(init_tensor(name, tuple(p.shape), seed, residual_std))
+        if self.cfg.style == "llama":
+            device = self.rope_cos.device
+            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+            self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+
+    def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.cfg.style != "llama":
+            return None
+        return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+
+
+class StageChunk(nn.Module):
+    """The layers of one virtual stage, with the embedding before them on the first and the
+    final norm and head after them on the last."""
+
+    def __init__(self, stage: PipelineStage, layers: range, *, first: bool, last: bool):
+        super().__init__()
+        self.__dict__["stage"] = stage  # not a submodule: the stage owns the parameters
+        self.indices, self.first, self.last = layers, first, last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        stage = self.stage
+        if self.first:  # x: tokens [B, S]
+            seq_len = x.shape[1]
+            x = stage.tok_emb(x)  # [B, S, C]
+            if hasattr(stage, "pos_emb"):
+                x = x + stage.pos_emb.weight[:seq_len]
+        else:  # x: activations [B, S / seq_shards, C]
+            seq_len = x.shape[1] * stage.seq_shards
+        rope = stage.rope(seq_len)
+        for i in self.indices:
+            x = stage.layers[str(i)](x, rope)
+        if self.last:
+            x = stage.head(stage.norm(x))  # [B, S, V] (or [B, S, V/tp])
+        return x
+
+
+def split_stages(model: Transformer, cfg: Config, stage: int) -> tuple[nn.Module, list[nn.Module]]:
+    """(the module whose parameters this rank holds, its chunks in local order). Without
+    pipeline parallelism that is the model itself, its one chunk. Layers are balanced by
+    FLOPs over the stages (partition.py)."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return model, [model]
+    costs = stage_costs(cfg.model, by="flops", seq_len=cfg.train.seq_len)
+    ranges = layer_ranges(cfg.model.n_layers, p.pp, p.virtual_stages, costs=costs)[stage]
+    module = PipelineStage(model, ranges, stage=stage, pp=p.pp,
+                           seq_shards=p.tp if p.sp else 1)
+    return module, module.chunks
