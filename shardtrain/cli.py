@@ -1,4 +1,4 @@
-"""`shardtrain train | generate | plan | bench`.
+"""`shardtrain train | generate | plan | bench | report`.
 
 Everything that can be checked before a process starts is checked here, in the launching
 process: the config, the data source, the run dir, the checkpoint to resume from. A bad
@@ -17,7 +17,8 @@ from shardtrain.config import Config, ConfigError
 USAGE = """shardtrain train [--config FILE.toml|PRESET] [--nproc N] [--section.field VALUE ...]
 shardtrain generate --checkpoint DIR [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]
 shardtrain plan --model PRESET|FILE.toml [...]     (shardtrain plan --help)
-shardtrain bench calibrate                         (measure this machine for the cpu preset)"""
+shardtrain bench calibrate                         (measure this machine for the cpu preset)
+shardtrain report RUN_DIR                          (pipeline timeline chart and bubble fraction)"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
-    commands = {"train": cmd_train, "generate": cmd_generate, "plan": cmd_plan, "bench": cmd_bench}
+    commands = {"train": cmd_train, "generate": cmd_generate, "plan": cmd_plan, "bench": cmd_bench,
+                "report": cmd_report}
     if command not in commands:
         print(f"shardtrain: unknown command {command!r}\n{USAGE}", file=sys.stderr)
         return 2
@@ -81,6 +83,7 @@ def cmd_train(argv: list[str]) -> int:
 def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool) -> None:
     """Every check that can fail before training starts, and the token cache built once."""
     from shardtrain.data import check_source, check_vocab, load_dataset, load_tokenizer
+    from shardtrain.parallel.offload import check_offload_space
     from shardtrain.train import checkpoint as ckpt
 
     cfg.validate(world_size)
@@ -88,9 +91,10 @@ def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool) -> None:
     if cfg.data.tokenizer not in ("byte", "bpe"):
         load_tokenizer(cfg.data)  # a tokenizer.json path: fails fast if missing or invalid
     check_writable(Path(cfg.train.run_dir))
+    check_offload_space(cfg)
     resume = ckpt.resolve_resume(cfg)
     if resume is not None:
-        ckpt.check_compatible(resume, cfg)
+        ckpt.check_compatible(resume, cfg, world_size)
     if cfg.train.tensorboard:
         try:
             import tensorboard  # noqa: F401
@@ -161,6 +165,22 @@ def cmd_bench(argv: list[str]) -> int:
     from shardtrain.bench import main as bench_main
 
     return bench_main(argv)
+
+
+def cmd_report(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="shardtrain report",
+        description="Draw a pipeline run's schedule (<run_dir>/timeline.png) and print its "
+                    "measured bubble fraction next to the formula.")
+    parser.add_argument("run_dir", help="the train.run_dir of a run with parallel.pp > 1")
+    args = parser.parse_args(argv)
+    from shardtrain.train.report import report
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"run dir {str(run_dir)!r} does not exist; pass a train.run_dir")
+    report(run_dir)
+    return 0
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from shardtrain.comm import CommLedger, Communicator
-from shardtrain.comm.compress import Int8Compressor, TopKCompressor, make_compressor
+from shardtrain.comm.compress import (Int8Compressor, TopKCompressor, make_compressor,
+                                       pack_int8)
 
 
 def _comm() -> Communicator:
@@ -25,7 +26,7 @@ def test_int8_round_trip_error_is_within_half_a_step_per_quantization():
     scale = padded.abs().view(-1, 256).amax(1).repeat_interleave(256)[:5000] / 127
     error = (y - x).abs()
     assert torch.all(error <= scale * 1.01) and error.max() > 0
-    packed = c._pack(torch.zeros(1, 512))
+    packed = pack_int8(torch.zeros(1, 512), 256)
     assert packed.dtype == torch.uint8 and packed.numel() == 512 + 2 * 4  # int8 + fp32 scales
 
 

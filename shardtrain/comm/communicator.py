@@ -17,6 +17,7 @@ naming the group, the op and the algorithm.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 
 import torch
@@ -225,6 +226,15 @@ class Communicator(GroupRunner):
                 team, out, inp, _offsets(out_rows, row), _offsets(in_rows, row)),
             finish=back)
 
+    def composite(self, job: Callable[[], None], *, async_op: bool = False) -> Handle:
+        """Run `job`, a collective composed of this communicator's own ops (ZeRO++'s
+        quantized all-gather and reduce-scatter), in issue order on the lane like any call;
+        its inner ops land in the ledger one by one."""
+        handle = Handle(future=self._lane.run(job, async_op=async_op))
+        if not async_op:
+            handle.wait()
+        return handle
+
     def send(self, tensor: torch.Tensor, dst: int, *, tag: str = "") -> None:
         self._record("send", tensor, "native", tag)
         work = dist.isend(tensor.contiguous(), group=self.group, group_dst=dst)
@@ -234,6 +244,28 @@ class Communicator(GroupRunner):
         self._record("recv", tensor, "native", tag)
         work = dist.irecv(tensor, group=self.group, group_src=src)
         wait_native(work, f"recv from group rank {src} on group {self.name}", self.timeout_s)
+
+    def exchange(self, sends: list[tuple[int, torch.Tensor, str]],
+                 recvs: list[tuple[int, torch.Tensor, str]]) -> None:
+        """Point-to-point transfers posted together (batch_isend_irecv), then all waited for;
+        each is (peer group rank, tensor, tag). A rank that sends and receives at the same
+        time needs this: with blocking send-then-receive it and a peer doing the same would
+        wait for each other. Messages between two ranks match in posting order per tag (the
+        tag also labels the ledger record), so different kinds of message cannot cross."""
+        ops, what = [], []
+        for peer, tensor, tag in sends:
+            self._record("send", tensor, "native", tag)
+            ops.append(dist.P2POp(dist.isend, tensor.contiguous(), group=self.group,
+                                  group_peer=peer, tag=_message_tag(tag)))
+            what.append(f"send ({tag}) to group rank {peer} on group {self.name}")
+        for peer, tensor, tag in recvs:
+            self._record("recv", tensor, "native", tag)
+            ops.append(dist.P2POp(dist.irecv, tensor, group=self.group, group_peer=peer,
+                                  tag=_message_tag(tag)))
+            what.append(f"recv ({tag}) from group rank {peer} on group {self.name}")
+        if ops:
+            for work, where in zip(dist.batch_isend_irecv(ops), what):
+                wait_native(work, where, self.timeout_s)
 
     def barrier(self) -> None:
         if self.size > 1:
@@ -247,6 +279,12 @@ def _rotate_into(dst: torch.Tensor, src: torch.Tensor, shift: int) -> None:
     shift %= p
     dst[shift:] = src[:p - shift]
     dst[:shift] = src[p - shift:]
+
+
+def _message_tag(tag: str) -> int:
+    """The integer tag of a point-to-point message: from its label, kept apart (high bit)
+    from the tags our collective algorithms use (runner.py)."""
+    return 0x8000 | (zlib.crc32(tag.encode()) & 0x7FFF)
 
 
 def _equal(m: int, p: int) -> list[int]:

@@ -46,6 +46,25 @@ def _reducible(op: str, name: str) -> None:
                          "supported (use sum or avg)")
 
 
+def pack_int8(rows: torch.Tensor, block: int) -> torch.Tensor:
+    """Block-wise absmax int8 quantization, packed for the wire:
+    [r, blocks x block] fp32 -> [r, blocks x block int8 | blocks fp32 scales] bytes."""
+    r = rows.shape[0]
+    blocks = rows.view(r, -1, block)  # [r, blocks, block]
+    scale = blocks.abs().amax(-1) / 127.0  # [r, blocks]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(blocks / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([q.view(r, -1).view(torch.uint8), scale.view(torch.uint8)], dim=1)
+
+
+def unpack_int8(packed: torch.Tensor, blocks: int, block: int) -> torch.Tensor:
+    """pack_int8's inverse: [r, blocks x block + 4 blocks] bytes -> [r, blocks x block] fp32."""
+    r, width = packed.shape[0], blocks * block
+    q = packed[:, :width].contiguous().view(torch.int8).view(r, blocks, block)
+    scale = packed[:, width:].contiguous().view(torch.float32)  # [r, blocks]
+    return (q.float() * scale.unsqueeze(-1)).view(r, width)
+
+
 class Int8Compressor:
     name = "int8"
 
@@ -62,30 +81,15 @@ class Int8Compressor:
         for j in range(p):
             parts[j, :bounds[j + 1] - bounds[j]] = flat[bounds[j]:bounds[j + 1]]
         received = torch.empty(p, width + 4 * blocks, dtype=torch.uint8)
-        comm.all_to_all(received, self._pack(parts), tag=f"{tag}:{self.name}")
-        mine = self._unpack(received, blocks).sum(0, keepdim=True)  # [1, width], fp32
+        comm.all_to_all(received, pack_int8(parts, self.block), tag=f"{tag}:{self.name}")
+        mine = unpack_int8(received, blocks, self.block).sum(0, keepdim=True)  # [1, width], fp32
         gathered = torch.empty(p, width + 4 * blocks, dtype=torch.uint8)
-        comm.all_gather(gathered, self._pack(mine), tag=f"{tag}:{self.name}")
-        summed = self._unpack(gathered, blocks)  # [p, width]
+        comm.all_gather(gathered, pack_int8(mine, self.block), tag=f"{tag}:{self.name}")
+        summed = unpack_int8(gathered, blocks, self.block)  # [p, width]
         for j in range(p):
             flat[bounds[j]:bounds[j + 1]] = summed[j, :bounds[j + 1] - bounds[j]]
         if op == "avg":
             flat.div_(p)
-
-    def _pack(self, rows: torch.Tensor) -> torch.Tensor:
-        """[r, blocks x block] fp32 -> [r, blocks x block int8 | blocks fp32 scales] bytes."""
-        r = rows.shape[0]
-        blocks = rows.view(r, -1, self.block)  # [r, blocks, block]
-        scale = blocks.abs().amax(-1) / 127.0  # [r, blocks]
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(blocks / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
-        return torch.cat([q.view(r, -1).view(torch.uint8), scale.view(torch.uint8)], dim=1)
-
-    def _unpack(self, packed: torch.Tensor, blocks: int) -> torch.Tensor:
-        r, width = packed.shape[0], blocks * self.block
-        q = packed[:, :width].contiguous().view(torch.int8).view(r, blocks, self.block)
-        scale = packed[:, width:].contiguous().view(torch.float32)  # [r, blocks]
-        return (q.float() * scale.unsqueeze(-1)).view(r, width)
 
 
 class TopKCompressor:

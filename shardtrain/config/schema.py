@@ -135,14 +135,36 @@ class ParallelConfig:
                               "parallel; 1, 2, 3: ZeRO stage)")
         if self.zero_prefetch < 0 or self.microbatches < 0:
             raise ConfigError("parallel.zero_prefetch and parallel.microbatches must be >= 0")
+        if self.zero_prefetch != 1 and self.zero != 3:
+            raise ConfigError(f"parallel.zero_prefetch={self.zero_prefetch} only applies to "
+                              f"parallel.zero=3 (units of parameters gathered ahead); this run "
+                              f"has parallel.zero={self.zero}: drop zero_prefetch or set zero=3")
+        self._validate_offload_and_zeropp()
         _positive(self, "virtual_stages")
         if (dp * self.cp) % self.ep:
             raise ConfigError(f"parallel.ep={self.ep} must divide dp x cp = {dp * self.cp}")
-        for name in ("pp", "cp", "ep"):
+        for name in ("cp", "ep"):
             if getattr(self, name) > 1:
                 raise ConfigError(
-                    f"parallel.{name}={getattr(self, name)}: the trainer supports data and "
-                    f"tensor parallelism only in this release; set parallel.{name}=1")
+                    f"parallel.{name}={getattr(self, name)}: the trainer supports data, tensor "
+                    f"and pipeline parallelism only in this release; set parallel.{name}=1")
+
+    def _validate_offload_and_zeropp(self) -> None:
+        """Offload and ZeRO++ act on ZeRO's flat shards; hpZ on stage 3's backward gathers.
+        (The offload dir's existence and free space are checked by cli.prepare_run.)"""
+        if self.offload != "none" and self.zero == 0:
+            raise ConfigError(f"parallel.offload={self.offload} moves ZeRO's sharded optimizer "
+                              "state off the device: set parallel.zero to 1, 2 or 3")
+        if self.offload == "nvme" and not self.offload_dir:
+            raise ConfigError("parallel.offload=nvme needs parallel.offload_dir: a directory on "
+                              "a fast local disk for the optimizer state files")
+        for name in ("zero_quantized_weights", "zero_quantized_gradients"):
+            if getattr(self, name) and self.zero == 0:
+                raise ConfigError(f"parallel.{name} quantizes ZeRO's collectives: set "
+                                  "parallel.zero to 1, 2 or 3")
+        if self.zero_hpz and self.zero != 3:
+            raise ConfigError(f"parallel.zero_hpz keeps a node-local copy for ZeRO-3's backward "
+                              f"all-gathers; this run has parallel.zero={self.zero}: set zero=3")
 
 
 @dataclass(kw_only=True)
@@ -259,12 +281,67 @@ class Config:
         self.parallel.validate(world_size)
         self.comm.validate()
         self.optim.validate()
+        self.resolve_microbatches(self.parallel.resolved_dp(world_size))
         self.train.validate(self.parallel.resolved_dp(world_size), self.model)
         self.checkpoint.validate()
         self._validate_tensor_parallel()
+        self._validate_pipeline()
+        if self.parallel.zero and self.comm.compress != "none":
+            raise ConfigError(f"comm.compress={self.comm.compress} compresses data-parallel "
+                              f"all-reduces; parallel.zero={self.parallel.zero} reduce-scatters "
+                              "gradients instead: set comm.compress=none (ZeRO++ quantized "
+                              "gradients: parallel.zero_quantized_gradients)")
         if self.data.tokenizer == "byte" and self.model.vocab_size < 256:
             raise ConfigError(f"model.vocab_size={self.model.vocab_size} is below 256, the "
                               "byte tokenizer's vocabulary; raise it to at least 256")
+
+    def resolve_microbatches(self, dp: int) -> None:
+        """The one place that decides the step's batch geometry, in place: a set
+        parallel.microbatches m derives train.micro_batch = global_batch / (dp x m); m = 0
+        becomes global_batch / (dp x train.micro_batch), the accumulation steps. The sampler,
+        the trainer, the pipeline schedule and the written config.toml then agree."""
+        p, t = self.parallel, self.train
+        if p.microbatches:
+            if t.global_batch % (dp * p.microbatches):
+                raise ConfigError(
+                    f"parallel.microbatches={p.microbatches} does not divide this data-parallel "
+                    f"rank's share of train.global_batch={t.global_batch} (dp={dp}): each rank gets "
+                    f"{t.global_batch / dp:g} sequences per step; choose a divisor of that, or "
+                    "0 to derive it from train.micro_batch")
+            t.micro_batch = t.global_batch // (dp * p.microbatches)
+        elif t.global_batch % (t.micro_batch * dp) == 0:  # else train.validate says why not
+            p.microbatches = t.global_batch // (t.micro_batch * dp)
+
+    def _validate_pipeline(self) -> None:
+        """Every stage needs a layer; the interleaved schedule (Narayanan et al. 2021) needs
+        several equal chunks per stage and whole rounds of pp micro-batches."""
+        m, p = self.model, self.parallel
+        if p.pp > 1 and p.zero:
+            raise ConfigError(f"parallel.pp={p.pp} with parallel.zero={p.zero}: ZeRO does not "
+                              "yet reduce its gradient norm and tied embeddings across pipeline "
+                              "stages; set parallel.zero=0 or parallel.pp=1")
+        if p.pp > m.n_layers:
+            raise ConfigError(f"parallel.pp={p.pp} exceeds model.n_layers={m.n_layers}: every "
+                              "pipeline stage needs at least one layer; lower parallel.pp")
+        if p.schedule != "interleaved":
+            if p.virtual_stages > 1:
+                raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs "
+                                  f"parallel.schedule=interleaved (schedule={p.schedule} runs one "
+                                  "chunk per stage); set the schedule or virtual_stages=1")
+            return
+        if p.pp < 2 or p.virtual_stages < 2:
+            raise ConfigError(f"parallel.schedule=interleaved needs parallel.pp >= 2 and "
+                              f"parallel.virtual_stages >= 2 (got pp={p.pp}, virtual_stages="
+                              f"{p.virtual_stages}); use schedule=1f1b for one chunk per stage")
+        if m.n_layers % (p.pp * p.virtual_stages):
+            raise ConfigError(f"model.n_layers={m.n_layers} is not divisible by parallel.pp="
+                              f"{p.pp} x parallel.virtual_stages={p.virtual_stages}: the "
+                              "interleaved schedule needs equal chunks; change either")
+        if p.microbatches % p.pp:
+            raise ConfigError(f"parallel.microbatches={p.microbatches} is not a multiple of "
+                              f"parallel.pp={p.pp}: the interleaved schedule sends micro-batches "
+                              "through each chunk in rounds of pp; change parallel.microbatches "
+                              "(or train.micro_batch)")
 
     def _validate_tensor_parallel(self) -> None:
         """The checks that need the model and the layout together: attention is split by

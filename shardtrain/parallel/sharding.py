@@ -58,6 +58,10 @@ class TensorShards:
     def __init__(self, model: Transformer, comm: Communicator, placements: dict[str, Placement]):
         self.model, self.comm, self.placements = model, comm, placements
         self.named = dict(model.named_parameters())
+        # A tied parameter's other names -> its first name.
+        first = {id(p): n for n, p in self.named.items()}
+        self.tied_to = {n: first[id(p)] for n, p in model.named_parameters(remove_duplicate=False)
+                        if first[id(p)] != n}
         self.partial = [(p, placements[n]) for n, p in self.named.items()
                         if placements.get(n, REPLICATED).partial]
 
@@ -85,46 +89,65 @@ class TensorShards:
         query heads of one rank. One all-reduce: each rank writes its part at its block's
         offset of a zeroed [parts, numel] segment. Parameters without a gradient (the same
         on every rank) are skipped."""
-        partial = [(p, place) for p, place in self.partial if p.grad is not None]
-        if not partial:
+        self.sum_partial([(p.grad, place) for p, place in self.partial if p.grad is not None])
+
+    def sum_partial(self, parts: list[tuple[torch.Tensor, Placement]]) -> None:
+        """Sum each gradient part (a tensor, or the same slice of one on every tp rank: ZeRO
+        shards) over the ranks holding the same block, in place."""
+        if not parts:
             return
         segments = []
-        for p, place in partial:
-            seg = p.grad.new_zeros(place.parts, p.numel())
-            seg[place.index] = p.grad.flatten()
+        for g, place in parts:
+            seg = g.new_zeros(place.parts, g.numel())
+            seg[place.index] = g.flatten()
             segments.append(seg)
         flat = torch.cat([s.flatten() for s in segments])
         self.comm.all_reduce(flat, "sum", tag="grad")
         offset = 0
-        for (p, place), seg in zip(partial, segments):
-            start = offset + place.index * p.numel()
-            p.grad.copy_(flat[start:start + p.numel()].view_as(p.grad))
+        for (g, place), seg in zip(parts, segments):
+            start = offset + place.index * g.numel()
+            g.copy_(flat[start:start + g.numel()].view_as(g))
             offset += seg.numel()
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """The L2 norm of the full model's gradient; scales gradients to at most `max_norm`.
-        A block held by r ranks counts 1/r on each, and the tp ranks' sums are added."""
-        named = [(n, p) for n, p in self.named.items() if p.grad is not None]
-        grads = [p.grad for _, p in named]
+        """The L2 norm of the full model's gradient; scales gradients to at most `max_norm`."""
+        total = self.grad_norm_squared().sqrt()
+        if max_norm < float("inf"):
+            grads = [p.grad for p in self.named.values() if p.grad is not None]
+            torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
+        return total
+
+    @torch.no_grad()
+    def grad_norm_squared(self, skip: frozenset[str] = frozenset()) -> torch.Tensor:
+        """The squared L2 norm of the gradients this rank's tp group holds, parameters in
+        `skip` left out. A block held by r ranks counts 1/r on each; the tp ranks' sums are
+        added."""
+        named = [(n, p) for n, p in self.named.items() if p.grad is not None and n not in skip]
         share = torch.tensor([self.placement(n).parts / self.comm.size for n, _ in named])
-        norms = torch.stack(torch._foreach_norm(grads)).float()  # [P]
+        norms = torch.stack(torch._foreach_norm([p.grad for _, p in named])).float()  # [P]
         total = (norms.square() * share.to(norms.device)).sum()
         self.comm.all_reduce(total, "sum", tag="grad_norm")
-        total = total.sqrt()
-        if max_norm < float("inf"):
-            torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
         return total
 
     # ------------------------------------------------------------------ state
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state dict as one process would hold it (collective over tp)."""
+    def full_state_dict(self, local: dict[str, torch.Tensor] | None = None
+                        ) -> dict[str, torch.Tensor]:
+        """The model's state dict as one process would hold it (collective over tp), from
+        this rank's tensors: the model's own, or `local` (ZeRO: from its master shards; tied
+        parameters under their first name only)."""
         state = self.model.state_dict()
+        if local is not None:
+            state = {k: local[k] if k in local else local[self.tied_to[k]] for k in state}
         return self._gather({k: (v, self.placement(k)) for k, v in state.items()})
 
+    def local_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's slices of a full state dict."""
+        return {k: self.placement(k).shard(v) for k, v in state.items()}
+
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict({k: self.placement(k).shard(v) for k, v in state.items()})
+        self.model.load_state_dict(self.local_state_dict(state))
 
     def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """The optimizer's state dict with every per-element tensor made full."""

@@ -4,8 +4,12 @@ A checkpoint is written into a hidden temporary directory beside its final place
 renamed, so a crash never leaves a half-written checkpoint where resume would find it.
 It holds the model and optimizer state, the data sampler's position, the step, the
 resolved config (whose [model] section is checked on resume) and, for a BPE run, a copy
-of the tokenizer, so `shardtrain generate` needs nothing but the checkpoint. The states are
-full (unsharded) whatever the layout that wrote them, so any layout can resume from them.
+of the tokenizer, so `shardtrain generate` needs nothing but the checkpoint. The model state
+is full (unsharded) whatever the layout that wrote it. The optimizer state is full too
+(optimizer.pt) for the replicated layouts, which any layout without ZeRO can resume from;
+under ZeRO each rank writes its own shard (optimizer_dp{d}_tp{t}.pt), staged beside the
+checkpoint by every rank before the main rank renames it into place, and only the same
+layout (ZeRO stage, dp and tp sizes, recorded in meta.json) can resume from it.
 """
 
 from __future__ import annotations
@@ -30,9 +34,21 @@ def checkpoint_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def stage_files(cfg: Config, step: int, files: dict[str, Any]) -> Path:
+    """Write this rank's part of the step's checkpoint ({file name: state}) into the
+    staging directory that `save_checkpoint` moves into the checkpoint (every rank)."""
+    staged = checkpoint_root(cfg.train.run_dir) / f".staged-{_PREFIX}{step:08d}"
+    staged.mkdir(parents=True, exist_ok=True)
+    for name, state in files.items():
+        torch.save(state, staged / name)
+    return staged
+
+
 def save_checkpoint(cfg: Config, *, step: int, model_state: dict[str, torch.Tensor],
-                    optimizer_state: dict[str, Any], sampler_state: dict[str, Any],
+                    staged: Path, layout: dict[str, int], sampler_state: dict[str, Any],
                     tokenizer_file: Path | None = None) -> Path:
+    """On the main rank, once every rank has staged its files (`stage_files`). `layout`:
+    the ZeRO stage and the dp and tp sizes that wrote the optimizer state."""
     root = checkpoint_root(cfg.train.run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_PREFIX}{step:08d}"
@@ -40,8 +56,11 @@ def save_checkpoint(cfg: Config, *, step: int, model_state: dict[str, torch.Tens
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     torch.save(model_state, tmp / "model.pt")
-    torch.save(optimizer_state, tmp / "optimizer.pt")
-    (tmp / "meta.json").write_text(json.dumps({"step": step, "sampler": sampler_state}, indent=1))
+    for f in staged.iterdir():
+        os.replace(f, tmp / f.name)
+    staged.rmdir()
+    (tmp / "meta.json").write_text(json.dumps({"step": step, "sampler": sampler_state,
+                                               "layout": layout}, indent=1))
     (tmp / "config.toml").write_text(config_mod.to_toml(cfg))
     if tokenizer_file is not None:
         shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
@@ -81,8 +100,10 @@ def checkpoint_config(path: Path) -> Config:
     return config_mod.load(path / "config.toml")
 
 
-def check_compatible(path: Path, cfg: Config) -> None:
-    """Resume must not change the model's shape; say which fields differ."""
+def check_compatible(path: Path, cfg: Config, world_size: int) -> None:
+    """Resume must not change the model's shape, nor the layout of a sharded optimizer
+    state; say which fields differ."""
+    check_layout(path, cfg, world_size)
     saved = dataclasses.asdict(checkpoint_config(path).model)
     wanted = dataclasses.asdict(cfg.model)
     diff = [f"model.{k}: checkpoint {saved[k]!r} vs config {wanted[k]!r}"
@@ -93,8 +114,30 @@ def check_compatible(path: Path, cfg: Config) -> None:
                           "start a new run without checkpoint.resume")
 
 
-def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
-    """(model state, optimizer state, meta: step and sampler position), all full."""
+def check_layout(path: Path, cfg: Config, world_size: int) -> None:
+    """ZeRO optimizer state is sharded: only the layout that wrote it can read it back
+    (resharding is not implemented)."""
+    meta = json.loads((path / "meta.json").read_text())
+    p = cfg.parallel
+    saved = meta.get("layout", {"zero": 0})
+    wanted = {"zero": p.zero, "dp": p.resolved_dp(world_size), "tp": p.tp}
+    if saved["zero"] == wanted["zero"] == 0 or saved == wanted:
+        return
+    saved_text, wanted_text = (", ".join(f"parallel.{k}={v}" for k, v in layout.items())
+                               for layout in (saved, wanted))
+    raise ConfigError(
+        f"cannot resume from {path}: its optimizer state was written by {saved_text} and "
+        f"this run has {wanted_text}; resharding ZeRO optimizer state to another layout is "
+        "not supported. Resume with the checkpoint's layout (the same parallel.zero, dp and "
+        "tp, with --nproc to match), or start a new run without checkpoint.resume")
+
+
+def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(full model state, meta: step, sampler position and layout)."""
     model_state = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
-    optimizer_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
-    return model_state, optimizer_state, json.loads((path / "meta.json").read_text())
+    return model_state, json.loads((path / "meta.json").read_text())
+
+
+def load_state(path: Path, name: str) -> dict[str, Any]:
+    """One optimizer state file of the checkpoint (optimizer.pt or a rank's shard)."""
+    return torch.load(path / name, map_location="cpu", weights_only=True)

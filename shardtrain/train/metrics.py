@@ -1,4 +1,5 @@
-"""Per-step metrics: metrics.jsonl, the memory ledger, MFU, optional TensorBoard."""
+"""Per-step metrics: metrics.jsonl, peak memory, MFU, optional TensorBoard (the model-state
+memory ledger comes from Parallelized.memory)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 # Dense bf16 peak FLOP/s per GPU (vendor datasheets), matched against the device name.
 _GPU_PEAK = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "B200": 2250e12,
@@ -54,18 +54,6 @@ def peak_memory_bytes(device: torch.device) -> int:
         return torch.cuda.max_memory_allocated(device)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
-
-
-def memory_ledger(model: nn.Module, optimizer: torch.optim.Optimizer, grad_bytes: int,
-                  device: torch.device) -> dict[str, int]:
-    """Bytes held by model state on this rank, from the tensors themselves. Parameters are
-    the fp32 master weights (bf16 runs compute under autocast), so `master_bytes` counts
-    only a separate master copy, of which there is none here."""
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    opt = sum(t.numel() * t.element_size() for state in optimizer.state.values()
-              for t in state.values() if isinstance(t, torch.Tensor))
-    return {"params_bytes": params, "grads_bytes": grad_bytes, "optimizer_bytes": opt,
-            "master_bytes": 0, "peak_mem_bytes": peak_memory_bytes(device)}
 
 
 class MetricsWriter:

@@ -1,9 +1,10 @@
 """The training loop: one code path for one process or many.
 
 Each optimizer step processes `train.global_batch` sequences: this rank's share, cut into
-micro-batches, gradients accumulated (the loss of each micro-batch divided by their
-number) with communication only on the last; then clipping, the optimizer step, metrics,
-periodic eval and checkpoints.
+micro-batches that `Parallelized.forward_backward` runs through the pipeline schedule (one
+stage without pipeline parallelism), gradients accumulated (the loss of each micro-batch
+divided by their number) with gradient communication only after the last; then clipping,
+the optimizer step, metrics, periodic eval and checkpoints.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from shardtrain.model.transformer import build_model
 from shardtrain.parallel.parallelize import parallelize
 from shardtrain.plan.counts import model_flops_per_token
 from shardtrain.train import checkpoint as ckpt
-from shardtrain.train.metrics import MetricsWriter, device_peak_flops, memory_ledger
+from shardtrain.train.metrics import MetricsWriter, device_peak_flops, peak_memory_bytes
 from shardtrain.train.optim import build_optimizer, lr_at
 
 
@@ -49,24 +49,24 @@ class Trainer:
         t = cfg.train
         self.is_main = mesh.rank == 0
         self.dp = mesh.comm("dp")
+        cfg.resolve_microbatches(self.dp.size)  # a no-op on a validated config
         self.data = load_dataset(cfg.data, seq_len=t.seq_len)
         check_vocab(self.data, cfg.model.vocab_size)
         self.model = build_model(cfg.model, seed=None)  # shapes only: parallelize materialises
-        self.parallel = parallelize(self.model, mesh, cfg, device=device)
+        self.parallel = parallelize(self.model, mesh, cfg, device=device,
+                                    make_optimizer=lambda m: build_optimizer(m, cfg.optim, t.lr))
         self.reducer = self.parallel.reducer
-        self.optimizer = build_optimizer(self.model, cfg.optim, t.lr)
         self.accum = t.accumulation_steps(self.dp.size)
         self.sampler = TokenSampler(self.data.train, seq_len=t.seq_len,
                                     global_batch=t.global_batch, micro_batch=t.micro_batch,
                                     dp_rank=self.dp.rank, dp_size=self.dp.size, seed=t.seed)
-        self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
-                         if t.precision == "bf16" else nullcontext())
         self.step = 0
         resume = ckpt.resolve_resume(cfg)
         if resume is not None:
-            model_state, optimizer_state, meta = ckpt.load_checkpoint(resume)
+            ckpt.check_compatible(resume, cfg, mesh.world_size)
+            model_state, meta = ckpt.load_checkpoint(resume)
             self.parallel.load_full_state_dict(model_state)
-            self.parallel.load_full_optimizer_state_dict(self.optimizer, optimizer_state)
+            self.parallel.load_optimizer_files(lambda name: ckpt.load_state(resume, name))
             self.step = meta["step"]
             self.sampler.load_state_dict(meta["sampler"])
         self.tokens_per_step = t.global_batch * t.seq_len
@@ -77,32 +77,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with self.autocast:
-            logits = self.model(inputs.to(self.device))  # [B, S, V] (or [B, S, V/tp])
-        return self.parallel.loss(logits, targets.to(self.device))
-
     def train_step(self) -> dict[str, Any]:
         t, o = self.cfg.train, self.cfg.optim
         lr = lr_at(self.step, base_lr=t.lr, warmup=o.warmup_steps, total=t.steps,
                    min_ratio=o.min_lr_ratio)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
         start = time.perf_counter()
         self.reducer.zero_grad()
-        micro_batches = self.sampler.next_step()
-        loss_sum = torch.zeros((), device=self.device)
-        for i, (inputs, targets) in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            with nullcontext() if last else self.reducer.no_sync():
-                loss = self.loss(inputs, targets)
-                (loss / self.accum).backward()
-            loss_sum += loss.detach()
-        self.parallel.sync_grads()
+        mean_loss = self.parallel.forward_backward(self.sampler.next_step())
         grad_norm = self.parallel.clip_grad_norm(o.grad_clip or float("inf"))
-        self.optimizer.step()
-        mean_loss = loss_sum / self.accum
-        self.dp.all_reduce(mean_loss, "avg", tag="metric")
+        self.parallel.optimizer_step(lr)
         elapsed = time.perf_counter() - start
         self.step += 1
         comm = self.mesh.ledger.totals(self.mesh.ledger.mark())
@@ -112,7 +95,7 @@ class Trainer:
             "tokens_per_s": self.tokens_per_step / elapsed, "step_time_s": elapsed,
             "mfu": self.flops_per_step / (elapsed * self.mesh.world_size * self.peak_flops),
             "comm_bytes": comm["sent_bytes"], "comm_calls": comm["calls"],
-            **memory_ledger(self.model, self.optimizer, self.reducer.grad_bytes, self.device),
+            **self.memory_ledger(),
         }
 
     @torch.no_grad()
@@ -122,10 +105,15 @@ class Trainer:
         batches = eval_batches(self.data.eval, seq_len=t.seq_len, batch_size=t.micro_batch,
                                n_batches=t.eval_batches)
         totals = torch.zeros(2, device=self.device)  # [loss sum, batch count]
-        self.model.eval()
-        for inputs, targets in batches[self.dp.rank::self.dp.size]:
-            totals += torch.stack([self.loss(inputs, targets), torch.ones((), device=self.device)])
-        self.model.train()
+        self.parallel.module.eval()
+        # Every dp rank runs as many forwards (ZeRO-3's forward gathers parameters
+        # collectively): a rank out of batches repeats the first one and counts it 0 times.
+        mine = batches[self.dp.rank::self.dp.size]
+        for i in range(-(-len(batches) // self.dp.size)):
+            inputs, targets = mine[i] if i < len(mine) else batches[0]
+            count = torch.full((), float(i < len(mine)), device=self.device)
+            totals += torch.stack([self.parallel.forward_loss(inputs, targets) * count, count])
+        self.parallel.module.train()
         self.dp.all_reduce(totals, "sum", tag="metric")
         return (totals[0] / totals[1]).item()
 
@@ -158,25 +146,50 @@ class Trainer:
         bar.close()
         self.metrics.close()
         # Each rank's own memory ledger (metrics.jsonl carries rank 0's).
-        ledger = memory_ledger(self.model, self.optimizer, self.reducer.grad_bytes, self.device)
+        ledger = self.memory_ledger()
         write_atomic(Path(t.run_dir) / f"memory_rank{self.mesh.rank}.json",
                      json.dumps(ledger, indent=1))
+        self.write_timeline()
         if t.sample_tokens:
             result.sample = self.sample(t.sample_prompt, t.sample_tokens)
         return result
 
+    def write_timeline(self) -> Path | None:
+        """This rank's timeline of the last training step (the executor's actions with
+        their start and end; format in parallel/pipeline/executor.py) as
+        <run_dir>/timeline_rank{R}.json; None before the first step."""
+        timeline = self.parallel.pipeline.timeline
+        if timeline is None:
+            return None
+        path = Path(self.cfg.train.run_dir) / f"timeline_rank{self.mesh.rank}.json"
+        write_atomic(path, json.dumps({**timeline, "step": self.step}))
+        return path
+
     def save(self) -> None:
-        """Full (layout-independent) states, gathered over tp; data-parallel replicas hold
-        the same, and rank 0 writes them."""
+        """The full model state (gathered over tp and, under ZeRO, dp), written by rank 0;
+        the optimizer state as the layout keeps it: full, written by rank 0, or one shard
+        per rank (ZeRO), each staged by its rank before rank 0 renames the checkpoint."""
         model_state = self.parallel.full_state_dict()
-        optimizer_state = self.parallel.full_optimizer_state_dict(self.optimizer)
+        staged = ckpt.stage_files(self.cfg, self.step, self.parallel.optimizer_files(self.is_main))
+        self._barrier()  # every rank's files are staged
         if self.is_main:
+            p = self.cfg.parallel
             ckpt.save_checkpoint(self.cfg, step=self.step, model_state=model_state,
-                                 optimizer_state=optimizer_state,
-                                 sampler_state=self.sampler.state_dict(),
+                                 staged=staged, sampler_state=self.sampler.state_dict(),
+                                 layout={"zero": p.zero, "dp": self.dp.size, "tp": p.tp},
                                  tokenizer_file=getattr(self.data.tokenizer, "path", None))
-        self.dp.barrier()  # then tp: every rank waits for rank 0's write
-        self.mesh.comm("tp").barrier()
+        self._barrier()  # every rank waits for rank 0's write
+
+    def _barrier(self) -> None:
+        """All ranks: a dp, a tp, then a pp barrier (pp x dp x tp is the world): a rank
+        passes the last only once every rank has entered the first."""
+        for dim in ("dp", "tp", "pp"):
+            self.mesh.comm(dim).barrier()
+
+    def memory_ledger(self) -> dict[str, int]:
+        """Model-state bytes held by this rank (params, grads, optimizer, master) and the
+        peak memory."""
+        return {**self.parallel.memory(), "peak_mem_bytes": peak_memory_bytes(self.device)}
 
     def sample(self, prompt: str, n_tokens: int) -> str | None:
         """Generated text on rank 0 (None elsewhere), from the plain model with the full
