@@ -22,6 +22,8 @@ Conventions (p ranks, n = `nbytes`):
   intra-node phases use `intra`, the leaders `link`; `sent_bytes` is then an upper bound
   (the busiest rank of each phase). `torus2d` (all_reduce, all_gather, reduce_scatter): an
   r x c grid, rows of c = `local_size` ranks on `intra` and columns on `link`, ring phases.
+  Phases that several sub-groups run at once (every row, every node) charge the shared
+  medium for all of them.
 """
 
 from __future__ import annotations
@@ -246,26 +248,36 @@ def _fastest_flat(op: str, nbytes: float, p: int, link: Link) -> Cost:
     return min((cost(op, nbytes, p, link, algorithm=a) for a in flat), key=lambda c: c.time_s)
 
 
+def _concurrent(link: Link, groups: int) -> Link:
+    """The link of a phase that `groups` sub-groups run at once: on a shared medium their
+    bytes add up (a phase is priced on one sub-group's)."""
+    if not link.shared_s_per_byte or groups == 1:
+        return link
+    return dataclasses.replace(link, shared_s_per_byte=link.shared_s_per_byte * groups)
+
+
 def _hierarchical(n: float, p: int, link: Link, intra: Link, k: int) -> Cost:
     leaders = _fastest_flat("all_reduce", n, p // k, link)
     # only the p / k leaders (one rank in k) take part in the middle phase
     leaders = dataclasses.replace(leaders, sent_bytes_mean=leaders.sent_bytes_mean / k)
-    return (_fastest_flat("reduce", n, k, intra) + leaders
-            + _fastest_flat("broadcast", n, k, intra))
+    nodes = _concurrent(intra, p // k)  # every node reduces and broadcasts at once
+    return (_fastest_flat("reduce", n, k, nodes) + leaders
+            + _fastest_flat("broadcast", n, k, nodes))
 
 
 def _torus(op: str, n: float, p: int, link: Link, intra: Link, local_size: int) -> Cost:
     r, c = torus_grid(p, local_size)
+    rows, columns = _concurrent(intra, r), _concurrent(link, c)  # all rows (columns) at once
 
     def ring(phase_op: str, size: float, ranks: int, on: Link) -> Cost:
         return cost(phase_op, size, ranks, on, algorithm="ring")
 
     if op == "all_reduce":
-        return (ring("reduce_scatter", n, c, intra) + ring("all_reduce", n / c, r, link)
-                + ring("all_gather", n, c, intra))
+        return (ring("reduce_scatter", n, c, rows) + ring("all_reduce", n / c, r, columns)
+                + ring("all_gather", n, c, rows))
     if op == "reduce_scatter":
-        return ring("reduce_scatter", n, c, intra) + ring("reduce_scatter", n / c, r, link)
-    return ring("all_gather", n / c, r, link) + ring("all_gather", n, c, intra)
+        return ring("reduce_scatter", n, c, rows) + ring("reduce_scatter", n / c, r, columns)
+    return ring("all_gather", n / c, r, columns) + ring("all_gather", n, c, rows)
 
 
 def bus_bandwidth(op: str, nbytes: float, p: int, time_s: float) -> float:
