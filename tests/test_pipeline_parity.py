@@ -1,7 +1,7 @@
 """Pipeline parallelism reproduces the single-process run (fp32 losses, eval loss and final
 weights): pp = 2 and 4 under GPipe, 1F1B and interleaved 1F1B with 1, 4 and 8 micro-batches,
-composed with data and tensor (+ sequence) parallelism, up to pp x tp x dp = 2 x 2 x 2 on 8
-processes; tied embeddings (GPT-2) across the first and last stage; checkpoints written by a
+composed with data and tensor (+ sequence) parallelism and ZeRO-1, up to pp x tp x dp =
+2 x 2 x 2 on 8 processes; tied embeddings (GPT-2) across the first and last stage; checkpoints written by a
 pipeline resume on one process. Each spawn also measures the activations stage 0 holds and
 checks the timeline files."""
 
@@ -43,12 +43,15 @@ LAYOUTS = {
         ("pp2 gpt2 tied embeddings", GPT2, _pp(2, "1f1b", 4, "--checkpoint.every", "2"))],
     4: [*_sweep(4),
         ("pp2 x dp2", (), _pp(2, "1f1b", 2)),
+        ("pp2 x dp2 zero1 gpt2 tied", GPT2, _pp(2, "1f1b", 2, "--parallel.zero", "1")),
         ("pp2 x tp2 gpt2 tied, interleaved", GPT2,
          _pp(2, "interleaved", 2, "--parallel.tp", "2")),
         ("pp2 x tp2 sp, activation checkpointing", (),
          _pp(2, "1f1b", 4, "--parallel.tp", "2", "--parallel.sp", "true",
              "--train.activation_checkpointing", "full"))],
-    8: [("pp2 x tp2 x dp2", (), _pp(2, "1f1b", 2, "--parallel.tp", "2"))],
+    8: [("pp2 x tp2 x dp2", (), _pp(2, "1f1b", 2, "--parallel.tp", "2")),
+        ("pp2 x tp2 x dp2 zero1", (), _pp(2, "1f1b", 2, "--parallel.tp", "2",
+                                          "--parallel.zero", "1"))],
 }
 
 

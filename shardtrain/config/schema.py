@@ -316,10 +316,14 @@ class Config:
         """Every stage needs a layer; the interleaved schedule (Narayanan et al. 2021) needs
         several equal chunks per stage and whole rounds of pp micro-batches."""
         m, p = self.model, self.parallel
-        if p.pp > 1 and p.zero:
-            raise ConfigError(f"parallel.pp={p.pp} with parallel.zero={p.zero}: ZeRO does not "
-                              "yet reduce its gradient norm and tied embeddings across pipeline "
-                              "stages; set parallel.zero=0 or parallel.pp=1")
+        if p.pp > 1 and p.zero > 1:
+            raise ConfigError(f"parallel.pp={p.pp} with parallel.zero={p.zero}: with a pipeline "
+                              "each stage runs many micro-batch backwards per step, and ZeRO-2/3 "
+                              "would reduce-scatter gradients (and ZeRO-3 gather parameters) "
+                              "for every one of them; ZeRO-1 shards the optimizer state and "
+                              "communicates once per step (as Megatron-LM's distributed "
+                              "optimizer and DeepSpeed's pipeline engine do): set "
+                              "parallel.zero=1, or parallel.pp=1")
         if p.pp > m.n_layers:
             raise ConfigError(f"parallel.pp={p.pp} exceeds model.n_layers={m.n_layers}: every "
                               "pipeline stage needs at least one layer; lower parallel.pp")

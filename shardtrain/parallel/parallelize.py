@@ -136,7 +136,8 @@ class ZeroParallelized(Parallelized):
         self.zero.optimizer.load_state_dict(load(self._file()))
 
     def _file(self) -> str:
-        return f"optimizer_dp{self.zero.comm.rank}_tp{self.shards.comm.rank}.pt"
+        return (f"optimizer_pp{self.shards.pp.rank}_dp{self.zero.comm.rank}"
+                f"_tp{self.shards.comm.rank}.pt")
 
 
 def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,

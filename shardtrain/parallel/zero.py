@@ -35,8 +35,8 @@ from shardtrain.comm import Communicator
 from shardtrain.config import Config
 from shardtrain.model.transformer import Transformer
 from shardtrain.parallel.offload import build_shard_optimizer
+from shardtrain.parallel.pipeline.state import StageShards
 from shardtrain.parallel.shard_optim import ShardOptimizer
-from shardtrain.parallel.sharding import TensorShards
 from shardtrain.parallel.zero_gather import ParamGatherer
 from shardtrain.parallel.zero_units import FlatUnit, UnitComm, build_units, partial_runs
 
@@ -155,7 +155,7 @@ class ZeroModel:
     """The units, their gradients, the shard optimizer and the parameter updates of one
     model under ZeRO; Parallelized (parallelize.py) drives it."""
 
-    def __init__(self, model: Transformer, comm: Communicator, tp: TensorShards, cfg: Config,
+    def __init__(self, model: Transformer, comm: Communicator, tp: StageShards, cfg: Config,
                  unit_comm: UnitComm | None = None):
         p = cfg.parallel
         self.stage, self.comm, self.tp, self.cfg = p.zero, comm, tp, cfg
@@ -193,6 +193,8 @@ class ZeroModel:
 
     @torch.no_grad()
     def sync_grads(self) -> None:
+        if self.stage == 1:  # pipeline (stage 1 only): the tied copies' full gradients
+            self.tp.sum_tied_grads()
         self.reducer.finish()
         if any(self._partial):  # tp blocks whose gradient parts sum over tp
             self.tp.sum_partial([(u.grad_shard[a:b], place) for u, runs in
@@ -203,19 +205,22 @@ class ZeroModel:
         """The L2 norm of the full model's gradient, from the fp32 shards; scales them to at
         most `max_norm`. Squares are summed over this rank's shards, a tensor-parallel block
         weighted parts / t as in sharding.py (a block held by several tp ranks counts once),
-        then over dp and over tp."""
+        then over dp, tp and pipeline stages (the last stage's copy of a tied embedding is
+        counted on the first)."""
         t = self.tp.comm.size
+        skip = self.tp.counted_elsewhere
         total = torch.zeros((), device=self.units[0].grad_shard.device)
         for u in self.units:
             g = u.grad_shard
-            if t == 1:
+            if t == 1 and not skip:
                 total += g.square().sum()
                 continue
-            for i, a, b in u.shard_runs(lambda i: True):
+            for i, a, b in u.shard_runs(lambda i, u=u: u.names[i] not in skip):
                 share = self.tp.placement(u.names[i]).parts / t
                 total += g[a:b].square().sum() * share
         self.comm.all_reduce(total, "sum", tag="grad_norm")
         self.tp.comm.all_reduce(total, "sum", tag="grad_norm")
+        self.tp.pp.all_reduce(total, "sum", tag="grad_norm")
         total = total.sqrt()
         if max_norm < float("inf"):
             scale = (max_norm / (total + 1e-6)).clamp(max=1.0)

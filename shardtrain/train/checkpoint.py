@@ -120,7 +120,7 @@ def check_layout(path: Path, cfg: Config, world_size: int) -> None:
     meta = json.loads((path / "meta.json").read_text())
     p = cfg.parallel
     saved = meta.get("layout", {"zero": 0})
-    wanted = {"zero": p.zero, "dp": p.resolved_dp(world_size), "tp": p.tp}
+    wanted = {"zero": p.zero, "pp": p.pp, "dp": p.resolved_dp(world_size), "tp": p.tp}
     if saved["zero"] == wanted["zero"] == 0 or saved == wanted:
         return
     saved_text, wanted_text = (", ".join(f"parallel.{k}={v}" for k, v in layout.items())
@@ -128,8 +128,8 @@ def check_layout(path: Path, cfg: Config, world_size: int) -> None:
     raise ConfigError(
         f"cannot resume from {path}: its optimizer state was written by {saved_text} and "
         f"this run has {wanted_text}; resharding ZeRO optimizer state to another layout is "
-        "not supported. Resume with the checkpoint's layout (the same parallel.zero, dp and "
-        "tp, with --nproc to match), or start a new run without checkpoint.resume")
+        "not supported. Resume with the checkpoint's layout (the same parallel.zero, pp, dp "
+        "and tp, with --nproc to match), or start a new run without checkpoint.resume")
 
 
 def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -176,7 +176,7 @@ class Trainer:
             p = self.cfg.parallel
             ckpt.save_checkpoint(self.cfg, step=self.step, model_state=model_state,
                                  staged=staged, sampler_state=self.sampler.state_dict(),
-                                 layout={"zero": p.zero, "dp": self.dp.size, "tp": p.tp},
+                                 layout={"zero": p.zero, "pp": p.pp, "dp": self.dp.size, "tp": p.tp},
                                  tokenizer_file=getattr(self.data.tokenizer, "path", None))
         self._barrier()  # every rank waits for rank 0's write
 

@@ -45,7 +45,12 @@ class StageShards(TensorShards):
     @torch.no_grad()
     def sum_partial_grads(self) -> None:
         super().sum_partial_grads()
-        if self.tied_peer is not None:  # both copies get g_first + g_last
+        self.sum_tied_grads()
+
+    @torch.no_grad()
+    def sum_tied_grads(self) -> None:
+        """Both copies of the tied embedding get g_first + g_last (a no-op elsewhere)."""
+        if self.tied_peer is not None:
             grad = self.named[TIED].grad
             other = torch.empty_like(grad)
             self.pp.exchange([(self.tied_peer, grad, "tied_grad")],
