@@ -108,7 +108,8 @@ class ZeroReducer:
     @torch.no_grad()
     def _launch(self) -> None:
         """Reduce-scatter the next unit's full gradients (zeros for parameters that got
-        none) asynchronously and drop them; at most two units' full gradients in flight."""
+        none) asynchronously and drop them. One earlier unit's reduce-scatter stays in
+        flight (it had this unit's backward to finish in): two units' full gradients at most."""
         u = self.order[self._next]
         self._next += 1
         full = torch.zeros(u.padded, dtype=u.flat.dtype, device=u.flat.device)  # [padded]
@@ -121,7 +122,7 @@ class ZeroReducer:
         out = torch.empty(u.shard_numel, dtype=full.dtype, device=full.device)
         handle = self.unit_comm.reduce_grads(u, out, full)
         self._inflight.append((u, handle, out, full))
-        while len(self._inflight) > 2:
+        while len(self._inflight) > 1:
             self._complete(self._inflight.pop(0))
 
     def _complete(self, item) -> None:
