@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-
-class ConfigError(ValueError):
-    """A bad configuration: the message names the field and the fix."""
+from shardtrain.config.errors import ConfigError
+from shardtrain.config.layout import check_pipeline, check_tensor_parallel
 
 
 @dataclass(kw_only=True)
@@ -284,8 +282,8 @@ class Config:
         self.resolve_microbatches(self.parallel.resolved_dp(world_size))
         self.train.validate(self.parallel.resolved_dp(world_size), self.model)
         self.checkpoint.validate()
-        self._validate_tensor_parallel()
-        self._validate_pipeline()
+        check_tensor_parallel(self)
+        check_pipeline(self)
         if self.parallel.zero and self.comm.compress != "none":
             raise ConfigError(f"comm.compress={self.comm.compress} compresses data-parallel "
                               f"all-reduces; parallel.zero={self.parallel.zero} reduce-scatters "
@@ -311,81 +309,6 @@ class Config:
             t.micro_batch = t.global_batch // (dp * p.microbatches)
         elif t.global_batch % (t.micro_batch * dp) == 0:  # else train.validate says why not
             p.microbatches = t.global_batch // (t.micro_batch * dp)
-
-    def _validate_pipeline(self) -> None:
-        """Every stage needs a layer; the interleaved schedule (Narayanan et al. 2021) needs
-        several equal chunks per stage and whole rounds of pp micro-batches."""
-        m, p = self.model, self.parallel
-        if p.pp > 1 and p.zero > 1:
-            raise ConfigError(f"parallel.pp={p.pp} with parallel.zero={p.zero}: with a pipeline "
-                              "each stage runs many micro-batch backwards per step, and ZeRO-2/3 "
-                              "would reduce-scatter gradients (and ZeRO-3 gather parameters) "
-                              "for every one of them; ZeRO-1 shards the optimizer state and "
-                              "communicates once per step (as Megatron-LM's distributed "
-                              "optimizer and DeepSpeed's pipeline engine do): set "
-                              "parallel.zero=1, or parallel.pp=1")
-        if p.pp > m.n_layers:
-            raise ConfigError(f"parallel.pp={p.pp} exceeds model.n_layers={m.n_layers}: every "
-                              "pipeline stage needs at least one layer; lower parallel.pp")
-        if p.schedule != "interleaved":
-            if p.virtual_stages > 1:
-                raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs "
-                                  f"parallel.schedule=interleaved (schedule={p.schedule} runs one "
-                                  "chunk per stage); set the schedule or virtual_stages=1")
-            return
-        if p.pp < 2 or p.virtual_stages < 2:
-            raise ConfigError(f"parallel.schedule=interleaved needs parallel.pp >= 2 and "
-                              f"parallel.virtual_stages >= 2 (got pp={p.pp}, virtual_stages="
-                              f"{p.virtual_stages}); use schedule=1f1b for one chunk per stage")
-        if m.n_layers % (p.pp * p.virtual_stages):
-            raise ConfigError(f"model.n_layers={m.n_layers} is not divisible by parallel.pp="
-                              f"{p.pp} x parallel.virtual_stages={p.virtual_stages}: the "
-                              "interleaved schedule needs equal chunks; change either")
-        if p.microbatches % p.pp:
-            raise ConfigError(f"parallel.microbatches={p.microbatches} is not a multiple of "
-                              f"parallel.pp={p.pp}: the interleaved schedule sends micro-batches "
-                              "through each chunk in rounds of pp; change parallel.microbatches "
-                              "(or train.micro_batch)")
-
-    def _validate_tensor_parallel(self) -> None:
-        """The checks that need the model and the layout together: attention is split by
-        heads and the MLP by its hidden units (Shoeybi et al. 2019), the sequence by tp
-        under sequence parallelism (Korthikanti et al. 2022)."""
-        m, p, t = self.model, self.parallel, self.parallel.tp
-        if p.sp and t == 1:
-            raise ConfigError("parallel.sp=true needs parallel.tp > 1: sequence parallelism "
-                              "shards the norms that tensor parallelism leaves replicated, "
-                              "along the sequence of the tp group; set parallel.tp or drop "
-                              "parallel.sp")
-        if t == 1:
-            return
-        if m.n_heads % t:
-            raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={t}; "
-                              "attention is split by heads: choose a tp that divides the head "
-                              "count")
-        g = m.kv_heads
-        if g % t if g >= t else t % g:
-            raise ConfigError(
-                f"model.n_kv_heads={g} does not fit parallel.tp={t}: kv heads are split when "
-                "n_kv_heads >= tp (tp must divide them) and replicated when n_kv_heads < tp "
-                "(tp must be a multiple of them); choose another tp or n_kv_heads")
-        if m.ffn_hidden % t:
-            raise ConfigError(f"the MLP hidden size {m.ffn_hidden} (model.ffn_dim) is not "
-                              f"divisible by parallel.tp={t}; choose a tp that divides it")
-        if m.n_experts:
-            raise ConfigError(f"parallel.tp={t} with model.n_experts={m.n_experts}: tensor "
-                              "parallelism of mixture-of-experts layers is not supported; set "
-                              "parallel.tp=1 or model.n_experts=0")
-        if p.sp and self.train.seq_len % t:
-            raise ConfigError(f"train.seq_len={self.train.seq_len} is not divisible by "
-                              f"parallel.tp={t}; sequence parallelism splits the sequence "
-                              "over the tp group")
-        if p.node_size and t > p.node_size:
-            warnings.warn(
-                f"parallel.tp={t} is larger than parallel.node_size={p.node_size}: tensor-"
-                "parallel groups then span nodes, and their activation all-reduces, on the "
-                "critical path of every layer, cross the slower inter-node network; keep "
-                "tp <= the devices per node", stacklevel=3)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
