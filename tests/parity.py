@@ -7,6 +7,7 @@ config overrides and world size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,19 +35,23 @@ def make_mesh(cfg: Config, rank: int, world_size: int) -> ParallelMesh:
                         algorithm=cfg.comm.algorithm, timeout_s=cfg.comm.timeout_s)
 
 
-def train_layout(rank: int, world_size: int, cfg_text: str) -> dict:
+def train_layout(rank: int, world_size: int, cfg_text: str,
+                 extra: Callable[[Trainer], dict] | None = None) -> dict:
     """Worker: train one config on this rank; return its losses and final full weights
-    (gathered over tensor-parallel ranks, so every layout's are comparable)."""
+    (gathered over tensor-parallel and pipeline ranks, so every layout's are comparable),
+    plus what `extra` (a module-level function: it is pickled) reads off the trainer."""
     cfg = config.loads(cfg_text)
     trainer = Trainer(cfg, make_mesh(cfg, rank, world_size), torch.device("cpu"))
     result = trainer.run()
     return {"losses": result.losses, "eval_loss": result.eval_loss,
-            "weights": trainer.parallel.full_state_dict()}
+            "weights": trainer.parallel.full_state_dict(),
+            **(extra(trainer) if extra is not None else {})}
 
 
-def train_layouts(rank: int, world_size: int, cfg_texts: list[str]) -> list[dict]:
+def train_layouts(rank: int, world_size: int, cfg_texts: list[str],
+                  extra: Callable[[Trainer], dict] | None = None) -> list[dict]:
     """Worker: several layouts in one spawn (spawning is the slow part)."""
-    return [train_layout(rank, world_size, text) for text in cfg_texts]
+    return [train_layout(rank, world_size, text, extra) for text in cfg_texts]
 
 
 def assert_parity(reference: dict, result: dict, label: str) -> None:

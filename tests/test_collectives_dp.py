@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dist import run_distributed
-from parity import assert_parity, make_mesh, tiny
+from parity import assert_parity, tiny, train_layouts
 from shardtrain import config
 from shardtrain.comm.dispatch import ALGORITHMS
 from shardtrain.train.trainer import Trainer
@@ -25,18 +25,10 @@ STEPS = "10"
 SETTINGS = [("algorithm", a) for a in ALGORITHMS] + [("compress", c) for c in ("int8", "topk")]
 
 
-def _train(rank: int, world_size: int, texts: list[str]) -> list[dict]:
-    out = []
-    for text in texts:
-        cfg = config.loads(text)
-        trainer = Trainer(cfg, make_mesh(cfg, rank, world_size), torch.device("cpu"))
-        result = trainer.run()
-        grads = [r for r in trainer.mesh.ledger.records if r.tag.startswith("grad")]
-        weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-        out.append({"losses": result.losses, "eval_loss": result.eval_loss, "weights": weights,
-                    "grad_bytes": sum(r.sent_bytes for r in grads),
-                    "algorithms": sorted({r.algorithm for r in grads})})
-    return out
+def _gradient_traffic(trainer: Trainer) -> dict:
+    grads = [r for r in trainer.mesh.ledger.records if r.tag.startswith("grad")]
+    return {"grad_bytes": sum(r.sent_bytes for r in grads),
+            "algorithms": sorted({r.algorithm for r in grads})}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +38,7 @@ def runs(tmp_path_factory) -> dict:
                                  "--comm.bucket_mb", "0.1", "--parallel.node_size", "2",
                                  f"--comm.{field}", value))
              for field, value in SETTINGS]
-    per_rank = run_distributed(_train, WORLD, texts, timeout_s=600)
+    per_rank = run_distributed(train_layouts, WORLD, texts, _gradient_traffic, timeout_s=600)
     return {setting: [r[i] for r in per_rank] for i, setting in enumerate(SETTINGS)}
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dist import run_distributed
-from parity import assert_parity, make_mesh, tiny, train_layout
+from parity import assert_parity, tiny, train_layout, train_layouts
 from shardtrain import config
 from shardtrain.train.trainer import Trainer
 
@@ -94,20 +94,12 @@ def references(tmp):
     torch.set_num_threads(threads)
 
 
-def _train(rank: int, world_size: int, texts: list[str]) -> list[dict]:
-    """Worker: train each layout; its losses, full weights and stage 0's activation peak."""
-    out = []
-    for text in texts:
-        cfg = config.loads(text)
-        trainer = Trainer(cfg, make_mesh(cfg, rank, world_size), torch.device("cpu"))
-        result = trainer.run()
-        sent = {tag: sum(r.sent_bytes for r in trainer.mesh.ledger.records if r.tag == tag)
-                for tag in ("pp_act", "pp_grad")}
-        out.append({"losses": result.losses, "eval_loss": result.eval_loss,
-                    "weights": trainer.parallel.full_state_dict(),
-                    "peak_live": trainer.parallel.pipeline.peak_live,
-                    "micro_batch": cfg.train.micro_batch, "sent": sent})
-    return out
+def _pipeline_figures(trainer: Trainer) -> dict:
+    """Stage 0's activation peak, the micro-batch size and the point-to-point bytes."""
+    sent = {tag: sum(r.sent_bytes for r in trainer.mesh.ledger.records if r.tag == tag)
+            for tag in ("pp_act", "pp_grad")}
+    return {"peak_live": trainer.parallel.pipeline.peak_live,
+            "micro_batch": trainer.cfg.train.micro_batch, "sent": sent}
 
 
 def _check_timelines(cfg: config.Config, world_size: int) -> None:
@@ -132,7 +124,7 @@ def test_pipeline_parity_with_single_process(tmp, references, world_size):
     if world_size == 2:  # pp = 2 resumes from the one-process run's step-2 checkpoint
         texts.append(config.to_toml(_cfg(tmp, "pp2-from-pp1", *GPT2, *_pp(2, "1f1b", 4),
                                          "--checkpoint.resume", references(GPT2, 2)["step2"])))
-    per_rank = run_distributed(_train, world_size, texts)
+    per_rank = run_distributed(train_layouts, world_size, texts, _pipeline_figures)
     for i, (label, model, _) in enumerate(layouts):
         reference = references(model, per_rank[0][i]["micro_batch"])
         for rank, results in enumerate(per_rank):
