@@ -297,3 +297,10 @@ def test_flat_units_pad_and_hold_every_parameter_once():
                 torch.testing.assert_close(p.detach(), reference[name], rtol=0, atol=0)
             decayed += sum(b - a for a, b in u.decay_runs())
     assert decayed == sum(p.numel() for p in reference.values() if p.ndim >= 2)
+    # qwZ's alignment: every parameter and every shard starts on a block boundary, so no
+    # quantization block mixes two parameters; the values are unchanged.
+    model = build_model(cfg, seed=3)
+    for u in build_units(model, dp_size=3, dp_rank=1, dtype=torch.float32, tied=True, align=8):
+        assert all(o % 8 == 0 for o in u.offsets) and u.shard_numel % 8 == 0
+        for name, p in zip(u.names, u.params):
+            torch.testing.assert_close(p.detach(), reference[name], rtol=0, atol=0)

@@ -161,8 +161,9 @@ class ZeroModel:
         p = cfg.parallel
         self.stage, self.comm, self.tp, self.cfg = p.zero, comm, tp, cfg
         dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+        align = cfg.comm.quant_block if p.zero_quantized_weights else 1  # qwZ blocks
         self.units = build_units(model, dp_size=comm.size, dp_rank=comm.rank, dtype=dtype,
-                                 tied=model.cfg.tie_embeddings)
+                                 tied=model.cfg.tie_embeddings, align=align)
         self.unit_comm = unit_comm or UnitComm(comm)
         fp32 = dtype == torch.float32
         masters = [u.shard if fp32 else u.shard.float() for u in self.units]

@@ -77,10 +77,13 @@ def unit_key(name: str, *, tied: bool) -> tuple[int, int]:
 
 @torch.no_grad()
 def build_units(model: nn.Module, *, dp_size: int, dp_rank: int, dtype: torch.dtype,
-                tied: bool) -> list[FlatUnit]:
+                tied: bool, align: int = 1) -> list[FlatUnit]:
     """Group the model's parameters (tied ones once) into units in forward order; copy
     their values into each unit's flat buffer (cast to `dtype`) and make every parameter a
-    view of it."""
+    view of it. `align`: each parameter starts, and each rank's shard is sized, at a multiple
+    of it (zero gaps between), so that blocks of `align` values counted from a shard's start
+    never straddle two parameters -- qwZ's quantization blocks: one scale for a norm's ~1.0
+    values and a matrix's ~0.02 would round the matrix away."""
     groups: dict[tuple[int, int], list[tuple[str, nn.Parameter]]] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -90,9 +93,10 @@ def build_units(model: nn.Module, *, dp_size: int, dp_rank: int, dtype: torch.dt
         named = groups[key]
         offsets, total = [], 0
         for _, p in named:
+            total = -(-total // align) * align
             offsets.append(total)
             total += p.numel()
-        padded = -(-total // dp_size) * dp_size
+        padded = -(-total // (dp_size * align)) * dp_size * align
         device = named[0][1].device
         flat = torch.zeros(padded, dtype=dtype, device=device)
         unit = FlatUnit(index=index, names=[n for n, _ in named], params=[p for _, p in named],
