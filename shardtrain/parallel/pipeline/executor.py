@@ -24,7 +24,8 @@ Timeline format (`PipelineExecutor.timeline`, written by the trainer as
 `rank` is the global rank, `stage` the pipeline stage, `chunk` the local chunk index, `step`
 the optimizer step (added by the trainer; `schedule` comes from the caller); times
 are seconds of time.perf_counter() from the step's start, taken right after a barrier over
-the pipeline group (so stages share a time origin up to the barrier's skew). Transfers of
+the pipeline group (so stages share a time origin up to the barrier's skew; forward-only
+evaluation runs skip the barrier, their timelines are not kept). Transfers of
 one batch share its start (posting) and end (all complete).
 """
 
@@ -76,7 +77,8 @@ class PipelineExecutor:
         m = len(inputs)
         run = _Run(self, m, backward)
         final_backward = {a.chunk: a.mb for a in actions if a.op == "B"}  # the last per chunk
-        self.comm.barrier()
+        if backward:  # a training step's timeline is kept: give the stages one origin
+            self.comm.barrier()
         run.origin = time.perf_counter()
         i = 0
         while i < len(actions):
