@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from dist import run_distributed
 from shardtrain.comm import CommLedger, Communicator
-from shardtrain.comm.algorithms import IMPLEMENTATIONS
+from shardtrain.comm.algorithms import IMPLEMENTATIONS, ring
 from shardtrain.comm.cost import Link
 from shardtrain.comm.dispatch import ALGORITHMS, choose
 from shardtrain.comm.p2p import CommError
@@ -156,6 +156,34 @@ def _check_extras(comm: Communicator, bad: list) -> None:
         bad.append((p, "non-contiguous all_gather"))
 
 
+def _check_segmented(comm: Communicator, bad: list) -> None:
+    """The ring cut into many segments per part (tiny SEGMENT_BYTES / MIN_SPLIT_BYTES here)
+    equals native and moves the same bytes in the same rounds as the ring in one piece."""
+    p, r = comm.size, comm.rank
+    n = 1000 * p + 7  # parts of unequal sizes
+
+    def calls() -> list:
+        x, part, out = _data(n, r, 11), torch.empty(n // p), torch.empty(n // p * p)
+        comm.all_reduce(x, algorithm="ring")
+        comm.reduce_scatter(part, _data(n // p * p, r, 12), algorithm="ring")
+        comm.all_gather(out, _data(n // p, r, 13), algorithm="ring")
+        records = comm.ledger.records[-3:]
+        return [x, part, out, [(c.sent_bytes, c.recv_bytes, c.rounds) for c in records]]
+
+    whole = calls()
+    saved = ring.SEGMENT_BYTES, ring.MIN_SPLIT_BYTES
+    ring.SEGMENT_BYTES, ring.MIN_SPLIT_BYTES = 1000, 600  # parts of ~4000 B: 4+ segments
+    try:
+        cut = calls()
+    finally:
+        ring.SEGMENT_BYTES, ring.MIN_SPLIT_BYTES = saved
+    ref = _data(n, r, 11)
+    comm.all_reduce(ref)
+    if not _same(cut[0], ref, exact=False) or cut[3] != whole[3] \
+            or not all(torch.equal(a, b) for a, b in zip(cut[:3], whole[:3])):
+        bad.append((p, "segmented ring"))
+
+
 def _volumes(comm: Communicator, n: int) -> dict:
     """(sent, recv, inter-node sent, rounds) of one call per algorithm; S = 4n bytes."""
     comm.ledger.records.clear()
@@ -221,6 +249,7 @@ def _suite(rank: int, world: int) -> dict:
                 node_size=node, timeout_s=120, **kw)
             _check_ops(make(0), False, bad)
             _check_extras(make(0), bad)
+            _check_segmented(make(0), bad)
             for node in (0, 2, 3):
                 _check_ops(make(node, link=BANDWIDTH_LINK), True, bad)
             if p in (4, 6, 8, 5):

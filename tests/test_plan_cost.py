@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
-from shardtrain.comm.cost import (ALGORITHMS, OPS, Link, best_algorithm, bus_bandwidth, cost,
-                                  supported, torus_grid)
+from shardtrain.comm.cost import (ALGORITHMS, OPS, STAGED_FRESH_BYTES, Link, best_algorithm,
+                                  bus_bandwidth, cost, supported, torus_grid)
 
 A, B, G = 1e-5, 1e-9, 1e-10
 LINK = Link(alpha_s=A, beta_s_per_byte=B, gamma_s_per_byte=G)
@@ -113,18 +114,52 @@ def test_shared_medium_charges_all_ranks_bytes():
 
 
 def test_fit_recovers_the_link_figures():
-    """Times made by the model from known figures fit back to those figures."""
+    """Times made by the model from known figures fit back to those figures, native's own
+    latency and staging included."""
     from shardtrain.bench import fit
 
     truth = Link(alpha_s=3e-4, beta_s_per_byte=2e-10, gamma_s_per_byte=1e-10,
-                 shared_s_per_byte=2.5e-10)
+                 shared_s_per_byte=2.5e-10, native_alpha_s=4e-5, staging_s_per_byte=1.2e-9,
+                 backend="gloo")
     rows = [{"op": op, "algorithm": a, "bytes": n,
              "time_s": cost(op, n, 4, truth, algorithm=a, local_size=2).time_s}
-            for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-            for a in fit.FITTED if a in supported(op, 4, 2) for n in (2**10, 2**16, 2**22, 2**28)]
-    got = fit.fit(rows, 4, 2)
-    for want, have in zip(truth.figures(), got.figures()):
+            for op in OPS for a in (*fit.FITTED, "native") if a in supported(op, 4, 2)
+            for n in (2**10, 2**16, 2**22, 2**26, 2**28)]
+    got = fit.fit(rows, 4, 2, "gloo")
+    assert got.backend == "gloo"
+    for want, have in zip(truth.figures(), got.figures(), strict=True):
         assert have == pytest.approx(want, rel=1e-6)
+    no_native = fit.fit([r for r in rows if r["algorithm"] != "native"], 4, 2, "gloo")
+    assert no_native.native_alpha_s == pytest.approx(3e-4) and no_native.staging_s_per_byte == 0
+
+
+def test_native_has_its_own_latency_and_staging():
+    """The backend's rounds cost native_alpha. Gloo copies all_gather, gather and
+    reduce_scatter through a temporary (fresh pages above glibc's mmap threshold), runs
+    reduce_scatter as an all_reduce and reduce as a ring; NCCL's native is the plain form."""
+    link = Link(alpha_s=5e-4, beta_s_per_byte=0.0, shared_s_per_byte=2e-10, native_alpha_s=5e-5)
+    assert Link(alpha_s=A, beta_s_per_byte=B).native_alpha_s == A
+    assert Link.from_figures(link.figures()) == link
+    assert Link.from_figures(link.figures()[:4]).native_alpha_s == 5e-4  # older figures
+    with pytest.raises(ValueError, match="backend 'mpi'"):
+        Link(alpha_s=A, beta_s_per_byte=B, backend="mpi")
+    small = 2**10
+    assert cost("all_reduce", small, 4, link).time_s == pytest.approx(6 * 5e-5 + 6 * small * 2e-10)
+    assert best_algorithm("all_reduce", small, 4, link, native=True) == "native"
+    gloo = dataclasses.replace(link, staging_s_per_byte=1e-9, gamma_s_per_byte=1e-10,
+                               backend="gloo")
+    nccl = dataclasses.replace(gloo, backend="nccl")
+    big = STAGED_FRESH_BYTES * 2
+    for n, fresh in ((big, big), (STAGED_FRESH_BYTES, 0)):
+        for op in ("all_gather", "gather"):
+            assert cost(op, n, 4, gloo).time_s == pytest.approx(
+                cost(op, n, 4, nccl).time_s + n * 1e-10 + fresh * 1e-9)
+        assert cost("reduce_scatter", n, 4, gloo).time_s == pytest.approx(
+            cost("all_reduce", n, 4, nccl).time_s + n * 1e-10 + fresh * 1e-9)
+    assert best_algorithm("all_gather", big, 4, gloo, native=True) != "native"
+    assert cost("all_reduce", big, 4, gloo) == cost("all_reduce", big, 4, nccl)
+    assert cost("reduce", small, 4, gloo).time_s == pytest.approx(  # gloo/reduce.cc: a ring
+        cost("reduce", small, 4, dataclasses.replace(gloo, alpha_s=5e-5), algorithm="ring").time_s)
 
 
 def test_hierarchical_is_reduce_leaders_broadcast():

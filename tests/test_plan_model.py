@@ -169,10 +169,22 @@ def test_calibration_roundtrip_and_cpu_preset(tmp_path: Path):
     assert calibration.save(cal, path) == path and calibration.load(path) == cal
     assert set(json.loads(path.read_text())) == {"flops_per_s", "alpha_s", "beta_s_per_byte",
                                                  "gamma_s_per_byte", "cores", "measured_at",
-                                                 "efficiency", "shared_s_per_byte"}
+                                                 "efficiency", "shared_s_per_byte",
+                                                 "native_alpha_s", "staging_s_per_byte"}
     cpu = hardware.get("cpu", calibration_path=path)
     assert cpu.peak_flops == 3e10 and cpu.intra_link().alpha_s == 1e-4
+    assert cpu.intra_link().native_alpha_s == 1e-4  # not measured: the backend's is ours
     data = json.loads(path.read_text())
+    for key in ("native_alpha_s", "staging_s_per_byte"):  # files from before these keys
+        del data[key]
+    path.write_text(json.dumps(data))
+    assert calibration.load(path).link() == cal.link()
+    path.write_text(json.dumps({**data, "native_alpha_s": 2e-5, "staging_s_per_byte": 1e-9}))
+    native = hardware.get("cpu", calibration_path=path).inter_link()
+    assert native.native_alpha_s == 2e-5 and native.staging_s_per_byte == pytest.approx(1e-9)
+    assert native.backend == "gloo" and hardware.get("h100").inter_link().backend == "nccl"
+    with pytest.raises(PlanError, match="--hw.backend='mpi'"):
+        hardware.get("h100", {"backend": "mpi"})
     del data["efficiency"]  # optional: a file without it loads with efficiency 1.0
     path.write_text(json.dumps(data))
     assert hardware.get("cpu", calibration_path=path).efficiency == 1.0

@@ -69,7 +69,8 @@ def _common(parser: argparse.ArgumentParser, max_bytes: str) -> None:
     parser.add_argument("--node-size", type=int, default=0,
                         help="ranks per virtual node (default nproc/2: two nodes)")
     parser.add_argument("--repeats", type=int, default=3,
-                        help="turns per measurement; the best counts (default 3)")
+                        help="timed calls per measurement at least; the median counts "
+                             "(default 3)")
 
 
 def bench_comm(argv: list[str]) -> int:
@@ -100,9 +101,10 @@ def bench_comm(argv: list[str]) -> int:
 
 
 def calibrate(argv: list[str]) -> int:
-    """fp32 matmul FLOP/s per process and alpha/beta/gamma fitted from a comm bench of the
-    fitted algorithms at --nproc processes, and the training-step efficiency of a reference
-    transformer (train/calibrate.py), saved where the planner's `cpu` preset reads."""
+    """fp32 matmul FLOP/s per process, alpha/beta/gamma fitted from a comm bench of the
+    fitted algorithms at --nproc processes (native's latency and staging from the backend's
+    own calls), and the training-step efficiency of a reference transformer
+    (train/calibrate.py), saved where the planner's `cpu` preset reads."""
     from shardtrain.bench import fit
     from shardtrain.plan import calibration
     from shardtrain.train.calibrate import measure_compute
@@ -114,18 +116,21 @@ def calibrate(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     args.min_bytes = max(args.min_bytes, 4 * 2**10)
     result = _run(args, ("all_reduce", "all_gather", "reduce_scatter", "broadcast"),
-                  fit.FITTED, measure_flops=True)
+                  (*fit.FITTED, "native"), measure_flops=True)
     link = result["link"]
     _, efficiency = measure_compute()  # a ratio: measured here, once, on all threads
     cal = calibration.Calibration(
         flops_per_s=result["flops_per_s"], alpha_s=link.alpha_s,
         beta_s_per_byte=link.beta_s_per_byte, gamma_s_per_byte=link.gamma_s_per_byte,
         cores=os.cpu_count() or 1, measured_at=datetime.now(timezone.utc).isoformat(),
-        efficiency=efficiency, shared_s_per_byte=link.shared_s_per_byte)
+        efficiency=efficiency, shared_s_per_byte=link.shared_s_per_byte,
+        native_alpha_s=link.native_alpha_s, staging_s_per_byte=link.staging_s_per_byte)
     path = calibration.save(cal, args.output)
     print(f"{args.nproc} processes: {cal.flops_per_s / 1e9:.1f} GFLOP/s fp32 per process, "
           f"training-step efficiency {efficiency:.2f}; "
           f"alpha {cal.alpha_s * 1e6:.1f} us, beta {cal.beta_s_per_byte * 1e9:.3f} ns/B, "
           f"gamma {cal.gamma_s_per_byte * 1e9:.3f} ns/B, shared "
-          f"{cal.shared_s_per_byte * 1e9:.3f} ns/B -> {path}")
+          f"{cal.shared_s_per_byte * 1e9:.3f} ns/B; native alpha "
+          f"{cal.native_alpha_s * 1e6:.1f} us, staging {cal.staging_s_per_byte * 1e9:.3f} ns/B "
+          f"-> {path}")
     return 0

@@ -97,7 +97,9 @@ def print_summary(result: dict, figures: dict, out=sys.stdout) -> None:
     print(f"\n{result['p']} processes, virtual nodes of {result['node_size']} "
           f"({result['local_size']} per node in the group)", file=out)
     print(f"fitted: alpha {link.alpha_s * 1e6:.1f} us, beta {link.beta_s_per_byte * 1e9:.3f} ns/B "
-          f"({_rate(link.beta_s_per_byte)}), gamma {link.gamma_s_per_byte * 1e9:.3f} ns/B; "
+          f"({_rate(link.beta_s_per_byte)}), gamma {link.gamma_s_per_byte * 1e9:.3f} ns/B, "
+          f"shared {link.shared_s_per_byte * 1e9:.3f} ns/B; native: alpha "
+          f"{link.native_alpha_s * 1e6:.1f} us, staging {link.staging_s_per_byte * 1e9:.3f} ns/B; "
           f"a local fp32 add measured {result['local_add_s_per_byte'] * 1e9:.3f} ns/B", file=out)
     ratios = figures["ring_vs_native_busbw"]
     if ratios:

@@ -13,7 +13,17 @@ Conventions (p ranks, n = `nbytes`):
   Chunks are the ideal n/p (no padding). `rounds` counts the alpha terms.
 - `native` is modelled as the runtime ledger models the backend: ring for all_reduce,
   all_gather and reduce_scatter (NCCL and Gloo use rings for bandwidth-bound sizes),
-  pairwise exchange for all_to_all, direct root <-> peer transfers for rooted ops.
+  pairwise exchange for all_to_all, direct root <-> peer transfers for rooted ops. Its
+  rounds cost the link's `native_alpha_s`: the backend's own messages, sent from C++,
+  start far sooner than ours (each of our rounds posts and waits from Python). The link's
+  `backend` says whose collectives `native` means. On "gloo" (torch's Gloo, on CPUs) ops
+  are priced as Gloo runs them: all_gather and gather go through an n-byte temporary
+  (gathered into a flat buffer, then copied out) and reduce_scatter all-reduces a clone
+  of its input (ProcessGroupGloo.cpp); reduce is a ring reduce-scatter followed by a
+  gather to the root (gloo/reduce.cc; priced as our ring reduce). The copy through the
+  temporary is a local pass (gamma, below); a temporary above glibc's largest mmap
+  threshold (STAGED_FRESH_BYTES) is also fresh memory on every call, one page fault per
+  4 KiB page, which is what `staging_s_per_byte` prices.
 - Recursive algorithms on a p that is not a power of two fold the r = p - 2^floor(lg p)
   extra ranks into partners first and back out last (Thakur et al. section 4):
   + 2 alpha + 2 n beta + n gamma (less on the way out when only a shard returns).
@@ -24,6 +34,9 @@ Conventions (p ranks, n = `nbytes`):
   r x c grid, rows of c = `local_size` ranks on `intra` and columns on `link`, ring phases.
   Phases that several sub-groups run at once (every row, every node) charge the shared
   medium for all of them.
+- gamma also prices the local passes some algorithms make over the whole buffer (Bruck's
+  rotations and packing, the torus's reordering): a copy, like a reduction, is one
+  streaming pass over memory.
 """
 
 from __future__ import annotations
@@ -37,6 +50,7 @@ from typing import NamedTuple
 
 OPS = ("broadcast", "reduce", "gather", "scatter", "all_reduce", "all_gather",
        "reduce_scatter", "all_to_all")
+BACKENDS = ("nccl", "gloo")
 ALGORITHMS = ("native", "ring", "tree", "recursive_doubling", "halving_doubling",
               "rabenseifner", "hierarchical", "torus2d")
 
@@ -56,6 +70,15 @@ class Link:
     beta_s_per_byte: float
     gamma_s_per_byte: float = 0.0
     shared_s_per_byte: float = 0.0
+    native_alpha_s: float | None = None  # the backend's own latency per round; None: alpha_s
+    staging_s_per_byte: float = 0.0  # the backend's fresh temporaries (see the module doc)
+    backend: str = "nccl"  # whose collectives `native` is: one of BACKENDS
+
+    def __post_init__(self):
+        if self.native_alpha_s is None:
+            object.__setattr__(self, "native_alpha_s", self.alpha_s)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"link backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
 
     @classmethod
     def from_bandwidth(cls, *, bytes_per_s: float, latency_s: float,
@@ -65,16 +88,24 @@ class Link:
                    gamma_s_per_byte=1.0 / reduce_bytes_per_s,
                    shared_s_per_byte=1.0 / shared_bytes_per_s)
 
-    def figures(self) -> tuple[float, float, float, float]:
-        """(alpha, beta, gamma, shared): what travels between ranks and into files."""
+    def figures(self) -> tuple[float, ...]:
+        """(alpha, beta, gamma, shared, native alpha, staging): what travels between ranks
+        and into files."""
         return (self.alpha_s, self.beta_s_per_byte, self.gamma_s_per_byte,
-                self.shared_s_per_byte)
+                self.shared_s_per_byte, self.native_alpha_s, self.staging_s_per_byte)
 
     @classmethod
-    def from_figures(cls, figures) -> Link:
-        alpha, beta, gamma, shared = (float(f) for f in figures)
+    def from_figures(cls, figures, backend: str = "nccl") -> Link:
+        """From `figures()` (or the first four alone: native's latency is then ours)."""
+        values = [float(f) for f in figures]
+        if len(values) not in (4, 6):
+            raise ValueError(f"link figures are (alpha, beta, gamma, shared[, native alpha, "
+                             f"staging]); got {len(values)} values")
+        alpha, beta, gamma, shared = values[:4]
+        native, staging = values[4:] or (alpha, 0.0)
         return cls(alpha_s=alpha, beta_s_per_byte=beta, gamma_s_per_byte=gamma,
-                   shared_s_per_byte=shared)
+                   shared_s_per_byte=shared, native_alpha_s=native, staging_s_per_byte=staging,
+                   backend=backend)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,8 +176,11 @@ _FORMS: dict[tuple[str, str], Callable[[float, int, float, int], tuple[float, ..
     ("all_gather", "halving_doubling"): lambda n, p, q, lg: (lg, q * n, 0, q * n, (p - 1) * n),
     ("broadcast", "recursive_doubling"): lambda n, p, q, lg: (  # binomial scatter + all_gather
         2 * lg, 2 * q * n, 0, 2 * q * n, lg * n / 2 + (p - 1) * n),
-    ("all_to_all", "recursive_doubling"): lambda n, p, q, lg: (  # Bruck
-        lg, lg * n / 2, 0, lg * n / 2, p * lg * n / 2),
+    # Bruck (Bruck et al. 1997; Thakur et al. 2005 sec. 4.5 keep it for short messages):
+    # besides lg rounds of about n/2 bytes, local passes over the buffer priced at gamma --
+    # a rotation in, packing and unpacking n/2 per round, the inverse rotation out
+    ("all_to_all", "recursive_doubling"): lambda n, p, q, lg: (
+        lg, lg * n / 2, (lg + 2) * n, lg * n / 2, p * lg * n / 2),
 }
 
 # Reducing recursive algorithms on the power-of-two core c of p ranks: (terms as above,
@@ -181,6 +215,10 @@ def _flat_terms(op: str, algorithm: str, n: float, p: int) -> _Terms:
 _NATIVE = {"all_reduce": "ring", "all_gather": "ring", "reduce_scatter": "ring",
            "all_to_all": "ring", "broadcast": "linear", "reduce": "linear",
            "gather": "linear", "scatter": "linear"}
+STAGED_FRESH_BYTES = 32 << 20  # glibc's mmap threshold rises to at most this (mallopt(3))
+# Gloo: op -> (the op it runs, our model of it) where not _NATIVE's; the ops it stages.
+_GLOO = {"reduce_scatter": ("all_reduce", "ring"), "reduce": ("reduce", "ring")}
+_STAGED = ("all_gather", "gather", "reduce_scatter")
 _FLAT = ("ring", "tree", "recursive_doubling", "halving_doubling", "rabenseifner")
 _TORUS_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
@@ -223,8 +261,23 @@ def cost(op: str, nbytes: float, p: int, link: Link, *, algorithm: str = "native
         return _hierarchical(nbytes, p, link, intra, local_size)
     if algorithm == "torus2d":
         return _torus(op, nbytes, p, link, intra, local_size)
-    return _flat_terms(op, _NATIVE[op] if algorithm == "native" else algorithm,
-                       nbytes, p).cost(p, link)
+    if algorithm == "native":
+        return _native(op, nbytes, p, link)
+    return _flat_terms(op, algorithm, nbytes, p).cost(p, link)
+
+
+def _native(op: str, n: float, p: int, link: Link) -> Cost:
+    """The backend's own collective: our model of its algorithm at its own latency, plus
+    its staging (module doc) where it stages."""
+    own = dataclasses.replace(link, alpha_s=link.native_alpha_s)
+    if link.backend != "gloo":
+        return _flat_terms(op, _NATIVE[op], n, p).cost(p, own)
+    ran = _flat_terms(*_GLOO.get(op, (op, _NATIVE[op])), n, p).cost(p, own)
+    if op not in _STAGED:
+        return ran
+    fresh = n if n > STAGED_FRESH_BYTES else 0.0
+    return dataclasses.replace(ran, time_s=ran.time_s + n * link.gamma_s_per_byte
+                               + fresh * link.staging_s_per_byte)
 
 
 def best_algorithm(op: str, nbytes: float, p: int, link: Link, *, intra: Link | None = None,
@@ -275,9 +328,14 @@ def _torus(op: str, n: float, p: int, link: Link, intra: Link, local_size: int) 
     if op == "all_reduce":
         return (ring("reduce_scatter", n, c, rows) + ring("all_reduce", n / c, r, columns)
                 + ring("all_gather", n, c, rows))
+    # reduce_scatter and all_gather permute the n-byte buffer between row and column order
+    # once (algorithms/torus.py), a local pass priced at gamma
+    permute = Cost(time_s=n * intra.gamma_s_per_byte, sent_bytes=0.0, sent_bytes_mean=0.0,
+                   rounds=0)
     if op == "reduce_scatter":
-        return ring("reduce_scatter", n, c, rows) + ring("reduce_scatter", n / c, r, columns)
-    return ring("all_gather", n / c, r, columns) + ring("all_gather", n, c, rows)
+        return (permute + ring("reduce_scatter", n, c, rows)
+                + ring("reduce_scatter", n / c, r, columns))
+    return ring("all_gather", n / c, r, columns) + ring("all_gather", n, c, rows) + permute
 
 
 def bus_bandwidth(op: str, nbytes: float, p: int, time_s: float) -> float:

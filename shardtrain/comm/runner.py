@@ -124,10 +124,12 @@ class GroupRunner:
         return record
 
     def _agreed_link(self) -> cost.Link:
-        """Rank 0's calibration, so that every rank's `auto` makes the same choices."""
+        """Rank 0's calibration, so that every rank's `auto` makes the same choices; native
+        priced as this group's backend runs it."""
         figures = torch.tensor(_calibrated_link().figures(), dtype=torch.float64)
         dist.broadcast(figures, self.ranks[0], group=self.group)
-        return cost.Link.from_figures(figures.tolist())
+        gloo = dist.get_backend(self.group) == "gloo"  # else NCCL-style collectives
+        return cost.Link.from_figures(figures.tolist(), "gloo" if gloo else "nccl")
 
     def _check_op(self, op: str) -> None:
         if op not in REDUCE_OPS:
@@ -145,10 +147,7 @@ class GroupRunner:
 def _calibrated_link() -> cost.Link:
     from shardtrain.plan import calibration
 
-    cal = calibration.load() or calibration.DEFAULT
-    return cost.Link(alpha_s=cal.alpha_s, beta_s_per_byte=cal.beta_s_per_byte,
-                     gamma_s_per_byte=cal.gamma_s_per_byte,
-                     shared_s_per_byte=cal.shared_s_per_byte)
+    return (calibration.load() or calibration.DEFAULT).link()
 
 
 def flat_view(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:

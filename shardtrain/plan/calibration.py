@@ -9,8 +9,13 @@ Schema (JSON object, all keys required):
      "measured_at": str,          ISO-8601 time of the measurement
      "efficiency": float,         optional (default 1.0): a training step's model FLOP/s over
                                   flops_per_s, measured on a reference transformer
-     "shared_s_per_byte": float}  optional (default 0): seconds per byte of all processes'
+     "shared_s_per_byte": float,  optional (default 0): seconds per byte of all processes'
                                   traffic together, the host they share (comm/cost.py Link)
+     "native_alpha_s": float,     optional (default alpha_s): latency per round of the
+                                  backend's own collectives
+     "staging_s_per_byte": float} optional (default 0): seconds per byte of the fresh
+                                  temporaries the backend's own collectives stage through
+Optional keys missing from a file (one written before they existed) take their defaults.
 The measuring code (it runs torch) lives outside the planner and calls `save`.
 """
 
@@ -22,6 +27,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardtrain.comm.cost import Link
 from shardtrain.config import ConfigError
 
 DEFAULT_PATH = Path("~/.cache/shardtrain/cpu_calibration.json")
@@ -37,6 +43,17 @@ class Calibration:
     measured_at: str
     efficiency: float = 1.0
     shared_s_per_byte: float = 0.0
+    native_alpha_s: float | None = None  # None: alpha_s
+    staging_s_per_byte: float = 0.0
+
+    def link(self) -> Link:
+        """The figures as the cost model's link: local processes on Gloo (native's latency
+        defaults to ours)."""
+        return Link(backend="gloo", alpha_s=self.alpha_s, beta_s_per_byte=self.beta_s_per_byte,
+                    gamma_s_per_byte=self.gamma_s_per_byte,
+                    shared_s_per_byte=self.shared_s_per_byte,
+                    native_alpha_s=self.native_alpha_s,
+                    staging_s_per_byte=self.staging_s_per_byte)
 
 
 # Used when no calibration exists: a small x86 machine (2-4 cores, AVX2 fp32 GEMM) with
@@ -65,7 +82,8 @@ def load(path: str | os.PathLike | None = None) -> Calibration | None:
     if not isinstance(data, dict) or set(fields) - set(data):
         missing = sorted(set(fields) - set(data)) if isinstance(data, dict) else list(fields)
         raise ConfigError(f"{file}: calibration lacks {', '.join(missing)}; re-measure")
-    kinds = {"float": float, "int": int, "str": str}
+    kinds = {"float": float, "int": int, "str": str,
+             "float | None": lambda v: None if v is None else float(v)}
     try:
         return Calibration(**{name: kinds[kind](data[name]) for name, kind in fields.items()})
     except (TypeError, ValueError) as e:

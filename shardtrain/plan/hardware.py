@@ -13,8 +13,8 @@ assumptions, not measurements; override them (`--hw.FIELD VALUE`) with your own.
 
 The `cpu` preset describes local processes on this machine: its figures come from the
 calibration file (see calibration.py) or its documented defaults; all ranks share one
-node (gpus_per_node = 0) and its physical memory (each gets an equal share), and train in
-fp32.
+node (gpus_per_node = 0) and its physical memory (each gets an equal share), train in
+fp32, and exchange through Gloo.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from shardtrain.comm.cost import Link
+from shardtrain.comm.cost import BACKENDS, Link
 from shardtrain.plan import calibration
 from shardtrain.plan.layout import PlanError
 
@@ -51,6 +51,9 @@ class Hardware:
     nvme_bw: float  # per node, bytes/s
     reduce_bw: float = 0.0  # bytes/s of a local reduction; 0: one pass over memory_bw
     shared_bw: float = 0.0  # bytes/s of all ranks' traffic on a medium they share; 0: none
+    native_latency_s: float = 0.0  # per round of the backend's own collectives; 0: the link's
+    staging_bw: float = 0.0  # bytes/s of the backend's fresh temporaries (comm/cost.py); 0: none
+    backend: str = "nccl"  # whose collectives `native` prices (comm/cost.py BACKENDS)
     default_precision: str = "bf16"
 
     def flops(self, precision: str) -> float:
@@ -65,16 +68,20 @@ class Hardware:
         return self.memory_bytes * self.usable_fraction
 
     def intra_link(self) -> Link:
-        return Link.from_bandwidth(bytes_per_s=self.intra_bw, latency_s=self.intra_latency_s,
-                                   reduce_bytes_per_s=self.reduce_bw or self.memory_bw,
-                                   shared_bytes_per_s=self.shared_bw or math.inf)
+        return self._link(self.intra_bw, self.intra_latency_s)
 
     def inter_link(self) -> Link:
         """One GPU's share of the node's network: every GPU of the node runs its own group."""
-        per_gpu = self.inter_bw_per_node / max(1, self.gpus_per_node)
-        return Link.from_bandwidth(bytes_per_s=per_gpu, latency_s=self.inter_latency_s,
+        return self._link(self.inter_bw_per_node / max(1, self.gpus_per_node),
+                          self.inter_latency_s)
+
+    def _link(self, bytes_per_s: float, latency_s: float) -> Link:
+        link = Link.from_bandwidth(bytes_per_s=bytes_per_s, latency_s=latency_s,
                                    reduce_bytes_per_s=self.reduce_bw or self.memory_bw,
                                    shared_bytes_per_s=self.shared_bw or math.inf)
+        return dataclasses.replace(link, native_alpha_s=self.native_latency_s or latency_s,
+                                   staging_s_per_byte=1 / self.staging_bw if self.staging_bw
+                                   else 0.0, backend=self.backend)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: an unlimited bandwidth (inf) is null."""
@@ -118,7 +125,9 @@ def cpu(calibration_path: str | os.PathLike | None = None, processes: int = 1) -
                     inter_latency_s=cal.alpha_s, gpus_per_node=0, host_bw=bandwidth,
                     nvme_bw=1e9, reduce_bw=_inverse(cal.gamma_s_per_byte),
                     shared_bw=_inverse(cal.shared_s_per_byte) if cal.shared_s_per_byte else 0.0,
-                    default_precision="fp32")
+                    native_latency_s=cal.link().native_alpha_s,
+                    staging_bw=_inverse(cal.staging_s_per_byte) if cal.staging_s_per_byte else 0.0,
+                    backend="gloo", default_precision="fp32")
 
 
 def _inverse(seconds_per_byte: float) -> float:
@@ -148,4 +157,6 @@ def get(name: str, overrides: dict[str, str] | None = None, *,
             changes[field] = {"float": float, "int": int, "str": str}[types[field]](raw)
         except ValueError:
             raise PlanError(f"--hw.{field}={raw!r} is not a valid {types[field]}") from None
+    if changes.get("backend", hw.backend) not in BACKENDS:
+        raise PlanError(f"--hw.backend={changes['backend']!r} is not one of {', '.join(BACKENDS)}")
     return dataclasses.replace(hw, **changes)
