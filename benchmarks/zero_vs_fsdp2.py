@@ -10,19 +10,29 @@ each transformer block and then the root (embedding, final norm, head), as our u
 
 Throughput: one launch; each process builds all four trainers and runs one step of each in
 turn (interleave.py), so machine noise and drift hit all alike; tokens/s from rank 0.
-Peak memory: one launch per trainer, each process building only that trainer, and the
-growth of its anonymous resident memory (RssAnon: heap tensors, not the memory-mapped token
-cache) from just before the trainer is built to after `--memory-steps` steps. glibc is told
-not to hand freed memory back to the OS (MALLOC_TRIM_THRESHOLD_, and heap allocations up to
-32 MiB), so resident memory only grows and its final value is the peak; on CPU there is no
-allocator statistic to ask instead. Prints both figures per rank and, as the last line, one
-JSON object with the ratios ours / FSDP2 (throughput > 1: ours faster; memory < 1: ours
-smaller). A figure, never a test.
+Peak memory: one launch per trainer, each process building only that trainer, two figures
+per rank, both from just before the trainer is built to the end of `--memory-steps` steps:
+- allocated: the peak of the bytes malloc has handed out and not taken back (glibc
+  mallinfo2: in-use heap chunks in every arena plus mmapped chunks), sampled after every
+  tensor op (a TorchDispatchMode) -- the CPU counterpart of CUDA's max_memory_allocated:
+  live tensors and buffers, whichever thread allocated them, without the allocator's
+  cached free memory. The ratio line uses it.
+- resident: the growth of anonymous resident memory (RssAnon), with glibc told not to hand
+  freed memory back (MALLOC_TRIM_THRESHOLD_, heap allocations up to 32 MiB) so it only
+  grows: it adds the allocator's fragmentation and per-thread arenas, which vary by a few
+  MiB from launch to launch (the counterpart of max_memory_reserved).
+Gloo's own all_gather_into_tensor and reduce_scatter_tensor allocate a temporary as large as
+the full tensor for as long as the collective runs (FSDP2 pays it on every unit); our
+point-to-point algorithms do not (`--comm.algorithm ring`: the all-gather writes straight
+into the output). Prints both figures per rank and, as the last line, one JSON object with
+the ratios ours / FSDP2 (throughput > 1: ours faster; memory < 1: ours smaller, from the
+largest rank's allocated peak). A figure, never a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 from collections.abc import Callable
@@ -31,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from interleave import interleaved_tokens_per_s
 from shardtrain import config
@@ -100,17 +111,47 @@ def throughput_worker(cfg_text: str, steps: int) -> dict[str, float]:
     return result
 
 
-def memory_worker(cfg_text: str, name: str, steps: int) -> int:
+def memory_worker(cfg_text: str, name: str, steps: int) -> dict[str, int]:
     cfg = config.loads(cfg_text)
     info = ProcessInfo.from_env()
     init_distributed(info, torch.device("cpu"), cfg.comm.timeout_s)
-    before = rss_anon_bytes()
-    run = build_runner(name, cfg, info.rank, info.world_size)
-    for _ in range(steps):
-        run()
-    grown = rss_anon_bytes() - before
+    before, resident = malloc_in_use_bytes(), rss_anon_bytes()
+    with PeakAllocated() as peak:
+        run = build_runner(name, cfg, info.rank, info.world_size)
+        for _ in range(steps):
+            run()
+    grown = {"allocated": peak.peak - before, "resident": rss_anon_bytes() - resident}
     dist.destroy_process_group()
     return grown
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                               "usmblks", "fsmblks", "uordblks", "fordblks",
+                                               "keepcost")]
+
+
+def malloc_in_use_bytes() -> int:
+    """Bytes malloc has handed out and not taken back, over all arenas (glibc >= 2.33)."""
+    libc = ctypes.CDLL("libc.so.6")
+    if not hasattr(libc, "mallinfo2"):
+        raise RuntimeError("the allocated-memory figure needs glibc >= 2.33 (mallinfo2)")
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+class PeakAllocated(TorchDispatchMode):
+    """The largest malloc_in_use_bytes() seen after any tensor op run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.peak = malloc_in_use_bytes()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, malloc_in_use_bytes())
+        return out
 
 
 def rss_anon_bytes() -> int:
@@ -139,19 +180,23 @@ def main() -> None:
     speed = launch_local(args.nproc, throughput_worker, text, args.steps)[0]
     memory = {name: launch_local(args.nproc, memory_worker, text, name, args.memory_steps)
               for pair in PAIRS for name in pair}
-    summary = {"nproc": args.nproc}
+    summary = {"nproc": args.nproc, "comm_algorithm": cfg.comm.algorithm}
     for ours, theirs in PAIRS:
-        print(f"{ours:>14} {speed[ours]:8.0f} tokens/s   peak memory growth per rank (MiB): "
-              f"{', '.join(f'{memory[ours][r] / 2**20:.1f}' for r in sorted(memory[ours]))}")
-        print(f"{theirs:>14} {speed[theirs]:8.0f} tokens/s   peak memory growth per rank (MiB): "
-              f"{', '.join(f'{memory[theirs][r] / 2**20:.1f}' for r in sorted(memory[theirs]))}")
-        peak = {n: max(memory[n].values()) for n in (ours, theirs)}
+        for name in (ours, theirs):
+            for kind in ("allocated", "resident"):
+                per_rank = ", ".join(f"{memory[name][r][kind] / 2**20:.1f}"
+                                     for r in sorted(memory[name]))
+                print(f"{name:>14} {speed[name]:8.0f} tokens/s   peak memory ({kind}) per rank "
+                      f"(MiB): {per_rank}")
+        peak = {n: {kind: max(m[kind] for m in memory[n].values())
+                    for kind in ("allocated", "resident")} for n in (ours, theirs)}
         summary[f"{ours}_vs_{theirs}"] = {
             f"{ours}_tokens_per_s": round(speed[ours]), f"{theirs}_tokens_per_s":
             round(speed[theirs]), "throughput_ratio": round(speed[ours] / speed[theirs], 3),
-            f"{ours}_peak_mib": round(peak[ours] / 2**20, 1),
-            f"{theirs}_peak_mib": round(peak[theirs] / 2**20, 1),
-            "memory_ratio": round(peak[ours] / peak[theirs], 3)}
+            **{f"{n}_peak_{kind}_mib": round(peak[n][kind] / 2**20, 1)
+               for n in (ours, theirs) for kind in ("allocated", "resident")},
+            "memory_ratio": round(peak[ours]["allocated"] / peak[theirs]["allocated"], 3),
+            "resident_ratio": round(peak[ours]["resident"] / peak[theirs]["resident"], 3)}
     print(json.dumps(summary))
 
 

@@ -6,11 +6,15 @@ What each stage shards (N_d = dp ranks; each rank owns 1/N_d of every unit):
   the last micro-batch's backward; each rank updates its shard; the updated parameters are
   all-gathered after the step. Reduce-scatter + all-gather = one all-reduce: DP's bytes.
 - Stage 2: the gradients too. As soon as a unit's gradients are complete in backward, they
-  are flattened and reduce-scattered asynchronously (units launched strictly in backward
-  order, the same on every rank) and the full gradients are dropped: only the fp32 shard
-  stays. With gradient accumulation every micro-batch is reduce-scattered into the
-  accumulated shard (as DeepSpeed's stage 2 does): memory stays at the shard, and the
-  gradient bytes moved grow with the number of micro-batches.
+  are reduce-scattered asynchronously (units launched strictly in backward order, the same
+  on every rank) and the full gradients are dropped: only the fp32 shard stays, from the
+  first reduce-scatter of a step until the next step's zero_grad (as FSDP and DeepSpeed free
+  gradients between steps, so the forward's activation peak does not meet them). A unit's
+  gradients are flattened only once all have arrived: its backward has freed its
+  activations by then (a flat buffer attached at its first gradient would instead meet the
+  activation peak at the start of backward). With gradient accumulation every micro-batch
+  is reduce-scattered into the accumulated shard (as DeepSpeed's stage 2 does): memory
+  stays at the shard, and the gradient bytes moved grow with the number of micro-batches.
 - Stage 3: the parameters too (zero_gather.py): a unit is all-gathered before its forward
   and again before its backward, and freed after each; the next `prefetch` units are
   gathered while the current one computes; no all-gather after the step. Gradients as
@@ -60,8 +64,7 @@ class ZeroReducer:
                     p.grad = view
                 u.grad_shard = u.grad_flat[u.shard_slice()] if fp32 else \
                     torch.zeros(u.shard_numel, device=u.flat.device)
-            else:
-                u.grad_shard = torch.zeros(u.shard_numel, device=u.flat.device)
+            else:  # the shard exists from the step's first reduce-scatter (_complete)
                 for p in u.params:
                     self._unit_of[p] = u
                     p.register_post_accumulate_grad_hook(self._on_grad)
@@ -80,9 +83,10 @@ class ZeroReducer:
 
     def zero_grad(self) -> None:
         for u in self.units:
-            u.grad_shard.zero_()
-            if u.grad_flat is not None:
+            if u.grad_flat is not None:  # stage 1: the shard is a view of it, or is copied
                 u.grad_flat.zero_()
+            else:
+                u.grad_shard = None
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -128,7 +132,10 @@ class ZeroReducer:
     def _complete(self, item) -> None:
         u, handle, out, _ = item
         handle.wait()
-        u.grad_shard.add_(out)
+        if u.grad_shard is None:  # the step's first micro-batch
+            u.grad_shard = out.float()
+        else:
+            u.grad_shard.add_(out)
 
     def _drain(self) -> None:
         """Launch the units whose gradients never all arrived (unused parameters), in
@@ -146,8 +153,10 @@ class ZeroReducer:
 
     @property
     def grad_bytes(self) -> int:
+        """Gradient bytes held during a step: stage 1 the full buffers (and fp32 shards when
+        they are not views of them), stages 2 and 3 the fp32 shards."""
         full = sum(_nbytes(u.grad_flat) for u in self.units if u.grad_flat is not None)
-        shards = sum(_nbytes(u.grad_shard) for u in self.units
+        shards = sum(4 * u.shard_numel for u in self.units
                      if u.grad_flat is None or u.grad_shard._base is not u.grad_flat)
         return full + shards
 
