@@ -8,6 +8,7 @@ import torch
 
 from dist import run_distributed
 from shardtrain.comm import CommLedger, Communicator
+from shardtrain.comm.ledger import CommRecord
 from shardtrain.config import ConfigError
 from shardtrain.mesh import MeshShape, ParallelMesh
 
@@ -110,3 +111,17 @@ def test_mesh_groups_and_native_ledger_on_four_ranks():
 def test_communicator_rejects_unknown_algorithm():
     with pytest.raises(ValueError, match="comm.algorithm='warp' is not one of"):
         Communicator(None, name="dp", ranks=[0], ledger=CommLedger(), algorithm="warp")
+
+
+def test_the_ledger_stays_bounded_over_a_long_run_and_keeps_the_open_interval():
+    ledger = CommLedger(keep=10)
+    record = CommRecord(op="all_reduce", group="dp", algorithm="native", dtype="float32",
+                        numel=1, msg_bytes=4, sent_bytes=4, recv_bytes=4, rounds=1)
+    for _ in range(1000):  # steps of 3 calls
+        for _ in range(3):
+            ledger.add(record)
+        assert ledger.totals(ledger.mark())["calls"] == 3
+    assert len(ledger.records) < 20
+    for _ in range(50):  # one interval longer than `keep`: nothing of it is dropped
+        ledger.add(record)
+    assert ledger.totals(ledger.mark())["calls"] == 50

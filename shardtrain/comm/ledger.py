@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class CommRecord:
     op: str
     group: str  # the mesh dim that owns the group: dp, tp, pp, ...
@@ -33,11 +33,21 @@ class CommRecord:
 
 @dataclass
 class CommLedger:
+    """The records of this rank's calls. The trainer closes an interval (`mark`) every step;
+    once more than 2 x `keep` records are held, those of closed intervals beyond the newest
+    `keep` are dropped, so a long run's ledger stays bounded (per-step totals live on in
+    metrics.jsonl). The open interval is never trimmed."""
+
     records: list[CommRecord] = field(default_factory=list)
+    keep: int = 10_000
     _mark: int = 0
 
     def add(self, record: CommRecord) -> None:
         self.records.append(record)
+        if len(self.records) >= 2 * self.keep:
+            drop = min(len(self.records) - self.keep, self._mark)
+            del self.records[:drop]
+            self._mark -= drop
 
     def since_mark(self) -> list[CommRecord]:
         return self.records[self._mark:]
