@@ -1,5 +1,6 @@
-"""Gradient compressors on one process (a communicator of one rank moves bytes by copying):
-the quantization error bound, top-k selection, and error feedback losing nothing."""
+"""Compressors on one process (a communicator of one rank moves bytes by copying): the
+quantization error bound, top-k selection (whole tensor or per segment), and error feedback
+losing nothing. On a real dp group: test_compressed_update.py."""
 
 from __future__ import annotations
 
@@ -46,6 +47,18 @@ def test_topk_sends_the_largest_and_error_feedback_keeps_the_rest():
     y = torch.tensor([0.1, -5.0, 0.2, 3.0])
     TopKCompressor(0.5, error_feedback=False).all_reduce(_comm(), y, "sum", "grad")
     assert y.tolist() == [0.0, -5.0, 0.0, 3.0]
+
+
+def test_topk_segments_each_send_their_own_largest():
+    """Per-tensor top-k over a flat vector of tensors: each segment sends ceil(ratio x its
+    length) entries, at least one, even where another segment's entries are all larger."""
+    y = torch.tensor([0.1, -5.0, 0.2, 3.0, 0.01, -0.02])
+    c = TopKCompressor(0.25, segments=(4, 2))
+    c.all_reduce(_comm(), y, "sum", "grad")
+    assert y.tolist() == pytest.approx([0.0, -5.0, 0.0, 0.0, 0.0, -0.02])
+    assert c.residual.tolist() == pytest.approx([0.1, 0.0, 0.2, 3.0, 0.01, 0.0])
+    with pytest.raises(ValueError, match="segments cover 5 entries, the tensor has 6"):
+        TopKCompressor(0.25, segments=(4, 1)).all_reduce(_comm(), y, "sum", "grad")
 
 
 def test_bad_settings_are_named():

@@ -170,9 +170,16 @@ class CommConfig:
     """How bytes move: the collective algorithm, gradient bucketing and compression.
 
     algorithm: the backend's own (native), one of ours on point-to-point messages, or auto
-    (the cost model picks per call). compress: gradient compression for data parallelism,
-    int8 block-wise quantization (quant_block values per scale) or top-k sparsification
-    (topk_ratio of the entries, with error feedback unless error_feedback=false)."""
+    (the cost model picks per call). compress: what data parallelism sends. int8: the
+    gradient all-reduce, block-wise quantized (quant_block values per scale). topk: not the
+    gradient but each rank's optimizer update (parallel/compressed_update.py): every dp rank
+    clips its own gradient by its own norm and steps its own optimizer, sends the largest
+    topk_ratio of each parameter tensor's update (plus what it kept from earlier steps, unless
+    error_feedback=false) as values and indices, and every rank applies the average; a rank
+    resets its momentum at the entries it sent. topk_warmup_steps > 0: the fraction sent falls
+    from 25% to topk_ratio over those first steps. Under topk the optimizer state is per dp
+    rank (checkpoints resume only in the same layout), the logged grad_norm is rank 0's
+    local one, and bucket_mb does not apply (one exchange per step)."""
 
     algorithm: Literal["native", "ring", "tree", "recursive_doubling", "halving_doubling",
                        "rabenseifner", "hierarchical", "torus2d", "auto"] = "native"
@@ -180,11 +187,15 @@ class CommConfig:
     timeout_s: float = 300.0
     compress: Literal["none", "int8", "topk"] = "none"
     topk_ratio: float = 0.01
+    topk_warmup_steps: int = 50  # topk: the sent fraction falls from 25% to topk_ratio
     quant_block: int = 256
     error_feedback: bool = True
 
     def validate(self) -> None:
         _positive(self, "bucket_mb", "timeout_s", "quant_block")
+        if self.topk_warmup_steps < 0:
+            raise ConfigError(f"comm.topk_warmup_steps={self.topk_warmup_steps} must be >= 0 "
+                              "(0: send topk_ratio from the first step)")
         if not 0 < self.topk_ratio <= 1:
             raise ConfigError(f"comm.topk_ratio={self.topk_ratio} must be in (0, 1] "
                               "(0.01 keeps the largest 1% of gradient entries)")

@@ -37,16 +37,17 @@ class DataParallel:
     """Averages gradients over `comm`'s group; wraps nothing, only hooks the parameters."""
 
     def __init__(self, module: nn.Module, comm: Communicator, *, bucket_mb: float = 25.0,
-                 compress: str = "none", topk_ratio: float = 0.01, quant_block: int = 256,
-                 error_feedback: bool = True):
-        """`compress`: gradient compression (comm/compress.py): none, int8 or topk; each
-        bucket gets its own compressor (top-k keeps its error-feedback residual per bucket)."""
+                 compress: str = "none", quant_block: int = 256):
+        """`compress`: gradient compression (comm/compress.py), none or int8, one compressor
+        per bucket. (comm.compress=topk sparsifies optimizer updates instead of gradients:
+        compressed_update.py.)"""
+        if compress not in ("none", "int8"):
+            raise ValueError(f"DataParallel compresses gradients with none or int8, not "
+                             f"{compress!r} (top-k: compressed_update.SparseUpdates)")
         self.module, self.comm = module, comm
         params = [p for p in module.parameters() if p.requires_grad]  # tied weights once
         self.buckets = _make_buckets(list(reversed(params)), bucket_mb * 2**20, comm.size)
-        self.compressors = [make_compressor(compress, topk_ratio=topk_ratio, block=quant_block,
-                                            error_feedback=error_feedback)
-                            for _ in self.buckets]
+        self.compressors = [make_compressor(compress, block=quant_block) for _ in self.buckets]
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self._next = 0  # index of the next bucket to launch
         self._sync = True

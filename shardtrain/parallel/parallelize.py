@@ -9,8 +9,10 @@ pipeline parallelism that is one stage holding the whole model, and the schedule
 gradient accumulation.
 
 `Parallelized` is what the trainer drives, whatever the layout: the replicated layout
-(DP: a torch optimizer over full parameters) and ZeRO (`ZeroParallelized`: a shard
-optimizer over flat units) answer the same calls, so the trainer has no per-stage branch.
+(DP: a torch optimizer over full parameters), its top-k variant (`SparseUpdateParallelized`:
+each dp rank's optimizer on its local gradient, sparse updates exchanged) and ZeRO
+(`ZeroParallelized`: a shard optimizer over flat units) answer the same calls, so the
+trainer has no per-stage branch.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from shardtrain.config import Config
 from shardtrain.mesh import ParallelMesh
 from shardtrain.model.transformer import Transformer
 from shardtrain.parallel.activation import checkpoint_blocks
+from shardtrain.parallel.compressed_update import SparseUpdates
 from shardtrain.parallel.data import DataParallel
 from shardtrain.parallel.pipeline.runtime import Batch, Pipeline
 from shardtrain.parallel.pipeline.stage import split_stages
@@ -42,7 +45,7 @@ class Parallelized:
     """What the trainer drives: the gradient reducer, the loss of the model's output, and the
     sharded state (full state dicts in and out, gradient sums over tp, the grad norm)."""
 
-    reducer: DataParallel | ZeroReducer
+    reducer: DataParallel | ZeroReducer | SparseUpdates
     shards: TensorShards
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (output, targets) -> mean
     pipeline: Pipeline
@@ -140,6 +143,34 @@ class ZeroParallelized(Parallelized):
                 f"_tp{self.shards.comm.rank}.pt")
 
 
+@dataclass
+class SparseUpdateParallelized(Parallelized):
+    """comm.compress=topk (compressed_update.py): gradients stay local, each dp rank clips
+    its own and steps its own optimizer, and the updates travel top-k sparsified. Optimizer
+    state and residual differ per dp rank: checkpoints hold one optimizer file per rank,
+    and only the same layout and compression resume from them (train/checkpoint.py)."""
+
+    def optimizer_step(self, lr: float) -> None:
+        self.reducer.step(lr)
+
+    def memory(self) -> dict[str, int]:
+        mem = super().memory()
+        return {**mem, "optimizer_bytes": mem["optimizer_bytes"] + self.reducer.residual_bytes}
+
+    def optimizer_files(self, is_main: bool) -> dict[str, dict]:
+        return {self._file(): {"optimizer": self.optimizer.state_dict(),
+                               "updates": self.reducer.state_dict()}}
+
+    def load_optimizer_files(self, load: Callable[[str], dict]) -> None:
+        state = load(self._file())
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.reducer.load_state_dict(state["updates"])
+
+    def _file(self) -> str:
+        return (f"optimizer_pp{self.shards.pp.rank}_dp{self.reducer.comm.rank}"
+                f"_tp{self.shards.comm.rank}.pt")
+
+
 def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
                 device: torch.device, make_optimizer: MakeOptimizer) -> Parallelized:
     """Apply the layout to `model`, built on the meta device (`build_model(seed=None)`), in
@@ -173,8 +204,14 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
         return ZeroParallelized(reducer=zero.reducer, shards=shards, loss=loss,
                                 pipeline=pipeline, zero=zero)
     c = cfg.comm
+    if c.compress == "topk":
+        optimizer = make_optimizer(module)
+        updates = SparseUpdates(mesh.comm("dp"), optimizer, ratio=c.topk_ratio,
+                                error_feedback=c.error_feedback,
+                                warmup_steps=c.topk_warmup_steps)
+        return SparseUpdateParallelized(reducer=updates, shards=shards, loss=loss,
+                                        pipeline=pipeline, optimizer=optimizer)
     reducer = DataParallel(module, mesh.comm("dp"), bucket_mb=c.bucket_mb, compress=c.compress,
-                           topk_ratio=c.topk_ratio, quant_block=c.quant_block,
-                           error_feedback=c.error_feedback)
+                           quant_block=c.quant_block)
     return Parallelized(reducer=reducer, shards=shards, loss=loss, pipeline=pipeline,
                         optimizer=make_optimizer(module))

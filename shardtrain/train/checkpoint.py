@@ -9,7 +9,10 @@ is full (unsharded) whatever the layout that wrote it. The optimizer state is fu
 (optimizer.pt) for the replicated layouts, which any layout without ZeRO can resume from;
 under ZeRO each rank writes its own shard (optimizer_dp{d}_tp{t}.pt), staged beside the
 checkpoint by every rank before the main rank renames it into place, and only the same
-layout (ZeRO stage, dp and tp sizes, recorded in meta.json) can resume from it.
+layout (ZeRO stage, dp and tp sizes, recorded in meta.json) can resume from it. Under
+top-k update compression (comm.compress=topk) each dp rank's optimizer state and residual
+are its own: every rank writes its file the same way, and only the same layout with
+comm.compress=topk resumes from them.
 """
 
 from __future__ import annotations
@@ -115,21 +118,30 @@ def check_compatible(path: Path, cfg: Config, world_size: int) -> None:
 
 
 def check_layout(path: Path, cfg: Config, world_size: int) -> None:
-    """ZeRO optimizer state is sharded: only the layout that wrote it can read it back
-    (resharding is not implemented)."""
+    """ZeRO optimizer state is sharded and top-k's (comm.compress=topk: each dp rank's
+    optimizer state and residual) is per rank: only the layout that wrote it can read it
+    back (resharding is not implemented)."""
     meta = json.loads((path / "meta.json").read_text())
     p = cfg.parallel
-    saved = meta.get("layout", {"zero": 0})
-    wanted = {"zero": p.zero, "pp": p.pp, "dp": p.resolved_dp(world_size), "tp": p.tp}
-    if saved["zero"] == wanted["zero"] == 0 or saved == wanted:
+    saved = {**meta.get("layout", {"zero": 0}),
+             "topk": checkpoint_config(path).comm.compress == "topk"}
+    wanted = {"zero": p.zero, "pp": p.pp, "dp": p.resolved_dp(world_size), "tp": p.tp,
+              "topk": cfg.comm.compress == "topk"}
+    replicated = saved["zero"] == wanted["zero"] == 0 and not saved["topk"] and not wanted["topk"]
+    if replicated or saved == wanted:
         return
-    saved_text, wanted_text = (", ".join(f"parallel.{k}={v}" for k, v in layout.items())
-                               for layout in (saved, wanted))
+    saved_text, wanted_text = map(_describe, (saved, wanted))
     raise ConfigError(
         f"cannot resume from {path}: its optimizer state was written by {saved_text} and "
-        f"this run has {wanted_text}; resharding ZeRO optimizer state to another layout is "
-        "not supported. Resume with the checkpoint's layout (the same parallel.zero, pp, dp "
-        "and tp, with --nproc to match), or start a new run without checkpoint.resume")
+        f"this run has {wanted_text}; resharding ZeRO optimizer state, or the per-rank state "
+        "of comm.compress=topk, to another layout is not supported. Resume with the "
+        "checkpoint's layout (the same parallel.zero, pp, dp and tp, with --nproc to match, "
+        "and comm.compress=topk or not), or start a new run without checkpoint.resume")
+
+
+def _describe(layout: dict) -> str:
+    dims = ", ".join(f"parallel.{k}={v}" for k, v in layout.items() if k != "topk")
+    return dims + (", comm.compress=topk" if layout["topk"] else ", no comm.compress=topk")
 
 
 def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
