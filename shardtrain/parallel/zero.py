@@ -187,8 +187,10 @@ class ZeroModel:
             events += [(block, unit_of[f"layers.{i}.attn_norm.weight"])
                        for i, block in enumerate(model.layers)]
             events.append((model.norm, unit_of["norm.weight"]))
+            midpoints = {1 + i: block.mlp_norm for i, block in enumerate(model.layers)}
             self.gatherer = ParamGatherer(model, self.units, self.unit_comm,
-                                          prefetch=p.zero_prefetch, events=events)
+                                          prefetch=p.zero_prefetch, events=events,
+                                          midpoints=midpoints)
         self.reducer = ZeroReducer(self.units, self.unit_comm, stage=self.stage,
                                    gatherer=self.gatherer)
         aliased = fp32

@@ -12,8 +12,12 @@ asynchronously while unit(k) computes (Rajbhandari et al. 2020, sec. 5.3; Ren et
 call it prefetching). Backward visits the events in reverse. Event k's backward starts when
 the gradient of unit(k)'s output arrives -- a tensor hook on the input of event k + 1, or
 on the model's output for the last event -- and unit(k) is gathered there (it was freed
-after forward), with the unit before it prefetched; the engine frees a unit once its
-gradients are complete and reduce-scattered. Under activation checkpointing the recompute
+after forward). The unit before it is prefetched there too, or, for a unit with a midpoint
+(a transformer block: its MLP, which backward visits first), once the gradient has passed
+the midpoint: a block's backward is most of the step's activation peak, and its MLP half
+then runs without the next unit's buffer (nor the collective filling it) alive, while its
+attention half still hides the gather. The engine frees a unit once its gradients are
+complete and reduce-scattered. Under activation checkpointing the recompute
 happens inside the block's backward, after its backward event, so it finds the unit
 gathered. Every rank issues the same gathers in the same order: the events are the same.
 """
@@ -29,17 +33,23 @@ from shardtrain.parallel.zero_units import FlatUnit, UnitComm
 
 class ParamGatherer:
     def __init__(self, model: nn.Module, units: list[FlatUnit], unit_comm: UnitComm, *,
-                 prefetch: int, events: list[tuple[nn.Module, FlatUnit]]):
+                 prefetch: int, events: list[tuple[nn.Module, FlatUnit]],
+                 midpoints: dict[int, nn.Module]):
         """`events`: (module whose forward pre-hook starts the event, unit it computes
-        with), in forward order; the first module is the model itself."""
+        with), in forward order; the first module is the model itself. `midpoints`: event
+        index -> a module inside it whose input's gradient marks the middle of the unit's
+        backward, where the units before it are prefetched."""
         self.units, self.unit_comm, self.prefetch = units, unit_comm, prefetch
         self.events = [unit for _, unit in events]
+        self.midpoints = set(midpoints)
         self.live: dict[FlatUnit, Handle | None] = {}  # gathered or gathering
         self.max_live = 0  # instrument: the most units held full at once
         for unit in units:
             self.free(unit)
         for k, (module, _) in enumerate(events):
             module.register_forward_pre_hook(self._pre_forward_hook(k))
+        for k, module in midpoints.items():
+            module.register_forward_pre_hook(self._midpoint_hook(k))
         model.register_forward_hook(self._end_of_forward)
 
     # ------------------------------------------------------------------ gather / free
@@ -90,11 +100,22 @@ class ParamGatherer:
         if torch.is_grad_enabled():
             _on_grad(output, lambda: self._pre_backward(len(self.events) - 1))
 
+    def _midpoint_hook(self, k: int):
+        def hook(module: nn.Module, args: tuple) -> None:
+            if torch.is_grad_enabled():
+                _on_grad(args[0], lambda: self._prefetch_backward(k))
+        return hook
+
     def _pre_backward(self, k: int) -> None:
         self.start(self.events[k], "backward")
+        if k not in self.midpoints:
+            self._prefetch_backward(k)
+        self.ready(self.events[k], "backward")
+
+    def _prefetch_backward(self, k: int) -> None:
+        """Start gathering the `prefetch` units whose backward follows unit(k)'s."""
         for unit in reversed(self.events[max(0, k - self.prefetch):k]):
             self.start(unit, "backward")
-        self.ready(self.events[k], "backward")
 
 
 def _on_grad(tensor: torch.Tensor, fn) -> None:
