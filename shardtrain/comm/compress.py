@@ -28,19 +28,15 @@ import torch
 
 from shardtrain.comm.p2p import even_bounds
 
-KINDS = ("none", "int8", "topk")
-
-
-def make_compressor(kind: str, *, topk_ratio: float = 0.01, block: int = 256,
-                    error_feedback: bool = True):
-    """A fresh compressor (it may hold state for one buffer), or None for "none"."""
+def make_compressor(kind: str, *, block: int = 256) -> Int8Compressor | None:
+    """A gradient bucket's compressor (data parallelism): None for "none", or int8. Top-k
+    sparsifies optimizer updates instead (parallel/compressed_update.py builds its own)."""
     if kind == "none":
         return None
     if kind == "int8":
         return Int8Compressor(block)
-    if kind == "topk":
-        return TopKCompressor(topk_ratio, error_feedback=error_feedback)
-    raise ValueError(f"comm.compress={kind!r} is not one of {', '.join(KINDS)}")
+    raise ValueError(f"gradient compression comm.compress={kind!r} is not one of none, int8 "
+                     "(topk compresses optimizer updates: parallel/compressed_update.py)")
 
 
 def _reducible(op: str, name: str) -> None:

@@ -41,9 +41,6 @@ class DataParallel:
         """`compress`: gradient compression (comm/compress.py), none or int8, one compressor
         per bucket. (comm.compress=topk sparsifies optimizer updates instead of gradients:
         compressed_update.py.)"""
-        if compress not in ("none", "int8"):
-            raise ValueError(f"DataParallel compresses gradients with none or int8, not "
-                             f"{compress!r} (top-k: compressed_update.SparseUpdates)")
         self.module, self.comm = module, comm
         params = [p for p in module.parameters() if p.requires_grad]  # tied weights once
         self.buckets = _make_buckets(list(reversed(params)), bucket_mb * 2**20, comm.size)
