@@ -1,5 +1,6 @@
 """Tensor and sequence parallelism reproduce the single-process run (fp32 losses and final
-weights), alone and composed with data parallelism, for the Llama (grouped-query attention,
+weights), alone and composed with data parallelism (also with top-k update compression at
+ratio 1.0), for the Llama (grouped-query attention,
 kv heads split or shared) and GPT-2 (tied embeddings) models, with a vocabulary that tp does
 not divide; and checkpoints are layout-independent (tp=2 <-> tp=1)."""
 
@@ -16,6 +17,10 @@ from shardtrain import config
 STEPS = "8"
 GPT2 = ("--model.style", "gpt2", "--model.n_kv_heads", "0", "--model.tie_embeddings", "true")
 V259 = ("--model.vocab_size", "259")
+# Plain SGD without clipping: the average of the dp ranks' local updates (comm.compress=topk
+# at ratio 1.0 sends every entry) is then exactly the update of the averaged gradient.
+SGD = ("--optim.name", "sgd", "--optim.momentum", "0", "--optim.grad_clip", "0",
+       "--train.lr", "0.05")
 # (label, model overrides -- the reference run has them too --, layout overrides).
 # tiny: 4 heads, 2 kv heads, global batch 8 of micro-batches of 2.
 LAYOUTS = {
@@ -24,6 +29,8 @@ LAYOUTS = {
          ["--parallel.tp", "2", "--parallel.sp", "true"])],
     4: [("tp4 vocab 259, kv heads shared", V259, ["--parallel.tp", "4"]),
         ("tp2 x dp2", (), ["--parallel.tp", "2"]),
+        ("tp2 x dp2 top-k updates, ratio 1.0", SGD,
+         ["--parallel.tp", "2", "--comm.compress", "topk", "--comm.topk_ratio", "1.0"]),
         ("tp4 sp activation checkpointing", (), ["--parallel.tp", "4", "--parallel.sp", "true",
                                                  "--train.activation_checkpointing", "full"])],
 }
