@@ -1,8 +1,8 @@
 """Tensor and sequence parallelism reproduce the single-process run (fp32 losses and final
 weights), alone and composed with data parallelism (also with top-k update compression at
-ratio 1.0), for the Llama (grouped-query attention,
-kv heads split or shared) and GPT-2 (tied embeddings) models, with a vocabulary that tp does
-not divide; and checkpoints are layout-independent (tp=2 <-> tp=1)."""
+ratio 1.0), for the Llama (grouped-query attention, kv heads split or shared) and GPT-2
+(tied embeddings) models, with a vocabulary that tp does not divide; and checkpoints are
+layout-independent (tp=2 <-> tp=1)."""
 
 from __future__ import annotations
 
