@@ -11,10 +11,10 @@ last rank is); the figure reported is the median over the calls. The algorithms 
 (op, size) take turns call by call, so drift in the machine's load hits them alike, and
 a call that a burst of load delays (with 4 processes on 2 cores the same call can take
 several times as long from one turn to the next) moves the median little, where it would
-move a mean. One
-warm-up call per algorithm allocates its buffers and sizes the count of calls, the same
-on every rank: about `target_s` of calls per algorithm, at least `repeats`; the order of
-the turns rotates from call to call, so no algorithm always runs after the same one.
+move a mean. One warm-up call per algorithm allocates its buffers and sizes the count of
+calls, the same on every rank: about `target_s` of calls per algorithm, at least
+`repeats`; the order of the turns rotates from call to call, so no algorithm always runs
+after the same one.
 
 After the fixed algorithms, the workers fit the alpha-beta-gamma model to what they
 measured (fit.py) and time `auto` (and hierarchical, whose phases are chosen by price) with

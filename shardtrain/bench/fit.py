@@ -5,8 +5,9 @@ do not depend on them: time = R alpha + B beta + G gamma + T shared, where R (ro
 (bytes on the critical path), G (bytes reduced or copied locally on it) and T (bytes all
 ranks send) are read off the model by pricing the call on unit links. On one host T is
 what costs: the ranks share its memory and cores, and the fit says so (beta near 0, shared
-the host's inverse bandwidth). The fit minimises the squared *relative* error over all measured calls of those
-algorithms (so 1 KiB and 256 MiB count alike), with every coefficient kept >= 0.
+the host's inverse bandwidth). The fit minimises the squared *relative* error over all
+measured calls of those algorithms (so 1 KiB and 256 MiB count alike), with every
+coefficient kept >= 0.
 `hierarchical` and `auto` pick their phases by price, so they are predicted, never fitted.
 
 `native`, the backend's own algorithm, gets figures of its own, fitted the same way from
