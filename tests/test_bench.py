@@ -1,6 +1,9 @@
-"""`shardtrain bench comm`'s statistic (bench/comm.py); the fit is in test_plan_cost.py."""
+"""`shardtrain bench comm`: its statistic (bench/comm.py) and one small run end to end; the fit
+is tested in test_plan_cost.py."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -14,3 +17,32 @@ def test_the_median_call_ignores_a_burst_of_load():
     figures = _statistic(calls)
     assert figures["time_s"] == pytest.approx(1e-3, rel=0.03)
     assert figures["iters"] == 10 and figures["calls_s"] == calls
+
+
+def test_bench_comm_end_to_end(tmp_path, capsys):
+    """Two processes, two ops, sizes 1 and 8 KiB: every algorithm that serves the op is
+    timed at every size, busbw follows nccl-tests, the model predicts every fitted row,
+    auto is compared with rivals timed in the same turns, and the plot is written."""
+    from shardtrain.bench import main
+    from shardtrain.comm import cost
+
+    plot = tmp_path / "busbw.png"
+    assert main(["comm", "--nproc", "2", "--ops", "all_reduce", "all_gather", "--min-bytes",
+                 "1K", "--max-bytes", "8K", "--factor", "8", "--json", "--plot", str(plot)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = {(r["op"], r["bytes"], r["algorithm"]): r for r in doc["rows"]}
+    for op in ("all_reduce", "all_gather"):
+        for n in (1024, 8192):
+            for a in ("auto", *cost.supported(op, 2)):
+                r = rows[(op, n, a)]
+                assert r["time_s"] > 0 and r["iters"] >= 3
+                assert r["busbw_GBps"] == pytest.approx(
+                    cost.bus_bandwidth(op, n, 2, r["time_s"]) / 1e9)
+                assert r["predicted_s"] > 0
+            assert rows[(op, n, "auto")]["chosen"] in cost.supported(op, 2)
+    auto = doc["acceptance"]["auto_vs_best_time"]
+    assert set(auto) == {"all_reduce 1 KiB", "all_reduce 8 KiB", "all_gather 1 KiB",
+                         "all_gather 8 KiB"}
+    for point in auto.values():
+        assert point["auto_vs_best"] > 0 and point["pick_vs_best"] >= 1.0
+    assert doc["link"]["backend"] == "gloo" and plot.stat().st_size > 0

@@ -157,7 +157,7 @@ def _check_extras(comm: Communicator, bad: list) -> None:
 
 
 def _check_segmented(comm: Communicator, bad: list) -> None:
-    """The ring cut into many segments per part (tiny SEGMENT_BYTES / MIN_SPLIT_BYTES here)
+    """The ring cut into many segments per part (a tiny SEGMENT_BYTES here)
     equals native and moves the same bytes in the same rounds as the ring in one piece."""
     p, r = comm.size, comm.rank
     n = 1000 * p + 7  # parts of unequal sizes
@@ -171,12 +171,12 @@ def _check_segmented(comm: Communicator, bad: list) -> None:
         return [x, part, out, [(c.sent_bytes, c.recv_bytes, c.rounds) for c in records]]
 
     whole = calls()
-    saved = ring.SEGMENT_BYTES, ring.MIN_SPLIT_BYTES
-    ring.SEGMENT_BYTES, ring.MIN_SPLIT_BYTES = 1000, 600  # parts of ~4000 B: 4+ segments
+    saved = ring.SEGMENT_BYTES
+    ring.SEGMENT_BYTES = 1000  # parts of ~4000 B: 4+ segments, more than SLOTS in flight
     try:
         cut = calls()
     finally:
-        ring.SEGMENT_BYTES, ring.MIN_SPLIT_BYTES = saved
+        ring.SEGMENT_BYTES = saved
     ref = _data(n, r, 11)
     comm.all_reduce(ref)
     if not _same(cut[0], ref, exact=False) or cut[3] != whole[3] \

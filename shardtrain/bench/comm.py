@@ -90,7 +90,7 @@ def _measure_all(spec: Spec, rank: int, p: int) -> dict | None:
     for (op, size, a), row in second.items():
         if a == "auto":  # what it is compared with: the fixed rivals timed in the same turns
             row["rivals_s"] = {b: r["time_s"] for (o, s, b), r in second.items()
-                               if (o, s) == (op, size) and b not in PRICED}
+                               if (o, s) == (op, size) and b != "auto"}
         if (op, size, a) in rows:  # timed in both sweeps: the median of all its calls
             row = {**row, **_statistic(rows[(op, size, a)]["calls_s"] + row["calls_s"])}
         rows[(op, size, a)] = row

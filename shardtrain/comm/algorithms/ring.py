@@ -6,12 +6,16 @@ member sends one part right, receives one from the left and reduces it, then p-1
 which the finished parts travel once around the ring. Each member sends 2(p-1)/p of the
 vector in 2(p-1) rounds: bandwidth-optimal, latency linear in p.
 
-Pipelining: a part is cut into segments of at most SEGMENT_BYTES, and into two at least
-once each half reaches MIN_SPLIT_BYTES (Gloo's own ring keeps >= 2 segments per chunk so
-that one is in flight while the other is reduced; gloo/reduce.cc). A segment is forwarded
+Pipelining: a part is cut into segments of at most SEGMENT_BYTES. A segment is forwarded
 as soon as it is reduced (reduce-scatter) or received (all-gather), so the next segment's
 transfer overlaps this one's reduction, and the part reduced at step s starts out for
-step s+1 before all of it is reduced. Segment sizes derive from part sizes alone, so
+step s+1 before all of it is reduced. Segments are large: where the ranks share a host's
+cores (loopback Gloo), sending, receiving and reducing compete for the same cores, so the
+overlap buys little, while every extra message costs wake-ups on both sides. Measured
+with 4 processes on 2 cores (ring busbw / native busbw, calls interleaved): parts sent
+whole beat 2-4 MiB segments in 8 of 9 paired runs at 16 MiB (0.88-1.09 against
+0.83-0.95) and in all 4 at 64 MiB (0.98-1.05 against 0.92-0.98); at 256 MiB, 16 MiB
+segments 1.01-1.04 against 0.99-1.02. Segment sizes derive from part sizes alone, so
 sender and receiver agree on them, and messages between two neighbours match in posting
 order. Received segments land in a pool of SLOTS segment buffers, not a part-sized
 scratch. A reduce-scatter leaves its input intact by adding the received segment to its
@@ -31,15 +35,12 @@ import torch
 
 from shardtrain.comm.p2p import Team, even_bounds, part, reduce_into
 
-SEGMENT_BYTES = 4 << 20  # 2-4 MiB measured best over loopback Gloo; smaller adds per-message cost
-MIN_SPLIT_BYTES = 1 << 20  # halves of 512 KiB measured slower (a 4 MiB all-reduce)
-SLOTS = 4  # receive buffers in flight: received segments are reduced out of a small pool
+SEGMENT_BYTES = 16 << 20  # parts up to 16 MiB travel whole (see the module doc)
+SLOTS = 2  # receive buffers in flight: received segments are reduced out of a small pool
 
 
 def _segments(t: torch.Tensor) -> list[torch.Tensor]:
-    nbytes = t.numel() * t.element_size()
-    n = -(-nbytes // SEGMENT_BYTES)
-    return list(t.tensor_split(max(n, 2 if nbytes >= 2 * MIN_SPLIT_BYTES else 1)))
+    return list(t.tensor_split(max(1, -(-t.numel() * t.element_size() // SEGMENT_BYTES))))
 
 
 def reduce_scatter(team: Team, x: torch.Tensor, bounds: list[int], op: str, *,
