@@ -2,7 +2,7 @@
 
     shardtrain bench comm [--nproc 4] [--ops OP ...] [--algorithms NAME ...]
                           [--min-bytes 1K] [--max-bytes 256M] [--factor 4] [--node-size N]
-                          [--repeats 3] [--json] [--plot FILE.png | --plot none]
+                          [--repeats 5] [--json] [--plot FILE.png | --plot none]
     shardtrain bench calibrate [--nproc 4] [--output FILE.json] [--max-bytes 64M]
 """
 
@@ -68,9 +68,9 @@ def _common(parser: argparse.ArgumentParser, max_bytes: str) -> None:
     parser.add_argument("--factor", type=int, default=4, help="size step (default x4)")
     parser.add_argument("--node-size", type=int, default=0,
                         help="ranks per virtual node (default nproc/2: two nodes)")
-    parser.add_argument("--repeats", type=int, default=3,
+    parser.add_argument("--repeats", type=int, default=5,
                         help="timed calls per measurement at least; the median counts "
-                             "(default 3)")
+                             "(default 5)")
 
 
 def bench_comm(argv: list[str]) -> int:

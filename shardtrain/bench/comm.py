@@ -47,7 +47,7 @@ class Spec:
     sizes: tuple[int, ...]  # bytes
     node_size: int
     target_s: float = 0.3  # time spent per measurement, roughly
-    repeats: int = 3  # calls per measurement at least; the median counts
+    repeats: int = 5  # calls at least (with 3, one algorithm timed twice at 64 MiB: 25% apart)
     max_iters: int = 100
     timeout_s: float = 600.0
     measure_flops: bool = False  # also time fp32 matmuls (all processes at once)
