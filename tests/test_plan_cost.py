@@ -136,7 +136,9 @@ def test_fit_recovers_the_link_figures():
 def test_native_has_its_own_latency_and_staging():
     """The backend's rounds cost native_alpha. Gloo copies all_gather, gather and
     reduce_scatter through a temporary (fresh pages above glibc's mmap threshold), runs
-    reduce_scatter as an all_reduce and reduce as a ring; NCCL's native is the plain form."""
+    reduce_scatter as an all_reduce, reduce as a ring and broadcast as a binomial tree, and
+    posts the p - 1 transfers of gather, scatter and all_to_all at once (one round); NCCL's
+    native is the plain form."""
     link = Link(alpha_s=5e-4, beta_s_per_byte=0.0, shared_s_per_byte=2e-10, native_alpha_s=5e-5)
     assert Link(alpha_s=A, beta_s_per_byte=B).native_alpha_s == A
     assert Link.from_figures(link.figures()) == link
@@ -151,15 +153,21 @@ def test_native_has_its_own_latency_and_staging():
     nccl = dataclasses.replace(gloo, backend="nccl")
     big = STAGED_FRESH_BYTES * 2
     for n, fresh in ((big, big), (STAGED_FRESH_BYTES, 0)):
-        for op in ("all_gather", "gather"):
+        for op, fewer_rounds in (("all_gather", 0), ("gather", 2)):
             assert cost(op, n, 4, gloo).time_s == pytest.approx(
-                cost(op, n, 4, nccl).time_s + n * 1e-10 + fresh * 1e-9)
+                cost(op, n, 4, nccl).time_s - fewer_rounds * 5e-5 + n * 1e-10 + fresh * 1e-9)
         assert cost("reduce_scatter", n, 4, gloo).time_s == pytest.approx(
             cost("all_reduce", n, 4, nccl).time_s + n * 1e-10 + fresh * 1e-9)
     assert best_algorithm("all_gather", big, 4, gloo, native=True) != "native"
     assert cost("all_reduce", big, 4, gloo) == cost("all_reduce", big, 4, nccl)
+    own = dataclasses.replace(gloo, alpha_s=5e-5)  # our algorithms at native's latency
     assert cost("reduce", small, 4, gloo).time_s == pytest.approx(  # gloo/reduce.cc: a ring
-        cost("reduce", small, 4, dataclasses.replace(gloo, alpha_s=5e-5), algorithm="ring").time_s)
+        cost("reduce", small, 4, own, algorithm="ring").time_s)
+    assert cost("broadcast", small, 4, gloo) == cost("broadcast", small, 4, own, algorithm="tree")
+    for op in ("scatter", "all_to_all"):
+        assert cost(op, small, 4, gloo).rounds == 1 < cost(op, small, 4, nccl).rounds == 3
+        assert cost(op, small, 4, gloo).time_s == pytest.approx(
+            cost(op, small, 4, nccl).time_s - 2 * 5e-5)
 
 
 def test_hierarchical_is_reduce_leaders_broadcast():

@@ -20,7 +20,9 @@ Conventions (p ranks, n = `nbytes`):
   are priced as Gloo runs them: all_gather and gather go through an n-byte temporary
   (gathered into a flat buffer, then copied out) and reduce_scatter all-reduces a clone
   of its input (ProcessGroupGloo.cpp); reduce is a ring reduce-scatter followed by a
-  gather to the root (gloo/reduce.cc; priced as our ring reduce). The copy through the
+  gather to the root (gloo/reduce.cc; priced as our ring reduce); broadcast is a binomial
+  tree (gloo/broadcast.cc); gather, scatter and all_to_all post every transfer at once
+  and wait once (gloo/gather.cc, scatter.cc, alltoall.cc): one round, not p - 1. The copy through the
   temporary is a local pass (gamma, below); a temporary above glibc's largest mmap
   threshold (STAGED_FRESH_BYTES) is also fresh memory on every call, one page fault per
   4 KiB page, which is what `staging_s_per_byte` prices.
@@ -217,8 +219,10 @@ _NATIVE = {"all_reduce": "ring", "all_gather": "ring", "reduce_scatter": "ring",
            "gather": "linear", "scatter": "linear"}
 STAGED_FRESH_BYTES = 32 << 20  # glibc's mmap threshold rises to at most this (mallopt(3))
 # Gloo: op -> (the op it runs, our model of it) where not _NATIVE's; the ops it stages.
-_GLOO = {"reduce_scatter": ("all_reduce", "ring"), "reduce": ("reduce", "ring")}
+_GLOO = {"reduce_scatter": ("all_reduce", "ring"), "reduce": ("reduce", "ring"),
+         "broadcast": ("broadcast", "tree")}
 _STAGED = ("all_gather", "gather", "reduce_scatter")
+_POSTED = ("gather", "scatter", "all_to_all")  # Gloo posts every transfer at once: one round
 _FLAT = ("ring", "tree", "recursive_doubling", "halving_doubling", "rabenseifner")
 _TORUS_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
@@ -272,7 +276,8 @@ def _native(op: str, n: float, p: int, link: Link) -> Cost:
     own = dataclasses.replace(link, alpha_s=link.native_alpha_s)
     if link.backend != "gloo":
         return _flat_terms(op, _NATIVE[op], n, p).cost(p, own)
-    ran = _flat_terms(*_GLOO.get(op, (op, _NATIVE[op])), n, p).cost(p, own)
+    terms = _flat_terms(*_GLOO.get(op, (op, _NATIVE[op])), n, p)
+    ran = (terms._replace(rounds=1) if op in _POSTED else terms).cost(p, own)
     if op not in _STAGED:
         return ran
     fresh = n if n > STAGED_FRESH_BYTES else 0.0
