@@ -22,10 +22,10 @@ Conventions (p ranks, n = `nbytes`):
   of its input (ProcessGroupGloo.cpp); reduce is a ring reduce-scatter followed by a
   gather to the root (gloo/reduce.cc; priced as our ring reduce); broadcast is a binomial
   tree (gloo/broadcast.cc); gather, scatter and all_to_all post every transfer at once
-  and wait once (gloo/gather.cc, scatter.cc, alltoall.cc): one round, not p - 1. The copy through the
-  temporary is a local pass (gamma, below); a temporary above glibc's largest mmap
-  threshold (STAGED_FRESH_BYTES) is also fresh memory on every call, one page fault per
-  4 KiB page, which is what `staging_s_per_byte` prices.
+  and wait once (gloo/gather.cc, scatter.cc, alltoall.cc): one round, not p - 1. The
+  copy through the temporary is a local pass (gamma, below); a temporary above glibc's
+  largest mmap threshold (STAGED_FRESH_BYTES) is also fresh memory on every call, one
+  page fault per 4 KiB page, which is what `staging_s_per_byte` prices.
 - Recursive algorithms on a p that is not a power of two fold the r = p - 2^floor(lg p)
   extra ranks into partners first and back out last (Thakur et al. section 4):
   + 2 alpha + 2 n beta + n gamma (less on the way out when only a shard returns).

@@ -9,17 +9,19 @@ vector in 2(p-1) rounds: bandwidth-optimal, latency linear in p.
 Pipelining: a part is cut into segments of at most SEGMENT_BYTES. A segment is forwarded
 as soon as it is reduced (reduce-scatter) or received (all-gather), so the next segment's
 transfer overlaps this one's reduction, and the part reduced at step s starts out for
-step s+1 before all of it is reduced. Segments are large: where the ranks share a host's
-cores (loopback Gloo), sending, receiving and reducing compete for the same cores, so the
-overlap buys little, while every extra message costs wake-ups on both sides. Measured
-with 4 processes on 2 cores (ring busbw / native busbw, calls interleaved): parts sent
-whole beat 2-4 MiB segments in 8 of 9 paired runs at 16 MiB (0.88-1.09 against
-0.83-0.95) and in all 4 at 64 MiB (0.98-1.05 against 0.92-0.98); at 256 MiB, 16 MiB
-segments 1.01-1.04 against 0.99-1.02. Segment sizes derive from part sizes alone, so
+step s+1 before all of it is reduced. Segment sizes derive from part sizes alone, so
 sender and receiver agree on them, and messages between two neighbours match in posting
 order. Received segments land in a pool of SLOTS segment buffers, not a part-sized
 scratch. A reduce-scatter leaves its input intact by adding the received segment to its
 own input into a work buffer in one pass.
+
+Segments are large. Where the ranks share a host's cores (loopback Gloo), sending,
+receiving and reducing compete for the same cores, so the overlap buys little, while
+every extra message costs wake-ups on both sides. Measured with 4 processes on 2 cores
+(ring busbw / native busbw, calls interleaved): parts sent whole beat 2-4 MiB segments in
+8 of 9 paired runs at 16 MiB (0.88-1.09 against 0.83-0.95) and in all 4 at 64 MiB
+(0.98-1.05 against 0.92-0.98); at 256 MiB, 16 MiB segments gave 1.01-1.04 against
+0.99-1.02.
 
 Rooted ring collectives are chains (van de Geijn's long-message forms): gather and scatter
 pipeline one part per step along the ring; broadcast = chain scatter + ring all-gather;
