@@ -43,6 +43,7 @@ def test_bench_comm_end_to_end(tmp_path, capsys):
     auto = doc["acceptance"]["auto_vs_best_time"]
     assert set(auto) == {"all_reduce 1 KiB", "all_reduce 8 KiB", "all_gather 1 KiB",
                          "all_gather 8 KiB"}
-    for point in auto.values():
-        assert point["auto_vs_best"] > 0 and point["pick_vs_best"] >= 1.0
+    for where, point in auto.items():  # auto's pick was timed as a fixed algorithm too
+        assert point["auto_vs_best"] > 0 and point["auto_vs_pick"] is not None
+        assert point["best"] in cost.supported(where.split()[0], 2)
     assert doc["link"]["backend"] == "gloo" and plot.stat().st_size > 0
