@@ -32,7 +32,7 @@ from shardtrain.launch import ProcessInfo, init_distributed, launch_local
 from shardtrain.mesh import MeshShape, ParallelMesh
 from shardtrain.model.transformer import build_model
 from shardtrain.parallel.pipeline.stage import split_stages
-from shardtrain.parallel.vocab import cross_entropy
+from shardtrain.parallel.tensor.vocab import cross_entropy
 from shardtrain.train.optim import build_optimizer
 from shardtrain.train.trainer import Trainer
 

@@ -83,7 +83,7 @@ def cmd_train(argv: list[str]) -> int:
 def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool) -> None:
     """Every check that can fail before training starts, and the token cache built once."""
     from shardtrain.data import check_source, check_vocab, load_dataset, load_tokenizer
-    from shardtrain.parallel.offload import check_offload_space
+    from shardtrain.parallel.zero.offload import check_offload_space
     from shardtrain.train import checkpoint as ckpt
 
     cfg.validate(world_size)

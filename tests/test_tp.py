@@ -16,10 +16,10 @@ from dist import run_distributed
 from shardtrain.config import ModelConfig
 from shardtrain.mesh import MeshShape, ParallelMesh
 from shardtrain.model.transformer import build_model
-from shardtrain.parallel.sharding import Placement, TensorShards
-from shardtrain.parallel.tensor import (ColumnParallelLinear, Region, RowParallelLinear,
+from shardtrain.parallel.tensor.sharding import Placement, TensorShards
+from shardtrain.parallel.tensor.layers import (ColumnParallelLinear, Region, RowParallelLinear,
                                         apply_tensor_parallel)
-from shardtrain.parallel.vocab import cross_entropy
+from shardtrain.parallel.tensor.vocab import cross_entropy
 from shardtrain.plan.memory import activation_bytes_per_layer
 
 B, S = 2, 32

@@ -275,7 +275,7 @@ def test_flat_units_pad_and_hold_every_parameter_once():
     padded to a multiple of dp = 3; the shards of the 3 ranks tile the buffer, and their
     weight-decay runs cover exactly the matrices' elements."""
     from shardtrain.config import ModelConfig
-    from shardtrain.parallel.zero_units import build_units
+    from shardtrain.parallel.zero.units import build_units
 
     cfg = ModelConfig(style="gpt2", vocab_size=259, dim=20, n_layers=2, n_heads=4, n_kv_heads=0,
                       max_seq_len=16, tie_embeddings=True)

@@ -16,7 +16,7 @@ from parity import assert_parity, make_mesh, tiny, train_layout, train_layouts
 from shardtrain import config
 from shardtrain.cli import prepare_run
 from shardtrain.config import ConfigError, OptimConfig
-from shardtrain.parallel.offload import HostOptimizer
+from shardtrain.parallel.zero.offload import HostOptimizer
 from shardtrain.train.trainer import Trainer
 
 SHAPES = [(5, 7), (7,), (3, 4), (11,)]  # matrices are decayed, vectors not

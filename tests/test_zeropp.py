@@ -12,7 +12,7 @@ from dist import run_distributed
 from parity import assert_parity, make_mesh, tiny, train_layout
 from shardtrain import config
 from shardtrain.mesh import MeshShape, ParallelMesh
-from shardtrain.parallel.zeropp import (ZeroPlusPlusComm, node_comm, quantized_all_gather,
+from shardtrain.parallel.zero.zeropp import (ZeroPlusPlusComm, node_comm, quantized_all_gather,
                                         quantized_reduce_scatter)
 from shardtrain.train.trainer import Trainer
 

@@ -172,7 +172,7 @@ class CommConfig:
     algorithm: the backend's own (native), one of ours on point-to-point messages, or auto
     (the cost model picks per call). compress: what data parallelism sends. int8: the
     gradient all-reduce, block-wise quantized (quant_block values per scale). topk: not the
-    gradient but each rank's optimizer update (parallel/compressed_update.py): every dp rank
+    gradient but each rank's optimizer update (parallel/data/topk.py): every dp rank
     clips its own gradient by its own norm and steps its own optimizer, sends the largest
     topk_ratio of each parameter tensor's update (plus what it kept from earlier steps, unless
     error_feedback=false) as values and indices, and every rank applies the average; a rank

@@ -26,16 +26,16 @@ from shardtrain.config import Config
 from shardtrain.mesh import ParallelMesh
 from shardtrain.model.transformer import Transformer
 from shardtrain.parallel.activation import checkpoint_blocks
-from shardtrain.parallel.compressed_update import SparseUpdates
-from shardtrain.parallel.data import DataParallel
+from shardtrain.parallel.data.topk import SparseUpdates
+from shardtrain.parallel.data.ddp import DataParallel
 from shardtrain.parallel.pipeline.runtime import Batch, Pipeline
 from shardtrain.parallel.pipeline.stage import split_stages
 from shardtrain.parallel.pipeline.state import StageShards
-from shardtrain.parallel.sharding import TensorShards
-from shardtrain.parallel.tensor import apply_tensor_parallel
-from shardtrain.parallel.vocab import cross_entropy
-from shardtrain.parallel.zero import ZeroModel, ZeroReducer
-from shardtrain.parallel.zeropp import build_unit_comm
+from shardtrain.parallel.tensor.sharding import TensorShards
+from shardtrain.parallel.tensor.layers import apply_tensor_parallel
+from shardtrain.parallel.tensor.vocab import cross_entropy
+from shardtrain.parallel.zero.model import ZeroModel, ZeroReducer
+from shardtrain.parallel.zero.zeropp import build_unit_comm
 
 MakeOptimizer = Callable[[torch.nn.Module], torch.optim.Optimizer]
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from shardtrain.comm import Communicator
-from shardtrain.parallel.sharding import Placement, TensorShards
+from shardtrain.parallel.tensor.sharding import Placement, TensorShards
 
 TIED = "tok_emb.weight"
 

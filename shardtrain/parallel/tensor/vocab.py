@@ -16,7 +16,7 @@ from torch import nn
 from torch.autograd import Function
 
 from shardtrain.comm import Communicator
-from shardtrain.parallel.tensor_ops import ReduceFromRegion, TAG
+from shardtrain.parallel.tensor.ops import ReduceFromRegion, TAG
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 modules according to a small table.
 
 Tensor parallel (Shoeybi et al. 2019, sec. 3): attention and the MLP of each block are
-parallel regions. A region is entered through `f` (tensor_ops.py) once per forward; its
+parallel regions. A region is entered through `f` (ops.py) once per forward; its
 column-parallel linears (wq, wk, wv; w1, w3) split their output features -- attention
 heads, MLP hidden units -- so everything up to the row-parallel linear (wo; w2) is local;
 the row-parallel linear's partial products leave through `g`, an all-reduce. Per layer:
@@ -33,11 +33,11 @@ from torch.autograd import Function
 
 from shardtrain.comm import Communicator
 from shardtrain.model.transformer import Transformer
-from shardtrain.parallel.sharding import Placement
-from shardtrain.parallel.tensor_ops import (CopyToRegion, GatheredInput, GatherFromSequence,
+from shardtrain.parallel.tensor.sharding import Placement
+from shardtrain.parallel.tensor.ops import (CopyToRegion, GatheredInput, GatherFromSequence,
                                             ReduceFromRegion, ReduceScatterToSequence,
                                             ScatterToSequence)
-from shardtrain.parallel.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
+from shardtrain.parallel.tensor.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 
 # Region of a block -> {linear: how its weight is split}. kv: column, or shared kv heads.
 TABLE = {

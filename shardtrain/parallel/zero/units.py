@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from shardtrain.comm import Communicator, Handle
-from shardtrain.parallel.shard_optim import Runs
-from shardtrain.parallel.sharding import Placement
+from shardtrain.parallel.zero.optim import Runs
+from shardtrain.parallel.tensor.sharding import Placement
 
 
 @dataclass(eq=False)
@@ -113,7 +113,7 @@ def build_units(model: nn.Module, *, dp_size: int, dp_rank: int, dtype: torch.dt
 def partial_runs(unit: FlatUnit, placements: dict[str, Placement]
                  ) -> list[tuple[Placement, int, int]]:
     """(placement, start, end) of the shard's slices of tensor-parallel blocks whose
-    gradient is a part to be summed over tp (sharding.py)."""
+    gradient is a part to be summed over tp (tensor/sharding.py)."""
     return [(placements[unit.names[i]], a, b) for i, a, b in
             unit.shard_runs(lambda i: unit.names[i] in placements
                             and placements[unit.names[i]].partial)]

@@ -40,7 +40,7 @@ class DataParallel:
                  compress: str = "none", quant_block: int = 256):
         """`compress`: gradient compression (comm/compress.py), none or int8, one compressor
         per bucket. (comm.compress=topk sparsifies optimizer updates instead of gradients:
-        compressed_update.py.)"""
+        topk.py.)"""
         self.module, self.comm = module, comm
         params = [p for p in module.parameters() if p.requires_grad]  # tied weights once
         self.buckets = _make_buckets(list(reversed(params)), bucket_mb * 2**20, comm.size)

@@ -1,4 +1,4 @@
-"""Top-k compression of optimizer updates (comm.compress=topk, parallel/compressed_update.py):
+"""Top-k compression of optimizer updates (comm.compress=topk, parallel/data/topk.py):
 one spawn of 2 processes runs every check that needs a real dp group.
 
 - the compressor on the group: each tensor's (segment's) own top-k, the same result on every
@@ -26,7 +26,7 @@ from dist import run_distributed
 from parity import assert_parity, make_mesh, tiny
 from shardtrain.comm.compress import TopKCompressor
 from shardtrain.config import ConfigError
-from shardtrain.parallel.compressed_update import SparseUpdates, fraction_sent
+from shardtrain.parallel.data.topk import SparseUpdates, fraction_sent
 from shardtrain.train.checkpoint import check_layout
 from shardtrain.train.trainer import Trainer
 

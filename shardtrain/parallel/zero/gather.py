@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from shardtrain.comm import Handle
-from shardtrain.parallel.zero_units import FlatUnit, UnitComm
+from shardtrain.parallel.zero.units import FlatUnit, UnitComm
 
 
 class ParamGatherer:

@@ -20,7 +20,7 @@ less traffic, and less of it between nodes.
   reduced as it went). This is the paper's one-hop form; its hierarchical two-hop variant
   (reduce inside the node first) is not built here.
 
-`ZeroPlusPlusComm` is the UnitComm (zero_units.py) that ZeRO's units then call: it picks
+`ZeroPlusPlusComm` is the UnitComm (units.py) that ZeRO's units then call: it picks
 the exact or quantized collective, and the node-local one for hpZ's backward gathers.
 """
 
@@ -35,7 +35,7 @@ from shardtrain.comm import Communicator, Handle
 from shardtrain.comm.compress import pack_int8, unpack_int8
 from shardtrain.config import ParallelConfig
 from shardtrain.mesh import ParallelMesh
-from shardtrain.parallel.zero_units import FlatUnit, UnitComm
+from shardtrain.parallel.zero.units import FlatUnit, UnitComm
 
 
 def quantized_all_gather(comm: Communicator, output: torch.Tensor, shard: torch.Tensor, *,

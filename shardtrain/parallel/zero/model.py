@@ -1,4 +1,4 @@
-"""ZeRO-1/2/3 over the dp group (Rajbhandari et al. 2020), on flat units (zero_units.py).
+"""ZeRO-1/2/3 over the dp group (Rajbhandari et al. 2020), on flat units (units.py).
 
 What each stage shards (N_d = dp ranks; each rank owns 1/N_d of every unit):
 - Stage 1: the fp32 master weights and optimizer state. Gradients accumulate in full flat
@@ -15,7 +15,7 @@ What each stage shards (N_d = dp ranks; each rank owns 1/N_d of every unit):
   activation peak at the start of backward). With gradient accumulation every micro-batch
   is reduce-scattered into the accumulated shard (as DeepSpeed's stage 2 does): memory
   stays at the shard, and the gradient bytes moved grow with the number of micro-batches.
-- Stage 3: the parameters too (zero_gather.py): a unit is all-gathered before its forward
+- Stage 3: the parameters too (gather.py): a unit is all-gathered before its forward
   and again before its backward, and freed after each; the next `prefetch` units are
   gathered while the current one computes; no all-gather after the step. Gradients as
   stage 2. Per step 1.5x DP's bytes: two all-gathers and one reduce-scatter of the model.
@@ -24,7 +24,7 @@ gathered -- are bf16, gradients are reduced in bf16 and accumulated in fp32 shar
 optimizer keeps fp32 master shards. In fp32 the parameter shard is the master weight.
 Tensor parallelism composes: the units hold each tp rank's local tensors; clipping sums the
 squared norm over dp and tp, and the gradient parts of blocks shared by several tp ranks are
-summed over tp on the shards (sharding.py). World size 1 runs the same code (the collectives
+summed over tp on the shards (tensor/sharding.py). World size 1 runs the same code (the collectives
 degenerate to copies).
 """
 
@@ -38,11 +38,11 @@ from torch import nn
 from shardtrain.comm import Communicator
 from shardtrain.config import Config
 from shardtrain.model.transformer import Transformer
-from shardtrain.parallel.offload import build_shard_optimizer
+from shardtrain.parallel.zero.offload import build_shard_optimizer
 from shardtrain.parallel.pipeline.state import StageShards
-from shardtrain.parallel.shard_optim import ShardOptimizer
-from shardtrain.parallel.zero_gather import ParamGatherer
-from shardtrain.parallel.zero_units import FlatUnit, UnitComm, build_units, partial_runs
+from shardtrain.parallel.zero.optim import ShardOptimizer
+from shardtrain.parallel.zero.gather import ParamGatherer
+from shardtrain.parallel.zero.units import FlatUnit, UnitComm, build_units, partial_runs
 
 
 class ZeroReducer:
@@ -217,7 +217,7 @@ class ZeroModel:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The L2 norm of the full model's gradient, from the fp32 shards; scales them to at
         most `max_norm`. Squares are summed over this rank's shards, a tensor-parallel block
-        weighted parts / t as in sharding.py (a block held by several tp ranks counts once),
+        weighted parts / t as in tensor/sharding.py (a block held by several tp ranks counts once),
         then over dp, tp and pipeline stages (the last stage's copy of a tied embedding is
         counted on the first)."""
         t = self.tp.comm.size

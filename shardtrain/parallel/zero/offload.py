@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from shardtrain.config import Config, ConfigError, OptimConfig
-from shardtrain.parallel.shard_optim import (MemoryOptimizer, Runs, ShardOptimizer, moment_names,
+from shardtrain.parallel.zero.optim import (MemoryOptimizer, Runs, ShardOptimizer, moment_names,
                                              update_shard)
 from shardtrain.plan.counts import param_counts
 
