@@ -76,7 +76,7 @@ def _dp_mechanics(rank: int, world_size: int, tmp) -> dict:
 
     def spy(tensor, *args, **kwargs):
         if kwargs.get("tag") == "grad":
-            launches.append(sum(b.pending for b in trainer.reducer.buckets))
+            launches.append(sum(trainer.parallel.update.reducer.launcher.pending))
         return all_reduce(tensor, *args, **kwargs)
 
     trainer.dp.all_reduce = spy
@@ -84,7 +84,7 @@ def _dp_mechanics(rank: int, world_size: int, tmp) -> dict:
     records = trainer.mesh.ledger.records
     out["grad_records"] = [(r.op, r.msg_bytes, r.sent_bytes, r.recv_bytes)
                            for r in records if r.tag == "grad"]
-    out["bucket_numels"] = [b.buffer.numel() for b in trainer.reducer.buckets]
+    out["bucket_numels"] = [b.buffer.numel() for b in trainer.parallel.update.reducer.buckets]
     out["pending_at_launch"] = launches
     out["n_params"] = sum(p.numel() for p in trainer.model.parameters())
     out["n_tensors"] = len(list(trainer.model.parameters()))

@@ -69,7 +69,7 @@ def _adamw_steps(comm, ratio: float, steps: int) -> dict:
     after one step at ratio 1.0 are the start plus the average of the ranks' local AdamW
     updates; after each step the momentum is zero exactly at the entries sent."""
     layer, optimizer = _linear(seed=comm.rank)
-    updates = SparseUpdates(comm, optimizer, ratio=ratio)
+    updates = SparseUpdates(comm, optimizer, None, ratio=ratio)  # no model: step() alone
     sent, masked = [], []
     for _ in range(steps):
         updates.step(0.01)
@@ -111,7 +111,7 @@ def _checks(rank: int, world_size: int, tmp) -> dict:
     straight = _trainer(tmp, "topk-straight", rank, *TOPK)
     result = straight.run()
     out["straight"] = _state(straight, result.losses, result.eval_loss)
-    out["numels"] = [p.numel() for p in straight.parallel.reducer.params]
+    out["numels"] = [p.numel() for p in straight.parallel.update.params]
     first = _trainer(tmp, "topk-split", rank, *TOPK)
     losses = [first.train_step()["loss"] for _ in range(2)]
     first.save()

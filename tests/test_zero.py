@@ -92,11 +92,12 @@ def _one_step(tmp, rank: int, world_size: int, zero: int) -> dict:
     trainer = Trainer(cfg, make_mesh(cfg, rank, world_size), torch.device("cpu"))
     pending_at_launch = []  # gradients still due in backward when each reduce-scatter starts
     if zero:
-        unit_comm = trainer.parallel.zero.unit_comm
+        unit_comm = trainer.parallel.update.unit_comm
         reduce_grads = unit_comm.reduce_grads
 
         def spy(*args, **kwargs):
-            pending_at_launch.append(sum(u.pending for u in trainer.parallel.zero.units))
+            launcher = trainer.parallel.update.reducer.launcher  # None under stage 1
+            pending_at_launch.append(sum(launcher.pending) if launcher else 0)
             return reduce_grads(*args, **kwargs)
 
         unit_comm.reduce_grads = spy
@@ -109,7 +110,7 @@ def _one_step(tmp, rank: int, world_size: int, zero: int) -> dict:
            "pending_at_launch": pending_at_launch,
            "full_grads_left": sum(p.grad is not None for p in trainer.model.parameters())}
     if zero:
-        z = trainer.parallel.zero
+        z = trainer.parallel.update
         out["padded"] = sum(u.padded for u in z.units)
         out["n_units"] = len(z.units)
         if z.gatherer is not None:

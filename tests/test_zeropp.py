@@ -199,7 +199,7 @@ def test_qwz_keeps_exact_master_weights_at_stage_1(tmp_path):
                "--parallel.zero_quantized_weights", "true")
     trainer = Trainer(cfg, make_mesh(cfg, 0, 1), torch.device("cpu"))
     trainer.train_step()
-    zero = trainer.parallel.zero
+    zero = trainer.parallel.update
     for k, unit in enumerate(zero.units):
         master = zero.optimizer.master(k)
         assert master.data_ptr() != unit.shard.data_ptr()

@@ -153,22 +153,28 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Deterministic initialisation, independent of device and of module order: each
-        parameter is drawn on the CPU from a generator seeded by (seed, parameter name), so
-        a sharded layout can draw the same full tensor and keep its own slice."""
+        """Deterministic initialisation, independent of device and of module order (see
+        `init_tensor`), so a sharded layout can draw the same full tensor and keep its slice."""
         self.tie_weights()
-        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)  # GPT-2's scaled residual init
-        for name, p in self.named_parameters():
-            p.copy_(init_tensor(name, tuple(p.shape), seed, residual_std))
-        if self.cfg.style == "llama":
-            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
-            self.rope_cos = cos.to(self.rope_cos.device)
-            self.rope_sin = sin.to(self.rope_sin.device)
+        init_parameters(self, self.cfg, seed)
 
 
-def init_tensor(name: str, shape: tuple[int, ...], seed: int, residual_std: float) -> torch.Tensor:
-    """The initial value of parameter `name`: ones for norm weights, zeros for biases,
-    N(0, 0.02) for weights, with residual output projections (wo, w2) scaled down."""
+@torch.no_grad()
+def init_parameters(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
+    """Every parameter of `module` (the model, or a part of it registered under the model's
+    own names) by its full-model name, and the RoPE tables where the module has them."""
+    for name, p in module.named_parameters():
+        p.copy_(init_tensor(name, tuple(p.shape), seed, cfg))
+    if hasattr(module, "rope_cos"):
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        module.rope_cos = cos.to(module.rope_cos.device)
+        module.rope_sin = sin.to(module.rope_sin.device)
+
+
+def init_tensor(name: str, shape: tuple[int, ...], seed: int, cfg: ModelConfig) -> torch.Tensor:
+    """The initial value of parameter `name`, drawn on the CPU from a generator seeded by
+    (seed, name): ones for norm weights, zeros for biases, N(0, 0.02) for weights, with the
+    residual output projections (wo, w2) at 0.02 / sqrt(2 n_layers) (GPT-2's scaled init)."""
     leaf = name.rsplit(".", 1)[-1]
     owner = name.rsplit(".", 2)[-2] if name.count(".") else ""
     if "norm" in owner:
@@ -176,7 +182,7 @@ def init_tensor(name: str, shape: tuple[int, ...], seed: int, residual_std: floa
     if leaf == "bias":
         return torch.zeros(shape)
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-    std = residual_std if owner in ("wo", "w2") else 0.02
+    std = 0.02 / math.sqrt(2 * cfg.n_layers) if owner in ("wo", "w2") else 0.02
     return torch.empty(shape).normal_(0.0, std, generator=gen)
 
 

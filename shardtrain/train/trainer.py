@@ -55,7 +55,6 @@ class Trainer:
         self.model = build_model(cfg.model, seed=None)  # shapes only: parallelize materialises
         self.parallel = parallelize(self.model, mesh, cfg, device=device,
                                     make_optimizer=lambda m: build_optimizer(m, cfg.optim, t.lr))
-        self.reducer = self.parallel.reducer
         self.accum = t.accumulation_steps(self.dp.size)
         self.sampler = TokenSampler(self.data.train, seq_len=t.seq_len,
                                     global_batch=t.global_batch, micro_batch=t.micro_batch,
@@ -82,10 +81,10 @@ class Trainer:
         lr = lr_at(self.step, base_lr=t.lr, warmup=o.warmup_steps, total=t.steps,
                    min_ratio=o.min_lr_ratio)
         start = time.perf_counter()
-        self.reducer.zero_grad()
+        self.parallel.zero_grad()
         mean_loss = self.parallel.forward_backward(self.sampler.next_step())
         grad_norm = self.parallel.clip_grad_norm(o.grad_clip or float("inf"))
-        self.parallel.optimizer_step(lr)
+        self.parallel.step(lr)
         elapsed = time.perf_counter() - start
         self.step += 1
         comm = self.mesh.ledger.totals(self.mesh.ledger.mark())
@@ -105,15 +104,15 @@ class Trainer:
         batches = eval_batches(self.data.eval, seq_len=t.seq_len, batch_size=t.micro_batch,
                                n_batches=t.eval_batches)
         totals = torch.zeros(2, device=self.device)  # [loss sum, batch count]
-        self.parallel.module.eval()
         # Every dp rank runs as many forwards (ZeRO-3's forward gathers parameters
         # collectively): a rank out of batches repeats the first one and counts it 0 times.
         mine = batches[self.dp.rank::self.dp.size]
-        for i in range(-(-len(batches) // self.dp.size)):
-            inputs, targets = mine[i] if i < len(mine) else batches[0]
-            count = torch.full((), float(i < len(mine)), device=self.device)
-            totals += torch.stack([self.parallel.forward_loss(inputs, targets) * count, count])
-        self.parallel.module.train()
+        with self.parallel.evaluating():
+            for i in range(-(-len(batches) // self.dp.size)):
+                inputs, targets = mine[i] if i < len(mine) else batches[0]
+                count = torch.full((), float(i < len(mine)), device=self.device)
+                totals += torch.stack([self.parallel.forward_loss(inputs, targets) * count,
+                                       count])
         self.dp.all_reduce(totals, "sum", tag="metric")
         return (totals[0] / totals[1]).item()
 
@@ -158,7 +157,7 @@ class Trainer:
         """This rank's timeline of the last training step (the executor's actions with
         their start and end; format in parallel/pipeline/executor.py) as
         <run_dir>/timeline_rank{R}.json; None before the first step."""
-        timeline = self.parallel.pipeline.timeline
+        timeline = self.parallel.timeline
         if timeline is None:
             return None
         path = Path(self.cfg.train.run_dir) / f"timeline_rank{self.mesh.rank}.json"

@@ -3,18 +3,21 @@
 Each parameter's `.grad` is a view into a flat bucket buffer, so accumulation writes
 straight into the buffer the all-reduce sends (no copy in, no copy out). Buckets are
 filled in reverse registration order, which is roughly the order backward produces
-gradients (last layer first). A post-accumulate-grad hook counts the gradients of each
-bucket; once a bucket is complete its all-reduce is launched asynchronously while
-backward continues with earlier layers (Li et al. 2020, "PyTorch Distributed", sec. 3.2).
-Buckets are launched strictly in index order: collectives must be issued in the same
-order on every rank, and the order in which gradients become ready may differ.
+gradients (last layer first). Once a bucket is complete its all-reduce is launched
+asynchronously while backward continues with earlier layers, buckets strictly in index
+order (ready.py; Li et al. 2020, "PyTorch Distributed", sec. 3.2).
 
-On accumulation micro-steps (`sync=False`) the hooks do nothing: gradients accumulate
-locally and only the last micro-step communicates.
+On accumulation micro-steps (`no_sync`) nothing is launched: gradients accumulate locally
+and only the last micro-step communicates.
+
+`ReplicatedUpdate` is the layout's update half (strategy.py) for plain data parallelism:
+this reducer, a torch optimizer over the full (tensor-parallel local) parameters, and the
+clipping and gradient sums over the tensor and pipeline shards.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -23,13 +26,15 @@ from torch import nn
 
 from shardtrain.comm import Communicator, Handle
 from shardtrain.comm.compress import make_compressor
+from shardtrain.parallel.pipeline.state import StageShards
+from shardtrain.parallel.ready import ReadyInOrder
+from shardtrain.parallel.strategy import nbytes, optimizer_state_bytes
 
 
 @dataclass(eq=False)
 class Bucket:
     buffer: torch.Tensor  # flat [numel padded to a multiple of the group size]
     params: list[nn.Parameter]
-    pending: int = 0  # gradients still to arrive in this backward
     handle: Handle | None = None
 
 
@@ -45,20 +50,16 @@ class DataParallel:
         params = [p for p in module.parameters() if p.requires_grad]  # tied weights once
         self.buckets = _make_buckets(list(reversed(params)), bucket_mb * 2**20, comm.size)
         self.compressors = [make_compressor(compress, block=quant_block) for _ in self.buckets]
-        self._bucket_of = {p: b for b in self.buckets for p in b.params}
-        self._next = 0  # index of the next bucket to launch
-        self._sync = True
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
-        self._reset_pending()
+        self.launcher = ReadyInOrder([b.params for b in self.buckets], self._launch)
 
     @contextmanager
     def no_sync(self):
         """Accumulate gradients locally: no communication inside this context."""
-        self._sync = False
+        self.launcher.enabled = False
         try:
             yield
         finally:
-            self._sync = True
+            self.launcher.enabled = True
 
     def zero_grad(self) -> None:
         """Zero the bucket buffers (the .grad tensors are views into them; never set them to
@@ -66,34 +67,18 @@ class DataParallel:
         for b in self.buckets:
             b.buffer.zero_()
 
-    def _on_grad(self, param: nn.Parameter) -> None:
-        if not self._sync:
-            return
-        bucket = self._bucket_of[param]
-        bucket.pending -= 1
-        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
-            self._launch(self.buckets[self._next])
-
-    def _launch(self, bucket: Bucket) -> None:
-        bucket.handle = self.comm.all_reduce(bucket.buffer, "avg", async_op=True, tag="grad",
-                                             compress=self.compressors[self._next])
-        self._next += 1
+    def _launch(self, i: int) -> None:
+        self.buckets[i].handle = self.comm.all_reduce(
+            self.buckets[i].buffer, "avg", async_op=True, tag="grad", compress=self.compressors[i])
 
     def finish(self) -> None:
-        """Wait for every bucket's all-reduce. Buckets whose gradients never all arrived
-        (parameters unused in this step, e.g. an expert no token chose) are launched here,
-        in order, so every rank issues the same collectives."""
-        while self._next < len(self.buckets):
-            self._launch(self.buckets[self._next])
+        """Wait for every bucket's all-reduce (launching those whose gradients never all
+        arrived, in order)."""
+        self.launcher.drain()
         for b in self.buckets:
             b.handle.wait()
             b.handle = None
-        self._reset_pending()
-
-    def _reset_pending(self) -> None:
-        self._next = 0
-        for b in self.buckets:
-            b.pending = len(b.params)
+        self.launcher.reset()
 
     @property
     def grad_bytes(self) -> int:
@@ -127,3 +112,47 @@ def _make_buckets(params: list[nn.Parameter], cap_bytes: float, group_size: int)
             offset += p.numel()
         buckets.append(Bucket(buffer=buffer, params=group))
     return buckets
+
+
+class ReplicatedUpdate:
+    """The update half of plain data parallelism: gradients all-reduced in buckets, summed
+    over tensor-parallel shards, clipped over the whole model, one torch optimizer step.
+    The optimizer state is full (gathered over tp and pp) in one checkpoint file written by
+    the main rank, so any replicated layout resumes from it."""
+
+    def __init__(self, reducer: DataParallel, optimizer: torch.optim.Optimizer,
+                 shards: StageShards):
+        self.reducer, self.optimizer, self.shards = reducer, optimizer, shards
+        self.no_sync, self.zero_grad = reducer.no_sync, reducer.zero_grad
+
+    def finish(self) -> None:
+        self.reducer.finish()
+        self.shards.sum_partial_grads()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return self.shards.clip_grad_norm(max_norm)
+
+    def step(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+
+    def memory(self) -> dict[str, int]:
+        """Parameters are the fp32 master weights (bf16 computes under autocast)."""
+        return {"params_bytes": nbytes(*self.shards.model.parameters()),
+                "grads_bytes": self.reducer.grad_bytes,
+                "optimizer_bytes": optimizer_state_bytes(self.optimizer), "master_bytes": 0}
+
+    def local_state_dict(self) -> None:
+        return None  # the module's own parameters are this rank's state
+
+    def load_local_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.shards.model.load_state_dict(state)
+
+    def optimizer_files(self, is_main: bool) -> dict[str, dict]:
+        state = self.shards.full_optimizer_state_dict(self.optimizer)  # collective: every rank
+        return {"optimizer.pt": state} if is_main else {}
+
+    def load_optimizer_files(self, load: Callable[[str], dict]) -> None:
+        self.shards.load_full_optimizer_state_dict(self.optimizer, load("optimizer.pt"))
+

@@ -36,7 +36,7 @@ it stays identical there too.
 
 Each dp rank's optimizer state and residual are its own (they follow its local gradients):
 checkpoints hold one file per rank, and only the same layout and compression resume from
-them (parallelize.SparseUpdateParallelized, train/checkpoint.py). Bytes per rank per step:
+them (train/checkpoint.py). Bytes per rank per step:
 (p-1) x 8k with k ~ ratio x n: n / (p k) times fewer than a ring all-reduce of fp32
 gradients (~50x at 1% on 2 ranks). The ledger records them under the tag "grad:topk", the
 data-parallel exchange they replace.
@@ -44,6 +44,7 @@ data-parallel exchange they replace.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
@@ -51,6 +52,8 @@ from torch import nn
 
 from shardtrain.comm import Communicator
 from shardtrain.comm.compress import TopKCompressor
+from shardtrain.parallel.pipeline.state import StageShards
+from shardtrain.parallel.strategy import nbytes, optimizer_state_bytes
 
 WARMUP_START = 0.25  # the fraction sent at the first step of a sparsity warm-up
 # The optimizers' momentum (first moment) state: AdamW's and SGD's.
@@ -58,14 +61,17 @@ MOMENTUM_KEYS = ("exp_avg", "momentum_buffer")
 
 
 class SparseUpdates:
-    """The trainer's reducer for comm.compress=topk (gradients stay local: nothing to
-    synchronise) and the step that exchanges the optimizer's sparsified update."""
+    """The update half of a layout (strategy.py) under comm.compress=topk: gradients stay
+    local (only the tensor-parallel partial sums are taken), each rank clips its own, and
+    the step exchanges the optimizer's sparsified update. Checkpoints hold one optimizer
+    file per rank (`file`)."""
 
-    def __init__(self, comm: Communicator, optimizer: torch.optim.Optimizer, *,
-                 ratio: float, error_feedback: bool = True, warmup_steps: int = 0):
+    def __init__(self, comm: Communicator, optimizer: torch.optim.Optimizer,
+                 shards: StageShards, *, ratio: float, error_feedback: bool = True,
+                 warmup_steps: int = 0, file: str = "optimizer.pt"):
         """`warmup_steps`: the sent fraction starts at WARMUP_START and falls geometrically
         to `ratio` over these first steps (`fraction_sent`)."""
-        self.comm, self.optimizer = comm, optimizer
+        self.comm, self.optimizer, self.shards, self.file = comm, optimizer, shards, file
         self.ratio, self.warmup_steps, self.steps = ratio, warmup_steps, 0
         self.params: list[nn.Parameter] = [p for g in optimizer.param_groups for p in g["params"]]
         self.compressor = TopKCompressor(ratio, error_feedback=error_feedback,
@@ -80,16 +86,36 @@ class SparseUpdates:
             p.grad = None
 
     def finish(self) -> None:
-        """Nothing in flight after backward: the exchange happens in `step`."""
+        """Nothing in flight after backward (the exchange happens in `step`); blocks shared
+        by tensor-parallel ranks still sum their gradient parts."""
+        self.shards.sum_partial_grads()
 
-    @property
-    def grad_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.params)
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """This rank's own gradient norm (DGC's local clipping)."""
+        return self.shards.clip_grad_norm(max_norm)
 
-    @property
-    def residual_bytes(self) -> int:
-        r = self.compressor.residual
-        return 0 if r is None else r.numel() * r.element_size()
+    def memory(self) -> dict[str, int]:
+        residual = self.compressor.residual
+        return {"params_bytes": nbytes(*self.shards.model.parameters()),
+                "grads_bytes": nbytes(*self.params),
+                "optimizer_bytes": optimizer_state_bytes(self.optimizer)
+                + (0 if residual is None else nbytes(residual)), "master_bytes": 0}
+
+    def local_state_dict(self) -> None:
+        return None
+
+    def load_local_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.shards.model.load_state_dict(state)
+
+    def optimizer_files(self, is_main: bool) -> dict[str, dict]:
+        return {self.file: {"optimizer": self.optimizer.state_dict(),
+                            "updates": {"residual": self.compressor.residual,
+                                        "steps": self.steps}}}
+
+    def load_optimizer_files(self, load: Callable[[str], dict]) -> None:
+        state = load(self.file)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.compressor.residual, self.steps = state["updates"]["residual"], state["updates"]["steps"]
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
@@ -114,12 +140,6 @@ class SparseUpdates:
                 if key in self.optimizer.state[p]:
                     self.optimizer.state[p][key].view(-1)[sent[offset:offset + n]] = 0
             offset += n
-
-    def state_dict(self) -> dict:
-        return {"residual": self.compressor.residual, "steps": self.steps}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.compressor.residual, self.steps = state["residual"], state["steps"]
 
 
 def fraction_sent(step: int, ratio: float, warmup_steps: int) -> float:

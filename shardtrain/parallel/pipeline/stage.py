@@ -17,13 +17,12 @@ Megatron-LM does (Narayanan et al. 2021).
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import nn
 
 from shardtrain.config import Config
-from shardtrain.model.transformer import Transformer, init_tensor, rope_tables
+from shardtrain.model.transformer import Transformer, init_parameters
 from shardtrain.parallel.pipeline.partition import layer_ranges, stage_costs
 
 
@@ -59,15 +58,9 @@ class PipelineStage(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Every parameter by its full-model name, as Transformer.init_weights draws it
-        (tensor-parallel shards are then overwritten with their slices: sharding.py)."""
+        (tensor-parallel shards are then overwritten with their slices: tensor/sharding.py)."""
         self.tie_weights()
-        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
-        for name, p in self.named_parameters():
-            p.copy_(init_tensor(name, tuple(p.shape), seed, residual_std))
-        if self.cfg.style == "llama":
-            device = self.rope_cos.device
-            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
-            self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        init_parameters(self, self.cfg, seed)
 
     def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.cfg.style != "llama":

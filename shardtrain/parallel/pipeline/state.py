@@ -58,8 +58,11 @@ class StageShards(TensorShards):
             grad += other
 
     def grad_norm_squared(self, skip: frozenset[str] = frozenset()) -> torch.Tensor:
-        total = super().grad_norm_squared(skip | self.counted_elsewhere)
-        self.pp.all_reduce(total, "sum", tag="grad_norm")
+        return super().grad_norm_squared(skip | self.counted_elsewhere)
+
+    def sum_norm_squared(self, total: torch.Tensor) -> torch.Tensor:
+        """Over tp, then over the pipeline stages."""
+        self.pp.all_reduce(super().sum_norm_squared(total), "sum", tag="grad_norm")
         return total
 
     # ------------------------------------------------------------------ state

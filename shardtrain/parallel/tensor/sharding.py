@@ -11,7 +11,6 @@ replicated whole.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -73,11 +72,10 @@ class TensorShards:
         """Each shard is its slice of the full tensor a single process draws
         (`init_tensor` by name), so every layout starts from the same weights."""
         self.model.init_weights(seed)  # ties, RoPE tables and the replicated parameters
-        residual_std = 0.02 / math.sqrt(2 * self.model.cfg.n_layers)  # as Transformer.init_weights
         for name, p in self.named.items():
             place = self.placement(name)
             if place.parts > 1:
-                full = init_tensor(name, place.full_shape(p.shape), seed, residual_std)
+                full = init_tensor(name, place.full_shape(p.shape), seed, self.model.cfg)
                 p.copy_(place.shard(full))
 
     # ------------------------------------------------------------------ gradients
@@ -126,7 +124,10 @@ class TensorShards:
         named = [(n, p) for n, p in self.named.items() if p.grad is not None and n not in skip]
         share = torch.tensor([self.placement(n).parts / self.comm.size for n, _ in named])
         norms = torch.stack(torch._foreach_norm([p.grad for _, p in named])).float()  # [P]
-        total = (norms.square() * share.to(norms.device)).sum()
+        return self.sum_norm_squared((norms.square() * share.to(norms.device)).sum())
+
+    def sum_norm_squared(self, total: torch.Tensor) -> torch.Tensor:
+        """A squared norm summed over the ranks holding the other shards (in place)."""
         self.comm.all_reduce(total, "sum", tag="grad_norm")
         return total
 

@@ -30,145 +30,31 @@ degenerate to copies).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from shardtrain.comm import Communicator
 from shardtrain.config import Config
-from shardtrain.model.transformer import Transformer
-from shardtrain.parallel.zero.offload import build_shard_optimizer
 from shardtrain.parallel.pipeline.state import StageShards
-from shardtrain.parallel.zero.optim import ShardOptimizer
+from shardtrain.parallel.strategy import nbytes
 from shardtrain.parallel.zero.gather import ParamGatherer
-from shardtrain.parallel.zero.units import FlatUnit, UnitComm, build_units, partial_runs
-
-
-class ZeroReducer:
-    """The gradients of the units: .grad views (stage 1) or backward hooks (stages 2, 3)
-    that leave each rank with its averaged fp32 gradient shard of every unit."""
-
-    def __init__(self, units: list[FlatUnit], unit_comm: UnitComm, *, stage: int,
-                 gatherer: ParamGatherer | None):
-        self.units, self.unit_comm, self.stage, self.gatherer = units, unit_comm, stage, gatherer
-        self.order = list(reversed(units))  # backward produces the last unit's grads first
-        self._next = 0  # index into order of the next unit to launch
-        self._inflight: list[tuple[FlatUnit, object, torch.Tensor, torch.Tensor]] = []
-        self._unit_of: dict[nn.Parameter, FlatUnit] = {}
-        for u in units:
-            fp32 = u.flat.dtype == torch.float32
-            if stage == 1:  # full gradients accumulate in place; the fp32 shard is a view
-                u.grad_flat = torch.zeros_like(u.flat)
-                for p, view in zip(u.params, u.param_views(u.grad_flat)):
-                    p.grad = view
-                u.grad_shard = u.grad_flat[u.shard_slice()] if fp32 else \
-                    torch.zeros(u.shard_numel, device=u.flat.device)
-            else:  # the shard exists from the step's first reduce-scatter (_complete)
-                for p in u.params:
-                    self._unit_of[p] = u
-                    p.register_post_accumulate_grad_hook(self._on_grad)
-        self._reset_pending()
-
-    @contextmanager
-    def no_sync(self):
-        """An accumulation micro-step. Stage 1 communicates nothing in it; stages 2 and 3
-        reduce-scatter every micro-batch (see the module doc) and finish its
-        reduce-scatters here, so the next micro-batch starts with none in flight."""
-        try:
-            yield
-        finally:
-            if self.stage >= 2:
-                self._drain()
-
-    def zero_grad(self) -> None:
-        for u in self.units:
-            if u.grad_flat is not None:  # stage 1: the shard is a view of it, or is copied
-                u.grad_flat.zero_()
-            else:
-                u.grad_shard = None
-
-    @torch.no_grad()
-    def finish(self) -> None:
-        """After the last micro-batch: every unit's grad_shard is its dp-averaged shard."""
-        if self.stage >= 2:
-            self._drain()
-            return
-        launched = []  # stage 1: every unit at once, in order, then wait
-        for u in reversed(self.units):
-            out = torch.empty(u.shard_numel, dtype=u.flat.dtype, device=u.flat.device)
-            launched.append((u, self.unit_comm.reduce_grads(u, out, u.grad_flat), out))
-        for u, handle, out in launched:
-            handle.wait()
-            u.grad_shard.copy_(out)
-
-    # ------------------------------------------------------------------ stages 2 and 3
-
-    def _on_grad(self, param: nn.Parameter) -> None:
-        self._unit_of[param].pending -= 1
-        while self._next < len(self.order) and self.order[self._next].pending == 0:
-            self._launch()
-
-    @torch.no_grad()
-    def _launch(self) -> None:
-        """Reduce-scatter the next unit's full gradients (zeros for parameters that got
-        none) asynchronously and drop them. One earlier unit's reduce-scatter stays in
-        flight (it had this unit's backward to finish in): two units' full gradients at most."""
-        u = self.order[self._next]
-        self._next += 1
-        full = torch.zeros(u.padded, dtype=u.flat.dtype, device=u.flat.device)  # [padded]
-        for p, view in zip(u.params, u.param_views(full)):
-            if p.grad is not None:
-                view.copy_(p.grad)
-                p.grad = None
-        if self.gatherer is not None:
-            self.gatherer.free(u)  # its backward is done
-        out = torch.empty(u.shard_numel, dtype=full.dtype, device=full.device)
-        handle = self.unit_comm.reduce_grads(u, out, full)
-        self._inflight.append((u, handle, out, full))
-        while len(self._inflight) > 1:
-            self._complete(self._inflight.pop(0))
-
-    def _complete(self, item) -> None:
-        u, handle, out, _ = item
-        handle.wait()
-        if u.grad_shard is None:  # the step's first micro-batch
-            u.grad_shard = out.float()
-        else:
-            u.grad_shard.add_(out)
-
-    def _drain(self) -> None:
-        """Launch the units whose gradients never all arrived (unused parameters), in
-        order, so every rank issues the same collectives; wait for all."""
-        while self._next < len(self.order):
-            self._launch()
-        while self._inflight:
-            self._complete(self._inflight.pop(0))
-        self._reset_pending()
-
-    def _reset_pending(self) -> None:
-        self._next = 0
-        for u in self.units:
-            u.pending = len(u.params)
-
-    @property
-    def grad_bytes(self) -> int:
-        """Gradient bytes held during a step: stage 1 the full buffers (and fp32 shards when
-        they are not views of them), stages 2 and 3 the fp32 shards."""
-        full = sum(_nbytes(u.grad_flat) for u in self.units if u.grad_flat is not None)
-        shards = sum(4 * u.shard_numel for u in self.units
-                     if u.grad_flat is None or u.grad_shard._base is not u.grad_flat)
-        return full + shards
+from shardtrain.parallel.zero.offload import build_shard_optimizer
+from shardtrain.parallel.zero.optim import ShardOptimizer
+from shardtrain.parallel.zero.reducer import ZeroReducer
+from shardtrain.parallel.zero.units import UnitComm, build_units, partial_runs
 
 
 class ZeroModel:
-    """The units, their gradients, the shard optimizer and the parameter updates of one
-    model under ZeRO; Parallelized (parallelize.py) drives it."""
+    """The update half of a ZeRO layout (strategy.py): the units, their gradients, the
+    shard optimizer and the parameter updates of one model (or pipeline stage).
+    Checkpoints hold one optimizer file per rank (`file`): its master and moment shards."""
 
-    def __init__(self, model: Transformer, comm: Communicator, tp: StageShards, cfg: Config,
-                 unit_comm: UnitComm | None = None):
+    def __init__(self, model: nn.Module, comm: Communicator, shards: StageShards, cfg: Config,
+                 *, unit_comm: UnitComm | None = None, file: str = "optimizer.pt"):
         p = cfg.parallel
-        self.stage, self.comm, self.tp, self.cfg = p.zero, comm, tp, cfg
+        self.stage, self.comm, self.shards, self.cfg, self.file = p.zero, comm, shards, cfg, file
         dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
         align = cfg.comm.quant_block if p.zero_quantized_weights else 1  # qwZ blocks
         self.units = build_units(model, dp_size=comm.size, dp_rank=comm.rank, dtype=dtype,
@@ -200,17 +86,18 @@ class ZeroModel:
             masters, aliased = [m.clone() for m in masters], False
         self.optimizer: ShardOptimizer = build_shard_optimizer(
             masters, [u.decay_runs() for u in self.units], cfg, aliased=aliased, rank=comm.rank)
-        self._partial = [partial_runs(u, tp.placements) for u in self.units]
+        self._partial = [partial_runs(u, shards.placements) for u in self.units]
+        self.no_sync, self.zero_grad = self.reducer.no_sync, self.reducer.zero_grad
 
     # ------------------------------------------------------------------ the step
 
     @torch.no_grad()
-    def sync_grads(self) -> None:
+    def finish(self) -> None:
         if self.stage == 1:  # pipeline (stage 1 only): the tied copies' full gradients
-            self.tp.sum_tied_grads()
+            self.shards.sum_tied_grads()
         self.reducer.finish()
         if any(self._partial):  # tp blocks whose gradient parts sum over tp
-            self.tp.sum_partial([(u.grad_shard[a:b], place) for u, runs in
+            self.shards.sum_partial([(u.grad_shard[a:b], place) for u, runs in
                                  zip(self.units, self._partial) for place, a, b in runs])
 
     @torch.no_grad()
@@ -220,8 +107,8 @@ class ZeroModel:
         weighted parts / t as in tensor/sharding.py (a block held by several tp ranks counts once),
         then over dp, tp and pipeline stages (the last stage's copy of a tied embedding is
         counted on the first)."""
-        t = self.tp.comm.size
-        skip = self.tp.counted_elsewhere
+        t = self.shards.comm.size
+        skip = self.shards.counted_elsewhere
         total = torch.zeros((), device=self.units[0].grad_shard.device)
         for u in self.units:
             g = u.grad_shard
@@ -229,12 +116,10 @@ class ZeroModel:
                 total += g.square().sum()
                 continue
             for i, a, b in u.shard_runs(lambda i, u=u: u.names[i] not in skip):
-                share = self.tp.placement(u.names[i]).parts / t
+                share = self.shards.placement(u.names[i]).parts / t
                 total += g[a:b].square().sum() * share
         self.comm.all_reduce(total, "sum", tag="grad_norm")
-        self.tp.comm.all_reduce(total, "sum", tag="grad_norm")
-        self.tp.pp.all_reduce(total, "sum", tag="grad_norm")
-        total = total.sqrt()
+        total = self.shards.sum_norm_squared(total).sqrt()
         if max_norm < float("inf"):
             scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
             for u in self.units:
@@ -285,13 +170,16 @@ class ZeroModel:
         full flat buffers, stage 3 the shards; units gathered for compute are transient),
         gradients, master weights and optimizer state."""
         if self.stage == 3:
-            params = sum(_nbytes(u.shard) for u in self.units)
+            params = nbytes(*(u.shard for u in self.units))
         else:
-            params = sum(_nbytes(u.flat) for u in self.units)
+            params = nbytes(*(u.flat for u in self.units))
         params += self.unit_comm.held_param_bytes
         return {"params_bytes": params, "grads_bytes": self.reducer.grad_bytes,
                 **self.optimizer.memory()}
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    def optimizer_files(self, is_main: bool) -> dict[str, dict]:
+        return {self.file: self.optimizer.state_dict()}
+
+    def load_optimizer_files(self, load: Callable[[str], dict]) -> None:
+        self.optimizer.load_state_dict(load(self.file))

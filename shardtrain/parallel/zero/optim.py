@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from shardtrain.config import OptimConfig
+from shardtrain.parallel.strategy import nbytes
 
 Runs = list[tuple[int, int]]  # [start, end) element ranges of a shard
 
@@ -117,10 +118,7 @@ class MemoryOptimizer:
         return self.masters[k]
 
     def memory(self) -> dict[str, int]:
-        master = 0 if self.aliased else sum(_nbytes(m) for m in self.masters)
-        moments = sum(_nbytes(t) for ms in self.moments for t in ms)
+        master = 0 if self.aliased else nbytes(*self.masters)
+        moments = nbytes(*(t for ms in self.moments for t in ms))
         return {"master_bytes": master, "optimizer_bytes": moments, "offloaded_bytes": 0}
 
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()

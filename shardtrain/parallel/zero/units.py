@@ -37,7 +37,6 @@ class FlatUnit:
     shard: torch.Tensor  # [shard] this rank's slice of the parameters (param dtype)
     grad_shard: torch.Tensor | None = None  # [shard] fp32, averaged over dp (ZeroReducer)
     grad_flat: torch.Tensor | None = None  # [padded] ZeRO-1: the full gradients
-    pending: int = 0  # gradients still to arrive in this backward (ZeRO-2/3)
 
     @property
     def numel(self) -> int:

@@ -1,0 +1,137 @@
+"""The one interface between the trainer and a layout.
+
+A layout is two halves, composed rather than subclassed:
+- the model half, the same for every layout: this rank's part of the model (its pipeline
+  stage, its tensor-parallel shards: `StageShards`) and the pipeline executor that runs a
+  step's micro-batches through it (one stage and plain gradient accumulation without
+  pipeline parallelism);
+- the update half (`Update`): what happens to the gradients after backward and how the
+  optimizer steps. Plain data parallelism (data/ddp.py `ReplicatedUpdate`), top-k update
+  compression (data/topk.py `SparseUpdates`) and ZeRO-1/2/3 (zero/model.py `ZeroModel`)
+  each implement it.
+
+`Strategy` joins them and is all the trainer sees: it never asks which layout it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from shardtrain.parallel.pipeline.runtime import Batch, Pipeline
+    from shardtrain.parallel.pipeline.state import StageShards
+
+
+class Update(Protocol):
+    """The gradient synchronisation and optimizer step of a layout."""
+
+    def no_sync(self) -> AbstractContextManager:
+        """An accumulation micro-step: what it need not communicate, it does not."""
+
+    def zero_grad(self) -> None: ...
+
+    def finish(self) -> None:
+        """After the step's last backward: the gradients are those of the full batch."""
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The whole model's gradient L2 norm; gradients scaled to at most `max_norm`."""
+
+    def step(self, lr: float) -> None: ...
+
+    def memory(self) -> dict[str, int]:
+        """Model-state bytes this rank holds: params, grads, optimizer, master."""
+
+    def local_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """This rank's parameters where they are not the module's own (ZeRO's master
+        shards), else None."""
+
+    def load_local_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+
+    def optimizer_files(self, is_main: bool) -> dict[str, dict]:
+        """{checkpoint file name: state} this rank writes (a collective on every rank)."""
+
+    def load_optimizer_files(self, load: Callable[[str], dict]) -> None: ...
+
+
+@dataclass
+class Strategy:
+    shards: StageShards
+    pipeline: Pipeline
+    update: Update
+
+    @property
+    def module(self) -> nn.Module:
+        """The parameters this rank holds: the model, or its pipeline stage."""
+        return self.shards.model
+
+    @property
+    def timeline(self) -> dict[str, Any] | None:
+        """The last training step's timeline (parallel/pipeline/executor.py)."""
+        return self.pipeline.timeline
+
+    def zero_grad(self) -> None:
+        self.update.zero_grad()
+
+    def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
+        """Forward and backward of this rank's micro-batches of one step, gradients
+        accumulated and synchronised. Returns the step's mean loss, the same on every rank."""
+        loss = self.pipeline.train(micro_batches, no_sync=self.update.no_sync)
+        self.update.finish()
+        return self.pipeline.average_over_replicas(loss)
+
+    def forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean loss of one batch, forward only, the same on every stage."""
+        return self.pipeline.evaluate(inputs, targets)
+
+    @contextmanager
+    def evaluating(self):
+        self.module.eval()
+        try:
+            yield
+        finally:
+            self.module.train()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return self.update.clip_grad_norm(max_norm)
+
+    def step(self, lr: float) -> None:
+        self.update.step(lr)
+
+    def memory(self) -> dict[str, int]:
+        return self.update.memory()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The single-process model's state dict (a collective over tp, pp and, for ZeRO,
+        dp), whatever the layout."""
+        return self.shards.full_state_dict(self.update.local_state_dict())
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.update.load_local_state_dict(self.shards.local_state_dict(state))
+
+    def optimizer_files(self, is_main: bool) -> dict[str, dict]:
+        return self.update.optimizer_files(is_main)
+
+    def load_optimizer_files(self, load: Callable[[str], dict]) -> None:
+        self.update.load_optimizer_files(load)
+
+
+def rank_file(coords: dict[str, int]) -> str:
+    """The checkpoint file of one rank's own optimizer state (ZeRO shards, top-k's per-rank
+    state), named by its mesh coordinates."""
+    return f"optimizer_pp{coords['pp']}_dp{coords['dp']}_tp{coords['tp']}.pt"
+
+
+def nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of a torch optimizer's per-parameter state tensors."""
+    return nbytes(*(t for state in optimizer.state.values() for t in state.values()
+                    if isinstance(t, torch.Tensor)))

@@ -1,0 +1,119 @@
+"""ZeRO's gradients (Rajbhandari et al. 2020, sec. 5.1-5.2): what leaves each dp rank with
+its averaged fp32 gradient shard of every flat unit (units.py).
+
+Stage 1: the parameters' .grad are views into full flat buffers; after the last micro-batch
+every unit is reduce-scattered at once. Stages 2 and 3: as soon as a unit's gradients are
+complete in backward it is reduce-scattered asynchronously (units launched strictly in
+backward order, ready.py) and the full gradients are dropped; the fp32 shard exists from
+the step's first reduce-scatter until the next zero_grad (model.py says why).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from shardtrain.parallel.ready import ReadyInOrder
+from shardtrain.parallel.strategy import nbytes
+from shardtrain.parallel.zero.gather import ParamGatherer
+from shardtrain.parallel.zero.units import FlatUnit, UnitComm
+
+
+class ZeroReducer:
+    """The gradients of the units: .grad views (stage 1) or backward hooks (stages 2, 3)
+    that leave each rank with its averaged fp32 gradient shard of every unit."""
+
+    def __init__(self, units: list[FlatUnit], unit_comm: UnitComm, *, stage: int,
+                 gatherer: ParamGatherer | None):
+        self.units, self.unit_comm, self.stage, self.gatherer = units, unit_comm, stage, gatherer
+        self.order = list(reversed(units))  # backward produces the last unit's grads first
+        self._inflight: list[tuple[FlatUnit, object, torch.Tensor, torch.Tensor]] = []
+        self.launcher: ReadyInOrder | None = None
+        for u in units:
+            if stage == 1:  # full gradients accumulate in place; the fp32 shard is a view
+                u.grad_flat = torch.zeros_like(u.flat)
+                for p, view in zip(u.params, u.param_views(u.grad_flat)):
+                    p.grad = view
+                u.grad_shard = u.grad_flat[u.shard_slice()] if u.flat.dtype == torch.float32 \
+                    else torch.zeros(u.shard_numel, device=u.flat.device)
+        if stage >= 2:  # the shard exists from the step's first reduce-scatter (_complete)
+            self.launcher = ReadyInOrder([u.params for u in self.order], self._launch)
+
+    @contextmanager
+    def no_sync(self):
+        """An accumulation micro-step. Stage 1 communicates nothing in it; stages 2 and 3
+        reduce-scatter every micro-batch (see model.py) and finish its reduce-scatters
+        here, so the next micro-batch starts with none in flight."""
+        try:
+            yield
+        finally:
+            if self.stage >= 2:
+                self._drain()
+
+    def zero_grad(self) -> None:
+        for u in self.units:
+            if u.grad_flat is not None:  # stage 1: the shard is a view of it, or is copied
+                u.grad_flat.zero_()
+            else:
+                u.grad_shard = None
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """After the last micro-batch: every unit's grad_shard is its dp-averaged shard."""
+        if self.stage >= 2:
+            self._drain()
+            return
+        launched = []  # stage 1: every unit at once, in order, then wait
+        for u in self.order:
+            out = torch.empty(u.shard_numel, dtype=u.flat.dtype, device=u.flat.device)
+            launched.append((u, self.unit_comm.reduce_grads(u, out, u.grad_flat), out))
+        for u, handle, out in launched:
+            handle.wait()
+            u.grad_shard.copy_(out)
+
+    # ------------------------------------------------------------------ stages 2 and 3
+
+    @torch.no_grad()
+    def _launch(self, i: int) -> None:
+        """Reduce-scatter unit order[i]'s full gradients (zeros for parameters that got
+        none) asynchronously and drop them. One earlier unit's reduce-scatter stays in
+        flight (it had this unit's backward to finish in): two units' full gradients at most."""
+        u = self.order[i]
+        full = torch.zeros(u.padded, dtype=u.flat.dtype, device=u.flat.device)  # [padded]
+        for p, view in zip(u.params, u.param_views(full)):
+            if p.grad is not None:
+                view.copy_(p.grad)
+                p.grad = None
+        if self.gatherer is not None:
+            self.gatherer.free(u)  # its backward is done
+        out = torch.empty(u.shard_numel, dtype=full.dtype, device=full.device)
+        handle = self.unit_comm.reduce_grads(u, out, full)
+        self._inflight.append((u, handle, out, full))
+        while len(self._inflight) > 1:
+            self._complete(self._inflight.pop(0))
+
+    def _complete(self, item) -> None:
+        u, handle, out, _ = item
+        handle.wait()
+        if u.grad_shard is None:  # the step's first micro-batch
+            u.grad_shard = out.float()
+        else:
+            u.grad_shard.add_(out)
+
+    def _drain(self) -> None:
+        """Launch the units whose gradients never all arrived (unused parameters), in
+        order, so every rank issues the same collectives; wait for all."""
+        self.launcher.drain()
+        while self._inflight:
+            self._complete(self._inflight.pop(0))
+        self.launcher.reset()
+
+    @property
+    def grad_bytes(self) -> int:
+        """Gradient bytes held during a step: stage 1 the full buffers (and fp32 shards when
+        they are not views of them), stages 2 and 3 the fp32 shards."""
+        full = nbytes(*(u.grad_flat for u in self.units if u.grad_flat is not None))
+        shards = sum(4 * u.shard_numel for u in self.units
+                     if u.grad_flat is None or u.grad_shard._base is not u.grad_flat)
+        return full + shards
