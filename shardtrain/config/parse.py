@@ -123,7 +123,8 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or "." not in arg.split("=")[0]:
-            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.field VALUE")
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like "
+                              "--section.field VALUE")
         if "=" in arg:
             key, value = arg[2:].split("=", 1)
             i += 1

@@ -1,0 +1,125 @@
+"""The layout and communication sections of the configuration: the degree of each parallel
+dimension and its options (ZeRO, offload, ZeRO++, pipeline schedule), and how bytes move
+(collective algorithm, buckets, compression). Checks that need other sections too live in
+layout.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from shardtrain.config.errors import ConfigError, positive
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """The layout: degrees of each parallel dimension. dp=0 fills the world. sp: sequence
+    parallelism inside each tensor-parallel group (needs tp > 1)."""
+
+    dp: int = 0
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sp: bool = False
+    node_size: int = 0  # ranks per (virtual) node; 0: LOCAL_WORLD_SIZE from the launcher
+    # ZeRO over the dp group: 1 shards optimizer state and master weights, 2 also gradients,
+    # 3 also parameters (gathered unit by unit, zero_prefetch units ahead).
+    zero: int = 0
+    zero_prefetch: int = 1
+    offload: Literal["none", "cpu", "nvme"] = "none"  # where optimizer state and step live
+    offload_dir: str = ""  # nvme offload: directory of the memory-mapped shard files
+    zero_quantized_weights: bool = False  # ZeRO++ qwZ: int8 parameter all-gather
+    zero_hpz: bool = False  # ZeRO++ hpZ: a secondary parameter shard per node
+    zero_quantized_gradients: bool = False  # ZeRO++ qgZ: int8 reduce-scatter over all-to-all
+    # Pipeline: micro-batches per step (0: global_batch / (dp x train.micro_batch)), the
+    # schedule, and model chunks per stage for the interleaved schedule.
+    microbatches: int = 0
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    virtual_stages: int = 1
+
+    def resolved_dp(self, world_size: int) -> int:
+        return self.dp or max(1, world_size // (self.tp * self.pp * self.cp))
+
+    def validate(self, world_size: int) -> None:
+        positive("parallel", self, "tp", "pp", "cp", "ep")
+        if self.dp < 0 or self.node_size < 0:
+            raise ConfigError("parallel.dp and parallel.node_size must be >= 0 (0 means automatic)")
+        dp = self.resolved_dp(world_size)
+        product = dp * self.tp * self.pp * self.cp
+        if product != world_size:
+            raise ConfigError(
+                f"parallel layout dp={dp} x tp={self.tp} x pp={self.pp} x cp={self.cp} = "
+                f"{product} does not equal the world size {world_size}; change parallel.dp "
+                f"(or set it to 0 to fill the world) or the number of processes (--nproc)")
+        if not 0 <= self.zero <= 3:
+            raise ConfigError(f"parallel.zero={self.zero} must be 0, 1, 2 or 3 (0: plain data "
+                              "parallel; 1, 2, 3: ZeRO stage)")
+        if self.zero_prefetch < 0 or self.microbatches < 0:
+            raise ConfigError("parallel.zero_prefetch and parallel.microbatches must be >= 0")
+        if self.zero_prefetch != 1 and self.zero != 3:
+            raise ConfigError(f"parallel.zero_prefetch={self.zero_prefetch} only applies to "
+                              f"parallel.zero=3 (units of parameters gathered ahead); this run "
+                              f"has parallel.zero={self.zero}: drop zero_prefetch or set zero=3")
+        self._validate_offload_and_zeropp()
+        positive("parallel", self, "virtual_stages")
+        if (dp * self.cp) % self.ep:
+            raise ConfigError(f"parallel.ep={self.ep} must divide dp x cp = {dp * self.cp}")
+        for name in ("cp", "ep"):
+            if getattr(self, name) > 1:
+                raise ConfigError(
+                    f"parallel.{name}={getattr(self, name)}: the trainer supports data, tensor "
+                    f"and pipeline parallelism only in this release; set parallel.{name}=1")
+
+    def _validate_offload_and_zeropp(self) -> None:
+        """Offload and ZeRO++ act on ZeRO's flat shards; hpZ on stage 3's backward gathers.
+        (The offload dir's existence and free space are checked by cli.prepare_run.)"""
+        if self.offload != "none" and self.zero == 0:
+            raise ConfigError(f"parallel.offload={self.offload} moves ZeRO's sharded optimizer "
+                              "state off the device: set parallel.zero to 1, 2 or 3")
+        if self.offload == "nvme" and not self.offload_dir:
+            raise ConfigError("parallel.offload=nvme needs parallel.offload_dir: a directory on "
+                              "a fast local disk for the optimizer state files")
+        for name in ("zero_quantized_weights", "zero_quantized_gradients"):
+            if getattr(self, name) and self.zero == 0:
+                raise ConfigError(f"parallel.{name} quantizes ZeRO's collectives: set "
+                                  "parallel.zero to 1, 2 or 3")
+        if self.zero_hpz and self.zero != 3:
+            raise ConfigError(f"parallel.zero_hpz keeps a node-local copy for ZeRO-3's backward "
+                              f"all-gathers; this run has parallel.zero={self.zero}: set zero=3")
+
+
+@dataclass(kw_only=True)
+class CommConfig:
+    """How bytes move: the collective algorithm, gradient bucketing and compression.
+
+    algorithm: the backend's own (native), one of ours on point-to-point messages, or auto
+    (the cost model picks per call). compress: what data parallelism sends. int8: the
+    gradient all-reduce, block-wise quantized (quant_block values per scale). topk: not the
+    gradient but each rank's optimizer update (parallel/data/topk.py): every dp rank
+    clips its own gradient by its own norm and steps its own optimizer, sends the largest
+    topk_ratio of each parameter tensor's update (plus what it kept from earlier steps, unless
+    error_feedback=false) as values and indices, and every rank applies the average; a rank
+    resets its momentum at the entries it sent. topk_warmup_steps > 0: the fraction sent falls
+    from 25% to topk_ratio over those first steps. Under topk the optimizer state is per dp
+    rank (checkpoints resume only in the same layout), the logged grad_norm is rank 0's
+    local one, and bucket_mb does not apply (one exchange per step)."""
+
+    algorithm: Literal["native", "ring", "tree", "recursive_doubling", "halving_doubling",
+                       "rabenseifner", "hierarchical", "torus2d", "auto"] = "native"
+    bucket_mb: float = 25.0
+    timeout_s: float = 300.0
+    compress: Literal["none", "int8", "topk"] = "none"
+    topk_ratio: float = 0.01
+    topk_warmup_steps: int = 50  # topk: the sent fraction falls from 25% to topk_ratio
+    quant_block: int = 256
+    error_feedback: bool = True
+
+    def validate(self) -> None:
+        positive("comm", self, "bucket_mb", "timeout_s", "quant_block")
+        if self.topk_warmup_steps < 0:
+            raise ConfigError(f"comm.topk_warmup_steps={self.topk_warmup_steps} must be >= 0 "
+                              "(0: send topk_ratio from the first step)")
+        if not 0 < self.topk_ratio <= 1:
+            raise ConfigError(f"comm.topk_ratio={self.topk_ratio} must be in (0, 1] "
+                              "(0.01 keeps the largest 1% of gradient entries)")
