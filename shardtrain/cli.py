@@ -17,6 +17,7 @@ from shardtrain.config import Config, ConfigError
 USAGE = """shardtrain train [--config FILE.toml|PRESET] [--nproc N] [--section.field VALUE ...]
 shardtrain generate --checkpoint DIR [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]
 shardtrain plan --model PRESET|FILE.toml [...]     (shardtrain plan --help)
+shardtrain bench comm [--nproc N] [...]            (time every collective and algorithm)
 shardtrain bench calibrate                         (measure this machine for the cpu preset)
 shardtrain report RUN_DIR                          (pipeline timeline chart and bubble fraction)"""
 

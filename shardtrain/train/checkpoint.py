@@ -7,7 +7,7 @@ resolved config (whose [model] section is checked on resume) and, for a BPE run,
 of the tokenizer, so `shardtrain generate` needs nothing but the checkpoint. The model state
 is full (unsharded) whatever the layout that wrote it. The optimizer state is full too
 (optimizer.pt) for the replicated layouts, which any layout without ZeRO can resume from;
-under ZeRO each rank writes its own shard (optimizer_dp{d}_tp{t}.pt), staged beside the
+under ZeRO each rank writes its own shard (optimizer_pp{s}_dp{d}_tp{t}.pt), staged beside the
 checkpoint by every rank before the main rank renames it into place, and only the same
 layout (ZeRO stage, dp and tp sizes, recorded in meta.json) can resume from it. Under
 top-k update compression (comm.compress=topk) each dp rank's optimizer state and residual
