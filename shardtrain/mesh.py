@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 from shardtrain.comm import CommLedger, Communicator
 from shardtrain.config import ConfigError
+from shardtrain.cost.hardware import runtime_link
+from shardtrain.cost.link import Link
 
 DIMS = ("pp", "dp", "cp", "tp")
 
@@ -96,7 +98,9 @@ class ParallelMesh:
     """
 
     def __init__(self, shape: MeshShape, *, rank: int = 0, node_size: int = 0,
-                 algorithm: str = "native", timeout_s: float = 300.0):
+                 algorithm: str = "native", timeout_s: float = 300.0, link: Link | None = None):
+        """`link`: what `auto` and hierarchical price with (None: cost.hardware.runtime_link
+        for this process's device)."""
         node_size = node_size or shape.world_size
         shape.validate(shape.world_size, node_size)
         self.shape, self.rank, self.node_size = shape, rank, node_size
@@ -108,6 +112,7 @@ class ParallelMesh:
             raise RuntimeError("ParallelMesh with world size > 1 needs torch.distributed "
                                "initialised first (shardtrain.launch.init_distributed)")
         timeout = timedelta(seconds=timeout_s)
+        link = link or runtime_link("cpu")
         # Every rank must create every group, in the same order (torch.distributed rule).
         for dim in ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp"):
             mine = None
@@ -121,7 +126,7 @@ class ParallelMesh:
             ranks, group = mine
             self._comms[dim] = Communicator(group, name=dim, ranks=ranks, ledger=self.ledger,
                                             node_size=node_size, algorithm=algorithm,
-                                            timeout_s=timeout_s)
+                                            timeout_s=timeout_s, link=link)
 
     @property
     def world_size(self) -> int:

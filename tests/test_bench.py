@@ -24,7 +24,7 @@ def test_bench_comm_end_to_end(tmp_path, capsys):
     timed at every size, busbw follows nccl-tests, the model predicts every fitted row,
     auto is compared with rivals timed in the same turns, and the plot is written."""
     from shardtrain.bench import main
-    from shardtrain.comm import cost
+    from shardtrain.cost import collectives as cost
 
     plot = tmp_path / "busbw.png"
     assert main(["comm", "--nproc", "2", "--ops", "all_reduce", "all_gather", "--min-bytes",

@@ -7,7 +7,7 @@ import torch
 from parity import tiny
 from shardtrain import config
 from shardtrain.mesh import MeshShape, ParallelMesh
-from shardtrain.plan import calibration, hardware
+from shardtrain.cost import calibration, hardware
 from shardtrain.plan.evaluate import evaluate
 from shardtrain.plan.layout import Layout
 from shardtrain.train.calibrate import measure_compute

@@ -1,18 +1,11 @@
 """Every byte goes through here: a Communicator per process group, the algorithms it runs,
-the ledger that records each call, gradient compression, and the shared cost model.
-
-The names are imported lazily so that `shardtrain.comm.cost` (pure arithmetic, shared with
-the planner) imports without loading torch.
+the ledger that records each call, and gradient compression. The cost model `auto` prices
+with lives in shardtrain.cost (torch-free, shared with the planner).
 """
 
-import importlib
+from shardtrain.comm.communicator import Communicator
+from shardtrain.comm.lane import Handle
+from shardtrain.comm.ledger import CommLedger, CommRecord
+from shardtrain.comm.p2p import CommError
 
-_EXPORTS = {"Communicator": "communicator", "Handle": "lane", "CommLedger": "ledger",
-            "CommRecord": "ledger", "CommError": "p2p"}
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"shardtrain.comm.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'shardtrain.comm' has no attribute {name!r}")
+__all__ = ["CommError", "CommLedger", "CommRecord", "Communicator", "Handle"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardtrain.comm import cost
+from shardtrain.cost import collectives as cost
 from shardtrain.comm.algorithms import IMPLEMENTATIONS
 from shardtrain.comm.lane import wait_native
 from shardtrain.comm.p2p import CommError

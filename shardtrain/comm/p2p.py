@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from shardtrain.comm.cost import Link
+from shardtrain.cost.link import Link
 
 
 class CommError(RuntimeError):

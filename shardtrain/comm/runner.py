@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from shardtrain.comm import cost
+from shardtrain.cost import collectives as cost
 from shardtrain.comm.dispatch import ALGORITHMS, check_agreement, check_splits, choose
 from shardtrain.comm.lane import Handle, Lane, wait_native
 from shardtrain.comm.ledger import CommLedger, CommRecord, native_volume
@@ -21,6 +21,7 @@ from shardtrain.comm.p2p import Scratch, Team, Wire
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
               "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 CHECKS = ("first", "all", "off")
+PRICED = ("auto", "hierarchical")  # algorithms that price their choices with the link
 
 
 class GroupRunner:
@@ -54,7 +55,7 @@ class GroupRunner:
         self._scratch = Scratch()
         self._checked: set[str] = set()
         self.link = link
-        if link is None and self.size > 1 and algorithm in ("auto", "hierarchical"):
+        if self.size > 1 and algorithm in PRICED:
             self.link = self._agreed_link()
 
     def __repr__(self) -> str:
@@ -63,8 +64,8 @@ class GroupRunner:
     def _choose(self, op: str, flat: torch.Tensor, requested: str | None, *,
                 numel: int | None = None, equal_splits: bool = True) -> str:
         nbytes = (flat.numel() if numel is None else numel) * flat.element_size()
-        if (requested or self.algorithm) in ("auto", "hierarchical") and self.link is None:
-            self.link = _calibrated_link()
+        if (requested or self.algorithm) in PRICED and self.link is None:
+            self._no_link(requested or self.algorithm)
         return choose(op, nbytes, requested=requested, default=self.algorithm, group=self.name,
                       p=self.size, local_size=self.local_size, link=self.link,
                       equal_splits=equal_splits)
@@ -123,10 +124,17 @@ class GroupRunner:
         self.ledger.add(record)
         return record
 
+    def _no_link(self, algorithm: str) -> None:
+        raise ValueError(f"algorithm {algorithm!r} on group {self.name} prices its choices "
+                         "with a link, and none was given: pass link= when building the "
+                         "communicator (cost.hardware.runtime_link)")
+
     def _agreed_link(self) -> cost.Link:
-        """Rank 0's calibration, so that every rank's `auto` makes the same choices; native
-        priced as this group's backend runs it."""
-        figures = torch.tensor(_calibrated_link().figures(), dtype=torch.float64)
+        """Rank 0's link, so that every rank's `auto` makes the same choices; native priced
+        as this group's backend runs it."""
+        if self.link is None:
+            self._no_link(self.algorithm)
+        figures = torch.tensor(self.link.figures(), dtype=torch.float64)
         dist.broadcast(figures, self.ranks[0], group=self.group)
         gloo = dist.get_backend(self.group) == "gloo"  # else NCCL-style collectives
         return cost.Link.from_figures(figures.tolist(), "gloo" if gloo else "nccl")
@@ -142,12 +150,6 @@ class GroupRunner:
     def _expect(self, ok: bool, op: str, why: str) -> None:
         if not ok:
             raise ValueError(f"{op} on group {self.name}: {why}")
-
-
-def _calibrated_link() -> cost.Link:
-    from shardtrain.plan import calibration
-
-    return (calibration.load() or calibration.DEFAULT).link()
 
 
 def flat_view(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:

@@ -34,7 +34,7 @@ import torch
 from shardtrain.config import Config, ConfigError, OptimConfig
 from shardtrain.parallel.shard_optim import (MemoryOptimizer, Runs, ShardOptimizer, moment_names,
                                              update_shard)
-from shardtrain.plan.counts import param_counts
+from shardtrain.cost.counts import param_counts
 
 STREAM_NUMEL = 1 << 20  # elements per streamed window: 4 MiB of each fp32 state
 
