@@ -74,7 +74,8 @@ def run_worker(config_text: str) -> dict:
     """One training process: join the group, build the mesh, train. `config_text` is the
     resolved config as TOML (it travels to workers by value, not through files or env)."""
     from shardtrain import config as config_mod
-    from shardtrain.mesh import MeshShape, ParallelMesh
+    from shardtrain.comm import build_mesh
+    from shardtrain.mesh import MeshShape
     from shardtrain.train.trainer import Trainer
 
     cfg = config_mod.loads(config_text)
@@ -84,8 +85,8 @@ def run_worker(config_text: str) -> dict:
     init_distributed(info, device, cfg.comm.timeout_s)
     p = cfg.parallel
     shape = MeshShape(pp=p.pp, dp=p.resolved_dp(info.world_size), cp=p.cp, tp=p.tp, ep=p.ep)
-    mesh = ParallelMesh(shape, rank=info.rank, node_size=p.node_size or info.local_world_size,
-                        algorithm=cfg.comm.algorithm, timeout_s=cfg.comm.timeout_s)
+    mesh = build_mesh(shape, rank=info.rank, node_size=p.node_size or info.local_world_size,
+                      algorithm=cfg.comm.algorithm, timeout_s=cfg.comm.timeout_s, device=device)
     try:
         result = Trainer(cfg, mesh, device).run()
     finally:

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from dist import run_distributed
-from shardtrain.comm import CommLedger, Communicator
+from shardtrain.comm import CommLedger, Communicator, build_mesh
 from shardtrain.comm.ledger import CommRecord
 from shardtrain.config import ConfigError
-from shardtrain.mesh import MeshShape, ParallelMesh
+from shardtrain.mesh import MeshShape
 
 SHAPES = [MeshShape(pp=2, dp=2, cp=1, tp=2), MeshShape(pp=1, dp=4, cp=2, tp=1, ep=4),
           MeshShape(pp=2, dp=3, cp=2, tp=2, ep=2), MeshShape(pp=4), MeshShape(dp=6, ep=3)]
@@ -62,7 +62,7 @@ def test_invalid_shapes_are_named(shape, world, node, needle):
 
 
 def test_world_size_one_is_not_a_special_case():
-    mesh = ParallelMesh(MeshShape())
+    mesh = build_mesh(MeshShape())
     comm = mesh.comm("dp")
     t = torch.arange(5.0)
     comm.all_reduce(t, "avg").wait()
@@ -75,7 +75,7 @@ def test_world_size_one_is_not_a_special_case():
 
 
 def _mesh_collectives(rank: int, world: int) -> dict:
-    mesh = ParallelMesh(MeshShape(dp=2, tp=2), rank=rank, node_size=2)
+    mesh = build_mesh(MeshShape(dp=2, tp=2), rank=rank, node_size=2)
     out = {"coords": mesh.coords, "node": mesh.node_of(rank)}
     for dim in ("tp", "dp"):
         comm = mesh.comm(dim)
@@ -125,3 +125,22 @@ def test_the_ledger_stays_bounded_over_a_long_run_and_keeps_the_open_interval():
     for _ in range(50):  # one interval longer than `keep`: nothing of it is dropped
         ledger.add(record)
     assert ledger.totals(ledger.mark())["calls"] == 50
+
+
+def test_mesh_imports_nothing_of_comm_and_comm_nothing_above_it():
+    """The arrows mesh <- comm <- parallel: mesh builds groups, comm builds communicators
+    from them (CommFactory), and comm knows nothing of plan, parallel or train."""
+    import ast
+    from pathlib import Path
+
+    import shardtrain
+
+    root = Path(shardtrain.__file__).parent
+    rules = [(root / "mesh.py", ("shardtrain.comm",))]
+    rules += [(f, ("shardtrain.plan", "shardtrain.parallel", "shardtrain.train"))
+              for f in sorted((root / "comm").rglob("*.py"))]
+    for file, banned in rules:
+        for node in ast.walk(ast.parse(file.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not [n for n in names if n.startswith(banned)], (file.name, names)

@@ -30,17 +30,21 @@ class GroupRunner:
     def __init__(self, group: dist.ProcessGroup | None, *, name: str, ranks: list[int],
                  ledger: CommLedger, node_size: int = 0, algorithm: str = "native",
                  timeout_s: float = 300.0, link: cost.Link | None = None,
-                 check_sizes: str = "first"):
+                 check_sizes: str = "first", device: torch.device | str = "cpu",
+                 meta: dist.ProcessGroup | None = None):
         """`ranks`: the group's global ranks; `node_size`: ranks per (virtual) node, nodes
         being runs of consecutive global ranks (0: one node); `link`: the alpha-beta-gamma
         figures `auto` and the hierarchical phases price with (None: this machine's
         calibration); `check_sizes`: compare sizes across ranks before the first call of
-        each op ("first"), every call ("all") or never ("off")."""
+        each op ("first"), every call ("all") or never ("off"); `device`: where the group's
+        payload lives; `meta`: the group the CPU metadata travels on (None: `group` itself,
+        a Gloo group; beside an NCCL group, a Gloo group over the same ranks)."""
         if algorithm not in ALGORITHMS:
             raise ValueError(f"comm.algorithm={algorithm!r} is not one of {', '.join(ALGORITHMS)}")
         if check_sizes not in CHECKS:
             raise ValueError(f"check_sizes={check_sizes!r} is not one of {', '.join(CHECKS)}")
         self.group, self.name, self.ranks, self.ledger = group, name, list(ranks), ledger
+        self.device, self.meta = torch.device(device), meta if meta is not None else group
         self.size = len(ranks)
         self.node_size = node_size or self.size
         self.nodes = [g // node_size for g in self.ranks] if node_size else [0] * self.size
