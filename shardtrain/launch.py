@@ -48,6 +48,18 @@ def pick_device(kind: str, info: ProcessInfo) -> torch.device:
     return torch.device("cpu")
 
 
+def check_device(cfg, device: torch.device) -> None:
+    """The config checks that need the device: our point-to-point collective algorithms run
+    on CPU tensors over Gloo, so a CUDA run (NCCL) takes comm.algorithm=native only."""
+    from shardtrain.config import ConfigError
+
+    if device.type == "cuda" and cfg.comm.algorithm != "native":
+        raise ConfigError(f"comm.algorithm={cfg.comm.algorithm} runs shardtrain's own "
+                          "point-to-point algorithms, which run on CPU (Gloo) only; this run "
+                          f"is on CUDA (train.device={cfg.train.device}): set "
+                          "--comm.algorithm native, or --train.device cpu")
+
+
 def init_distributed(info: ProcessInfo, device: torch.device, timeout_s: float) -> None:
     """Join the process group (NCCL on CUDA, Gloo on CPU) when there is more than one rank,
     and share the CPU cores fairly among the local processes."""
@@ -82,6 +94,7 @@ def run_worker(config_text: str) -> dict:
     info = ProcessInfo.from_env()
     cfg.validate(info.world_size)
     device = pick_device(cfg.train.device, info)
+    check_device(cfg, device)
     init_distributed(info, device, cfg.comm.timeout_s)
     p = cfg.parallel
     shape = MeshShape(pp=p.pp, dp=p.resolved_dp(info.world_size), cp=p.cp, tp=p.tp, ep=p.ep)

@@ -148,7 +148,8 @@ class Communicator(GroupRunner):
         # Our algorithms gather in team order (root first): rotated by dst from rank order.
         direct = root and output.is_contiguous() and (name == "native" or dst == 0)
         work = output.view(-1) if direct else \
-            self._scratch.get("rooted", m * p, inp.dtype) if root or name != "native" else None
+            self._scratch.get("rooted", m * p, inp.dtype, self.device) \
+            if root or name != "native" else None
 
         def native() -> dist.Work:
             chunks = list(work.view(p, m).unbind(0)) if root else None
@@ -189,7 +190,8 @@ class Communicator(GroupRunner):
 
         def body(team: Team) -> None:
             # In team order (root first): the root's input rotated by src.
-            work = flat_in if root and src == 0 else self._scratch.get("rooted", m * p, out.dtype)
+            work = flat_in if root and src == 0 else \
+                self._scratch.get("rooted", m * p, out.dtype, self.device)
             if root and src:
                 _rotate_into(work.view(p, m), flat_in.view(p, m), -src)
             IMPLEMENTATIONS[name]["scatter"](team.rotated(src), work, _equal(m, p))

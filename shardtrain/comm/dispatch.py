@@ -10,7 +10,12 @@ Checks: a rank that calls a collective with a different size, dtype, op or algor
 its peers would hang or corrupt memory (Gloo aborts the process on an oversized message).
 Before the first call of each op on a group (or every call, check_sizes="all"), the ranks
 compare those figures with one small native all-reduce and fail with a message naming the
-group and op.
+group and op. These figures are metadata: CPU tensors on the group's CPU side channel
+(`meta`: the Gloo group itself, or the Gloo group the mesh creates beside an NCCL one).
+
+Devices: our point-to-point algorithms run on CPU tensors over Gloo. On a CUDA group only
+`native` (NCCL's own collectives) runs; `on_device` refuses the others, and config
+validation (shardtrain.launch.check_device) refuses them before a run starts.
 """
 
 from __future__ import annotations
@@ -27,6 +32,14 @@ ALGORITHMS = ("native", *IMPLEMENTATIONS, "auto")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
            torch.int32, torch.int8, torch.uint8, torch.bool)
 _REDUCE = ("sum", "avg", "max", "min", "")
+META = torch.device("cpu")  # metadata travels on the CPU side channel (module doc)
+
+
+def on_device(name: str, device: torch.device, group: str) -> None:
+    """Refuse one of our algorithms on a CUDA group (they are written for Gloo)."""
+    if device.type == "cuda" and name != "native":
+        raise ValueError(f"comm.algorithm={name!r} on group {group}: our point-to-point "
+                         "algorithms run on CPU (Gloo) only; on CUDA use comm.algorithm=native")
 
 
 def serves(name: str, op: str, *, equal_splits: bool = True) -> bool:
@@ -69,7 +82,7 @@ def check_agreement(group: dist.ProcessGroup, where: str, timeout_s: float, *, n
     """All ranks compare (numel, dtype, reduce op, algorithm); all raise on disagreement."""
     mine = torch.tensor([numel, _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES),
                          _REDUCE.index(reduce_op), ALGORITHMS.index(algorithm)],
-                        dtype=torch.int64)
+                        dtype=torch.int64, device=META)
     both = torch.cat([mine, -mine])
     wait_native(dist.all_reduce(both, dist.ReduceOp.MAX, group=group, async_op=True), where,
                 timeout_s)
@@ -89,11 +102,11 @@ def check_agreement(group: dist.ProcessGroup, where: str, timeout_s: float, *, n
 def check_splits(group: dist.ProcessGroup, where: str, timeout_s: float, out_rows: list[int],
                  in_rows: list[int]) -> None:
     """all_to_all: what each peer sends must be what this rank expects from it."""
-    sent = torch.tensor(in_rows, dtype=torch.int64)
+    sent = torch.tensor(in_rows, dtype=torch.int64, device=META)
     told = torch.empty_like(sent)
     wait_native(dist.all_to_all_single(told, sent, group=group, async_op=True), where, timeout_s)
     mine = told.tolist() != list(out_rows)
-    bad = torch.tensor([int(mine)], dtype=torch.int64)
+    bad = torch.tensor([int(mine)], dtype=torch.int64, device=META)
     wait_native(dist.all_reduce(bad, dist.ReduceOp.MAX, group=group, async_op=True), where,
                 timeout_s)
     if bad.item():

@@ -27,20 +27,21 @@ class CommError(RuntimeError):
 
 
 class Scratch:
-    """Work buffers kept from call to call, one per use (`key`), each grown to the largest
-    request. Why: glibc hands large blocks back to the OS when freed, so a fresh work tensor
+    """Work buffers kept from call to call, one per device and use (`key`), each grown to
+    the largest request. Why: glibc hands large blocks back to the OS when freed, so a fresh work tensor
     costs a page fault per 4 KiB on first touch -- measured to halve the speed of a transfer
     into it. Only one collective of a communicator runs at a time, so keys cannot clash
     across calls; within a call, buffers alive at the same time need different keys."""
 
     def __init__(self):
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._buffers: dict[tuple[torch.device, str], torch.Tensor] = {}
 
-    def get(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def get(self, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         nbytes = numel * dtype.itemsize
-        buffer = self._buffers.get(key)
+        buffer = self._buffers.get((device, key))
         if buffer is None or buffer.numel() < nbytes:
-            buffer = self._buffers[key] = torch.empty(nbytes, dtype=torch.uint8)
+            buffer = self._buffers[(device, key)] = torch.empty(nbytes, dtype=torch.uint8,
+                                                                device=device)
         return buffer[:nbytes].view(dtype)
 
 
@@ -55,6 +56,7 @@ class Wire:
     nodes: list[int]
     rank: int  # this process's group rank
     scratch: Scratch
+    device: torch.device  # the group's: every buffer of the call lives there
     tag: int = 0
     sent: int = 0
     recv: int = 0
@@ -146,7 +148,7 @@ class Team:
 
     def scratch(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat work tensor for this call (see Scratch): contents undefined."""
-        return self.wire.scratch.get(key, numel, dtype)
+        return self.wire.scratch.get(key, numel, dtype, self.wire.device)
 
 
 def reduce_into(dst: torch.Tensor, src: torch.Tensor, op: str,

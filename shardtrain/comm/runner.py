@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from shardtrain.cost import collectives as cost
-from shardtrain.comm.dispatch import ALGORITHMS, check_agreement, check_splits, choose
+from shardtrain.comm.dispatch import (ALGORITHMS, META, check_agreement, check_splits, choose,
+                                      on_device)
 from shardtrain.comm.lane import Handle, Lane, wait_native
 from shardtrain.comm.ledger import CommLedger, CommRecord, native_volume
 from shardtrain.comm.p2p import Scratch, Team, Wire
@@ -41,6 +42,7 @@ class GroupRunner:
         a Gloo group; beside an NCCL group, a Gloo group over the same ranks)."""
         if algorithm not in ALGORITHMS:
             raise ValueError(f"comm.algorithm={algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+        on_device(algorithm, torch.device(device), name)
         if check_sizes not in CHECKS:
             raise ValueError(f"check_sizes={check_sizes!r} is not one of {', '.join(CHECKS)}")
         self.group, self.name, self.ranks, self.ledger = group, name, list(ranks), ledger
@@ -70,9 +72,11 @@ class GroupRunner:
         nbytes = (flat.numel() if numel is None else numel) * flat.element_size()
         if (requested or self.algorithm) in PRICED and self.link is None:
             self._no_link(requested or self.algorithm)
-        return choose(op, nbytes, requested=requested, default=self.algorithm, group=self.name,
+        name = choose(op, nbytes, requested=requested, default=self.algorithm, group=self.name,
                       p=self.size, local_size=self.local_size, link=self.link,
                       equal_splits=equal_splits)
+        on_device(name, self.device, self.name)
+        return name
 
     def _launch(self, op: str, name: str, record: CommRecord, *, async_op: bool, agree: dict,
                 native: Callable[[], dist.Work], body: Callable[[Team], None],
@@ -85,14 +89,14 @@ class GroupRunner:
 
         def job() -> None:
             if self._check_due(op):
-                check_agreement(self.group, where, self.timeout_s, algorithm=name, **agree)
+                check_agreement(self.meta, where, self.timeout_s, algorithm=name, **agree)
                 if splits is not None:
-                    check_splits(self.group, where, self.timeout_s, *splits)
+                    check_splits(self.meta, where, self.timeout_s, *splits)
             if name == "native":
                 wait_native(native(), where, self.timeout_s)
             else:
                 wire = Wire(self.group, where, self.timeout_s, self.nodes, self.rank,
-                            self._scratch, self._tag)
+                            self._scratch, self.device, self._tag)
                 body(Team(wire, tuple(range(self.size)), self.rank, self.link))
                 record.sent_bytes, record.recv_bytes = wire.sent, wire.recv
                 record.sent_inter_node_bytes, record.rounds = wire.sent_inter_node, wire.rounds
@@ -138,8 +142,8 @@ class GroupRunner:
         as this group's backend runs it."""
         if self.link is None:
             self._no_link(self.algorithm)
-        figures = torch.tensor(self.link.figures(), dtype=torch.float64)
-        dist.broadcast(figures, self.ranks[0], group=self.group)
+        figures = torch.tensor(self.link.figures(), dtype=torch.float64, device=META)
+        dist.broadcast(figures, self.ranks[0], group=self.meta)
         gloo = dist.get_backend(self.group) == "gloo"  # else NCCL-style collectives
         return cost.Link.from_figures(figures.tolist(), "gloo" if gloo else "nccl")
 
