@@ -10,9 +10,11 @@ A communicator over a group of one rank (or no group at all) turns every collect
 no-op or a local copy, so world size 1 runs the same code. Ops: sum, avg, max, min (avg is a
 sum followed by one division). fp32, bf16 and fp16 travel in their own dtype; each
 reduction step computes in fp32 and rounds once (torch's CPU kernels; NCCL does the same).
-Inputs may be non-contiguous (the result is copied back) and of any element count. Every
-wait honours `timeout_s` (comm.timeout_s): a peer that never answers ends in a CommError
-naming the group, the op and the algorithm.
+Inputs may be non-contiguous (the result is copied back) and of any element count. On
+Gloo every wait honours `timeout_s` (comm.timeout_s): a peer that never answers ends in a
+CommError naming the group, the op and the algorithm. On NCCL no wait blocks the host: the
+current CUDA stream waits, and the process group's own timeout (the same comm.timeout_s,
+given to init_process_group and new_group) and the NCCL watchdog catch a silent peer.
 """
 
 from __future__ import annotations
@@ -240,12 +242,14 @@ class Communicator(GroupRunner):
     def send(self, tensor: torch.Tensor, dst: int, *, tag: str = "") -> None:
         self._record("send", tensor, "native", tag)
         work = dist.isend(tensor.contiguous(), group=self.group, group_dst=dst)
-        wait_native(work, f"send to group rank {dst} on group {self.name}", self.timeout_s)
+        wait_native(work, f"send to group rank {dst} on group {self.name}", self.timeout_s,
+                    streamed=self.streamed)
 
     def recv(self, tensor: torch.Tensor, src: int, *, tag: str = "") -> None:
         self._record("recv", tensor, "native", tag)
         work = dist.irecv(tensor, group=self.group, group_src=src)
-        wait_native(work, f"recv from group rank {src} on group {self.name}", self.timeout_s)
+        wait_native(work, f"recv from group rank {src} on group {self.name}", self.timeout_s,
+                    streamed=self.streamed)
 
     def exchange(self, sends: list[tuple[int, torch.Tensor, str]],
                  recvs: list[tuple[int, torch.Tensor, str]]) -> None:
@@ -267,12 +271,13 @@ class Communicator(GroupRunner):
             what.append(f"recv ({tag}) from group rank {peer} on group {self.name}")
         if ops:
             for work, where in zip(dist.batch_isend_irecv(ops), what):
-                wait_native(work, where, self.timeout_s)
+                wait_native(work, where, self.timeout_s, streamed=self.streamed)
 
     def barrier(self) -> None:
         if self.size > 1:
             work = dist.barrier(group=self.group, async_op=True)
-            wait_native(work, f"barrier on group {self.name}", self.timeout_s)
+            wait_native(work, f"barrier on group {self.name}", self.timeout_s,
+                        streamed=self.streamed)
 
 
 def _rotate_into(dst: torch.Tensor, src: torch.Tensor, shift: int) -> None:

@@ -1,11 +1,15 @@
 """Where a communicator's collectives run, and the handle a caller waits on.
 
-A Lane runs one communicator's collectives in the order they were issued. A synchronous
+A Lane runs one communicator's collectives in the order they were issued. On Gloo, whose
+waits block the calling thread until the transfer is done, a synchronous
 call with nothing queued runs right away on the caller's thread (no hand-off cost for small
 messages); an asynchronous call, or any call issued while earlier ones are still queued, runs
 on the lane's own thread, so DP's bucket all-reduces proceed while backward computes (torch
 releases the GIL inside tensor ops and inside waits). Calls made from inside a running job
 (a compressed all-reduce calling all_to_all) run inline. One thread drives a communicator.
+On NCCL the lane runs every call inline and starts no thread: a call only enqueues work on
+the GPU, and its wait (`wait_native` with `streamed`) makes the current CUDA stream, not the
+host, wait for it, so the host runs ahead and the transfers overlap compute by themselves.
 
 Order matters twice: peers match point-to-point messages in posting order, and Gloo matches
 native collectives in issue order; queueing every call of a group behind the earlier ones
@@ -28,8 +32,8 @@ from shardtrain.comm.p2p import CommError
 
 
 class Lane:
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, *, threaded: bool = True):
+        self.name, self.threaded = name, threaded
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -41,7 +45,8 @@ class Lane:
 
     def run(self, job: Callable[[], None], *, async_op: bool) -> Future:
         future: Future = Future()
-        if threading.current_thread() is self._thread or not (async_op or self.busy()):
+        inline = not self.threaded or threading.current_thread() is self._thread
+        if inline or not (async_op or self.busy()):
             _execute(job, future)
             return future
         with self._lock:
@@ -79,9 +84,9 @@ class Handle:
 
     def __init__(self, *, future: Future | None = None, work: dist.Work | None = None,
                  record: CommRecord | None = None, finish: Callable[[], None] | None = None,
-                 where: str = "", timeout_s: float = 300.0):
+                 where: str = "", timeout_s: float = 300.0, streamed: bool = False):
         self._future, self._work, self._record, self._finish = future, work, record, finish
-        self._where, self._timeout_s = where, timeout_s
+        self._where, self._timeout_s, self._streamed = where, timeout_s, streamed
         self._start = time.perf_counter()
         self._done = False
 
@@ -93,14 +98,21 @@ class Handle:
             self._future.result()
             return
         if self._work is not None:
-            wait_native(self._work, self._where, self._timeout_s)
+            wait_native(self._work, self._where, self._timeout_s, streamed=self._streamed)
         if self._finish is not None:
             self._finish()
         if self._record is not None:
             self._record.time_s = time.perf_counter() - self._start
 
 
-def wait_native(work: dist.Work, where: str, timeout_s: float) -> None:
+def wait_native(work: dist.Work, where: str, timeout_s: float, *, streamed: bool = False) -> None:
+    """Wait for a backend call. `streamed` (NCCL): the current CUDA stream waits, the host
+    does not; a peer that never answers is the process group's timeout (init_process_group
+    and new_group get comm.timeout_s; the NCCL watchdog enforces it). Otherwise (Gloo) the
+    host waits at most `timeout_s` and a CommError says why."""
+    if streamed:
+        work.wait()
+        return
     try:
         work.wait(timedelta(seconds=timeout_s))
     except RuntimeError as e:

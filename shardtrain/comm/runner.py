@@ -57,7 +57,9 @@ class GroupRunner:
         # Communicators sharing a process group (dp and dp_cp may both be WORLD) use their
         # own message tag, so their point-to-point messages never match each other's.
         self._tag = zlib.crc32(name.encode()) & 0x7FFF
-        self._lane = Lane(name)
+        # NCCL: every wait is a stream wait and no lane thread runs (lane.py).
+        self.streamed = group is not None and dist.get_backend(group) == "nccl"
+        self._lane = Lane(name, threaded=not self.streamed)
         self._scratch = Scratch()
         self._checked: set[str] = set()
         self.link = link
@@ -81,19 +83,23 @@ class GroupRunner:
     def _launch(self, op: str, name: str, record: CommRecord, *, async_op: bool, agree: dict,
                 native: Callable[[], dist.Work], body: Callable[[Team], None],
                 finish: Callable[[], None] | None, splits: tuple | None = None) -> Handle:
-        """Run one call: on the lane (see lane.py), or -- a native async call with nothing
-        queued and nothing to check -- issued at once. The agreement check, when due, is
-        decided when the call runs, so every rank decides it at the same call."""
+        """Run one call: on the lane (see lane.py), or -- a native async call on NCCL, or on
+        Gloo with nothing queued and nothing to check -- issued at once. The agreement
+        check, when due, is decided when the call runs, so every rank decides it at the same
+        call. On NCCL `record.time_s` is host time (launch to the stream wait), not GPU time."""
         where = f"{op} on group {self.name} (algorithm {name})"
         started = time.perf_counter()
 
-        def job() -> None:
-            if self._check_due(op):
+        def check() -> None:
+            if self._check_due(op):  # metadata: over the CPU side channel
                 check_agreement(self.meta, where, self.timeout_s, algorithm=name, **agree)
                 if splits is not None:
                     check_splits(self.meta, where, self.timeout_s, *splits)
+
+        def job() -> None:
+            check()
             if name == "native":
-                wait_native(native(), where, self.timeout_s)
+                wait_native(native(), where, self.timeout_s, streamed=self.streamed)
             else:
                 wire = Wire(self.group, where, self.timeout_s, self.nodes, self.rank,
                             self._scratch, self.device, self._tag)
@@ -104,10 +110,13 @@ class GroupRunner:
                 finish()
             record.time_s = time.perf_counter() - started
 
+        # Issued at once: on NCCL always (nothing is queued: no lane thread), on Gloo with
+        # nothing queued before it and nothing to check.
         direct = name == "native" and async_op and not self._lane.busy()
-        if direct and not self._check_due(op, peek=True):
+        if direct and (self.streamed or not self._check_due(op, peek=True)):
+            check()
             return Handle(work=native(), record=record, finish=finish, where=where,
-                          timeout_s=self.timeout_s)
+                          timeout_s=self.timeout_s, streamed=self.streamed)
         handle = Handle(future=self._lane.run(job, async_op=async_op))
         if not async_op:
             handle.wait()
