@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from shardtrain.comm import CommLedger, Communicator
-from shardtrain.comm import runner
 
 
 class FakeWork:
@@ -36,7 +35,7 @@ def group(tmp_path):
 
 
 def _communicator(group, monkeypatch, backend: str, log: list) -> Communicator:
-    monkeypatch.setattr(runner.dist, "get_backend", lambda g=None: backend)
+    monkeypatch.setattr(dist, "get_backend", lambda g=None: backend)
     # Two "ranks" so that calls are not the world-size-1 no-op; the fake does the work.
     comm = Communicator(group, name="dp", ranks=[0, 1], ledger=CommLedger(), check_sizes="off",
                         timeout_s=7.0)
@@ -55,16 +54,16 @@ def test_nccl_waits_on_the_stream_and_starts_no_thread(group, monkeypatch):
     assert comm.streamed
     x = torch.ones(4)
     handles = [comm.all_reduce(x, "avg", async_op=True) for _ in range(3)]
-    assert comm._lane._thread is None and log == []  # issued, nothing waited yet
+    assert comm.lane._thread is None and log == []  # issued, nothing waited yet
     for h in handles:
         h.wait()
     assert log == [(), (), ()]  # stream waits: no timeout argument, the host never polls
     assert torch.equal(x, torch.ones(4))  # avg divided after each wait
     comm.all_reduce(x, "sum")
-    assert log[-1] == () and comm._lane._thread is None
+    assert log[-1] == () and comm.lane._thread is None
     job_ran = []
     comm.composite(lambda: job_ran.append(1), async_op=True).wait()
-    assert job_ran == [1] and comm._lane._thread is None  # composites run inline too
+    assert job_ran == [1] and comm.lane._thread is None  # composites run inline too
 
 
 def test_gloo_waits_on_the_host_with_the_timeout_and_overlaps_on_the_lane(group, monkeypatch):
@@ -75,4 +74,4 @@ def test_gloo_waits_on_the_host_with_the_timeout_and_overlaps_on_the_lane(group,
     comm.all_reduce(x, "sum")
     assert log == [(timedelta(seconds=7.0),)]
     comm.composite(lambda: None, async_op=True).wait()
-    assert comm._lane._thread is not None  # the asynchronous job ran on the lane thread
+    assert comm.lane._thread is not None  # the asynchronous job ran on the lane thread

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardtrain.comm.communicator import Communicator
-from shardtrain.comm.lane import Handle
+from shardtrain.comm.dispatch import Handle
 from shardtrain.comm.ledger import CommLedger, CommRecord
 from shardtrain.comm.p2p import CommError
 from shardtrain.cost.link import Link
