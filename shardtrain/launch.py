@@ -40,10 +40,21 @@ def under_launcher() -> bool:
 
 
 def pick_device(kind: str, info: ProcessInfo) -> torch.device:
+    """This process's device: its local rank's GPU on CUDA (one GPU per local rank: NCCL
+    cannot put two ranks of a group on one GPU), else the CPU."""
+    from shardtrain.config import ConfigError
+
     if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise RuntimeError("train.device=cuda but no CUDA device is visible")
-        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+            raise ConfigError("train.device=cuda but no CUDA device is visible; use "
+                              "--train.device cpu")
+        gpus = torch.cuda.device_count()
+        if info.local_world_size > gpus:
+            raise ConfigError(f"--nproc {info.local_world_size} starts {info.local_world_size} "
+                              f"ranks on this node but it has {gpus} GPU(s) visible; use "
+                              f"--nproc {gpus} or fewer (one GPU per rank), or "
+                              "--train.device cpu")
+        torch.cuda.set_device(info.local_rank)
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -40,6 +40,11 @@ from shardtrain.cost.link import Link
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
               "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+# The flat-tensor all-gather and reduce-scatter: `*_single` where torch has them (2.13 calls
+# the older names deprecated), else `all_gather_into_tensor` / `reduce_scatter_tensor`
+# (torch 2.11, on the GPU machines). Same arguments, same work.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Communicator:
@@ -158,8 +163,7 @@ class Communicator:
         return run(self, 
             "all_gather", name, self.record("all_gather", out, name, tag), async_op=async_op,
             agree=dict(numel=m, dtype=out.dtype, reduce_op=""),
-            native=lambda: dist.all_gather_single(out, inp.contiguous(), group=self.group,
-                                                 async_op=True),
+            native=lambda: _ALL_GATHER(out, inp.contiguous(), group=self.group, async_op=True),
             body=body, finish=back)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *,
@@ -183,8 +187,8 @@ class Communicator:
         return run(self, 
             "reduce_scatter", name, self.record("reduce_scatter", inp, name, tag),
             async_op=async_op, agree=dict(numel=out.numel(), dtype=out.dtype, reduce_op=op),
-            native=lambda: dist.reduce_scatter_single(out, inp.contiguous(), REDUCE_OPS[op],
-                                                      group=self.group, async_op=True),
+            native=lambda: _REDUCE_SCATTER(out, inp.contiguous(), REDUCE_OPS[op],
+                                           group=self.group, async_op=True),
             body=body, finish=then(self._average(out, op), back))
 
     def gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int = 0, *,
