@@ -108,7 +108,7 @@ def test_the_scan_sees_the_files_and_a_factory_without_device(tmp_path):
 def test_a_communicator_knows_its_device_and_refuses_our_algorithms_on_cuda():
     mesh = build_mesh(MeshShape(), device=torch.device("cpu"))
     assert mesh.comm("dp").device == torch.device("cpu")
-    with pytest.raises(ValueError, match="comm.algorithm='ring'.*on CUDA use comm.algorithm=native"):
+    with pytest.raises(ValueError, match="algorithm='ring'.*on CUDA use comm.algorithm=native"):
         Communicator(None, name="dp", ranks=[0], ledger=CommLedger(), algorithm="ring",
                      device="cuda")
     comm = Communicator(None, name="dp", ranks=[0], ledger=CommLedger(), device="cuda")

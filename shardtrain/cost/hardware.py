@@ -162,7 +162,8 @@ def get(name: str, overrides: dict[str, str] | None = None, *,
         except ValueError:
             raise ConfigError(f"--hw.{field}={raw!r} is not a valid {types[field]}") from None
     if changes.get("backend", hw.backend) not in BACKENDS:
-        raise ConfigError(f"--hw.backend={changes['backend']!r} is not one of {', '.join(BACKENDS)}")
+        raise ConfigError(f"--hw.backend={changes['backend']!r} is not one of "
+                          f"{', '.join(BACKENDS)}")
     return dataclasses.replace(hw, **changes)
 
 
