@@ -90,6 +90,9 @@ def _mesh_collectives(rank: int, world: int) -> dict:
     shard = torch.empty(500)
     comm.reduce_scatter(shard, big, "max")
     out["records"] = [(r.op, r.group, r.sent_bytes, r.recv_bytes) for r in mesh.ledger.records]
+    # Sub-groups come from the mesh too: the node-local part of a dim's group.
+    out["node_parts"] = {dim: mesh.node_group(dim).ranks for dim in ("dp", "tp")}
+    out["meta"] = all(mesh.comm(d).meta is mesh.comm(d).group for d in ("dp", "tp"))  # Gloo
     out["values"] = (big[0].item(), gathered.sum().item(), shard[0].item())
     return out
 
@@ -102,6 +105,7 @@ def test_mesh_groups_and_native_ledger_on_four_ranks():
         assert r["tp_sum"] == sum(tp_peers) and r["dp_sum"] == sum(dp_peers)
         assert r["node"] == rank // 2
         assert r["values"] == (1.0, 2000.0, 1.0)
+        assert r["node_parts"] == {"dp": [rank], "tp": tp_peers} and r["meta"]
         # p = 2: all-reduce 2(p-1)/p S = S; all-gather and reduce-scatter (p-1)/p S.
         assert r["records"][-3:] == [("all_reduce", "dp", 4000, 4000),
                                      ("all_gather", "dp", 4000, 4000),

@@ -242,3 +242,20 @@ def test_planner_imports_no_runtime():
                 assert not name.startswith(("torch", "numpy")), (file.name, name)
                 if name.startswith("shardtrain"):
                     assert name.startswith(allowed), (file.name, name)
+
+
+def test_runtime_link_prices_a_gpu_group_with_its_preset_never_the_cpu_calibration(tmp_path):
+    """What comm's `auto` prices with (cost.hardware.runtime_link, chosen by the mesh)."""
+    path = tmp_path / "cal.json"
+    calibration.save(calibration.Calibration(flops_per_s=1e10, alpha_s=7e-5, beta_s_per_byte=3e-9,
+                                             gamma_s_per_byte=1e-9, cores=2, measured_at="t"),
+                     path)
+    assert hardware.runtime_link("cpu", calibration_path=path) == calibration.load(path).link()
+    h100 = hardware.PRESETS["h100-sxm"]
+    name = "NVIDIA H100 80GB HBM3"
+    assert hardware.gpu_preset(name) is h100
+    assert hardware.gpu_preset("NVIDIA H100 PCIe").name == "h100-pcie"
+    assert hardware.runtime_link("cuda", gpu_name=name, calibration_path=path) == h100.intra_link()
+    assert hardware.runtime_link("cuda", gpu_name=name, across_nodes=True) == h100.inter_link()
+    unknown = hardware.runtime_link("cuda", gpu_name="Some Future GPU", calibration_path=path)
+    assert unknown == hardware.GENERIC_PCIE.intra_link() and unknown.backend == "nccl"
