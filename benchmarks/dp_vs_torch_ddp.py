@@ -21,7 +21,8 @@ from torch.nn.parallel import DistributedDataParallel
 from interleave import interleaved_tokens_per_s
 from shardtrain import config
 from shardtrain.launch import ProcessInfo, init_distributed, launch_local
-from shardtrain.mesh import MeshShape, ParallelMesh
+from shardtrain.comm import build_mesh
+from shardtrain.mesh import MeshShape
 from shardtrain.model.transformer import build_model
 from shardtrain.train.optim import build_optimizer
 from shardtrain.train.trainer import Trainer
@@ -47,7 +48,7 @@ def worker(cfg_text: str, steps: int) -> dict:
     info = ProcessInfo.from_env()
     device = torch.device("cpu")
     init_distributed(info, device, cfg.comm.timeout_s)
-    mesh = ParallelMesh(MeshShape(dp=info.world_size), rank=info.rank)
+    mesh = build_mesh(MeshShape(dp=info.world_size), rank=info.rank)
     ours = Trainer(cfg, mesh, device)
     model = build_model(cfg.model, seed=cfg.train.seed)
     # The model's buffers (RoPE tables) are constant: broadcasting them every forward, DDP's

@@ -29,7 +29,8 @@ from interleave import interleaved_tokens_per_s
 from shardtrain import config
 from shardtrain.data import TokenSampler
 from shardtrain.launch import ProcessInfo, init_distributed, launch_local
-from shardtrain.mesh import MeshShape, ParallelMesh
+from shardtrain.comm import build_mesh
+from shardtrain.mesh import MeshShape
 from shardtrain.model.transformer import build_model
 from shardtrain.parallel.pipeline.stage import split_stages
 from shardtrain.parallel.tensor.vocab import cross_entropy
@@ -95,7 +96,7 @@ def worker(cfg_text: str, steps: int) -> dict:
     info = ProcessInfo.from_env()
     device = torch.device("cpu")
     init_distributed(info, device, cfg.comm.timeout_s)
-    mesh = ParallelMesh(MeshShape(pp=info.world_size), rank=info.rank)
+    mesh = build_mesh(MeshShape(pp=info.world_size), rank=info.rank)
     ours = Trainer(cfg, mesh, device)
     t = cfg.train
     sampler = TokenSampler(ours.data.train, seq_len=t.seq_len, global_batch=t.global_batch,

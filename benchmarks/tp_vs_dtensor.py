@@ -28,7 +28,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 from interleave import interleaved_tokens_per_s
 from shardtrain import config
 from shardtrain.launch import ProcessInfo, init_distributed, launch_local
-from shardtrain.mesh import MeshShape, ParallelMesh
+from shardtrain.comm import build_mesh
+from shardtrain.mesh import MeshShape
 from shardtrain.model.transformer import build_model
 from shardtrain.train.optim import build_optimizer
 from shardtrain.train.trainer import Trainer
@@ -62,7 +63,7 @@ def worker(cfg_text: str, steps: int) -> dict:
     info = ProcessInfo.from_env()
     device = torch.device("cpu")
     init_distributed(info, device, cfg.comm.timeout_s)
-    mesh = ParallelMesh(MeshShape(tp=info.world_size), rank=info.rank)
+    mesh = build_mesh(MeshShape(tp=info.world_size), rank=info.rank)
     ours = Trainer(cfg, mesh, device)
     model = dtensor_model(cfg, info.world_size)
     optimizer = build_optimizer(model, cfg.optim, cfg.train.lr)

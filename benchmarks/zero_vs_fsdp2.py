@@ -48,7 +48,8 @@ from shardtrain import config
 from shardtrain.config import Config
 from shardtrain.data import TokenSampler, load_dataset
 from shardtrain.launch import ProcessInfo, init_distributed, launch_local
-from shardtrain.mesh import MeshShape, ParallelMesh
+from shardtrain.comm import build_mesh
+from shardtrain.mesh import MeshShape
 from shardtrain.model.transformer import build_model
 from shardtrain.train.optim import build_optimizer
 from shardtrain.train.trainer import Trainer
@@ -77,7 +78,7 @@ def build_runner(name: str, cfg: Config, rank: int, world_size: int) -> Callable
     device = torch.device("cpu")
     if name in STAGE:
         trainer = Trainer(with_zero(cfg, STAGE[name]),
-                          ParallelMesh(MeshShape(dp=world_size), rank=rank), device)
+                          build_mesh(MeshShape(dp=world_size), rank=rank), device)
         return trainer.train_step
     t = cfg.train
     sampler = TokenSampler(load_dataset(cfg.data, seq_len=t.seq_len).train, seq_len=t.seq_len,

@@ -40,12 +40,35 @@ def under_launcher() -> bool:
 
 
 def pick_device(kind: str, info: ProcessInfo) -> torch.device:
+    """This process's device: its local rank's GPU on CUDA (one GPU per local rank: NCCL
+    cannot put two ranks of a group on one GPU), else the CPU."""
+    from shardtrain.config import ConfigError
+
     if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise RuntimeError("train.device=cuda but no CUDA device is visible")
-        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+            raise ConfigError("train.device=cuda but no CUDA device is visible; use "
+                              "--train.device cpu")
+        gpus = torch.cuda.device_count()
+        if info.local_world_size > gpus:
+            raise ConfigError(f"--nproc {info.local_world_size} starts {info.local_world_size} "
+                              f"ranks on this node but it has {gpus} GPU(s) visible; use "
+                              f"--nproc {gpus} or fewer (one GPU per rank), or "
+                              "--train.device cpu")
+        torch.cuda.set_device(info.local_rank)
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def check_device(cfg, device: torch.device) -> None:
+    """The config checks that need the device: our point-to-point collective algorithms run
+    on CPU tensors over Gloo, so a CUDA run (NCCL) takes comm.algorithm=native only."""
+    from shardtrain.config import ConfigError
+
+    if device.type == "cuda" and cfg.comm.algorithm != "native":
+        raise ConfigError(f"comm.algorithm={cfg.comm.algorithm} runs shardtrain's own "
+                          "point-to-point algorithms, which run on CPU (Gloo) only; this run "
+                          f"is on CUDA (train.device={cfg.train.device}): set "
+                          "--comm.algorithm native, or --train.device cpu")
 
 
 def init_distributed(info: ProcessInfo, device: torch.device, timeout_s: float) -> None:
@@ -74,18 +97,20 @@ def run_worker(config_text: str) -> dict:
     """One training process: join the group, build the mesh, train. `config_text` is the
     resolved config as TOML (it travels to workers by value, not through files or env)."""
     from shardtrain import config as config_mod
-    from shardtrain.mesh import MeshShape, ParallelMesh
+    from shardtrain.comm import build_mesh
+    from shardtrain.mesh import MeshShape
     from shardtrain.train.trainer import Trainer
 
     cfg = config_mod.loads(config_text)
     info = ProcessInfo.from_env()
     cfg.validate(info.world_size)
     device = pick_device(cfg.train.device, info)
+    check_device(cfg, device)
     init_distributed(info, device, cfg.comm.timeout_s)
     p = cfg.parallel
     shape = MeshShape(pp=p.pp, dp=p.resolved_dp(info.world_size), cp=p.cp, tp=p.tp, ep=p.ep)
-    mesh = ParallelMesh(shape, rank=info.rank, node_size=p.node_size or info.local_world_size,
-                        algorithm=cfg.comm.algorithm, timeout_s=cfg.comm.timeout_s)
+    mesh = build_mesh(shape, rank=info.rank, node_size=p.node_size or info.local_world_size,
+                      algorithm=cfg.comm.algorithm, timeout_s=cfg.comm.timeout_s, device=device)
     try:
         result = Trainer(cfg, mesh, device).run()
     finally:

@@ -11,17 +11,32 @@ expert shard (the group that averages expert gradients).
 
 Nodes are runs of `node_size` consecutive global ranks: the launcher's LOCAL_WORLD_SIZE,
 or a configured virtual node size so hierarchical algorithms can be tested on one machine.
+
+The mesh owns the topology and creates every process group (this is the one place that
+calls `new_group`); it imports nothing of shardtrain.comm. A `Group` says all a
+communicator needs to know about one group, and the `communicator` the mesh is given
+(shardtrain.comm.CommFactory, or `shardtrain.comm.build_mesh` for both at once) turns each
+dim's Group into its Communicator.
+
+Devices: a group's payload lives on the mesh's device. On CUDA each NCCL group gets a Gloo
+group over the same ranks beside it (`meta`): the small CPU tensors of metadata (size
+agreement, the link figures, ...) travel there on purpose, as torchtitan's
+`cpu:gloo,cuda:nccl` process groups do, so no NCCL call ever sees a CPU tensor.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from shardtrain.comm import CommLedger, Communicator
 from shardtrain.config import ConfigError
+from shardtrain.cost.hardware import runtime_link
+from shardtrain.cost.link import Link
 
 DIMS = ("pp", "dp", "cp", "tp")
 
@@ -88,51 +103,112 @@ _FIXED: dict[str, tuple[str, ...]] = {
 }
 
 
-class ParallelMesh:
-    """Rank <-> coordinates, one Communicator per dim, node topology; built once, passed down.
+@dataclass(frozen=True, eq=False)
+class Group:
+    """One process group of this rank: what a communicator is built from."""
 
-    With world size 1 (or a dim of size 1) the communicators have no process group and
-    every collective is a no-op, so the same code path runs on one process.
+    name: str  # the dim (or sub-group) it serves: dp, tp, dp_node, ...
+    ranks: list[int]  # its global ranks, ascending
+    handle: dist.ProcessGroup | None  # None: a group of one rank
+    meta: dist.ProcessGroup | None  # where CPU metadata goes: handle itself on Gloo
+    device: torch.device  # where its payload lives
+    node_size: int  # ranks per node (runs of consecutive global ranks)
+    link: Link  # what `auto` and the hierarchical phases price with
+
+
+class ParallelMesh:
+    """Rank <-> coordinates, one process group (and Communicator) per dim, node topology;
+    built once, passed down.
+
+    With world size 1 (or a dim of size 1) the groups have no process group and every
+    collective is a no-op, so the same code path runs on one process.
     """
 
-    def __init__(self, shape: MeshShape, *, rank: int = 0, node_size: int = 0,
-                 algorithm: str = "native", timeout_s: float = 300.0):
+    def __init__(self, shape: MeshShape, *, communicator: Callable[[Group], Any], rank: int = 0,
+                 node_size: int = 0, timeout_s: float = 300.0,
+                 device: torch.device | None = None, link: Link | None = None):
+        """`communicator`: builds a Communicator from a Group and holds the ledger they all
+        record in (shardtrain.comm.CommFactory); `device`: where payload lives (None: the
+        current CUDA device under NCCL, else the CPU); `link`: what `auto` prices with
+        (None: cost.hardware.runtime_link for the device, per group)."""
         node_size = node_size or shape.world_size
         shape.validate(shape.world_size, node_size)
         self.shape, self.rank, self.node_size = shape, rank, node_size
-        self.ledger = CommLedger()
         self.coords = shape.coords(rank)
-        self._comms: dict[str, Communicator] = {}
-        distributed = shape.world_size > 1
-        if distributed and not dist.is_initialized():
+        self.timeout_s, self._link, self._factory = timeout_s, link, communicator
+        if shape.world_size > 1 and not dist.is_initialized():
             raise RuntimeError("ParallelMesh with world size > 1 needs torch.distributed "
                                "initialised first (shardtrain.launch.init_distributed)")
-        timeout = timedelta(seconds=timeout_s)
-        # Every rank must create every group, in the same order (torch.distributed rule).
-        for dim in ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp"):
-            mine = None
-            for ranks in shape.groups(dim):
-                group = None
-                if len(ranks) > 1:
-                    group = dist.new_group(ranks, timeout=timeout) if len(ranks) < shape.world_size \
-                        else dist.group.WORLD
-                if rank in ranks:
-                    mine = (ranks, group)
-            ranks, group = mine
-            self._comms[dim] = Communicator(group, name=dim, ranks=ranks, ledger=self.ledger,
-                                            node_size=node_size, algorithm=algorithm,
-                                            timeout_s=timeout_s)
+        if device is None:
+            cuda = shape.world_size > 1 and dist.get_backend() == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if cuda else \
+                torch.device("cpu")
+        self.device = torch.device(device)
+        self._comms = {dim: communicator(self.sub_group(dim, lambda r: 0, dim))
+                       for dim in ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp")}
 
     @property
     def world_size(self) -> int:
         return self.shape.world_size
 
-    def comm(self, dim: str) -> Communicator:
+    @property
+    def ledger(self):
+        """The communication ledger every communicator of this mesh records in."""
+        return self._factory.ledger
+
+    def comm(self, dim: str):
         return self._comms[dim]
+
+    def communicator(self, group: Group):
+        """A Communicator for a group made by `sub_group`, with the mesh's settings."""
+        return self._factory(group)
 
     def node_of(self, rank: int) -> int:
         return rank // self.node_size
 
+    def sub_group(self, dim: str, part: Callable[[int], int], name: str) -> Group:
+        """This rank's part of its `dim` group, every `dim` group being split by `part`
+        (global rank -> key; ranks with equal keys share a part). Collective: every rank
+        calls it at the same point and creates every part in the same order, which is
+        torch.distributed's rule for `new_group`."""
+        parts = []
+        for ranks in self.shape.groups(dim):
+            keyed: dict[int, list[int]] = {}
+            for r in ranks:
+                keyed.setdefault(part(r), []).append(r)
+            parts += keyed.values()
+        timeout = timedelta(seconds=self.timeout_s)
+        side = self.device.type == "cuda"  # NCCL payload: metadata on a Gloo group beside
+        mine = None
+        for ranks in parts:
+            handle = meta = None
+            if len(ranks) > 1:
+                handle = dist.group.WORLD if len(ranks) == self.world_size else \
+                    dist.new_group(ranks, timeout=timeout)
+                meta = dist.new_group(ranks, timeout=timeout, backend="gloo") if side else handle
+            if self.rank in ranks:
+                mine = (ranks, handle, meta)
+        ranks, handle, meta = mine
+        return Group(name=name, ranks=ranks, handle=handle, meta=meta, device=self.device,
+                     node_size=self.node_size, link=self._link or self._runtime_link(ranks))
+
+    def node_group(self, dim: str) -> Group:
+        """The ranks of this rank's `dim` group that share its node ("<dim>_node"); every
+        node must hold the same number of them."""
+        sizes = {sum(1 for r in ranks if self.node_of(r) == n)
+                 for ranks in self.shape.groups(dim) for n in {self.node_of(r) for r in ranks}}
+        if len(sizes) != 1:
+            raise ValueError(f"the node-local parts of the {dim} groups differ in size "
+                             f"({sorted(sizes)} ranks with nodes of {self.node_size}); set "
+                             "parallel.node_size to a multiple of tp")
+        return self.sub_group(dim, self.node_of, f"{dim}_node")
+
+    def _runtime_link(self, ranks: list[int]) -> Link:
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
+        across = len({self.node_of(r) for r in ranks}) > 1
+        return runtime_link(self.device.type, gpu_name=name, across_nodes=across)
+
     def __repr__(self) -> str:
         dims = " ".join(f"{d}={getattr(self.shape, d)}" for d in (*DIMS, "ep"))
-        return f"ParallelMesh({dims}, rank={self.rank}, coords={self.coords}, node_size={self.node_size})"
+        return (f"ParallelMesh({dims}, rank={self.rank}, coords={self.coords}, "
+                f"node_size={self.node_size}, device={self.device})")

@@ -14,6 +14,7 @@ import torch
 
 from shardtrain import config
 from shardtrain.config import Config
+from shardtrain.comm import build_mesh
 from shardtrain.mesh import MeshShape, ParallelMesh
 from shardtrain.train.trainer import Trainer
 
@@ -31,7 +32,7 @@ def tiny(tmp: Path, name: str, *overrides: str) -> Config:
 def make_mesh(cfg: Config, rank: int, world_size: int) -> ParallelMesh:
     p = cfg.parallel
     shape = MeshShape(pp=p.pp, dp=p.resolved_dp(world_size), cp=p.cp, tp=p.tp, ep=p.ep)
-    return ParallelMesh(shape, rank=rank, node_size=p.node_size,
+    return build_mesh(shape, rank=rank, node_size=p.node_size,
                         algorithm=cfg.comm.algorithm, timeout_s=cfg.comm.timeout_s)
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from dist import run_distributed
 from shardtrain.comm import CommLedger, Communicator
 from shardtrain.comm.algorithms import IMPLEMENTATIONS, ring
-from shardtrain.comm.cost import Link
+from shardtrain.cost.link import Link
 from shardtrain.comm.dispatch import ALGORITHMS, choose
 from shardtrain.comm.p2p import CommError
 

@@ -1,13 +1,16 @@
 """Compressors on one process (a communicator of one rank moves bytes by copying): the
 quantization error bound, top-k selection (whole tensor or per segment), and error feedback
-losing nothing. On a real dp group: test_compressed_update.py."""
+losing nothing; and on four ranks, top-k's colliding indices summed in one order everywhere.
+Training with compressed updates on a real dp group: test_compressed_update.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from shardtrain.comm import CommLedger, Communicator
+from dist import run_distributed
+from shardtrain.comm import CommLedger, Communicator, build_mesh
+from shardtrain.mesh import MeshShape
 from shardtrain.comm.compress import (Int8Compressor, TopKCompressor, make_compressor,
                                        pack_int8)
 
@@ -71,3 +74,33 @@ def test_bad_settings_are_named():
     with pytest.raises(ValueError, match="op 'max' is not supported"):
         Int8Compressor().all_reduce(_comm(), torch.ones(4), "max", "grad")
     assert make_compressor("none") is None
+
+
+# fp32 has 24 mantissa bits: 2^24 + 1 rounds back to 2^24, so the sum of these four depends
+# on the order of addition: 0 in group order, 2 if the two ones were added first.
+BIG = float(2 ** 24)
+COLLIDING = (BIG, 1.0, 1.0, -BIG)
+
+
+def _topk_replicas(rank: int, world: int) -> dict:
+    comm = build_mesh(MeshShape(dp=world), rank=rank).comm("dp")
+    c = TopKCompressor(0.25, error_feedback=False)  # the sent values are exactly these
+    g = torch.Generator().manual_seed(rank)
+    outputs = []
+    for step in range(4):
+        x = torch.randn(64, generator=g)
+        x[:4] = 0.01 * torch.randn(4, generator=g)
+        x[step % 4] = COLLIDING[rank] * 2 ** step  # every rank's largest, at one index
+        x[16:24] = torch.tensor([3.0, -2.0, 2.5, 1.5, -1.25, 1.75, -3.5, 2.25]) * (1 + rank)
+        c.all_reduce(comm, x, "sum", "grad")
+        outputs.append(x)
+    return {"outputs": outputs}
+
+
+def test_topk_colliding_indices_sum_in_group_order_and_replicas_stay_bitwise_equal():
+    ranks = run_distributed(_topk_replicas, 4)
+    for r in ranks[1:]:
+        for a, b in zip(r["outputs"], ranks[0]["outputs"], strict=True):
+            assert torch.equal(a, b)
+    for step, out in enumerate(ranks[0]["outputs"]):
+        assert out[step % 4].item() == 0.0  # each ((2^24 + 1) + 1) - 2^24, times 2^step

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from dist import run_distributed
-from shardtrain.comm import CommLedger, Communicator
+from shardtrain.comm import CommLedger, Communicator, build_mesh
 from shardtrain.comm.ledger import CommRecord
 from shardtrain.config import ConfigError
-from shardtrain.mesh import MeshShape, ParallelMesh
+from shardtrain.mesh import MeshShape
 
 SHAPES = [MeshShape(pp=2, dp=2, cp=1, tp=2), MeshShape(pp=1, dp=4, cp=2, tp=1, ep=4),
           MeshShape(pp=2, dp=3, cp=2, tp=2, ep=2), MeshShape(pp=4), MeshShape(dp=6, ep=3)]
@@ -62,7 +62,7 @@ def test_invalid_shapes_are_named(shape, world, node, needle):
 
 
 def test_world_size_one_is_not_a_special_case():
-    mesh = ParallelMesh(MeshShape())
+    mesh = build_mesh(MeshShape())
     comm = mesh.comm("dp")
     t = torch.arange(5.0)
     comm.all_reduce(t, "avg").wait()
@@ -75,7 +75,7 @@ def test_world_size_one_is_not_a_special_case():
 
 
 def _mesh_collectives(rank: int, world: int) -> dict:
-    mesh = ParallelMesh(MeshShape(dp=2, tp=2), rank=rank, node_size=2)
+    mesh = build_mesh(MeshShape(dp=2, tp=2), rank=rank, node_size=2)
     out = {"coords": mesh.coords, "node": mesh.node_of(rank)}
     for dim in ("tp", "dp"):
         comm = mesh.comm(dim)
@@ -90,6 +90,9 @@ def _mesh_collectives(rank: int, world: int) -> dict:
     shard = torch.empty(500)
     comm.reduce_scatter(shard, big, "max")
     out["records"] = [(r.op, r.group, r.sent_bytes, r.recv_bytes) for r in mesh.ledger.records]
+    # Sub-groups come from the mesh too: the node-local part of a dim's group.
+    out["node_parts"] = {dim: mesh.node_group(dim).ranks for dim in ("dp", "tp")}
+    out["meta"] = all(mesh.comm(d).meta is mesh.comm(d).group for d in ("dp", "tp"))  # Gloo
     out["values"] = (big[0].item(), gathered.sum().item(), shard[0].item())
     return out
 
@@ -102,6 +105,7 @@ def test_mesh_groups_and_native_ledger_on_four_ranks():
         assert r["tp_sum"] == sum(tp_peers) and r["dp_sum"] == sum(dp_peers)
         assert r["node"] == rank // 2
         assert r["values"] == (1.0, 2000.0, 1.0)
+        assert r["node_parts"] == {"dp": [rank], "tp": tp_peers} and r["meta"]
         # p = 2: all-reduce 2(p-1)/p S = S; all-gather and reduce-scatter (p-1)/p S.
         assert r["records"][-3:] == [("all_reduce", "dp", 4000, 4000),
                                      ("all_gather", "dp", 4000, 4000),
@@ -125,3 +129,22 @@ def test_the_ledger_stays_bounded_over_a_long_run_and_keeps_the_open_interval():
     for _ in range(50):  # one interval longer than `keep`: nothing of it is dropped
         ledger.add(record)
     assert ledger.totals(ledger.mark())["calls"] == 50
+
+
+def test_mesh_imports_nothing_of_comm_and_comm_nothing_above_it():
+    """The arrows mesh <- comm <- parallel: mesh builds groups, comm builds communicators
+    from them (CommFactory), and comm knows nothing of plan, parallel or train."""
+    import ast
+    from pathlib import Path
+
+    import shardtrain
+
+    root = Path(shardtrain.__file__).parent
+    rules = [(root / "mesh.py", ("shardtrain.comm",))]
+    rules += [(f, ("shardtrain.plan", "shardtrain.parallel", "shardtrain.train"))
+              for f in sorted((root / "comm").rglob("*.py"))]
+    for file, banned in rules:
+        for node in ast.walk(ast.parse(file.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not [n for n in names if n.startswith(banned)], (file.name, names)

@@ -7,7 +7,7 @@ from shardtrain import config
 from shardtrain.config import ModelConfig
 from shardtrain.model.generate import generate
 from shardtrain.model.transformer import build_model
-from shardtrain.plan.counts import param_counts
+from shardtrain.cost.counts import param_counts
 
 
 @pytest.mark.parametrize("preset", ["tiny", "default", "gpt3-175b", "llama3-8b", "llama3-70b",

@@ -24,7 +24,8 @@ from torch import nn
 
 from dist import run_distributed
 from shardtrain import cli
-from shardtrain.mesh import MeshShape, ParallelMesh
+from shardtrain.comm import build_mesh
+from shardtrain.mesh import MeshShape
 from shardtrain.parallel.pipeline import schedules
 from shardtrain.parallel.pipeline.executor import PipelineExecutor
 from shardtrain.train.report import formula_bubble, mean_bubble, measured_bubbles, step_span
@@ -102,7 +103,7 @@ def _run_schedules(rank: int, world: int) -> dict[str, list[dict]]:
     """Each schedule once at no cost (connecting the peers, warming up), then
     MEASURED_RUNS times at LAYER_S per layer: each run's timeline and stage-0 peaks."""
     torch.manual_seed(0)
-    mesh = ParallelMesh(MeshShape(pp=world), rank=rank)
+    mesh = build_mesh(MeshShape(pp=world), rank=rank)
     inputs = [torch.randn(ACT) for _ in range(M)]
     targets = [torch.randn(ACT) for _ in range(M)]
     runs = {}

@@ -10,11 +10,12 @@ import time
 
 import pytest
 
-from shardtrain.comm.cost import Link, cost
+from shardtrain.cost.collectives import cost
+from shardtrain.cost.link import Link
 from shardtrain.config import load
 from shardtrain.plan.cli import main
 from shardtrain.plan.closed_form import narayanan_params, training_flops
-from shardtrain.plan.counts import param_counts
+from shardtrain.cost.counts import param_counts
 from shardtrain.plan.layout import Layout, check
 from shardtrain.plan.memory import activation_bytes_per_layer, memory_per_gpu, model_states
 from shardtrain.plan.timing import bubble_fraction, gpus_for_deadline, training_seconds
@@ -236,7 +237,7 @@ def test_bad_input_exit_code_2(argv, needles):
 
 
 def test_the_planner_does_not_load_torch():
-    """plan/ and comm/cost.py are pure arithmetic: planning must not pay torch's import."""
+    """plan/ and cost/collectives.py are pure arithmetic: planning must not pay torch's import."""
     import subprocess
     import sys
 

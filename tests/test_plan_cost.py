@@ -1,4 +1,4 @@
-"""The alpha-beta-gamma cost model (shardtrain.comm.cost) against Thakur et al. 2005's forms."""
+"""The alpha-beta-gamma cost model (shardtrain.cost.collectives) against Thakur et al. 2005's forms."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import math
 
 import pytest
 
-from shardtrain.comm.cost import (ALGORITHMS, OPS, STAGED_FRESH_BYTES, Link, best_algorithm,
-                                  bus_bandwidth, cost, supported, torus_grid)
+from shardtrain.cost.collectives import (ALGORITHMS, OPS, STAGED_FRESH_BYTES, best_algorithm,
+                                         bus_bandwidth, cost, supported, torus_grid)
+from shardtrain.cost.link import Link
 
 A, B, G = 1e-5, 1e-9, 1e-10
 LINK = Link(alpha_s=A, beta_s_per_byte=B, gamma_s_per_byte=G)

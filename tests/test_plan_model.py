@@ -10,9 +10,9 @@ import pytest
 
 import shardtrain
 from shardtrain.config import ConfigError, load
-from shardtrain.plan import calibration, hardware
+from shardtrain.cost import calibration, hardware
 from shardtrain.plan.closed_form import korthikanti_hardware_flops, narayanan_model_flops
-from shardtrain.plan.counts import hardware_flops_per_token, model_flops_per_token, param_counts
+from shardtrain.cost.counts import hardware_flops_per_token, model_flops_per_token, param_counts
 from shardtrain.plan.evaluate import evaluate
 from shardtrain.plan.layout import Layout, PlanError, check, parse_layout
 from shardtrain.plan.memory import (in_flight, memory_per_gpu, model_states, runtime_adamw_fp32)
@@ -156,7 +156,7 @@ def test_hardware_presets_and_overrides():
     assert hardware.get("h100").name == "h100-sxm"
     hw = hardware.get("a100", {"efficiency": "0.5", "gpus_per_node": "4"})
     assert hw.efficiency == 0.5 and hw.gpus_per_node == 4
-    with pytest.raises(PlanError, match="did you mean 'efficiency'"):
+    with pytest.raises(ConfigError, match="did you mean 'efficiency'"):
         hardware.get("a100", {"eficiency": "1"})
 
 
@@ -183,7 +183,7 @@ def test_calibration_roundtrip_and_cpu_preset(tmp_path: Path):
     native = hardware.get("cpu", calibration_path=path).inter_link()
     assert native.native_alpha_s == 2e-5 and native.staging_s_per_byte == pytest.approx(1e-9)
     assert native.backend == "gloo" and hardware.get("h100").inter_link().backend == "nccl"
-    with pytest.raises(PlanError, match="--hw.backend='mpi'"):
+    with pytest.raises(ConfigError, match="--hw.backend='mpi'"):
         hardware.get("h100", {"backend": "mpi"})
     del data["efficiency"]  # optional: a file without it loads with efficiency 1.0
     path.write_text(json.dumps(data))
@@ -226,10 +226,15 @@ def test_moe_layouts_shard_experts():
 
 
 def test_planner_imports_no_runtime():
-    """plan/ and comm/cost.py use only the standard library, shardtrain.config, each other."""
+    """plan/ and cost/ use only the standard library, shardtrain.config and cost/ (plan/ also
+    itself): no torch, nothing of the runtime, and cost/ nothing of plan/."""
     root = Path(shardtrain.__file__).parent
-    allowed = ("shardtrain.config", "shardtrain.plan", "shardtrain.comm.cost")
-    for file in sorted((root / "plan").glob("*.py")) + [root / "comm" / "cost.py"]:
+    rules = {"plan": ("shardtrain.config", "shardtrain.plan", "shardtrain.cost"),
+             "cost": ("shardtrain.config", "shardtrain.cost")}
+    files = [(f, allowed) for folder, allowed in rules.items()
+             for f in sorted((root / folder).glob("*.py"))]
+    assert len(files) > 10
+    for file, allowed in files:
         for node in ast.walk(ast.parse(file.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
@@ -237,3 +242,20 @@ def test_planner_imports_no_runtime():
                 assert not name.startswith(("torch", "numpy")), (file.name, name)
                 if name.startswith("shardtrain"):
                     assert name.startswith(allowed), (file.name, name)
+
+
+def test_runtime_link_prices_a_gpu_group_with_its_preset_never_the_cpu_calibration(tmp_path):
+    """What comm's `auto` prices with (cost.hardware.runtime_link, chosen by the mesh)."""
+    path = tmp_path / "cal.json"
+    calibration.save(calibration.Calibration(flops_per_s=1e10, alpha_s=7e-5, beta_s_per_byte=3e-9,
+                                             gamma_s_per_byte=1e-9, cores=2, measured_at="t"),
+                     path)
+    assert hardware.runtime_link("cpu", calibration_path=path) == calibration.load(path).link()
+    h100 = hardware.PRESETS["h100-sxm"]
+    name = "NVIDIA H100 80GB HBM3"
+    assert hardware.gpu_preset(name) is h100
+    assert hardware.gpu_preset("NVIDIA H100 PCIe").name == "h100-pcie"
+    assert hardware.runtime_link("cuda", gpu_name=name, calibration_path=path) == h100.intra_link()
+    assert hardware.runtime_link("cuda", gpu_name=name, across_nodes=True) == h100.inter_link()
+    unknown = hardware.runtime_link("cuda", gpu_name="Some Future GPU", calibration_path=path)
+    assert unknown == hardware.GENERIC_PCIE.intra_link() and unknown.backend == "nccl"

@@ -6,8 +6,9 @@ import torch
 
 from parity import tiny
 from shardtrain import config
-from shardtrain.mesh import MeshShape, ParallelMesh
-from shardtrain.plan import calibration, hardware
+from shardtrain.comm import build_mesh
+from shardtrain.mesh import MeshShape
+from shardtrain.cost import calibration, hardware
 from shardtrain.plan.evaluate import evaluate
 from shardtrain.plan.layout import Layout
 from shardtrain.train.calibrate import measure_compute
@@ -25,7 +26,7 @@ def test_predicted_step_time_of_the_default_model(tmp_path):
     cfg = config.load("default", ["--train.run_dir", base.train.run_dir, "--data.cache_dir",
                                   base.data.cache_dir, "--data.max_bytes", "2000000",
                                   "--train.progress", "false"])
-    trainer = Trainer(cfg, ParallelMesh(MeshShape()), torch.device("cpu"))
+    trainer = Trainer(cfg, build_mesh(MeshShape()), torch.device("cpu"))
     times = [trainer.train_step()["step_time_s"] for _ in range(6)]
     measured = min(times[1:])  # the first step warms up; best-of, as the calibration is
     t = cfg.train

@@ -14,6 +14,7 @@ from torch import nn
 
 from dist import run_distributed
 from shardtrain.config import ModelConfig
+from shardtrain.comm import build_mesh
 from shardtrain.mesh import MeshShape, ParallelMesh
 from shardtrain.model.transformer import build_model
 from shardtrain.parallel.tensor.sharding import Placement, TensorShards
@@ -196,7 +197,7 @@ def _check_dtensor(comm) -> None:
 
 
 def _tp_units(rank: int, world_size: int) -> dict:
-    mesh = ParallelMesh(MeshShape(tp=world_size), rank=rank)
+    mesh = build_mesh(MeshShape(tp=world_size), rank=rank)
     comm = mesh.comm("tp")
     torch.manual_seed(0)  # the same dense weights and inputs on every rank
     for sp in (False, True):

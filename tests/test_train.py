@@ -10,7 +10,8 @@ import torch
 from parity import assert_parity, tiny, train_layout
 from shardtrain import config
 from shardtrain.cli import main
-from shardtrain.mesh import MeshShape, ParallelMesh
+from shardtrain.comm import build_mesh
+from shardtrain.mesh import MeshShape
 from shardtrain.train.optim import lr_at
 from shardtrain.train.trainer import Trainer
 
@@ -23,7 +24,7 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
 
 
 def _run(cfg):
-    trainer = Trainer(cfg, ParallelMesh(MeshShape()), torch.device("cpu"))
+    trainer = Trainer(cfg, build_mesh(MeshShape()), torch.device("cpu"))
     return trainer, trainer.run()
 
 

@@ -11,7 +11,8 @@ import torch
 from dist import run_distributed
 from parity import assert_parity, make_mesh, tiny, train_layout
 from shardtrain import config
-from shardtrain.mesh import MeshShape, ParallelMesh
+from shardtrain.comm import build_mesh
+from shardtrain.mesh import MeshShape
 from shardtrain.parallel.zero.zeropp import (ZeroPlusPlusComm, node_comm, quantized_all_gather,
                                         quantized_reduce_scatter)
 from shardtrain.train.trainer import Trainer
@@ -29,7 +30,7 @@ def _half_steps(x: torch.Tensor) -> torch.Tensor:
 
 def _primitives(rank: int, world_size: int) -> dict:
     # ring: our point-to-point algorithms count the bytes that cross nodes.
-    mesh = ParallelMesh(MeshShape(dp=world_size), rank=rank, node_size=2, algorithm="ring")
+    mesh = build_mesh(MeshShape(dp=world_size), rank=rank, node_size=2, algorithm="ring")
     dp, ledger = mesh.comm("dp"), mesh.ledger
     out: dict = {}
 

@@ -15,7 +15,7 @@ import os
 import sys
 from datetime import datetime, timezone
 
-from shardtrain.comm import cost
+from shardtrain.cost import collectives as cost
 from shardtrain.comm.dispatch import ALGORITHMS
 
 UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
@@ -106,7 +106,7 @@ def calibrate(argv: list[str]) -> int:
     own calls), and the training-step efficiency of a reference transformer
     (train/calibrate.py), saved where the planner's `cpu` preset reads."""
     from shardtrain.bench import fit
-    from shardtrain.plan import calibration
+    from shardtrain.cost import calibration
     from shardtrain.train.calibrate import measure_compute
 
     parser = argparse.ArgumentParser(prog="shardtrain bench calibrate")

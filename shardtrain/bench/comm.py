@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from shardtrain.comm import CommLedger, Communicator, cost
+from shardtrain.comm import CommLedger, Communicator
+from shardtrain.cost import collectives as cost
 from shardtrain.comm.dispatch import choose, serves
 from shardtrain.bench import fit
 

@@ -1,6 +1,6 @@
 """Fitting the alpha-beta-gamma model to measured collective times, and predicting with it.
 
-The cost model (comm/cost.py) is linear in the link figures for the algorithms whose phases
+The cost model (cost/collectives.py) is linear in the link figures for the algorithms whose phases
 do not depend on them: time = R alpha + B beta + G gamma + T shared, where R (rounds), B
 (bytes on the critical path), G (bytes reduced or copied locally on it) and T (bytes all
 ranks send) are read off the model by pricing the call on unit links. On one host T is
@@ -23,7 +23,7 @@ import dataclasses
 
 import numpy as np
 
-from shardtrain.comm import cost
+from shardtrain.cost import collectives as cost
 
 FITTED = ("ring", "tree", "recursive_doubling", "halving_doubling", "rabenseifner", "torus2d")
 _UNIT = tuple(cost.Link.from_figures(row) for row in np.eye(4))  # alpha, beta, gamma, shared

@@ -13,7 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from shardtrain.bench import fit
-from shardtrain.comm import cost
+from shardtrain.cost import collectives as cost
 
 SHORT = {"native": "native", "ring": "ring", "tree": "tree", "recursive_doubling": "rec_dbl",
          "halving_doubling": "halv_dbl", "rabenseifner": "rabens", "hierarchical": "hier",

@@ -1,18 +1,51 @@
 """Every byte goes through here: a Communicator per process group, the algorithms it runs,
-the ledger that records each call, gradient compression, and the shared cost model.
+the ledger that records each call, and gradient compression. The cost model `auto` prices
+with lives in shardtrain.cost (torch-free, shared with the planner).
 
-The names are imported lazily so that `shardtrain.comm.cost` (pure arithmetic, shared with
-the planner) imports without loading torch.
+The mesh (shardtrain.mesh) owns the topology and the process groups and knows nothing of
+this package; `CommFactory` turns each of its groups into a Communicator, and
+`build_mesh` builds a mesh with one.
 """
 
-import importlib
+from __future__ import annotations
 
-_EXPORTS = {"Communicator": "communicator", "Handle": "lane", "CommLedger": "ledger",
-            "CommRecord": "ledger", "CommError": "p2p"}
-__all__ = sorted(_EXPORTS)
+from dataclasses import dataclass, field
+
+import torch
+
+from shardtrain.comm.communicator import Communicator
+from shardtrain.comm.dispatch import Handle
+from shardtrain.comm.ledger import CommLedger, CommRecord
+from shardtrain.comm.p2p import CommError
+from shardtrain.cost.link import Link
+from shardtrain.mesh import Group, MeshShape, ParallelMesh
+
+__all__ = ["CommError", "CommFactory", "CommLedger", "CommRecord", "Communicator", "Handle",
+           "build_mesh"]
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"shardtrain.comm.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'shardtrain.comm' has no attribute {name!r}")
+@dataclass
+class CommFactory:
+    """Builds a mesh group's Communicator with the run's comm settings (comm.algorithm,
+    comm.timeout_s); every communicator it builds records in its one ledger."""
+
+    algorithm: str = "native"
+    timeout_s: float = 300.0
+    check_sizes: str = "first"
+    ledger: CommLedger = field(default_factory=CommLedger)
+
+    def __call__(self, group: Group) -> Communicator:
+        return Communicator(group.handle, name=group.name, ranks=group.ranks,
+                            ledger=self.ledger, node_size=group.node_size,
+                            algorithm=self.algorithm, timeout_s=self.timeout_s,
+                            link=group.link, device=group.device, meta=group.meta,
+                            check_sizes=self.check_sizes)
+
+
+def build_mesh(shape: MeshShape, *, rank: int = 0, node_size: int = 0, algorithm: str = "native",
+               timeout_s: float = 300.0, device: torch.device | None = None,
+               link: Link | None = None) -> ParallelMesh:
+    """The mesh of `shape` for this rank, each dim's group with its Communicator."""
+    return ParallelMesh(shape, rank=rank, node_size=node_size, timeout_s=timeout_s,
+                        device=device, link=link,
+                        communicator=CommFactory(algorithm=algorithm, timeout_s=timeout_s))

@@ -1,18 +1,25 @@
 """Communicator: the collectives of one process group, each call recorded in the ledger.
 
-Parallel code calls these methods, never torch.distributed directly. Each call runs the
-algorithm named for it (`algorithm=`), or the run's `comm.algorithm`, or -- for ops that
-algorithm does not implement -- the backend's own (`native`); `auto` asks the cost model
-(see dispatch.py). Our algorithms are plain functions over point-to-point messages
+This is the public layer: parallel code calls these methods, never torch.distributed
+directly. What it adds to the layers below: the op's contract (argument checks, flat views
+of non-contiguous inputs, the division of an average, world size 1 as a no-op) and the
+ledger record of every call; dispatch.py picks the algorithm and runs it, p2p.py carries
+our algorithms' messages, rooted.py holds gather and scatter.
+
+Each call runs the algorithm named for it (`algorithm=`), or the run's `comm.algorithm`,
+or -- for ops that algorithm does not implement -- the backend's own (`native`); `auto`
+asks the cost model (see dispatch.py). Our algorithms are plain functions over point-to-point messages
 (algorithms/); the ledger records the bytes they really moved.
 
 A communicator over a group of one rank (or no group at all) turns every collective into a
 no-op or a local copy, so world size 1 runs the same code. Ops: sum, avg, max, min (avg is a
 sum followed by one division). fp32, bf16 and fp16 travel in their own dtype; each
 reduction step computes in fp32 and rounds once (torch's CPU kernels; NCCL does the same).
-Inputs may be non-contiguous (the result is copied back) and of any element count. Every
-wait honours `timeout_s` (comm.timeout_s): a peer that never answers ends in a CommError
-naming the group, the op and the algorithm.
+Inputs may be non-contiguous (the result is copied back) and of any element count. On
+Gloo every wait honours `timeout_s` (comm.timeout_s): a peer that never answers ends in a
+CommError naming the group, the op and the algorithm. On NCCL no wait blocks the host: the
+current CUDA stream waits, and the process group's own timeout (the same comm.timeout_s,
+given to init_process_group and new_group) and the NCCL watchdog catch a silent peer.
 """
 
 from __future__ import annotations
@@ -24,13 +31,65 @@ import torch
 import torch.distributed as dist
 
 from shardtrain.comm.algorithms import IMPLEMENTATIONS
-from shardtrain.comm.lane import Handle, wait_native
-from shardtrain.comm.p2p import Team
-from shardtrain.comm.runner import REDUCE_OPS, GroupRunner, flat_view, then
+from shardtrain.comm import rooted
+from shardtrain.comm.dispatch import (ALGORITHMS, CHECKS, PRICED, Handle, Lane, agreed_link,
+                                      choose_for, on_device, run)
+from shardtrain.comm.ledger import CommLedger, CommRecord, add_record
+from shardtrain.comm.p2p import Team, flat_view, offsets, post_messages, then, wait_native
+from shardtrain.cost.link import Link
+
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
+              "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+# The flat-tensor all-gather and reduce-scatter: `*_single` where torch has them (2.13 calls
+# the older names deprecated), else `all_gather_into_tensor` / `reduce_scatter_tensor`
+# (torch 2.11, on the GPU machines). Same arguments, same work.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class Communicator(GroupRunner):
-    """The collectives of one group (constructor: see GroupRunner)."""
+class Communicator:
+    """The collectives of one group, each recorded in the ledger."""
+
+    def __init__(self, group: dist.ProcessGroup | None, *, name: str, ranks: list[int],
+                 ledger: CommLedger, node_size: int = 0, algorithm: str = "native",
+                 timeout_s: float = 300.0, link: Link | None = None,
+                 check_sizes: str = "first", device: torch.device | str = "cpu",
+                 meta: dist.ProcessGroup | None = None):
+        """`ranks`: the group's global ranks; `node_size`: ranks per (virtual) node, nodes
+        being runs of consecutive global ranks (0: one node); `link`: the alpha-beta-gamma
+        figures `auto` and the hierarchical phases price with (cost.hardware.runtime_link;
+        agreed from group rank 0 where the algorithm prices); `check_sizes`: compare sizes
+        across ranks before the first call of each op ("first"), every call ("all") or never
+        ("off"); `device`: where the group's payload lives; `meta`: the group the CPU metadata travels on (None: `group` itself,
+        a Gloo group; beside an NCCL group, a Gloo group over the same ranks)."""
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"comm.algorithm={algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+        on_device(algorithm, torch.device(device), name)
+        if check_sizes not in CHECKS:
+            raise ValueError(f"check_sizes={check_sizes!r} is not one of {', '.join(CHECKS)}")
+        self.group, self.name, self.ranks, self.ledger = group, name, list(ranks), ledger
+        self.device, self.meta = torch.device(device), meta if meta is not None else group
+        self.size = len(ranks)
+        self.node_size = node_size or self.size
+        self.nodes = [g // node_size for g in self.ranks] if node_size else [0] * self.size
+        counts = {self.nodes.count(n) for n in self.nodes}
+        self.local_size = self.nodes.count(self.nodes[0]) if len(counts) == 1 else 0
+        self.algorithm, self.timeout_s, self.check_sizes = algorithm, timeout_s, check_sizes
+        self.rank = self.ranks.index(dist.get_rank()) if group is not None else 0
+        # Communicators sharing a process group (dp and dp_cp may both be WORLD) use their
+        # own message tag, so their point-to-point messages never match each other's.
+        self.tag = zlib.crc32(name.encode()) & 0x7FFF
+        # NCCL: every wait is a stream wait and no lane thread runs (dispatch.py).
+        self.streamed = group is not None and dist.get_backend(group) == "nccl"
+        self.lane = Lane(name, threaded=not self.streamed)
+        self.buffers: dict = {}  # (device, key) -> work buffer: p2p.scratch
+        self.checked: set[str] = set()  # ops whose sizes were compared (dispatch.check_due)
+        self.link = link
+        if self.size > 1 and algorithm in PRICED:
+            self.link = agreed_link(self)
+
+    def __repr__(self) -> str:
+        return f"Communicator({self.name}, rank {self.rank} of {self.size}, {self.algorithm})"
 
     # ------------------------------------------------------------------ collectives
 
@@ -42,12 +101,12 @@ class Communicator(GroupRunner):
         if self.size == 1:
             return _finished()
         if compress is not None:
-            return Handle(future=self._lane.run(
+            return Handle(future=self.lane.run(
                 lambda: compress.all_reduce(self, tensor, op, tag), async_op=async_op))
         flat, back = flat_view(tensor)
-        name = self._choose("all_reduce", flat, algorithm)
-        return self._launch(
-            "all_reduce", name, self._record("all_reduce", flat, name, tag), async_op=async_op,
+        name = choose_for(self, "all_reduce", flat, algorithm)
+        return run(self, 
+            "all_reduce", name, self.record("all_reduce", flat, name, tag), async_op=async_op,
             agree=dict(numel=flat.numel(), dtype=flat.dtype, reduce_op=op),
             native=lambda: dist.all_reduce(flat, REDUCE_OPS[op], group=self.group, async_op=True),
             body=lambda team: IMPLEMENTATIONS[name]["all_reduce"](team, flat, op),
@@ -59,9 +118,9 @@ class Communicator(GroupRunner):
         if self.size == 1:
             return _finished()
         flat, back = flat_view(tensor)
-        name = self._choose("broadcast", flat, algorithm)
-        return self._launch(
-            "broadcast", name, self._record("broadcast", flat, name, tag, root=src),
+        name = choose_for(self, "broadcast", flat, algorithm)
+        return run(self, 
+            "broadcast", name, self.record("broadcast", flat, name, tag, root=src),
             async_op=async_op, agree=dict(numel=flat.numel(), dtype=flat.dtype, reduce_op=""),
             native=lambda: dist.broadcast(flat, self.ranks[src], group=self.group, async_op=True),
             body=lambda team: IMPLEMENTATIONS[name]["broadcast"](team.rotated(src), flat),
@@ -74,10 +133,10 @@ class Communicator(GroupRunner):
         if self.size == 1:
             return _finished()
         flat, back = flat_view(tensor)
-        name = self._choose("reduce", flat, algorithm)
+        name = choose_for(self, "reduce", flat, algorithm)
         root = self.rank == dst
-        return self._launch(
-            "reduce", name, self._record("reduce", flat, name, tag, root=dst),
+        return run(self, 
+            "reduce", name, self.record("reduce", flat, name, tag, root=dst),
             async_op=async_op, agree=dict(numel=flat.numel(), dtype=flat.dtype, reduce_op=op),
             native=lambda: dist.reduce(flat, self.ranks[dst], REDUCE_OPS[op], group=self.group,
                                        async_op=True),
@@ -88,24 +147,23 @@ class Communicator(GroupRunner):
                    tag: str = "", algorithm: str | None = None) -> Handle:
         """output [size * n] <- the concatenation of every rank's input [n]."""
         m = input.numel()
-        self._expect(output.numel() == m * self.size, "all_gather",
+        self.expect(output.numel() == m * self.size, "all_gather",
                      f"output has {output.numel()} elements, expected {self.size} x {m}")
         out, back = flat_view(output)
         if self.size == 1:
             out.copy_(input.reshape(-1))
             return _finished(back)
-        name = self._choose("all_gather", out, algorithm)
+        name = choose_for(self, "all_gather", out, algorithm)
         inp = input.reshape(-1)
 
         def body(team: Team) -> None:
             out[self.rank * m:(self.rank + 1) * m].copy_(inp)
-            IMPLEMENTATIONS[name]["all_gather"](team, out, _equal(m, self.size))
+            IMPLEMENTATIONS[name]["all_gather"](team, out, offsets([m] * self.size, 1))
 
-        return self._launch(
-            "all_gather", name, self._record("all_gather", out, name, tag), async_op=async_op,
+        return run(self, 
+            "all_gather", name, self.record("all_gather", out, name, tag), async_op=async_op,
             agree=dict(numel=m, dtype=out.dtype, reduce_op=""),
-            native=lambda: dist.all_gather_single(out, inp.contiguous(), group=self.group,
-                                                 async_op=True),
+            native=lambda: _ALL_GATHER(out, inp.contiguous(), group=self.group, async_op=True),
             body=body, finish=back)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *,
@@ -113,93 +171,35 @@ class Communicator(GroupRunner):
                        algorithm: str | None = None) -> Handle:
         """output [n] <- chunk `rank` of the reduction of every rank's input [size * n]."""
         self._check_op(op)
-        self._expect(input.numel() == output.numel() * self.size, "reduce_scatter",
+        self.expect(input.numel() == output.numel() * self.size, "reduce_scatter",
                      f"input has {input.numel()} elements, expected {self.size} x {output.numel()}")
         out, back = flat_view(output)
         if self.size == 1:
             out.copy_(input.reshape(-1))
             return _finished(back)
         inp = input.reshape(-1)
-        name = self._choose("reduce_scatter", inp, algorithm)
+        name = choose_for(self, "reduce_scatter", inp, algorithm)
 
         def body(team: Team) -> None:  # the algorithms leave their input intact
             out.copy_(IMPLEMENTATIONS[name]["reduce_scatter"](
-                team, inp, _equal(out.numel(), self.size), op))
+                team, inp, offsets([out.numel()] * self.size, 1), op))
 
-        return self._launch(
-            "reduce_scatter", name, self._record("reduce_scatter", inp, name, tag),
+        return run(self, 
+            "reduce_scatter", name, self.record("reduce_scatter", inp, name, tag),
             async_op=async_op, agree=dict(numel=out.numel(), dtype=out.dtype, reduce_op=op),
-            native=lambda: dist.reduce_scatter_single(out, inp.contiguous(), REDUCE_OPS[op],
-                                                      group=self.group, async_op=True),
+            native=lambda: _REDUCE_SCATTER(out, inp.contiguous(), REDUCE_OPS[op],
+                                           group=self.group, async_op=True),
             body=body, finish=then(self._average(out, op), back))
 
     def gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int = 0, *,
                tag: str = "", algorithm: str | None = None) -> None:
         """On `dst`, output [size * n] <- every rank's input [n]; output is ignored elsewhere."""
-        m, p, root = input.numel(), self.size, self.rank == dst
-        if root:
-            self._expect(output.numel() == m * p, "gather",
-                         f"output has {output.numel()} elements, expected {p} x {m}")
-        if p == 1:
-            output.view(-1).copy_(input.reshape(-1))
-            return
-        inp = input.reshape(-1).contiguous()
-        name = self._choose("gather", inp, algorithm, numel=m * p)
-        # Our algorithms gather in team order (root first): rotated by dst from rank order.
-        direct = root and output.is_contiguous() and (name == "native" or dst == 0)
-        work = output.view(-1) if direct else \
-            self._scratch.get("rooted", m * p, inp.dtype) if root or name != "native" else None
-
-        def native() -> dist.Work:
-            chunks = list(work.view(p, m).unbind(0)) if root else None
-            return dist.gather(inp, chunks, dst=self.ranks[dst], group=self.group, async_op=True)
-
-        def body(team: Team) -> None:
-            me = (self.rank - dst) % p
-            work[me * m:(me + 1) * m].copy_(inp)
-            IMPLEMENTATIONS[name]["gather"](team.rotated(dst), work, _equal(m, p))
-
-        def finish() -> None:
-            if root and not direct:
-                shift = 0 if name == "native" else dst
-                _rotate_into(output.view(p, m), work.view(p, m), shift)
-
-        self._launch("gather", name, self._record("gather", inp, name, tag, root=dst,
-                                                  numel=m * p),
-                     async_op=False, agree=dict(numel=m, dtype=inp.dtype, reduce_op=""),
-                     native=native, body=body, finish=finish)
+        rooted.gather(self, output, input, dst, tag=tag, algorithm=algorithm)
 
     def scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int = 0, *,
                 tag: str = "", algorithm: str | None = None) -> None:
         """output [n] <- chunk `rank` of `src`'s input [size * n]."""
-        m, p, root = output.numel(), self.size, self.rank == src
-        if p == 1:
-            output.view(-1).copy_(input.reshape(-1))
-            return
-        out, back = flat_view(output)
-        name = self._choose("scatter", out, algorithm, numel=m * p)
-        if root:
-            self._expect(input.numel() == m * p, "scatter",
-                         f"input has {input.numel()} elements, expected {p} x {m}")
-            flat_in = input.reshape(-1).contiguous()
-
-        def native() -> dist.Work:
-            chunks = list(flat_in.view(p, m).unbind(0)) if root else None
-            return dist.scatter(out, chunks, src=self.ranks[src], group=self.group, async_op=True)
-
-        def body(team: Team) -> None:
-            # In team order (root first): the root's input rotated by src.
-            work = flat_in if root and src == 0 else self._scratch.get("rooted", m * p, out.dtype)
-            if root and src:
-                _rotate_into(work.view(p, m), flat_in.view(p, m), -src)
-            IMPLEMENTATIONS[name]["scatter"](team.rotated(src), work, _equal(m, p))
-            me = (self.rank - src) % p
-            out.copy_(work[me * m:(me + 1) * m])
-
-        self._launch("scatter", name, self._record("scatter", out, name, tag, root=src,
-                                                   numel=m * p),
-                     async_op=False, agree=dict(numel=m, dtype=out.dtype, reduce_op=""),
-                     native=native, body=body, finish=back)
+        rooted.scatter(self, output, input, src, tag=tag, algorithm=algorithm)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *,
                    output_splits: list[int] | None = None, input_splits: list[int] | None = None,
@@ -215,35 +215,36 @@ class Communicator(GroupRunner):
         out_rows = output_splits or [output.shape[0] // self.size] * self.size
         row = inp.numel() // max(1, input.shape[0]) if input.dim() else 1
         equal = len(set(in_rows)) == 1 and in_rows == out_rows
-        name = self._choose("all_to_all", inp, algorithm, equal_splits=equal)
-        self._launch(
-            "all_to_all", name, self._record("all_to_all", inp, name, tag), async_op=False,
+        name = choose_for(self, "all_to_all", inp, algorithm, equal_splits=equal)
+        run(self, "all_to_all", name, self.record("all_to_all", inp, name, tag), async_op=False,
             agree=dict(numel=0, dtype=inp.dtype, reduce_op=""), splits=(out_rows, in_rows),
             native=lambda: dist.all_to_all_single(out.view(output.shape), inp.view(input.shape),
                                                   output_splits, input_splits,
                                                   group=self.group, async_op=True),
             body=lambda team: IMPLEMENTATIONS[name]["all_to_all"](
-                team, out, inp, _offsets(out_rows, row), _offsets(in_rows, row)),
+                team, out, inp, offsets(out_rows, row), offsets(in_rows, row)),
             finish=back)
 
     def composite(self, job: Callable[[], None], *, async_op: bool = False) -> Handle:
         """Run `job`, a collective composed of this communicator's own ops (ZeRO++'s
         quantized all-gather and reduce-scatter), in issue order on the lane like any call;
         its inner ops land in the ledger one by one."""
-        handle = Handle(future=self._lane.run(job, async_op=async_op))
+        handle = Handle(future=self.lane.run(job, async_op=async_op))
         if not async_op:
             handle.wait()
         return handle
 
     def send(self, tensor: torch.Tensor, dst: int, *, tag: str = "") -> None:
-        self._record("send", tensor, "native", tag)
+        self.record("send", tensor, "native", tag)
         work = dist.isend(tensor.contiguous(), group=self.group, group_dst=dst)
-        wait_native(work, f"send to group rank {dst} on group {self.name}", self.timeout_s)
+        wait_native(work, f"send to group rank {dst} on group {self.name}", self.timeout_s,
+                    streamed=self.streamed)
 
     def recv(self, tensor: torch.Tensor, src: int, *, tag: str = "") -> None:
-        self._record("recv", tensor, "native", tag)
+        self.record("recv", tensor, "native", tag)
         work = dist.irecv(tensor, group=self.group, group_src=src)
-        wait_native(work, f"recv from group rank {src} on group {self.name}", self.timeout_s)
+        wait_native(work, f"recv from group rank {src} on group {self.name}", self.timeout_s,
+                    streamed=self.streamed)
 
     def exchange(self, sends: list[tuple[int, torch.Tensor, str]],
                  recvs: list[tuple[int, torch.Tensor, str]]) -> None:
@@ -252,50 +253,38 @@ class Communicator(GroupRunner):
         time needs this: with blocking send-then-receive it and a peer doing the same would
         wait for each other. Messages between two ranks match in posting order per tag (the
         tag also labels the ledger record), so different kinds of message cannot cross."""
-        ops, what = [], []
         for peer, tensor, tag in sends:
-            self._record("send", tensor, "native", tag)
-            ops.append(dist.P2POp(dist.isend, tensor.contiguous(), group=self.group,
-                                  group_peer=peer, tag=_message_tag(tag)))
-            what.append(f"send ({tag}) to group rank {peer} on group {self.name}")
+            self.record("send", tensor, "native", tag)
         for peer, tensor, tag in recvs:
-            self._record("recv", tensor, "native", tag)
-            ops.append(dist.P2POp(dist.irecv, tensor, group=self.group, group_peer=peer,
-                                  tag=_message_tag(tag)))
-            what.append(f"recv ({tag}) from group rank {peer} on group {self.name}")
-        if ops:
-            for work, where in zip(dist.batch_isend_irecv(ops), what):
-                wait_native(work, where, self.timeout_s)
+            self.record("recv", tensor, "native", tag)
+        for work, where in post_messages(self.group, self.name, sends, recvs):
+            wait_native(work, where, self.timeout_s, streamed=self.streamed)
 
     def barrier(self) -> None:
         if self.size > 1:
             work = dist.barrier(group=self.group, async_op=True)
-            wait_native(work, f"barrier on group {self.name}", self.timeout_s)
+            wait_native(work, f"barrier on group {self.name}", self.timeout_s,
+                        streamed=self.streamed)
 
+    def record(self, op: str, t: torch.Tensor, name: str, tag: str, *, root: int | None = None,
+                numel: int | None = None) -> CommRecord:
+        numel = t.numel() if numel is None else numel
+        return add_record(self.ledger, op=op, group=self.name, algorithm=name,
+                      dtype=str(t.dtype).removeprefix("torch."), numel=numel,
+                      msg_bytes=numel * t.element_size(), p=self.size,
+                      is_root=self.rank == root, tag=tag)
 
-def _rotate_into(dst: torch.Tensor, src: torch.Tensor, shift: int) -> None:
-    """dst[(j + shift) % p] = src[j] for the p rows, without a temporary."""
-    p = src.shape[0]
-    shift %= p
-    dst[shift:] = src[:p - shift]
-    dst[:shift] = src[p - shift:]
+    def _check_op(self, op: str) -> None:
+        if op not in REDUCE_OPS:
+            raise ValueError(f"reduce op {op!r} on group {self.name} is not one of "
+                             f"{', '.join(REDUCE_OPS)}")
 
+    def _average(self, t: torch.Tensor, op: str) -> Callable[[], None] | None:
+        return (lambda: t.div_(self.size)) if op == "avg" else None
 
-def _message_tag(tag: str) -> int:
-    """The integer tag of a point-to-point message: from its label, kept apart (high bit)
-    from the tags our collective algorithms use (runner.py)."""
-    return 0x8000 | (zlib.crc32(tag.encode()) & 0x7FFF)
-
-
-def _equal(m: int, p: int) -> list[int]:
-    return [i * m for i in range(p + 1)]
-
-
-def _offsets(rows: list[int], row: int) -> list[int]:
-    out = [0]
-    for r in rows:
-        out.append(out[-1] + r * row)
-    return out
+    def expect(self, ok: bool, op: str, why: str) -> None:
+        if not ok:
+            raise ValueError(f"{op} on group {self.name}: {why}")
 
 
 def _finished(back: Callable[[], None] | None = None) -> Handle:

@@ -137,8 +137,14 @@ class TopKCompressor:
         gathered = torch.empty(p, 2 * k, dtype=torch.int32, device=x.device)
         comm.all_gather(gathered, payload, tag=f"{tag}:{self.name}")
         dense = torch.zeros(n, dtype=torch.float32, device=x.device)
-        dense.index_add_(0, gathered[:, k:].reshape(-1).long(),
-                         gathered[:, :k].contiguous().view(torch.float32).reshape(-1))
+        # Rank by rank in group order, so every rank adds the same values in the same order
+        # (bitwise-equal replicas). One index_add_ over all ranks' indices would carry
+        # duplicates, whose order of addition CUDA's atomics leave undefined; within one
+        # rank's payload the indices are distinct, so each add here is deterministic.
+        indices = gathered[:, k:].long()  # [p, k]
+        values = gathered[:, :k].contiguous().view(torch.float32)  # [p, k]
+        for r in range(p):
+            dense.index_add_(0, indices[r], values[r])
         if op == "avg":
             dense.div_(p)
         flat.copy_(dense)

@@ -1,32 +1,68 @@
-"""Which algorithm serves a call, and the cross-rank agreement checks made before it runs.
+"""Algorithm dispatch: which algorithm serves a call, the cross-rank agreement checks made
+before it runs, and running it -- the backend's own collective or one of ours on a Team
+(p2p.py) -- in issue order, with the Handle a caller waits on.
 
 Choice: an algorithm named for the call must serve the op (else a ValueError naming the
 group, the op and the algorithms that can); the run's algorithm (comm.algorithm) serves the
 ops it implements and leaves the others to the backend (`native`); `auto` asks the cost
 model (`cost.best_algorithm`) for the fastest algorithm for this op, size, group and node
-layout, the backend's own included, priced with this machine's calibration.
+layout, the backend's own included, priced with the link the group was built with.
 
 Checks: a rank that calls a collective with a different size, dtype, op or algorithm than
 its peers would hang or corrupt memory (Gloo aborts the process on an oversized message).
 Before the first call of each op on a group (or every call, check_sizes="all"), the ranks
 compare those figures with one small native all-reduce and fail with a message naming the
-group and op.
+group and op. These figures are metadata: CPU tensors on the group's CPU side channel
+(`meta`: the Gloo group itself, or the Gloo group the mesh creates beside an NCCL one).
+
+Devices: our point-to-point algorithms run on CPU tensors over Gloo. On a CUDA group only
+`native` (NCCL's own collectives) runs; `on_device` refuses the others, and config
+validation (shardtrain.launch.check_device) refuses them before a run starts.
+
+Where a call runs (the Lane). On Gloo every wait blocks the waiting thread until the
+transfer is done. A synchronous call with nothing queued runs right away on the caller's
+thread (no hand-off cost for small messages); an asynchronous call, or any call issued while
+earlier ones are still queued, runs on the communicator's lane thread, so DP's bucket
+all-reduces proceed while backward computes (torch releases the GIL inside tensor ops and
+waits). Calls made from inside a running job (a compressed all-reduce calling all_to_all)
+run inline. Order matters twice: peers match point-to-point messages in posting order, and
+Gloo matches native collectives in issue order; queueing every call of a group behind the
+earlier ones keeps both orders identical on every rank. On NCCL there is no lane thread: a
+call only enqueues work on the GPU, and its wait makes the current CUDA stream, not the
+host, wait (`wait_native`), so the host runs ahead and transfers overlap compute by
+themselves.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
 import torch
 import torch.distributed as dist
 
-from shardtrain.comm import cost
 from shardtrain.comm.algorithms import IMPLEMENTATIONS
-from shardtrain.comm.lane import wait_native
-from shardtrain.comm.p2p import CommError
+from shardtrain.comm.ledger import CommRecord
+from shardtrain.comm.p2p import CommError, Team, wait_native
+from shardtrain.cost import collectives as cost
 
 ALGORITHMS = ("native", *IMPLEMENTATIONS, "auto")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
            torch.int32, torch.int8, torch.uint8, torch.bool)
 _REDUCE = ("sum", "avg", "max", "min", "")
+META = torch.device("cpu")  # metadata travels on the CPU side channel (module doc)
+CHECKS = ("first", "all", "off")
+PRICED = ("auto", "hierarchical")  # algorithms that price their choices with the link
+
+
+def on_device(name: str, device: torch.device, group: str) -> None:
+    """Refuse one of our algorithms on a CUDA group (they are written for Gloo)."""
+    if device.type == "cuda" and name != "native":
+        raise ValueError(f"comm.algorithm={name!r} on group {group}: our point-to-point "
+                         "algorithms run on CPU (Gloo) only; on CUDA use comm.algorithm=native")
 
 
 def serves(name: str, op: str, *, equal_splits: bool = True) -> bool:
@@ -64,12 +100,50 @@ def choose(op: str, nbytes: int, *, requested: str | None, default: str, group: 
                      f"({why}); use one of {', '.join(able)}")
 
 
+def choose_for(comm, op: str, flat: torch.Tensor, requested: str | None, *,
+               numel: int | None = None, equal_splits: bool = True) -> str:
+    """`choose` for a call of `comm` (a Communicator) on `flat`."""
+    nbytes = (flat.numel() if numel is None else numel) * flat.element_size()
+    if (requested or comm.algorithm) in PRICED and comm.link is None:
+        _no_link(comm.name, requested or comm.algorithm)
+    name = choose(op, nbytes, requested=requested, default=comm.algorithm, group=comm.name,
+                  p=comm.size, local_size=comm.local_size, link=comm.link,
+                  equal_splits=equal_splits)
+    on_device(name, comm.device, comm.name)
+    return name
+
+
+def agreed_link(comm) -> cost.Link:
+    """Group rank 0's link, so that every rank's `auto` makes the same choices; native
+    priced as this group's backend runs it. Metadata: over the CPU side channel."""
+    if comm.link is None:
+        _no_link(comm.name, comm.algorithm)
+    figures = torch.tensor(comm.link.figures(), dtype=torch.float64, device=META)
+    dist.broadcast(figures, comm.ranks[0], group=comm.meta)
+    gloo = dist.get_backend(comm.group) == "gloo"  # else NCCL-style collectives
+    return cost.Link.from_figures(figures.tolist(), "gloo" if gloo else "nccl")
+
+
+def _no_link(group: str, algorithm: str) -> None:
+    raise ValueError(f"algorithm {algorithm!r} on group {group} prices its choices with a "
+                     "link, and none was given: pass link= when building the communicator "
+                     "(cost.hardware.runtime_link)")
+
+
+def check_due(comm, op: str, *, peek: bool = False) -> bool:
+    """Whether this call of `op` compares sizes across ranks first (comm.check_sizes)."""
+    due = comm.check_sizes == "all" or (comm.check_sizes == "first" and op not in comm.checked)
+    if not peek:
+        comm.checked.add(op)
+    return due
+
+
 def check_agreement(group: dist.ProcessGroup, where: str, timeout_s: float, *, numel: int,
                     dtype: torch.dtype, reduce_op: str, algorithm: str) -> None:
     """All ranks compare (numel, dtype, reduce op, algorithm); all raise on disagreement."""
     mine = torch.tensor([numel, _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES),
                          _REDUCE.index(reduce_op), ALGORITHMS.index(algorithm)],
-                        dtype=torch.int64)
+                        dtype=torch.int64, device=META)
     both = torch.cat([mine, -mine])
     wait_native(dist.all_reduce(both, dist.ReduceOp.MAX, group=group, async_op=True), where,
                 timeout_s)
@@ -89,11 +163,11 @@ def check_agreement(group: dist.ProcessGroup, where: str, timeout_s: float, *, n
 def check_splits(group: dist.ProcessGroup, where: str, timeout_s: float, out_rows: list[int],
                  in_rows: list[int]) -> None:
     """all_to_all: what each peer sends must be what this rank expects from it."""
-    sent = torch.tensor(in_rows, dtype=torch.int64)
+    sent = torch.tensor(in_rows, dtype=torch.int64, device=META)
     told = torch.empty_like(sent)
     wait_native(dist.all_to_all_single(told, sent, group=group, async_op=True), where, timeout_s)
     mine = told.tolist() != list(out_rows)
-    bad = torch.tensor([int(mine)], dtype=torch.int64)
+    bad = torch.tensor([int(mine)], dtype=torch.int64, device=META)
     wait_native(dist.all_reduce(bad, dist.ReduceOp.MAX, group=group, async_op=True), where,
                 timeout_s)
     if bad.item():
@@ -101,3 +175,123 @@ def check_splits(group: dist.ProcessGroup, where: str, timeout_s: float, out_row
                 f"{told.tolist()}" if mine else "another rank's output_splits do not match")
         raise CommError(f"{where}: output_splits disagree with the peers' input_splits "
                         f"({what}); pass each rank the splits its peers use")
+
+
+def run(comm, op: str, name: str, record: CommRecord, *, async_op: bool, agree: dict,
+        native: Callable[[], dist.Work], body: Callable[[Team], None],
+        finish: Callable[[], None] | None, splits: tuple | None = None) -> Handle:
+    """Run one call of `comm` (a Communicator): on its lane, or -- a native async call on
+    NCCL, or on Gloo with nothing queued and nothing to check -- issued at once. The
+    agreement check, when due, is decided when the call runs, so every rank decides it at
+    the same call. On NCCL `record.time_s` is host time (launch to the stream wait)."""
+    where = f"{op} on group {comm.name} (algorithm {name})"
+    started = time.perf_counter()
+
+    def check() -> None:
+        if check_due(comm, op):  # metadata: over the CPU side channel
+            check_agreement(comm.meta, where, comm.timeout_s, algorithm=name, **agree)
+            if splits is not None:
+                check_splits(comm.meta, where, comm.timeout_s, *splits)
+
+    def job() -> None:
+        check()
+        if name == "native":
+            wait_native(native(), where, comm.timeout_s, streamed=comm.streamed)
+        else:
+            team = Team(comm.group, where, comm.timeout_s, tuple(comm.nodes),
+                        tuple(range(comm.size)), comm.rank, comm.buffers, comm.device,
+                        comm.tag, comm.link)
+            body(team)
+            t = team.traffic
+            record.sent_bytes, record.recv_bytes = t.sent, t.recv
+            record.sent_inter_node_bytes, record.rounds = t.sent_inter_node, t.rounds
+        if finish is not None:
+            finish()
+        record.time_s = time.perf_counter() - started
+
+    direct = name == "native" and async_op and not comm.lane.busy()
+    if direct and (comm.streamed or not check_due(comm, op, peek=True)):
+        check()
+        return Handle(work=native(), record=record, finish=finish, where=where,
+                      timeout_s=comm.timeout_s, streamed=comm.streamed)
+    handle = Handle(future=comm.lane.run(job, async_op=async_op))
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+class Lane:
+    """One communicator's calls in issue order (module doc); `threaded=False` (NCCL) runs
+    every call inline."""
+
+    def __init__(self, name: str, *, threaded: bool = True):
+        self.name, self.threaded = name, threaded
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._queued = 0
+
+    def busy(self) -> bool:
+        with self._lock:
+            return self._queued > 0
+
+    def run(self, job: Callable[[], None], *, async_op: bool) -> Future:
+        future: Future = Future()
+        inline = not self.threaded or threading.current_thread() is self._thread
+        if inline or not (async_op or self.busy()):
+            _execute(job, future)
+            return future
+        with self._lock:
+            self._queued += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=f"comm-{self.name}",
+                                                daemon=True)
+                self._thread.start()
+        self._jobs.put((job, future))
+        return future
+
+    def _loop(self) -> None:
+        while True:
+            job, future = self._jobs.get()
+            _execute(job, future)
+            with self._lock:
+                self._queued -= 1
+
+
+def _execute(job: Callable[[], None], future: Future) -> None:
+    try:
+        job()
+    except BaseException as e:  # handed to whoever waits on the handle
+        future.set_exception(e)
+    else:
+        future.set_result(None)
+
+
+class Handle:
+    """A launched collective: `wait()` blocks until it is done (and raises its error).
+
+    Either a running lane job (`future`), or a native collective issued directly (`work`),
+    whose finishing step -- the division of an average, a copy back into a non-contiguous
+    tensor -- and ledger time stamp happen on wait."""
+
+    def __init__(self, *, future: Future | None = None, work: dist.Work | None = None,
+                 record: CommRecord | None = None, finish: Callable[[], None] | None = None,
+                 where: str = "", timeout_s: float = 300.0, streamed: bool = False):
+        self._future, self._work, self._record, self._finish = future, work, record, finish
+        self._where, self._timeout_s, self._streamed = where, timeout_s, streamed
+        self._start = time.perf_counter()
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self._future is not None:
+            self._future.result()
+            return
+        if self._work is not None:
+            wait_native(self._work, self._where, self._timeout_s, streamed=self._streamed)
+        if self._finish is not None:
+            self._finish()
+        if self._record is not None:
+            self._record.time_s = time.perf_counter() - self._start

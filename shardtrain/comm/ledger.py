@@ -66,6 +66,18 @@ class CommLedger:
                 "time_s": sum(r.time_s for r in records)}
 
 
+def add_record(ledger: CommLedger, *, op: str, group: str, algorithm: str, dtype: str, numel: int,
+           msg_bytes: int, p: int, is_root: bool, tag: str) -> CommRecord:
+    """Add the record of one call, with the native backend's modelled volume (our
+    point-to-point algorithms overwrite it with what they moved)."""
+    sent, recv, rounds = native_volume(op, msg_bytes, p, is_root=is_root)
+    entry = CommRecord(op=op, group=group, algorithm=algorithm, dtype=dtype, numel=numel,
+                       msg_bytes=msg_bytes, sent_bytes=sent, recv_bytes=recv, rounds=rounds,
+                       tag=tag)
+    ledger.add(entry)
+    return entry
+
+
 def native_volume(op: str, msg_bytes: int, p: int, *, is_root: bool) -> tuple[int, int, int]:
     """(sent, recv, rounds) for one rank under the native backend's modelled algorithm.
 

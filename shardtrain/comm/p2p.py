@@ -1,85 +1,103 @@
-"""The point-to-point layer every algorithm is written on: a Wire per collective call, a Team
-(an ordered subset of the group) per algorithm phase, and the element-wise reduction.
+"""Point-to-point plumbing under our algorithms: a Team per collective call (and per
+algorithm phase), the element-wise reduction, and the index arithmetic of flat buffers.
 
-A Wire posts sends and receives over the communicator's process group with
-`torch.distributed.batch_isend_irecv`, waits for them with the group's timeout, and counts
-what this rank puts on and takes off the wire: those counts are the ledger's bytes, so the
-ledger reports what an algorithm really moved, not what a formula says it should.
-
-Algorithms address peers by Team index. A Team maps indices to group ranks, which lets one
-algorithm run on a row of a torus, on the leaders of the nodes, or on a team rotated so the
-root of a rooted collective is index 0.
+A Team is an ordered subset of a communicator's group: index i is group rank `members[i]`,
+which lets one algorithm run on a row of a torus, on the leaders of the nodes, or on a
+team rotated so that the root of a rooted collective is index 0. It posts sends and
+receives with `torch.distributed.batch_isend_irecv`, waits for them with the group's
+timeout (Gloo: our algorithms run on CPU tensors only, see dispatch.py), and counts what
+this rank puts on and takes off the wire in its `Traffic`: those counts are the ledger's
+bytes, so the ledger reports what an algorithm really moved, not what a formula says.
+Teams of one call share its Traffic and its work buffers.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from shardtrain.comm.cost import Link
+from shardtrain.cost.link import Link
 
 
 class CommError(RuntimeError):
     """A collective failed: a peer never answered, or a peer disagreed about the call."""
 
 
-class Scratch:
-    """Work buffers kept from call to call, one per use (`key`), each grown to the largest
-    request. Why: glibc hands large blocks back to the OS when freed, so a fresh work tensor
-    costs a page fault per 4 KiB on first touch -- measured to halve the speed of a transfer
-    into it. Only one collective of a communicator runs at a time, so keys cannot clash
-    across calls; within a call, buffers alive at the same time need different keys."""
+@dataclass
+class Traffic:
+    """What this rank moved in one collective call: the ledger record's figures."""
 
-    def __init__(self):
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def get(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = numel * dtype.itemsize
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.numel() < nbytes:
-            buffer = self._buffers[key] = torch.empty(nbytes, dtype=torch.uint8)
-        return buffer[:nbytes].view(dtype)
-
-
-@dataclass(eq=False)
-class Wire:
-    """Transfers of one collective call. `where` names the call in errors
-    ("all_reduce on group dp (algorithm ring)"); `nodes[g]` is the node of group rank g."""
-
-    group: dist.ProcessGroup
-    where: str
-    timeout_s: float
-    nodes: list[int]
-    rank: int  # this process's group rank
-    scratch: Scratch
-    tag: int = 0
     sent: int = 0
     recv: int = 0
     sent_inter_node: int = 0
     rounds: int = 0
 
+
+@dataclass(frozen=True, eq=False)
+class Team:
+    """An ordered subset of the group for one call. `where` names the call in errors
+    ("all_reduce on group dp (algorithm ring)"); `node_of[g]` is the node of group rank g;
+    `link` prices sub-phases for algorithms that choose them; `buffers` are the
+    communicator's work buffers (see `scratch`)."""
+
+    group: dist.ProcessGroup
+    where: str
+    timeout_s: float
+    node_of: tuple[int, ...]
+    members: tuple[int, ...]
+    index: int
+    buffers: dict
+    device: torch.device  # the group's: every buffer of the call lives there
+    tag: int = 0  # the communicator's message tag (groups may share a process group)
+    link: Link | None = None
+    traffic: Traffic = dataclasses.field(default_factory=Traffic)
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def nodes(self) -> list[int]:
+        """nodes[i]: member i's node."""
+        return [self.node_of[g] for g in self.members]
+
+    def sub(self, indices: list[int]) -> Team | None:
+        """The team of the given indices (in that order); None if this member is not in it."""
+        if self.index not in indices:
+            return None
+        return dataclasses.replace(self, members=tuple(self.members[i] for i in indices),
+                                   index=indices.index(self.index))
+
+    def rotated(self, root: int) -> Team:
+        """The same members renumbered so that `root` is index 0 (rooted algorithms assume it)."""
+        return self.sub([(root + i) % self.size for i in range(self.size)])
+
     def post(self, sends: list[tuple[int, torch.Tensor]],
              recvs: list[tuple[int, torch.Tensor]]) -> list[tuple[dist.Work, str]]:
-        """Start transfers (peers are group ranks); empty tensors are skipped on both sides,
+        """Start transfers (peers are team indices); empty tensors are skipped on both sides,
         which agree because both derive sizes from the same call. Returns what to wait on."""
-        ops, what = [], []
-        for peer, t in sends:
+        ops, what, me = [], [], self.members[self.index]
+        for i, t in sends:
             if t.numel():
+                peer, nbytes = self.members[i], t.numel() * t.element_size()
                 ops.append(dist.P2POp(dist.isend, t, group=self.group, tag=self.tag,
                                       group_peer=peer))
-                what.append(f"a send of {t.numel() * t.element_size()} B to group rank {peer}")
-                self.sent += t.numel() * t.element_size()
-                if self.nodes[peer] != self.nodes[self.rank]:
-                    self.sent_inter_node += t.numel() * t.element_size()
-        for peer, t in recvs:
+                what.append(f"a send of {nbytes} B to group rank {peer}")
+                self.traffic.sent += nbytes
+                if self.node_of[peer] != self.node_of[me]:
+                    self.traffic.sent_inter_node += nbytes
+        for i, t in recvs:
             if t.numel():
                 ops.append(dist.P2POp(dist.irecv, t, group=self.group, tag=self.tag,
-                                      group_peer=peer))
-                what.append(f"a message from group rank {peer}")
-                self.recv += t.numel() * t.element_size()
+                                      group_peer=self.members[i]))
+                what.append(f"a message from group rank {self.members[i]}")
+                self.traffic.recv += t.numel() * t.element_size()
         return list(zip(dist.batch_isend_irecv(ops), what)) if ops else []
 
     def wait(self, pending: list[tuple[dist.Work, str]]) -> None:
@@ -89,64 +107,68 @@ class Wire:
                 work.wait(timeout)
             except RuntimeError as e:
                 raise CommError(
-                    f"{self.where}: group rank {self.rank} gave up on {what} after "
-                    f"{self.timeout_s:g} s ({str(e).splitlines()[0]}). Every rank of the group "
-                    "must make the same collective calls in the same order with the same sizes; "
-                    "if a peer is only slow, raise comm.timeout_s") from None
+                    f"{self.where}: group rank {self.members[self.index]} gave up on {what} "
+                    f"after {self.timeout_s:g} s ({str(e).splitlines()[0]}). Every rank of the "
+                    "group must make the same collective calls in the same order with the same "
+                    "sizes; if a peer is only slow, raise comm.timeout_s") from None
 
     def exchange(self, sends: list[tuple[int, torch.Tensor]] = (),
                  recvs: list[tuple[int, torch.Tensor]] = ()) -> None:
         """One communication round: post everything, wait for everything."""
         self.wait(self.post(list(sends), list(recvs)))
-        self.rounds += 1
-
-
-@dataclass(frozen=True, eq=False)
-class Team:
-    """An ordered subset of the group: index i is group rank `members[i]`.
-    `nodes[i]` is member i's node; `link` prices sub-phases for algorithms that choose them."""
-
-    wire: Wire
-    members: tuple[int, ...]
-    index: int
-    link: Link | None = None
-
-    @property
-    def size(self) -> int:
-        return len(self.members)
-
-    @property
-    def nodes(self) -> list[int]:
-        return [self.wire.nodes[g] for g in self.members]
-
-    def sub(self, indices: list[int]) -> Team | None:
-        """The team of the given indices (in that order); None if this member is not in it."""
-        if self.index not in indices:
-            return None
-        return Team(self.wire, tuple(self.members[i] for i in indices),
-                    indices.index(self.index), self.link)
-
-    def rotated(self, root: int) -> Team:
-        """The same members renumbered so that `root` is index 0 (rooted algorithms assume it)."""
-        order = [(root + i) % self.size for i in range(self.size)]
-        return self.sub(order)
-
-    def exchange(self, sends: list[tuple[int, torch.Tensor]] = (),
-                 recvs: list[tuple[int, torch.Tensor]] = ()) -> None:
-        self.wire.exchange([(self.members[i], t) for i, t in sends],
-                           [(self.members[i], t) for i, t in recvs])
-
-    def post(self, sends: list[tuple[int, torch.Tensor]],
-             recvs: list[tuple[int, torch.Tensor]]) -> list[tuple[dist.Work, str]]:
-        return self.wire.post([(self.members[i], t) for i, t in sends],
-                              [(self.members[i], t) for i, t in recvs])
-
-    def wait(self, pending: list[tuple[dist.Work, str]]) -> None:
-        self.wire.wait(pending)
+        self.traffic.rounds += 1
 
     def scratch(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A flat work tensor for this call (see Scratch): contents undefined."""
-        return self.wire.scratch.get(key, numel, dtype)
+        """A flat work tensor on the group's device, contents undefined: see `scratch`."""
+        return scratch(self.buffers, key, numel, dtype, self.device)
+
+
+def wait_native(work: dist.Work, where: str, timeout_s: float, *, streamed: bool = False) -> None:
+    """Wait for a backend call. `streamed` (NCCL): the current CUDA stream waits, the host
+    does not; a peer that never answers is the process group's timeout (init_process_group
+    and new_group get comm.timeout_s; the NCCL watchdog enforces it). Otherwise (Gloo) the
+    host waits at most `timeout_s` and a CommError says why."""
+    if streamed:
+        work.wait()
+        return
+    try:
+        work.wait(timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise CommError(f"{where}: no completion within comm.timeout_s={timeout_s:g} s "
+                        f"({str(e).splitlines()[0]}). Every rank of the group must make the "
+                        "same collective calls in the same order with the same sizes; if a "
+                        "peer is only slow, raise comm.timeout_s") from None
+
+
+def post_messages(group: dist.ProcessGroup, name: str, sends: list[tuple[int, torch.Tensor, str]],
+                  recvs: list[tuple[int, torch.Tensor, str]]) -> list[tuple[dist.Work, str]]:
+    """Post labelled point-to-point messages together (Communicator.exchange); each is
+    (peer group rank, tensor, label). Returns what to wait on."""
+    ops, what = [], []
+    for peer, tensor, tag in sends:
+        ops.append(dist.P2POp(dist.isend, tensor.contiguous(), group=group, group_peer=peer,
+                              tag=message_tag(tag)))
+        what.append(f"send ({tag}) to group rank {peer} on group {name}")
+    for peer, tensor, tag in recvs:
+        ops.append(dist.P2POp(dist.irecv, tensor, group=group, group_peer=peer,
+                              tag=message_tag(tag)))
+        what.append(f"recv ({tag}) from group rank {peer} on group {name}")
+    return list(zip(dist.batch_isend_irecv(ops), what)) if ops else []
+
+
+def scratch(buffers: dict, key: str, numel: int, dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+    """A work buffer kept from call to call, one per device and use (`key`), grown to the
+    largest request. Why: glibc hands large blocks back to the OS when freed, so a fresh
+    work tensor costs a page fault per 4 KiB on first touch -- measured to halve the speed
+    of a transfer into it. Only one collective of a communicator runs at a time, so keys
+    cannot clash across calls; within a call, buffers alive at the same time need
+    different keys."""
+    nbytes = numel * dtype.itemsize
+    buffer = buffers.get((device, key))
+    if buffer is None or buffer.numel() < nbytes:
+        buffer = buffers[(device, key)] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buffer[:nbytes].view(dtype)
 
 
 def reduce_into(dst: torch.Tensor, src: torch.Tensor, op: str,
@@ -173,3 +195,38 @@ def even_bounds(numel: int, parts: int) -> list[int]:
 def part(x: torch.Tensor, bounds: list[int], i: int, j: int | None = None) -> torch.Tensor:
     """Parts i .. j-1 (default: part i) of flat `x` as one view."""
     return x[bounds[i]:bounds[i + 1 if j is None else j]]
+
+
+def flat_view(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """A flat contiguous view of t, or a contiguous copy and the step that writes it back."""
+    if t.is_contiguous():
+        return t.view(-1), None
+    work = t.contiguous().view(-1)
+    return work, lambda: t.copy_(work.view(t.shape))
+
+
+def then(*steps: Callable[[], None] | None) -> Callable[[], None] | None:
+    steps = [s for s in steps if s is not None]
+    return (lambda: [s() for s in steps]) if steps else None
+
+
+def rotate_into(dst: torch.Tensor, src: torch.Tensor, shift: int) -> None:
+    """dst[(j + shift) % p] = src[j] for the p rows, without a temporary."""
+    p = src.shape[0]
+    shift %= p
+    dst[shift:] = src[:p - shift]
+    dst[:shift] = src[p - shift:]
+
+
+def message_tag(tag: str) -> int:
+    """The integer tag of a point-to-point message: from its label, kept apart (high bit)
+    from the tags our collective algorithms use (a communicator's is its name's crc)."""
+    return 0x8000 | (zlib.crc32(tag.encode()) & 0x7FFF)
+
+
+def offsets(rows: list[int], row: int) -> list[int]:
+    """Offsets of consecutive parts of `rows[i]` rows of `row` elements each."""
+    out = [0]
+    for r in rows:
+        out.append(out[-1] + r * row)
+    return out

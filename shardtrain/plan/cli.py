@@ -13,7 +13,8 @@ import sys
 from typing import Any, NoReturn
 
 from shardtrain.config import ConfigError, load, parse_overrides, read_toml, resolve_preset
-from shardtrain.plan import hardware, report
+from shardtrain.cost import hardware
+from shardtrain.plan import report
 from shardtrain.plan.evaluate import CONVENTIONS, evaluate
 from shardtrain.plan.layout import PRECISIONS, PlanError, check, parse_layout
 from shardtrain.plan.search import advice, search, shortfall

@@ -7,8 +7,8 @@ from typing import Any
 
 from shardtrain.config import ModelConfig
 from shardtrain.plan.closed_form import narayanan_params, training_flops
-from shardtrain.plan.counts import hardware_flops_per_token, model_flops_per_token, param_counts
-from shardtrain.plan.hardware import Hardware
+from shardtrain.cost.counts import hardware_flops_per_token, model_flops_per_token, param_counts
+from shardtrain.cost.hardware import Hardware
 from shardtrain.plan.layout import Layout
 from shardtrain.plan.memory import BUCKET_BYTES, STATE_BYTES, MemoryBreakdown, memory_per_gpu
 from shardtrain.plan.partition import rank_params
@@ -27,7 +27,7 @@ CONVENTIONS = {
               "Table 2 times in-flight micro-batches; offloaded bytes are not in total",
     "comm": "bytes sent per rank per step by group and op (ring all-reduce 2(n-1)/n S, "
             "all-gather / reduce-scatter (n-1)/n S); alpha-beta-gamma times from "
-            "shardtrain.comm.cost",
+            "shardtrain.cost.collectives",
     "time": "step = (compute + exposed pipeline comm) / (1 - bubble_fraction) + exposed dp "
             "comm + offload; bubble_fraction = (p-1)/(m+p-1) of the pipeline time, "
             "bubble_ratio = (p-1)/m of the ideal time; MFU/HFU against the precision's peak",

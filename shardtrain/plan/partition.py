@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from shardtrain.config import ModelConfig
-from shardtrain.plan.counts import mlp_params, norm_params, param_counts
+from shardtrain.cost.counts import mlp_params, norm_params, param_counts
 from shardtrain.plan.layout import Layout
 
 

@@ -17,9 +17,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from shardtrain.config import ModelConfig
-from shardtrain.plan.counts import param_counts
+from shardtrain.cost.counts import param_counts
 from shardtrain.plan.evaluate import Plan, evaluate
-from shardtrain.plan.hardware import Hardware
+from shardtrain.cost.hardware import Hardware
 from shardtrain.plan.layout import Layout, PlanError, check
 from shardtrain.plan.memory import MemoryBreakdown, memory_per_gpu
 

@@ -18,7 +18,7 @@ one micro-batch, s = seq / cp; P, G = this rank's parameter and gradient bytes):
   with full recomputation; it overlaps the attention compute.
 - ep: per MoE layer and micro-batch, all-to-all dispatch and combine of the routed
   tokens (top-k copies of b s/cp tokens, / t with sp), forward and backward.
-Times come from `shardtrain.comm.cost` with the fastest algorithm for the group's
+Times come from `shardtrain.cost.collectives` with the fastest algorithm for the group's
 placement: inside a node the NVLink/PCIe link, across nodes one GPU's share of the node's
 network (flat), or two-tier (hierarchical, torus2d) when a group spans part of a node.
 Embedding and head gradients between the first and last stage and the tensor-parallel
@@ -31,9 +31,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from shardtrain.comm.cost import Link, best_algorithm, cost
+from shardtrain.cost.collectives import best_algorithm, cost
+from shardtrain.cost.link import Link
 from shardtrain.config import ModelConfig
-from shardtrain.plan.hardware import Hardware
+from shardtrain.cost.hardware import Hardware
 from shardtrain.plan.layout import Layout
 from shardtrain.plan.memory import BUCKET_BYTES, STATE_BYTES
 from shardtrain.plan.partition import rank_params

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from shardtrain.config import ModelConfig
 from shardtrain.model.transformer import build_model
-from shardtrain.plan.counts import model_flops_per_token
+from shardtrain.cost.counts import model_flops_per_token
 from shardtrain.train.metrics import measure_matmul_flops
 
 REFERENCE = ModelConfig(style="llama", vocab_size=256, dim=384, n_layers=2, n_heads=6,

@@ -26,7 +26,7 @@ from shardtrain.mesh import ParallelMesh
 from shardtrain.model.generate import generate
 from shardtrain.model.transformer import build_model
 from shardtrain.parallel.parallelize import parallelize
-from shardtrain.plan.counts import model_flops_per_token
+from shardtrain.cost.counts import model_flops_per_token
 from shardtrain.train import checkpoint as ckpt
 from shardtrain.train.metrics import MetricsWriter, device_peak_flops, peak_memory_bytes
 from shardtrain.train.optim import build_optimizer, lr_at

@@ -46,11 +46,11 @@ def bruck(team: Team, out: torch.Tensor, inp: torch.Tensor, out_bounds: list[int
     outgoing = team.scratch("bruck.out", widest * m, inp.dtype)
     incoming = team.scratch("bruck.in", widest * m, inp.dtype)
     for d, picked in rounds:
-        index, rows = torch.tensor(picked), len(picked)
+        index, rows = torch.tensor(picked, device=inp.device), len(picked)
         sent = torch.index_select(work, 0, index, out=outgoing[:rows * m].view(rows, m))
         got = incoming[:rows * m].view(rows, m)
         team.exchange(sends=[((i + d) % p, sent)], recvs=[((i - d) % p, got)])
         work.index_copy_(0, index, got)
     # Row j now holds the block member i - j sent to this member.
-    order = torch.tensor([(i - j) % p for j in range(p)])
+    order = torch.tensor([(i - j) % p for j in range(p)], device=inp.device)
     out.view(p, m).index_copy_(0, order, work)

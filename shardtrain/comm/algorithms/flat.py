@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from shardtrain.comm import cost
+from shardtrain.cost import collectives as cost
 from shardtrain.comm.algorithms import alltoall, doubling, halving, ring, tree
 
 FLAT: dict[str, dict[str, Callable]] = {

@@ -106,7 +106,7 @@ def _reduce_scatter(team: Team, x: torch.Tensor, bounds: list[int], op: str, *,
             final += team.post([(right, dst)], [])
         if t + SLOTS < len(items):  # its buffer is free again
             inflight.append(receive(t + SLOTS))
-    team.wire.rounds += p - 1
+    team.traffic.rounds += p - 1
     team.wait(sends)  # the parts sent are the ones the all-gather will receive into
     return final
 
@@ -125,7 +125,7 @@ def _all_gather(team: Team, x: torch.Tensor, bounds: list[int], started: list | 
         team.wait(pending)
         if s < p - 2:
             sends += team.post([(right, seg)], [])
-    team.wire.rounds += p - 1
+    team.traffic.rounds += p - 1
     team.wait(sends)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from shardtrain.comm import cost
+from shardtrain.cost import collectives as cost
 from shardtrain.comm.algorithms import ring
 from shardtrain.comm.p2p import Team, even_bounds
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from functools import cache
 
 from shardtrain.config import ModelConfig
-from shardtrain.plan.counts import forward_flops_per_token, norm_params, param_counts
+from shardtrain.cost.counts import forward_flops_per_token, norm_params, param_counts
 
 
 def stage_costs(cfg: ModelConfig, *, by: str = "flops", seq_len: int = 1

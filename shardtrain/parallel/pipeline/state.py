@@ -106,18 +106,20 @@ class StageShards(TensorShards):
 
 def all_gather_objects(comm: Communicator, obj: object) -> list:
     """Every group rank's `obj` (tensors and plain containers), in group rank order, through
-    the communicator: serialised, sizes all-gathered, then the bytes padded to the largest."""
+    the communicator: serialised, sizes all-gathered, then the bytes padded to the largest;
+    on the communicator's device (an NCCL group takes no CPU tensor)."""
     if comm.size == 1:
         return [obj]
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     data = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
-    sizes = torch.empty(comm.size, dtype=torch.int64)
-    comm.all_gather(sizes, torch.tensor([data.numel()]), tag="state")
+    sizes = torch.empty(comm.size, dtype=torch.int64, device=comm.device)
+    comm.all_gather(sizes, torch.tensor([data.numel()], device=comm.device), tag="state")
     width = int(sizes.max())
-    padded = torch.zeros(width, dtype=torch.uint8)
+    padded = torch.zeros(width, dtype=torch.uint8, device=comm.device)
     padded[:data.numel()] = data
-    gathered = torch.empty(comm.size, width, dtype=torch.uint8)
+    gathered = torch.empty(comm.size, width, dtype=torch.uint8, device=comm.device)
     comm.all_gather(gathered, padded, tag="state")
+    gathered, sizes = gathered.cpu(), sizes.cpu()  # the bytes are read on the host
     return [torch.load(io.BytesIO(gathered[r, :int(sizes[r])].numpy().tobytes()),
                        weights_only=True) for r in range(comm.size)]

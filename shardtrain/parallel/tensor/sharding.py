@@ -122,7 +122,8 @@ class TensorShards:
         `skip` left out. A block held by r ranks counts 1/r on each; the tp ranks' sums are
         added."""
         named = [(n, p) for n, p in self.named.items() if p.grad is not None and n not in skip]
-        share = torch.tensor([self.placement(n).parts / self.comm.size for n, _ in named])
+        share = torch.tensor([self.placement(n).parts / self.comm.size for n, _ in named],
+                             device=self.comm.device)
         norms = torch.stack(torch._foreach_norm([p.grad for _, p in named])).float()  # [P]
         return self.sum_norm_squared((norms.square() * share.to(norms.device)).sum())
 

@@ -34,7 +34,7 @@ import torch
 from shardtrain.config import Config, ConfigError, OptimConfig
 from shardtrain.parallel.zero.optim import (MemoryOptimizer, Runs, ShardOptimizer, moment_names,
                                              update_shard)
-from shardtrain.plan.counts import param_counts
+from shardtrain.cost.counts import param_counts
 
 STREAM_NUMEL = 1 << 20  # elements per streamed window: 4 MiB of each fp32 state
 
@@ -128,12 +128,13 @@ class HostOptimizer:
         self.shards: list[_Shard] = []
         for k, (master, runs) in enumerate(zip(masters, decay, strict=True)):
             shard = _Shard(numel=master.numel(), decay=runs)
-            init = torch.zeros(len(self.states), shard.numel, dtype=torch.float32)
+            init = torch.zeros(len(self.states), shard.numel, dtype=torch.float32, device="cpu")
             init[0] = master.detach().reshape(-1).float().cpu()  # [states, numel]
             if offload == "cpu":
                 shard.host = init.pin_memory() if cuda else init
                 if cuda:
-                    shard.grad = torch.empty(shard.numel, dtype=torch.float32).pin_memory()
+                    shard.grad = torch.empty(shard.numel, dtype=torch.float32,
+                                             device="cpu").pin_memory()
             else:
                 shard.path = self.directory / f"unit{k:04d}.fp32"
                 self._write_file(shard.path, init)
@@ -214,7 +215,7 @@ class HostOptimizer:
     def _read(self, shard: _Shard) -> torch.Tensor:
         if shard.host is not None:
             return shard.host
-        whole = torch.empty(len(self.states), shard.numel)
+        whole = torch.empty(len(self.states), shard.numel, device="cpu")  # host: read from files
         for start, end, window in self._windows(shard):
             whole[:, start:end] = torch.stack(window)
         return whole

@@ -26,10 +26,8 @@ the exact or quantized collective, and the node-local one for hpZ's backward gat
 
 from __future__ import annotations
 
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from shardtrain.comm import Communicator, Handle
 from shardtrain.comm.compress import pack_int8, unpack_int8
@@ -83,30 +81,7 @@ def node_comm(mesh: ParallelMesh, dim: str = "dp") -> Communicator:
     "<dim>_node" on the mesh's ledger. Collective: every rank calls it at the same point,
     and creates every such group in the same order (torch.distributed's rule), as the mesh
     does for its own groups. The node groups must all be the same size."""
-    base = mesh.comm(dim)
-    subgroups = []
-    for ranks in mesh.shape.groups(dim):
-        by_node: dict[int, list[int]] = {}
-        for r in ranks:
-            by_node.setdefault(mesh.node_of(r), []).append(r)
-        subgroups += by_node.values()
-    if len({len(s) for s in subgroups}) != 1:
-        raise ValueError(f"hpZ needs the same number of {dim} ranks on every node; nodes of "
-                         f"{mesh.node_size} ranks give {sorted({len(s) for s in subgroups})} "
-                         "(set parallel.node_size to a multiple of tp)")
-    timeout = timedelta(seconds=base.timeout_s)
-    mine = None
-    for ranks in subgroups:
-        group = None
-        if len(ranks) > 1:
-            group = dist.group.WORLD if len(ranks) == mesh.world_size else \
-                dist.new_group(ranks, timeout=timeout)
-        if mesh.rank in ranks:
-            mine = (ranks, group)
-    ranks, group = mine
-    return Communicator(group, name=f"{dim}_node", ranks=ranks, ledger=mesh.ledger,
-                        node_size=mesh.node_size, algorithm=base.algorithm,
-                        timeout_s=base.timeout_s)
+    return mesh.communicator(mesh.node_group(dim))
 
 
 class ZeroPlusPlusComm(UnitComm):

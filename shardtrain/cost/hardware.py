@@ -15,6 +15,10 @@ The `cpu` preset describes local processes on this machine: its figures come fro
 calibration file (see calibration.py) or its documented defaults; all ranks share one
 node (gpus_per_node = 0) and its physical memory (each gets an equal share), train in
 fp32, and exchange through Gloo.
+
+`runtime_link` is what a running process group prices `auto` and the hierarchical phases
+with: the calibration on CPU, the preset of the GPU the process drives on CUDA (a generic
+PCIe figure for a GPU no preset names), never one for the other.
 """
 
 from __future__ import annotations
@@ -26,9 +30,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from shardtrain.comm.cost import BACKENDS, Link
-from shardtrain.plan import calibration
-from shardtrain.plan.layout import PlanError
+from shardtrain.config import ConfigError
+from shardtrain.cost import calibration
+from shardtrain.cost.link import BACKENDS, Link
 
 GiB = 2 ** 30
 
@@ -52,8 +56,8 @@ class Hardware:
     reduce_bw: float = 0.0  # bytes/s of a local reduction; 0: one pass over memory_bw
     shared_bw: float = 0.0  # bytes/s of all ranks' traffic on a medium they share; 0: none
     native_latency_s: float = 0.0  # per round of the backend's own collectives; 0: the link's
-    staging_bw: float = 0.0  # bytes/s of the backend's fresh temporaries (comm/cost.py); 0: none
-    backend: str = "nccl"  # whose collectives `native` prices (comm/cost.py BACKENDS)
+    staging_bw: float = 0.0  # bytes/s of the backend's fresh temporaries (cost/collectives.py); 0: none
+    backend: str = "nccl"  # whose collectives `native` prices (cost/collectives.py BACKENDS)
     default_precision: str = "bf16"
 
     def flops(self, precision: str) -> float:
@@ -144,19 +148,51 @@ def get(name: str, overrides: dict[str, str] | None = None, *,
     elif key in PRESETS:
         hw = PRESETS[key]
     else:
-        raise PlanError(f"unknown --gpu {name!r}; one of {', '.join(NAMES)}")
+        raise ConfigError(f"unknown --gpu {name!r}; one of {', '.join(NAMES)}")
     types = {f.name: f.type for f in dataclasses.fields(Hardware)}
     changes: dict[str, Any] = {}
     for field, raw in (overrides or {}).items():
         if field not in types or field == "name":
             close = difflib.get_close_matches(field, list(types), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise PlanError(f"unknown hardware field --hw.{field}{hint} "
+            raise ConfigError(f"unknown hardware field --hw.{field}{hint} "
                             f"(valid: {', '.join(t for t in types if t != 'name')})")
         try:
             changes[field] = {"float": float, "int": int, "str": str}[types[field]](raw)
         except ValueError:
-            raise PlanError(f"--hw.{field}={raw!r} is not a valid {types[field]}") from None
+            raise ConfigError(f"--hw.{field}={raw!r} is not a valid {types[field]}") from None
     if changes.get("backend", hw.backend) not in BACKENDS:
-        raise PlanError(f"--hw.backend={changes['backend']!r} is not one of {', '.join(BACKENDS)}")
+        raise ConfigError(f"--hw.backend={changes['backend']!r} is not one of "
+                          f"{', '.join(BACKENDS)}")
     return dataclasses.replace(hw, **changes)
+
+
+# A GPU no preset names: PCIe 4.0 x16 between GPUs (about 25 GB/s per direction achieved),
+# a 100 Gb/s NIC per node, modest HBM. Conservative on purpose: it only steers `auto`.
+GENERIC_PCIE = Hardware(name="generic-pcie", peak_flops=100e12, peak_flops_fp32=20e12,
+                        memory_bytes=24 * GiB, memory_bw=1e12, intra_bw=25e9,
+                        intra_latency_s=10e-6, inter_bw_per_node=12.5e9, host_bw=25e9,
+                        nvme_bw=5e9)
+# CUDA device names (torch.cuda.get_device_name) -> preset, first match wins.
+_GPU_NAMES = (("H100 PCIe", "h100-pcie"), ("H100", "h100-sxm"), ("H200", "h200"),
+              ("B200", "b200"), ("A100-SXM4-40GB", "a100-40gb"), ("A100-PCIE-40GB", "a100-40gb"),
+              ("A100", "a100-80gb"))
+
+
+def gpu_preset(device_name: str) -> Hardware:
+    """The preset of a CUDA device name ("NVIDIA H100 80GB HBM3"), or GENERIC_PCIE."""
+    for needle, key in _GPU_NAMES:
+        if needle.lower() in device_name.lower():
+            return PRESETS[key]
+    return GENERIC_PCIE
+
+
+def runtime_link(device_type: str, *, gpu_name: str = "", across_nodes: bool = False,
+                 calibration_path: str | os.PathLike | None = None) -> Link:
+    """The link a runtime group on `device_type` ("cpu" or "cuda") prices its collectives
+    with: a GPU's inter-node share when the group spans nodes, its intra-node link when not;
+    on CPU this machine's calibration (or its defaults), local processes on Gloo."""
+    if device_type == "cuda":
+        hw = gpu_preset(gpu_name)
+        return hw.inter_link() if across_nodes else hw.intra_link()
+    return (calibration.load(calibration_path) or calibration.DEFAULT).link()

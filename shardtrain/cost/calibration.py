@@ -10,7 +10,7 @@ Schema (JSON object, all keys required):
      "efficiency": float,         optional (default 1.0): a training step's model FLOP/s over
                                   flops_per_s, measured on a reference transformer
      "shared_s_per_byte": float,  optional (default 0): seconds per byte of all processes'
-                                  traffic together, the host they share (comm/cost.py Link)
+                                  traffic together, the host they share (cost/collectives.py Link)
      "native_alpha_s": float,     optional (default alpha_s): latency per round of the
                                   backend's own collectives
      "staging_s_per_byte": float} optional (default 0): seconds per byte of the fresh
@@ -27,8 +27,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardtrain.comm.cost import Link
 from shardtrain.config import ConfigError
+from shardtrain.cost.link import Link
 
 DEFAULT_PATH = Path("~/.cache/shardtrain/cpu_calibration.json")
 

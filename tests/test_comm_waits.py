@@ -1,0 +1,77 @@
+"""How a communicator waits, by backend: on NCCL every wait is a stream wait (`work.wait()`
+with no timeout: the CUDA stream waits, not the host) and no lane thread starts; on Gloo
+the host waits with comm.timeout_s and asynchronous calls overlap on the lane thread.
+
+No NCCL here: a one-process Gloo group stands in, `get_backend` answers "nccl", and the
+backend call is replaced by a fake work handle that records how it is waited on.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardtrain.comm import CommLedger, Communicator
+
+
+class FakeWork:
+    def __init__(self, log: list):
+        self.log = log
+
+    def wait(self, *args):
+        self.log.append(args)
+        return True
+
+
+@pytest.fixture
+def group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def _communicator(group, monkeypatch, backend: str, log: list) -> Communicator:
+    monkeypatch.setattr(dist, "get_backend", lambda g=None: backend)
+    # Two "ranks" so that calls are not the world-size-1 no-op; the fake does the work.
+    comm = Communicator(group, name="dp", ranks=[0, 1], ledger=CommLedger(), check_sizes="off",
+                        timeout_s=7.0)
+
+    def fake_all_reduce(t, op, group=None, async_op=False):
+        t.mul_(2)  # stands for the sum over the two ranks
+        return FakeWork(log)
+
+    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
+    return comm
+
+
+def test_nccl_waits_on_the_stream_and_starts_no_thread(group, monkeypatch):
+    log: list = []
+    comm = _communicator(group, monkeypatch, "nccl", log)
+    assert comm.streamed
+    x = torch.ones(4)
+    handles = [comm.all_reduce(x, "avg", async_op=True) for _ in range(3)]
+    assert comm.lane._thread is None and log == []  # issued, nothing waited yet
+    for h in handles:
+        h.wait()
+    assert log == [(), (), ()]  # stream waits: no timeout argument, the host never polls
+    assert torch.equal(x, torch.ones(4))  # avg divided after each wait
+    comm.all_reduce(x, "sum")
+    assert log[-1] == () and comm.lane._thread is None
+    job_ran = []
+    comm.composite(lambda: job_ran.append(1), async_op=True).wait()
+    assert job_ran == [1] and comm.lane._thread is None  # composites run inline too
+
+
+def test_gloo_waits_on_the_host_with_the_timeout_and_overlaps_on_the_lane(group, monkeypatch):
+    log: list = []
+    comm = _communicator(group, monkeypatch, "gloo", log)
+    assert not comm.streamed
+    x = torch.ones(4)
+    comm.all_reduce(x, "sum")
+    assert log == [(timedelta(seconds=7.0),)]
+    comm.composite(lambda: None, async_op=True).wait()
+    assert comm.lane._thread is not None  # the asynchronous job ran on the lane thread

@@ -1,0 +1,88 @@
+"""The intended dependencies between shardtrain's packages, stated once and checked.
+
+Layers, each importing only from those below it (ARCHITECTURE.md):
+cli/launch -> train -> parallel -> comm -> mesh, with model, data, config and the cost
+model used from above. model imports nothing of parallel, comm or train; comm nothing of
+parallel, train or plan; plan and cost are pure arithmetic: no torch, nothing of the
+runtime. Every import counts, at module level or inside a function.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "shardtrain"
+
+# package -> the shardtrain packages it may import (itself always).
+ALLOWED: dict[str, set[str]] = {
+    "__init__": set(),
+    "config": set(),
+    "cost": {"config"},
+    "plan": {"cost", "config"},
+    "mesh": {"config"},
+    "model": {"config"},
+    "data": {"config"},
+    "comm": {"mesh", "cost", "config"},
+    "parallel": {"comm", "mesh", "model", "config", "cost"},
+    "train": {"parallel", "comm", "mesh", "model", "data", "config", "cost", "plan"},
+    "launch": {"train", "mesh", "comm", "config", "cost", "plan"},
+    "bench": {"launch", "train", "comm", "mesh", "config", "cost", "plan"},
+    "cli": {"launch", "train", "parallel", "comm", "mesh", "model", "data", "config", "cost",
+            "plan", "bench"},
+    "__main__": {"cli"},
+}
+NO_TORCH = {"config", "cost", "plan"}
+
+
+def imports_of(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+    return out
+
+
+def violations(root: Path = ROOT) -> list[str]:
+    """'file: imports X (package P may import only ...)' for every arrow against the rules."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        package = path.relative_to(root).with_suffix("").parts[0]
+        if package not in ALLOWED:
+            found.append(f"{path}: package {package!r} has no entry in ALLOWED; add one")
+            continue
+        for module in sorted(imports_of(path)):
+            head, _, rest = module.partition(".")
+            if head == "shardtrain" and rest:
+                target = rest.split(".")[0]
+                if target != package and target not in ALLOWED[package]:
+                    found.append(f"{path.relative_to(root.parent)}: imports {module} ({package} "
+                                 f"may import only {sorted(ALLOWED[package]) or 'nothing'})")
+            elif head in ("torch", "numpy") and package in NO_TORCH:
+                found.append(f"{path.relative_to(root.parent)}: imports {module} ({package} is "
+                             "pure arithmetic: no torch or numpy)")
+    return found
+
+
+def test_import_directions():
+    found = violations()
+    assert not found, "imports against the intended directions:\n" + "\n".join(found)
+
+
+def test_every_package_has_rules():
+    packages = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    packages |= {p.stem for p in ROOT.glob("*.py") if p.stem != "__init__"}
+    assert packages <= set(ALLOWED), f"packages without rules: {packages - set(ALLOWED)}"
+
+
+def test_the_check_sees_an_arrow_against_the_rules(tmp_path):
+    """A model module importing the comm layer, inside a function, is reported."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "bad.py").write_text(
+        "def f():\n    from shardtrain.comm import Communicator\n    return Communicator\n")
+    (tmp_path / "plan").mkdir()
+    (tmp_path / "plan" / "heavy.py").write_text("import torch\n")
+    found = violations(tmp_path)
+    assert len(found) == 2 and "shardtrain.comm" in found[0] and "torch" in found[1]
