@@ -28,7 +28,6 @@ import re
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass

@@ -20,7 +20,7 @@ ALLOWED: dict[str, set[str]] = {
     "config": set(),
     "cost": {"config"},
     "plan": {"cost", "config"},
-    "mesh": {"config"},
+    "mesh": {"config", "cost"},
     "model": {"config"},
     "data": {"config"},
     "comm": {"mesh", "cost", "config"},
