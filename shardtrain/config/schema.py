@@ -118,7 +118,8 @@ class TrainConfig:
     micro_batch: int = 8  # sequences per forward/backward on one rank
     seq_len: int = 256
     seed: int = 1234
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # parallel/precision.py
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # gradients on the wire; bf16 halves
     lr: float = 3e-3
     activation_checkpointing: Literal["none", "full"] = "none"
     eval_every: int = 100  # steps between evals (0: only at the end)
@@ -148,6 +149,22 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True)
+class LossScaleConfig:
+    """fp16's dynamic loss scaling (parallel/precision.py LossScaler); unused otherwise."""
+
+    initial: float = 2.0**16
+    growth_interval: int = 2000  # steps without overflow before the scale doubles
+    hysteresis: int = 2  # overflows tolerated before the scale halves
+    min_scale: float = 1.0  # an overflow at this scale stops the run
+
+    def validate(self) -> None:
+        positive("loss_scale", self, "initial", "growth_interval", "hysteresis", "min_scale")
+        if self.min_scale > self.initial:
+            raise ConfigError(f"loss_scale.min_scale={self.min_scale:g} exceeds "
+                              f"loss_scale.initial={self.initial:g}; lower the minimum")
+
+
+@dataclass(kw_only=True)
 class CheckpointConfig:
     """Atomic checkpoints under <run_dir>/checkpoints, keeping the last `keep`."""
 
@@ -168,6 +185,7 @@ class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def validate(self, world_size: int) -> None:
@@ -180,6 +198,12 @@ class Config:
         self.resolve_microbatches(self.parallel.resolved_dp(world_size))
         self.train.validate(self.parallel.resolved_dp(world_size), self.model)
         self.checkpoint.validate()
+        self.loss_scale.validate()
+        if self.train.grad_reduce_dtype != "fp32" and self.comm.compress != "none":
+            raise ConfigError(f"train.grad_reduce_dtype={self.train.grad_reduce_dtype} sets the "
+                              f"dtype gradients travel in, but comm.compress="
+                              f"{self.comm.compress} already decides what travels: set one of "
+                              "them (train.grad_reduce_dtype=fp32 or comm.compress=none)")
         check_tensor_parallel(self)
         check_pipeline(self)
         if self.parallel.zero and self.comm.compress != "none":

@@ -27,6 +27,7 @@ from shardtrain.parallel.data.topk import SparseUpdates
 from shardtrain.parallel.pipeline.runtime import Pipeline
 from shardtrain.parallel.pipeline.stage import split_stages
 from shardtrain.parallel.pipeline.state import StageShards
+from shardtrain.parallel.precision import LossScaler, PrecisionPolicy
 from shardtrain.parallel.strategy import Strategy, Update, rank_file
 from shardtrain.parallel.tensor.layers import apply_tensor_parallel
 from shardtrain.parallel.tensor.vocab import cross_entropy
@@ -62,24 +63,26 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
     shards = StageShards(module, tp, placements, pp=pp, reference_keys=reference_keys,
                          reference_groups=reference_groups, tied=cfg.model.tie_embeddings)
     shards.init_weights(cfg.train.seed)
-    pipeline = Pipeline(chunks, mesh, cfg, loss=loss, device=device)
+    policy = PrecisionPolicy.from_config(cfg)  # the one source of every dtype below
+    pipeline = Pipeline(chunks, mesh, cfg, loss=loss, device=device, policy=policy)
     return Strategy(shards=shards, pipeline=pipeline,
-                    update=_update(module, shards, mesh, cfg, make_optimizer))
+                    update=_update(module, shards, mesh, cfg, policy, make_optimizer),
+                    policy=policy, scaler=LossScaler.from_config(cfg))
 
 
 def _update(module: torch.nn.Module, shards: StageShards, mesh: ParallelMesh, cfg: Config,
-            make_optimizer: MakeOptimizer) -> Update:
+            policy: PrecisionPolicy, make_optimizer: MakeOptimizer) -> Update:
     """The update half the config asks for: ZeRO over the dp group, top-k update
     compression, or plain bucketed data parallelism."""
     dp, c = mesh.comm("dp"), cfg.comm
     if cfg.parallel.zero:
         unit_comm = build_unit_comm(mesh, cfg.parallel, block=c.quant_block)  # ZeRO++
-        return ZeroModel(module, dp, shards, cfg, unit_comm=unit_comm,
+        return ZeroModel(module, dp, shards, cfg, policy, unit_comm=unit_comm,
                          file=rank_file(mesh.coords))
     if c.compress == "topk":
         return SparseUpdates(dp, make_optimizer(module), shards, ratio=c.topk_ratio,
                              error_feedback=c.error_feedback, warmup_steps=c.topk_warmup_steps,
                              file=rank_file(mesh.coords))
     reducer = DataParallel(module, dp, bucket_mb=c.bucket_mb, compress=c.compress,
-                           quant_block=c.quant_block)
+                           quant_block=c.quant_block, reduce_dtype=policy.reduce_dtype)
     return ReplicatedUpdate(reducer, make_optimizer(module), shards)

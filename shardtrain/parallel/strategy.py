@@ -10,22 +10,29 @@ A layout is two halves, composed rather than subclassed:
   compression (data/topk.py `SparseUpdates`) and ZeRO-1/2/3 (zero/model.py `ZeroModel`)
   each implement it.
 
-`Strategy` joins them and is all the trainer sees: it never asks which layout it runs.
+`Strategy` joins them and is all the trainer sees: it never asks which layout it runs. It
+also owns the step's precision bookkeeping (precision.py): the loss scale each micro-batch's
+loss is multiplied by, the unscaling before clipping, and the skip of a step whose gradients
+are not finite -- the same for every layout.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
+from shardtrain.parallel.precision import LossScaler, PrecisionPolicy
+
 if TYPE_CHECKING:
     from shardtrain.parallel.pipeline.runtime import Batch, Pipeline
     from shardtrain.parallel.pipeline.state import StageShards
+
+SCALER_FILE = "scaler.pt"
 
 
 class Update(Protocol):
@@ -39,8 +46,11 @@ class Update(Protocol):
     def finish(self) -> None:
         """After the step's last backward: the gradients are those of the full batch."""
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """The whole model's gradient L2 norm; gradients scaled to at most `max_norm`."""
+    def clip_grad_norm(self, max_norm: float, unscale: float = 1.0) -> torch.Tensor:
+        """Multiply the gradients by `unscale` (fp16: 1 / loss scale), then return the whole
+        model's gradient L2 norm, the same on every rank holding gradients (dp, tp, pp: a
+        non-finite gradient anywhere makes it non-finite everywhere); gradients scaled to
+        at most `max_norm`."""
 
     def step(self, lr: float) -> None: ...
 
@@ -64,6 +74,9 @@ class Strategy:
     shards: StageShards
     pipeline: Pipeline
     update: Update
+    policy: PrecisionPolicy
+    scaler: LossScaler
+    loss_scale: float = field(default=1.0, init=False)  # the scale of the last step's backward
 
     @property
     def module(self) -> nn.Module:
@@ -81,7 +94,8 @@ class Strategy:
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         """Forward and backward of this rank's micro-batches of one step, gradients
         accumulated and synchronised. Returns the step's mean loss, the same on every rank."""
-        loss = self.pipeline.train(micro_batches, no_sync=self.update.no_sync)
+        loss = self.pipeline.train(micro_batches, no_sync=self.update.no_sync,
+                                   loss_scale=self.scaler.scale)
         self.update.finish()
         return self.pipeline.average_over_replicas(loss)
 
@@ -98,10 +112,23 @@ class Strategy:
             self.module.train()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        return self.update.clip_grad_norm(max_norm)
+        """Unscale, take the norm, clip; decide whether this step is skipped (`skipped`) and
+        move the loss scale (precision.py). Returns the norm of the unscaled gradients."""
+        self.loss_scale = self.scaler.scale  # the scale this step's backward used
+        norm = self.update.clip_grad_norm(max_norm, unscale=1.0 / self.scaler.scale)
+        self.scaler.update(norm)
+        return norm
+
+    @property
+    def skipped(self) -> bool:
+        """The last step's gradients were not finite: its update was not applied."""
+        return self.scaler.skipped
 
     def step(self, lr: float) -> None:
-        self.update.step(lr)
+        """The optimizer step, unless the gradients overflowed: then no weight and no
+        optimizer state changes (every rank agrees: the norm is the same everywhere)."""
+        if not self.scaler.skipped:
+            self.update.step(lr)
 
     def memory(self) -> dict[str, int]:
         return self.update.memory()
@@ -115,10 +142,17 @@ class Strategy:
         self.update.load_local_state_dict(self.shards.local_state_dict(state))
 
     def optimizer_files(self, is_main: bool) -> dict[str, dict]:
-        return self.update.optimizer_files(is_main)
+        files = self.update.optimizer_files(is_main)
+        if is_main and self.scaler.dynamic:  # the same on every rank: written once
+            files[SCALER_FILE] = self.scaler.state_dict()
+        return files
 
-    def load_optimizer_files(self, load: Callable[[str], dict]) -> None:
+    def load_optimizer_files(self, load: Callable[[str], dict], names: set[str]) -> None:
+        """`names`: the checkpoint's files. One written in another precision has no scaler
+        state: an fp16 run resumed from it starts at the initial scale."""
         self.update.load_optimizer_files(load)
+        if self.scaler.dynamic and SCALER_FILE in names:
+            self.scaler.load_state_dict(load(SCALER_FILE))
 
 
 def rank_file(coords: dict[str, int]) -> str:

@@ -19,7 +19,7 @@ from shardtrain.config import ConfigError, ModelConfig
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "cpu", "nvme")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "amp")  # amp: the runtime's bf16/fp16 policy (memory.py)
 
 
 class PlanError(ConfigError):

@@ -4,6 +4,10 @@ Model states per parameter (Rajbhandari et al. 2020, FORMULAS.md), N_d = dp x cp
 - bf16 mixed precision with Adam: params 2, grads 2, `master` 4 (the fp32 copy) and
   `optimizer` 8 (Adam m and v): master + optimizer = K = 12, 16 bytes in all.
 - fp32 with Adam: params 4, grads 4, optimizer 8 (m, v), master 0.
+- `amp`, what shardtrain's runtime holds under train.precision = bf16 or fp16 (the
+  precision policy, parallel/precision.py): fp32 parameters that are their own master
+  weights, fp32 gradients, compute under autocast: the fp32 bytes, 4 + 4 + 0 + 8. The
+  published figures (the paper's and Megatron's bf16 row) keep the `bf16` convention.
 - ZeRO-1 shards master + optimizer over N_d, ZeRO-2 the gradients too, ZeRO-3 also the
   parameters. Offload moves the sharded master + optimizer off the GPU (cpu: to host
   memory; nvme: to NVMe, with the parameter shards too, as ZeRO-Infinity does); they are
@@ -47,7 +51,9 @@ class ModelStates:
 
 
 # bytes per parameter: (params, grads, master, optimizer)
-STATE_BYTES = {"bf16": (2, 2, 4, 8), "fp32": (4, 4, 0, 8)}
+STATE_BYTES = {"bf16": (2, 2, 4, 8), "fp32": (4, 4, 0, 8), "amp": (4, 4, 0, 8)}
+# bytes per gradient element on the wire, by train.grad_reduce_dtype
+REDUCE_BYTES = {"fp32": 4, "bf16": 2}
 
 
 def model_states(params: float, *, nd: int = 1, zero: int = 0,

@@ -36,7 +36,7 @@ from shardtrain.cost.link import Link
 from shardtrain.config import ModelConfig
 from shardtrain.cost.hardware import Hardware
 from shardtrain.plan.layout import Layout
-from shardtrain.plan.memory import BUCKET_BYTES, STATE_BYTES
+from shardtrain.plan.memory import BUCKET_BYTES, REDUCE_BYTES, STATE_BYTES
 from shardtrain.plan.partition import rank_params
 
 
@@ -102,12 +102,17 @@ FREE = Placement(link=Link(alpha_s=0.0, beta_s_per_byte=0.0))  # bytes only, no 
 
 def data_parallel_ops(*, params: float, size: int, zero: int, microbatches: int = 1,
                       precision: str = "bf16", where: Placement = FREE, group: str = "dp",
-                      layers: int = 1, bucket_bytes: float = BUCKET_BYTES) -> list[CommOp]:
+                      layers: int = 1, bucket_bytes: float = BUCKET_BYTES,
+                      reduce_dtype: str = "") -> list[CommOp]:
     """Gradient synchronisation and ZeRO parameter traffic of `params` parameters held by
-    each of `size` ranks (see the module docstring); `layers` is ZeRO-3's gather unit."""
+    each of `size` ranks (see the module docstring); `layers` is ZeRO-3's gather unit.
+    Parameters travel in the precision's parameter bytes (STATE_BYTES), gradients in
+    `reduce_dtype`'s (train.grad_reduce_dtype; "": the precision's gradient bytes)."""
     if size <= 1 or params <= 0:
         return []
     p_bytes, g_bytes = (b * params for b in STATE_BYTES[precision][:2])
+    if reduce_dtype:
+        g_bytes = REDUCE_BYTES[reduce_dtype] * params
     buckets = max(1, math.ceil(g_bytes / bucket_bytes))
     m = microbatches
     if zero == 0:
@@ -152,8 +157,10 @@ def step_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, seq_len: int,
                                    where, "none"))
     if lay.pp > 1:
         where = placement(hw, node, lay.tp * lay.cp * lay.dp, lay.pp)
-        ops.append(_p2p("pp", lay.pp, x / (lay.tp if lay.sp else 1), 2 * m * lay.v, where.link,
-                        "none"))
+        # amp (the runtime's policy): the boundary is the fp32 residual stream
+        boundary = x * (2 if lay.precision == "amp" else 1)
+        ops.append(_p2p("pp", lay.pp, boundary / (lay.tp if lay.sp else 1), 2 * m * lay.v,
+                        where.link, "none"))
     if lay.cp > 1:
         where = placement(hw, node, lay.tp, lay.cp)
         kv = 2 * s * b * cfg.kv_heads * cfg.head_dim * value / lay.tp

@@ -7,28 +7,49 @@ import json
 import resource
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-# Dense bf16 peak FLOP/s per GPU (vendor datasheets), matched against the device name.
-_GPU_PEAK = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "B200": 2250e12,
-             "A100": 312e12}
+# Dense peak FLOP/s per GPU by the precision of its matmuls (vendor datasheets, SXM parts
+# unless named; without sparsity), matched in order against the device name.
+_GPU_PEAK = {
+    "H100 PCIe": {"fp32": 51e12, "tf32": 378e12, "bf16": 756e12, "fp16": 756e12},
+    "H100": {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12},
+    "H200": {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12},
+    "A100": {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
+}
 
 
-def device_peak_flops(device: torch.device, configured: float) -> float:
-    """Peak FLOP/s of one device: `train.peak_flops` if set; the datasheet figure of a known
-    GPU; on CPU, the measured throughput of a large fp32 matmul on this process's threads
-    (an achievable peak: CPUs publish no single figure)."""
+def matmul_precision(device: torch.device, precision: str) -> str:
+    """The precision the run's matmuls use: train.precision, except that fp32 matmuls on a
+    GPU run as tf32 when torch allows it (torch.set_float32_matmul_precision)."""
+    if precision == "fp32" and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return precision
+
+
+def device_peak_flops(device: torch.device, configured: float,
+                      precision: str = "fp32") -> float | None:
+    """Peak FLOP/s of one device for the run's matmul precision (`matmul_precision`):
+    `train.peak_flops` if set; the datasheet figure of a known GPU; None, with one warning,
+    for a GPU not in the table (MFU is then reported as null); on CPU, the measured
+    throughput of a large fp32 matmul on this process's threads (an achievable peak: CPUs
+    publish no single figure)."""
     if configured > 0:
         return configured
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, flops in _GPU_PEAK.items():
+        kind = matmul_precision(device, precision)
+        for key, peaks in _GPU_PEAK.items():
             if key in name:
-                return flops
-        raise ValueError(f"unknown GPU {name!r}: set train.peak_flops to its peak FLOP/s")
+                return peaks[kind]
+        warnings.warn(f"unknown GPU {name!r}: no {kind} peak FLOP/s on file, so mfu is null in "
+                      "metrics.jsonl; set train.peak_flops to the device's peak to get it",
+                      stacklevel=2)
+        return None
     return measure_matmul_flops()
 
 
@@ -48,12 +69,25 @@ def measure_matmul_flops(n: int = 512, trials: int = 5, seconds: float = 0.05) -
     return best
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """CUDA peak allocated on GPU; peak resident set size of this process on CPU."""
+def peak_memory(device: torch.device) -> dict[str, int | None]:
+    """`peak_mem_bytes`: on a GPU the CUDA caching allocator's peak of allocated bytes, on
+    CPU this process's peak resident set size; `peak_reserved_bytes`: on a GPU the peak the
+    allocator reserved from the driver (allocated plus its cache), None on CPU."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
+        return {"peak_mem_bytes": torch.cuda.max_memory_allocated(device),
+                "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)}
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+    return {"peak_mem_bytes": rss if sys.platform == "darwin" else rss * 1024,  # Linux: KiB
+            "peak_reserved_bytes": None}
+
+
+def clock(device: torch.device) -> float:
+    """time.perf_counter() once the device has finished the work queued so far (on CUDA the
+    host runs ahead of the GPU: without the synchronisation a step time would be the time
+    to launch its kernels)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 class MetricsWriter:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from shardtrain.model.transformer import build_model
 from shardtrain.parallel.parallelize import parallelize
 from shardtrain.cost.counts import model_flops_per_token
 from shardtrain.train import checkpoint as ckpt
-from shardtrain.train.metrics import MetricsWriter, device_peak_flops, peak_memory_bytes
+from shardtrain.train.metrics import MetricsWriter, clock, device_peak_flops, peak_memory
 from shardtrain.train.optim import build_optimizer, lr_at
 
 
@@ -65,12 +64,13 @@ class Trainer:
             ckpt.check_compatible(resume, cfg, mesh.world_size)
             model_state, meta = ckpt.load_checkpoint(resume)
             self.parallel.load_full_state_dict(model_state)
-            self.parallel.load_optimizer_files(lambda name: ckpt.load_state(resume, name))
+            self.parallel.load_optimizer_files(lambda name: ckpt.load_state(resume, name),
+                                               names={f.name for f in resume.iterdir()})
             self.step = meta["step"]
             self.sampler.load_state_dict(meta["sampler"])
         self.tokens_per_step = t.global_batch * t.seq_len
         self.flops_per_step = model_flops_per_token(cfg.model, t.seq_len) * self.tokens_per_step
-        self.peak_flops = device_peak_flops(device, t.peak_flops)
+        self.peak_flops = device_peak_flops(device, t.peak_flops, t.precision)  # None: unknown
         self.metrics = MetricsWriter(t.run_dir, enabled=self.is_main, tensorboard=t.tensorboard,
                                      resume=resume is not None)
 
@@ -80,19 +80,22 @@ class Trainer:
         t, o = self.cfg.train, self.cfg.optim
         lr = lr_at(self.step, base_lr=t.lr, warmup=o.warmup_steps, total=t.steps,
                    min_ratio=o.min_lr_ratio)
-        start = time.perf_counter()
+        start = clock(self.device)
         self.parallel.zero_grad()
         mean_loss = self.parallel.forward_backward(self.sampler.next_step())
         grad_norm = self.parallel.clip_grad_norm(o.grad_clip or float("inf"))
-        self.parallel.step(lr)
-        elapsed = time.perf_counter() - start
+        self.parallel.step(lr)  # not applied if the gradients overflowed (`skipped`)
+        elapsed = clock(self.device) - start
         self.step += 1
         comm = self.mesh.ledger.totals(self.mesh.ledger.mark())
+        mfu = None if self.peak_flops is None else \
+            self.flops_per_step / (elapsed * self.mesh.world_size * self.peak_flops)
         return {
             "step": self.step, "loss": mean_loss.item(), "lr": lr,
             "grad_norm": grad_norm.item(), "tokens": self.step * self.tokens_per_step,
             "tokens_per_s": self.tokens_per_step / elapsed, "step_time_s": elapsed,
-            "mfu": self.flops_per_step / (elapsed * self.mesh.world_size * self.peak_flops),
+            "mfu": mfu, "loss_scale": self.parallel.loss_scale,
+            "skipped": self.parallel.skipped,
             "comm_bytes": comm["sent_bytes"], "comm_calls": comm["calls"],
             **self.memory_ledger(),
         }
@@ -187,8 +190,8 @@ class Trainer:
 
     def memory_ledger(self) -> dict[str, int]:
         """Model-state bytes held by this rank (params, grads, optimizer, master) and the
-        peak memory."""
-        return {**self.parallel.memory(), "peak_mem_bytes": peak_memory_bytes(self.device)}
+        peak memory (allocated, and on a GPU reserved)."""
+        return {**self.parallel.memory(), **peak_memory(self.device)}
 
     def sample(self, prompt: str, n_tokens: int) -> str | None:
         """Generated text on rank 0 (None elsewhere), from the plain model with the full
@@ -205,7 +208,10 @@ class Trainer:
 
 def format_record(r: dict[str, Any]) -> str:
     line = (f"step {r['step']:>6}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  "
-            f"grad_norm {r['grad_norm']:.3f}  tok/s {r['tokens_per_s']:.0f}  mfu {r['mfu']:.1%}")
+            f"grad_norm {r['grad_norm']:.3f}  tok/s {r['tokens_per_s']:.0f}  mfu "
+            + ("n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"))
+    if r.get("skipped"):
+        line += f"  skipped (gradients not finite at loss scale {r['loss_scale']:g})"
     if "eval_loss" in r:
         line += f"  eval_loss {r['eval_loss']:.4f}"
     return line

@@ -8,7 +8,8 @@ asynchronously while backward continues with earlier layers, buckets strictly in
 order (ready.py; Li et al. 2020, "PyTorch Distributed", sec. 3.2).
 
 On accumulation micro-steps (`no_sync`) nothing is launched: gradients accumulate locally
-and only the last micro-step communicates.
+and only the last micro-step communicates. Buffers hold the fp32 main gradients
+(precision.py); with a bf16 reduce dtype a bucket travels as a bf16 copy, averaged back in.
 
 `ReplicatedUpdate` is the layout's update half (strategy.py) for plain data parallelism:
 this reducer, a torch optimizer over the full (tensor-parallel local) parameters, and the
@@ -36,17 +37,19 @@ class Bucket:
     buffer: torch.Tensor  # flat [numel padded to a multiple of the group size]
     params: list[nn.Parameter]
     handle: Handle | None = None
+    wire: torch.Tensor | None = None  # [numel] the reduce-dtype copy in flight, if not buffer
 
 
 class DataParallel:
     """Averages gradients over `comm`'s group; wraps nothing, only hooks the parameters."""
 
     def __init__(self, module: nn.Module, comm: Communicator, *, bucket_mb: float = 25.0,
-                 compress: str = "none", quant_block: int = 256):
+                 compress: str = "none", quant_block: int = 256,
+                 reduce_dtype: torch.dtype = torch.float32):
         """`compress`: gradient compression (comm/compress.py), none or int8, one compressor
         per bucket. (comm.compress=topk sparsifies optimizer updates instead of gradients:
-        topk.py.)"""
-        self.module, self.comm = module, comm
+        topk.py.) `reduce_dtype`: the dtype gradients travel in (the policy's)."""
+        self.module, self.comm, self.reduce_dtype = module, comm, reduce_dtype
         params = [p for p in module.parameters() if p.requires_grad]  # tied weights once
         self.buckets = _make_buckets(list(reversed(params)), bucket_mb * 2**20, comm.size)
         self.compressors = [make_compressor(compress, block=quant_block) for _ in self.buckets]
@@ -68,8 +71,10 @@ class DataParallel:
             b.buffer.zero_()
 
     def _launch(self, i: int) -> None:
-        self.buckets[i].handle = self.comm.all_reduce(
-            self.buckets[i].buffer, "avg", async_op=True, tag="grad", compress=self.compressors[i])
+        b = self.buckets[i]
+        b.wire = b.buffer if b.buffer.dtype == self.reduce_dtype else b.buffer.to(self.reduce_dtype)
+        b.handle = self.comm.all_reduce(b.wire, "avg", async_op=True, tag="grad",
+                                        compress=self.compressors[i])
 
     def finish(self) -> None:
         """Wait for every bucket's all-reduce (launching those whose gradients never all
@@ -77,7 +82,9 @@ class DataParallel:
         self.launcher.drain()
         for b in self.buckets:
             b.handle.wait()
-            b.handle = None
+            if b.wire is not b.buffer:
+                b.buffer.copy_(b.wire)
+            b.handle, b.wire = None, None
         self.launcher.reset()
 
     @property
@@ -129,7 +136,12 @@ class ReplicatedUpdate:
         self.reducer.finish()
         self.shards.sum_partial_grads()
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm(self, max_norm: float, unscale: float = 1.0) -> torch.Tensor:
+        """The all-reduced gradients are the same on every dp rank, and so is their norm
+        (summed over tp and pp): a non-finite one is non-finite everywhere."""
+        if unscale != 1.0:
+            for b in self.reducer.buckets:
+                b.buffer.mul_(unscale)
         return self.shards.clip_grad_norm(max_norm)
 
     def step(self, lr: float) -> None:
@@ -138,7 +150,7 @@ class ReplicatedUpdate:
         self.optimizer.step()
 
     def memory(self) -> dict[str, int]:
-        """Parameters are the fp32 master weights (bf16 computes under autocast)."""
+        """Parameters are the fp32 master weights (bf16 and fp16 compute under autocast)."""
         return {"params_bytes": nbytes(*self.shards.model.parameters()),
                 "grads_bytes": self.reducer.grad_bytes,
                 "optimizer_bytes": optimizer_state_bytes(self.optimizer), "master_bytes": 0}

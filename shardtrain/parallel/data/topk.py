@@ -90,9 +90,16 @@ class SparseUpdates:
         by tensor-parallel ranks still sum their gradient parts."""
         self.shards.sum_partial_grads()
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """This rank's own gradient norm (DGC's local clipping)."""
-        return self.shards.clip_grad_norm(max_norm)
+    def clip_grad_norm(self, max_norm: float, unscale: float = 1.0) -> torch.Tensor:
+        """This rank's own gradient norm (DGC's local clipping); infinite on every dp rank if
+        any rank's gradients are not finite (the gradients were never all-reduced, so the
+        overflow verdict is: one max over dp)."""
+        if unscale != 1.0:
+            torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], unscale)
+        norm = self.shards.clip_grad_norm(max_norm)
+        overflow = (~torch.isfinite(norm)).float()
+        self.comm.all_reduce(overflow, "max", tag="metric")
+        return norm if not overflow else norm.new_tensor(float("inf"))
 
     def memory(self) -> dict[str, int]:
         residual = self.compressor.residual

@@ -23,10 +23,12 @@ Timeline format (`PipelineExecutor.timeline`, written by the trainer as
 
 `rank` is the global rank, `stage` the pipeline stage, `chunk` the local chunk index, `step`
 the optimizer step (added by the trainer; `schedule` comes from the caller); times
-are seconds of time.perf_counter() from the step's start, taken right after a barrier over
-the pipeline group (so stages share a time origin up to the barrier's skew; forward-only
-evaluation runs skip the barrier, their timelines are not kept). Transfers of
-one batch share its start (posting) and end (all complete).
+are seconds from the step's start, taken right after a barrier over the pipeline group (so
+stages share a time origin up to the barrier's skew; forward-only evaluation runs skip the
+barrier, their timelines are not kept). Transfers of one batch share its start (posting)
+and end (all complete). On CPU the clock is time.perf_counter(); on CUDA each mark is an
+event recorded on the current stream (`Clock`), read once the step's work is done, so the
+times are the GPU's, not those of the kernel launches.
 """
 
 from __future__ import annotations
@@ -43,6 +45,31 @@ from shardtrain.comm import Communicator
 from shardtrain.parallel.pipeline.schedules import COMPUTE, Action
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (output, targets) -> mean
+
+
+class Clock:
+    """Time marks of one run: perf_counter on CPU; CUDA events on a GPU, resolved to seconds
+    from the first mark by `seconds` (which waits for the last event)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> int:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+        return len(self.marks) - 1
+
+    def seconds(self) -> list[float]:
+        """Each mark's time from the first mark."""
+        if not self.cuda:
+            return [t - self.marks[0] for t in self.marks]
+        self.marks[-1].synchronize()
+        return [self.marks[0].elapsed_time(e) / 1e3 for e in self.marks]
 
 
 class PipelineExecutor:
@@ -67,24 +94,25 @@ class PipelineExecutor:
     def run(self, actions: list[Action], inputs: Sequence[torch.Tensor],
             targets: Sequence[torch.Tensor], *, backward: bool = True,
             no_sync: Callable[[], AbstractContextManager] | None = None,
-            info: dict[str, Any] | None = None) -> torch.Tensor:
+            loss_scale: float = 1.0, info: dict[str, Any] | None = None) -> torch.Tensor:
         """Run this rank's `actions` over m micro-batches: `inputs` and `targets` hold m
         each (inputs are read on virtual stage 0, targets on the last). Returns the sum
         over micro-batches of their mean loss on the rank holding the last virtual stage
-        (zero elsewhere). With `backward`, each micro-batch's loss is scaled by 1/m before
-        its backward, so the accumulated gradients are those of the mean loss. `info`:
+        (zero elsewhere). With `backward`, each micro-batch's loss is scaled by
+        loss_scale / m before its backward, so the accumulated gradients are loss_scale
+        times those of the mean loss (loss_scale: fp16's loss scaling, else 1). `info`:
         extra timeline fields (the schedule's name)."""
         m = len(inputs)
-        run = _Run(self, m, backward)
+        run = _Run(self, m, backward, loss_scale)
         final_backward = {a.chunk: a.mb for a in actions if a.op == "B"}  # the last per chunk
         if backward:  # a training step's timeline is kept: give the stages one origin
             self.comm.barrier()
-        run.origin = time.perf_counter()
+        run.clock.mark()  # the origin
         i = 0
         while i < len(actions):
             a = actions[i]
             if a.op in COMPUTE:
-                start = time.perf_counter()
+                start = run.clock.mark()
                 if a.op == "F":
                     run.forward(a, inputs, targets)
                 else:
@@ -97,14 +125,14 @@ class PipelineExecutor:
             j = i
             while j < len(actions) and actions[j].op not in COMPUTE:
                 j += 1
-            start = time.perf_counter()
+            start = run.clock.mark()
             run.transfer(actions[i:j])
             run.record(actions[i:j], start)
             i = j
         self.peak_live = run.peak_live
         self.timeline = {"rank": self.rank, "stage": self.stage, "pp": self.pp,
                          "microbatches": m, "virtual_stages": self.virtual_stages,
-                         **(info or {}), "actions": run.events}
+                         **(info or {}), "actions": run.events()}
         return run.loss_sum
 
     def _virtual(self, chunk: int) -> int:
@@ -114,15 +142,15 @@ class PipelineExecutor:
 class _Run:
     """The state of one executor run: saved activations, buffers in flight, the timeline."""
 
-    def __init__(self, ex: PipelineExecutor, m: int, backward: bool):
-        self.ex, self.m, self.backward_pass = ex, m, backward
+    def __init__(self, ex: PipelineExecutor, m: int, backward: bool, loss_scale: float):
+        self.ex, self.m, self.backward_pass, self.loss_scale = ex, m, backward, loss_scale
         self.last_virtual = ex.pp * ex.virtual_stages - 1
         self.received: dict[tuple[str, int, int], torch.Tensor] = {}  # (kind, mb, chunk)
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.outgoing: dict[tuple[str, int, int], torch.Tensor] = {}
         self.loss_sum = torch.zeros((), device=ex.device)
-        self.events: list[dict[str, Any]] = []
-        self.origin = 0.0
+        self.clock = Clock(ex.device)
+        self.spans: list[tuple[Action, int, int]] = []  # (action, start mark, end mark)
         self.peak_live = 0
 
     def forward(self, a: Action, inputs: Sequence[torch.Tensor],
@@ -138,7 +166,7 @@ class _Run:
         if g == self.last_virtual:
             loss = ex.loss(out, targets[a.mb].to(ex.device))
             self.loss_sum += loss.detach()
-            out = loss / self.m
+            out = loss * (self.loss_scale / self.m)
         else:
             if out.shape != ex.act_shape or out.dtype != ex.act_dtype:
                 raise RuntimeError(
@@ -154,7 +182,7 @@ class _Run:
         x, out = self.saved.pop((a.mb, a.chunk))
         g = self.ex._virtual(a.chunk)
         if g == self.last_virtual:
-            out.backward()  # out: this micro-batch's loss / m
+            out.backward()  # out: this micro-batch's loss x loss_scale / m
         else:
             out.backward(self.received.pop(("grad", a.mb, a.chunk)))
         if g > 0:
@@ -176,8 +204,12 @@ class _Run:
                 recvs.append((peer, buffer, f"pp_{kind}"))
         ex.comm.exchange(sends, recvs)
 
-    def record(self, actions: list[Action], start: float) -> None:
-        end = time.perf_counter() - self.origin
-        for a in actions:
-            self.events.append({"op": a.op, "mb": a.mb, "chunk": a.chunk,
-                                "start": start - self.origin, "end": end})
+    def record(self, actions: list[Action], start: int) -> None:
+        end = self.clock.mark()
+        self.spans += [(a, start, end) for a in actions]
+
+    def events(self) -> list[dict[str, Any]]:
+        """The timeline's actions, in seconds from the origin."""
+        t = self.clock.seconds()
+        return [{"op": a.op, "mb": a.mb, "chunk": a.chunk, "start": t[start], "end": t[end]}
+                for a, start, end in self.spans]

@@ -9,7 +9,7 @@ schedule degenerates to forward, backward, forward, backward, ... -- gradient ac
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -20,13 +20,14 @@ from shardtrain.mesh import ParallelMesh
 from shardtrain.parallel.pipeline import schedules
 from shardtrain.parallel.pipeline.executor import LossFn, PipelineExecutor
 from shardtrain.parallel.pipeline.validate import validate
+from shardtrain.parallel.precision import PrecisionPolicy
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), each [micro_batch, seq_len]
 
 
 class Pipeline:
     def __init__(self, chunks: Sequence[nn.Module], mesh: ParallelMesh, cfg: Config, *,
-                 loss: LossFn, device: torch.device):
+                 loss: LossFn, device: torch.device, policy: PrecisionPolicy):
         p, t = cfg.parallel, cfg.train
         self.pp, self.dp = mesh.comm("pp"), mesh.comm("dp")
         self.schedule = p.schedule
@@ -37,25 +38,26 @@ class Pipeline:
         evaluation = schedules.build_forward_only(self.pp.size, 1, v)
         validate(evaluation, self.pp.size, 1, v, backward=False)
         self.actions, self.eval_actions = plan[self.pp.rank], evaluation[self.pp.rank]
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16) \
-            if t.precision == "bf16" else nullcontext()
         seq = t.seq_len // (p.tp if p.sp else 1)  # sequence parallel: activations split
         self.executor = PipelineExecutor(
             chunks, self.pp, loss=loss, act_shape=(t.micro_batch, seq, cfg.model.dim),
-            act_dtype=torch.float32, device=device, autocast=autocast, rank=mesh.rank)
+            act_dtype=policy.boundary_dtype, device=device, autocast=policy.autocast(device),
+            rank=mesh.rank)
         # The last training step's timeline (format: executor.py) and the most micro-batches
         # whose activations this rank held at once during it.
         self.timeline: dict[str, Any] | None = None
         self.peak_live = 0
 
     def train(self, micro_batches: list[Batch],
-              no_sync: Callable[[], AbstractContextManager]) -> torch.Tensor:
+              no_sync: Callable[[], AbstractContextManager],
+              loss_scale: float = 1.0) -> torch.Tensor:
         """Forward and backward of this replica's m micro-batches, gradients accumulated
-        (`no_sync` silences gradient communication but on each chunk's last backward).
-        Returns the mean loss, the same on every stage."""
+        (`no_sync` silences gradient communication but on each chunk's last backward) and
+        multiplied by `loss_scale` (fp16). Returns the mean loss (unscaled), the same on
+        every stage."""
         inputs, targets = zip(*micro_batches)
         total = self.executor.run(self.actions, inputs, targets, no_sync=no_sync,
-                                  info={"schedule": self.schedule})
+                                  loss_scale=loss_scale, info={"schedule": self.schedule})
         self.timeline, self.peak_live = self.executor.timeline, self.executor.peak_live
         return self._from_last_stage(total / self.m)
 

@@ -19,9 +19,10 @@ What each stage shards (N_d = dp ranks; each rank owns 1/N_d of every unit):
   and again before its backward, and freed after each; the next `prefetch` units are
   gathered while the current one computes; no all-gather after the step. Gradients as
   stage 2. Per step 1.5x DP's bytes: two all-gathers and one reduce-scatter of the model.
-Mixed precision (train.precision=bf16): the flat buffers -- the compute copies that are
-gathered -- are bf16, gradients are reduced in bf16 and accumulated in fp32 shards, and the
-optimizer keeps fp32 master shards. In fp32 the parameter shard is the master weight.
+Precision (precision.py, the policy every layout shares): the flat buffers hold the
+parameters in the policy's parameter dtype, fp32, and under bf16 and fp16 the forward runs
+under autocast as DP's does, so ZeRO computes DP's numbers; the parameter shard is the
+master weight. Gradients accumulate in fp32 and travel in the policy's reduce dtype.
 Tensor parallelism composes: the units hold each tp rank's local tensors; clipping sums the
 squared norm over dp and tp, and the gradient parts of blocks shared by several tp ranks are
 summed over tp on the shards (tensor/sharding.py). World size 1 runs the same code (the collectives
@@ -38,6 +39,7 @@ from torch import nn
 from shardtrain.comm import Communicator
 from shardtrain.config import Config
 from shardtrain.parallel.pipeline.state import StageShards
+from shardtrain.parallel.precision import PrecisionPolicy
 from shardtrain.parallel.strategy import nbytes
 from shardtrain.parallel.zero.gather import ParamGatherer
 from shardtrain.parallel.zero.offload import build_shard_optimizer
@@ -52,16 +54,17 @@ class ZeroModel:
     Checkpoints hold one optimizer file per rank (`file`): its master and moment shards."""
 
     def __init__(self, model: nn.Module, comm: Communicator, shards: StageShards, cfg: Config,
-                 *, unit_comm: UnitComm | None = None, file: str = "optimizer.pt"):
+                 policy: PrecisionPolicy, *, unit_comm: UnitComm | None = None,
+                 file: str = "optimizer.pt"):
         p = cfg.parallel
         self.stage, self.comm, self.shards, self.cfg, self.file = p.zero, comm, shards, cfg, file
-        dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+        dtype = policy.param_dtype
         align = cfg.comm.quant_block if p.zero_quantized_weights else 1  # qwZ blocks
         self.units = build_units(model, dp_size=comm.size, dp_rank=comm.rank, dtype=dtype,
                                  tied=model.cfg.tie_embeddings, align=align)
         self.unit_comm = unit_comm or UnitComm(comm)
-        fp32 = dtype == torch.float32
-        masters = [u.shard if fp32 else u.shard.float() for u in self.units]
+        fp32 = dtype == policy.master_dtype  # the parameter shard is its own master
+        masters = [u.shard if fp32 else u.shard.to(policy.master_dtype) for u in self.units]
         self.gatherer = None
         if self.stage == 3:
             for u in self.units:  # the shard gets its own storage; the flat buffer goes
@@ -78,7 +81,7 @@ class ZeroModel:
                                           prefetch=p.zero_prefetch, events=events,
                                           midpoints=midpoints)
         self.reducer = ZeroReducer(self.units, self.unit_comm, stage=self.stage,
-                                   gatherer=self.gatherer)
+                                   gatherer=self.gatherer, reduce_dtype=policy.reduce_dtype)
         aliased = fp32
         if p.zero_quantized_weights and self.stage < 3 and fp32:
             # qwZ's post-step gather writes dequantized values over this rank's slice of the
@@ -101,12 +104,14 @@ class ZeroModel:
                                  zip(self.units, self._partial) for place, a, b in runs])
 
     @torch.no_grad()
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """The L2 norm of the full model's gradient, from the fp32 shards; scales them to at
-        most `max_norm`. Squares are summed over this rank's shards, a tensor-parallel block
+    def clip_grad_norm(self, max_norm: float, unscale: float = 1.0) -> torch.Tensor:
+        """The L2 norm of the full model's gradient, from the fp32 shards (first multiplied by
+        `unscale`); scales them to at most `max_norm`. Squares are summed over this rank's shards, a tensor-parallel block
         weighted parts / t as in tensor/sharding.py (a block held by several tp ranks counts once),
         then over dp, tp and pipeline stages (the last stage's copy of a tied embedding is
         counted on the first)."""
+        if unscale != 1.0:
+            torch._foreach_mul_([u.grad_shard for u in self.units], unscale)
         t = self.shards.comm.size
         skip = self.shards.counted_elsewhere
         total = torch.zeros((), device=self.units[0].grad_shard.device)
@@ -144,11 +149,13 @@ class ZeroModel:
 
     @torch.no_grad()
     def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """This tp rank's parameters (fp32, from the master shards; collective over dp)."""
+        """This tp rank's parameters (fp32, from the master shards; collective over dp). An
+        offloaded master lives on the host: it travels from the device, as the group needs."""
         out = {}
         for k, u in enumerate(self.units):
             full = torch.empty(u.padded, device=u.shard.device)  # [padded] fp32
-            self.comm.all_gather(full, self.optimizer.master(k).float(), tag="state")
+            master = self.optimizer.master(k).to(full.device, torch.float32)  # [shard]
+            self.comm.all_gather(full, master, tag="state")
             for name, view in zip(u.names, u.param_views(full)):
                 out[name] = view.clone()
         return out

@@ -5,7 +5,9 @@ ZeRO-Offload (Ren et al. 2021) keeps the fp32 master weights and the Adam moment
 memory and runs the optimizer step on the CPU: the device holds only the (compute-dtype)
 parameter shard and its gradient; per step the gradient shard goes down to the host and
 the updated parameters come back up. On a CUDA device the host tensors are pinned and the
-copies are asynchronous, so the gradient of shard k+1 travels while shard k is updated.
+copies run on a side stream of their own (after the compute stream's gradients are ready;
+the compute stream waits for the uploads before the next forward), so the gradient of
+shard k+1 travels while shard k is updated and the upload of shard k while k+1 is.
 
 ZeRO-Infinity (Rajbhandari et al. 2021) moves that state one tier further, to NVMe: each
 unit shard's master weights and moments live in one file under `parallel.offload_dir`, and
@@ -119,6 +121,9 @@ class HostOptimizer:
         self.steps = 0  # optimizer steps taken (Adam's bias correction)
         self.directory: Path | None = None
         cuda = any(m.is_cuda for m in masters)
+        # The host <-> device copies' own stream (cpu offload on CUDA; None elsewhere).
+        self.stream = torch.cuda.Stream(masters[0].device) if cuda and offload == "cpu" \
+            else None
         if offload == "nvme":
             check_offload_dir(directory, offload_bytes(sum(m.numel() for m in masters), optim))
             self.directory = Path(tempfile.mkdtemp(prefix=f"shardtrain-rank{rank}-",
@@ -157,22 +162,29 @@ class HostOptimizer:
                 del window  # unmaps it: one window of each state is mapped at a time
 
     def _step_cpu(self, grads: list[torch.Tensor], params: list[torch.Tensor], lr: float) -> None:
+        if self.stream is None:  # host tensors only: plain copies
+            for shard, grad, param in zip(self.shards, grads, params, strict=True):
+                update_shard(shard.host[0], list(shard.host[1:]), grad.reshape(-1).float(),
+                             shard.decay, lr, self.steps, self.optim)
+                param.view(-1).copy_(shard.host[0])
+            return
+        compute = torch.cuda.current_stream(self.stream.device)
+        self.stream.wait_stream(compute)  # the gradient shards are final on the compute stream
         events = []
-        for shard, grad in zip(self.shards, grads, strict=True):
-            if shard.grad is not None:  # CUDA: every gradient starts down at once
+        with torch.cuda.stream(self.stream):
+            for shard, grad in zip(self.shards, grads, strict=True):  # every gradient down
                 shard.grad.copy_(grad.reshape(-1), non_blocking=True)
+                grad.record_stream(self.stream)  # not reused before the copy is done
                 events.append(torch.cuda.Event())
-                events[-1].record()
-        for k, (shard, grad, param) in enumerate(zip(self.shards, grads, params, strict=True)):
-            if shard.grad is not None:
-                events[k].synchronize()
-                g = shard.grad
-            else:
-                g = grad.reshape(-1).float()
-            update_shard(shard.host[0], list(shard.host[1:]), g, shard.decay, lr, self.steps,
-                         self.optim)
-            # Pinned source: the upload overlaps the next shard's update.
-            param.view(-1).copy_(shard.host[0], non_blocking=shard.grad is not None)
+                events[-1].record(self.stream)
+            for shard, param, event in zip(self.shards, params, events, strict=True):
+                event.synchronize()  # this shard's gradient is on the host
+                update_shard(shard.host[0], list(shard.host[1:]), shard.grad, shard.decay, lr,
+                             self.steps, self.optim)
+                # Pinned source on the copy stream: the upload overlaps the next update, and
+                # the next step's update of this host buffer waits behind it (stream order).
+                param.view(-1).copy_(shard.host[0], non_blocking=True)
+        compute.wait_stream(self.stream)  # the next forward reads the new parameters
 
     # ------------------------------------------------------------------ state
 

@@ -5,7 +5,9 @@ Stage 1: the parameters' .grad are views into full flat buffers; after the last 
 every unit is reduce-scattered at once. Stages 2 and 3: as soon as a unit's gradients are
 complete in backward it is reduce-scattered asynchronously (units launched strictly in
 backward order, ready.py) and the full gradients are dropped; the fp32 shard exists from
-the step's first reduce-scatter until the next zero_grad (model.py says why).
+the step's first reduce-scatter until the next zero_grad (model.py says why). Gradients
+accumulate in fp32 and travel in the policy's reduce dtype (precision.py): fp32, or a bf16
+copy whose reduced shard is added back in fp32.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ class ZeroReducer:
     that leave each rank with its averaged fp32 gradient shard of every unit."""
 
     def __init__(self, units: list[FlatUnit], unit_comm: UnitComm, *, stage: int,
-                 gatherer: ParamGatherer | None):
+                 gatherer: ParamGatherer | None, reduce_dtype: torch.dtype = torch.float32):
         self.units, self.unit_comm, self.stage, self.gatherer = units, unit_comm, stage, gatherer
+        self.reduce_dtype = reduce_dtype
         self.order = list(reversed(units))  # backward produces the last unit's grads first
         self._inflight: list[tuple[FlatUnit, object, torch.Tensor, torch.Tensor]] = []
         self.launcher: ReadyInOrder | None = None
@@ -66,8 +69,9 @@ class ZeroReducer:
             return
         launched = []  # stage 1: every unit at once, in order, then wait
         for u in self.order:
-            out = torch.empty(u.shard_numel, dtype=u.flat.dtype, device=u.flat.device)
-            launched.append((u, self.unit_comm.reduce_grads(u, out, u.grad_flat), out))
+            out = torch.empty(u.shard_numel, dtype=self.reduce_dtype, device=u.flat.device)
+            wire = u.grad_flat.to(self.reduce_dtype)  # [padded] (itself when already so)
+            launched.append((u, self.unit_comm.reduce_grads(u, out, wire), out))
         for u, handle, out in launched:
             handle.wait()
             u.grad_shard.copy_(out)
@@ -80,7 +84,7 @@ class ZeroReducer:
         none) asynchronously and drop them. One earlier unit's reduce-scatter stays in
         flight (it had this unit's backward to finish in): two units' full gradients at most."""
         u = self.order[i]
-        full = torch.zeros(u.padded, dtype=u.flat.dtype, device=u.flat.device)  # [padded]
+        full = torch.zeros(u.padded, dtype=self.reduce_dtype, device=u.flat.device)  # [padded]
         for p, view in zip(u.params, u.param_views(full)):
             if p.grad is not None:
                 view.copy_(p.grad)

@@ -1,0 +1,134 @@
+"""The precision policy: the one place every layout reads its dtypes from, and the loss scaler
+of fp16 training.
+
+Design (docs/precision.md says why at more length): mixed precision as torch's automatic
+mixed precision does it (Micikevicius et al. 2018, "Mixed Precision Training", with the
+fp32 copy of the weights being the parameters themselves). For every layout -- DP, ZeRO-1/2/3,
+TP/SP, PP, offload:
+
+- parameters are held in fp32 and are the master weights: the optimizer updates them in
+  place (no second copy to keep in sync; checkpoints are exact);
+- the forward and backward run under autocast in the compute dtype (bf16 or fp16): matmuls
+  and attention take rounded copies of the weights and activations, norms, softmax, the
+  loss and the residual stream stay fp32;
+- gradients arrive in fp32 (the gradient of an fp32 leaf) and micro-batches accumulate in
+  fp32 (Megatron's `main_grad`);
+- gradients travel in `reduce_dtype` (train.grad_reduce_dtype: fp32, or bf16 to halve the
+  bytes) and are averaged back into fp32;
+- pipeline boundary activations are the residual stream's dtype, fp32.
+
+Why this and not Megatron's bf16 compute parameters: every layout then runs the same autocast
+ops on the same fp32 values, so layouts differ only in the order of fp32 sums (as in fp32),
+and no layout needs a second weight copy of its own. The cost is 4-byte parameters where
+ZeRO-3 gathers them (2x Megatron's gather bytes) and 4-byte gradients unless the reduce
+dtype is bf16.
+
+fp16 adds dynamic loss scaling (`LossScaler`): the loss of each micro-batch is multiplied by
+the scale before backward, the gradients are divided by it before clipping, and a step whose
+gradients are not finite is skipped on every rank.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from shardtrain.config import Config
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionPolicy:
+    name: str  # train.precision: fp32 | bf16 | fp16
+    compute_dtype: torch.dtype  # autocast's dtype for matmuls (fp32: no autocast)
+    param_dtype: torch.dtype = torch.float32  # held, gathered (ZeRO-3) and updated
+    grad_dtype: torch.dtype = torch.float32  # micro-batch accumulation (main gradients)
+    reduce_dtype: torch.dtype = torch.float32  # gradients on the wire (dp all-reduce / RS)
+    master_dtype: torch.dtype = torch.float32  # the optimizer's weights: the parameters
+    boundary_dtype: torch.dtype = torch.float32  # pipeline activations (the residual stream)
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> PrecisionPolicy:
+        t = cfg.train
+        return cls(name=t.precision, compute_dtype=DTYPES[t.precision],
+                   reduce_dtype=DTYPES[t.grad_reduce_dtype])
+
+    @property
+    def loss_scaling(self) -> bool:
+        """fp16's 5 exponent bits underflow small gradients: the loss is scaled."""
+        return self.compute_dtype == torch.float16
+
+    def autocast(self, device: torch.device) -> AbstractContextManager:
+        """Entered around each forward (the backward follows the dtypes it recorded)."""
+        if self.compute_dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(device.type, dtype=self.compute_dtype)
+
+
+class ScaleTooSmall(RuntimeError):
+    """The dynamic loss scale reached its minimum and the gradients still overflow."""
+
+
+class LossScaler:
+    """Dynamic loss scaling (Micikevicius et al. 2018, sec. 3.2; the defaults of Megatron-LM
+    and DeepSpeed): start at `initial`; after `growth_interval` steps without overflow, x2;
+    an overflow (gradients not finite) skips the step and uses up one of `hysteresis`
+    tolerated overflows; once they are used up, each overflow halves the scale (never below
+    `min_scale`; an overflow at the minimum raises ScaleTooSmall) until a growth refills the
+    tolerance (Megatron's rule). A static scaler
+    (`dynamic=False`: fp32 and bf16) keeps scale 1 but still skips a non-finite step, so no
+    precision applies an inf to the weights."""
+
+    def __init__(self, *, dynamic: bool, initial: float = 2.0**16, growth_interval: int = 2000,
+                 hysteresis: int = 2, min_scale: float = 1.0):
+        self.dynamic, self.growth_interval = dynamic, growth_interval
+        self.hysteresis, self.min_scale = hysteresis, min_scale
+        self.scale = initial if dynamic else 1.0
+        self.clean_steps = 0  # steps without overflow since the last change of scale
+        self.tolerance = hysteresis  # overflows left before the scale halves
+        self.skipped = False  # the last step's verdict
+
+    def update(self, grad_norm: torch.Tensor) -> bool:
+        """After the gradients were unscaled and their norm taken over every group that holds
+        gradients (dp, tp, pp: the same value on every rank, so every rank decides alike):
+        True if this step must be skipped. Moves the scale."""
+        self.skipped = not bool(torch.isfinite(grad_norm))
+        if not self.dynamic:
+            return self.skipped
+        if self.skipped:
+            self.clean_steps = 0
+            self.tolerance -= 1
+            if self.tolerance <= 0:
+                if self.scale <= self.min_scale:
+                    raise ScaleTooSmall(
+                        f"fp16 loss scale reached its minimum ({self.min_scale:g}, "
+                        "loss_scale.min_scale) and the gradients still overflow: training "
+                        "cannot go on. Usual causes: a diverging run (learning rate too "
+                        "high, no warm-up, no gradient clipping), activations beyond fp16's "
+                        "range (65504; try train.precision=bf16), or NaN/inf in the data.")
+                self.scale = max(self.scale / 2, self.min_scale)
+            return True
+        self.clean_steps += 1
+        if self.clean_steps >= self.growth_interval:
+            self.scale *= 2
+            self.clean_steps = 0
+            self.tolerance = self.hysteresis
+        return False
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps,
+                "tolerance": self.tolerance}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
+        self.tolerance = int(state["tolerance"])
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> LossScaler:
+        s = cfg.loss_scale
+        return cls(dynamic=cfg.train.precision == "fp16", initial=s.initial,
+                   growth_interval=s.growth_interval, hysteresis=s.hysteresis,
+                   min_scale=s.min_scale)

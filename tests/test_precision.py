@@ -1,0 +1,247 @@
+"""The precision policy (parallel/precision.py): every layout computes the single process's
+numbers in bf16 as in fp32; fp16's loss scaler skips an overflowing step on every rank and
+changes nothing in it; ledger bytes equal the planner's under bf16 with both reduce dtypes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dist import run_distributed
+from parity import make_mesh, tiny, train_layout, train_layouts
+from shardtrain import config
+from shardtrain.config import ConfigError
+from shardtrain.parallel.precision import LossScaler, ScaleTooSmall
+from shardtrain.parallel.strategy import SCALER_FILE
+from shardtrain.plan.memory import model_states
+from shardtrain.plan.traffic import bytes_per_step, data_parallel_ops
+from shardtrain.train.trainer import Trainer
+
+STEPS = "8"
+B8 = ("--train.global_batch", "8", "--train.micro_batch", "2")
+B16 = ("--train.global_batch", "16", "--train.micro_batch", "2")
+# Worst relative per-step loss deviation from the single-process run of the same precision.
+# bf16 rounds each matmul's inputs to 8 bits of mantissa; layouts that cut the batch or the
+# model differently round different partial sums, so they may differ by a few bf16 ulps of
+# single activations, which the loss averages down. tp splits every matmul's inner
+# dimension in two (row-parallel partial sums are rounded to bf16 before they are summed),
+# hence the looser bound there.
+BOUND = {False: 1e-3, True: 5e-3}  # without tp, with tp
+LAYOUTS = {  # world size: (label, reference batch, overrides)
+    2: [("dp2 accumulate", B8, []),
+        ("zero1 dp2", B8, ["--parallel.zero", "1"]),
+        ("zero2 dp2", B8, ["--parallel.zero", "2"]),
+        ("zero3 dp2", B8, ["--parallel.zero", "3"]),
+        ("pp2 1f1b", B8, ["--parallel.pp", "2", "--parallel.schedule", "1f1b"]),
+        ("tp2", B8, ["--parallel.tp", "2"])],
+    4: [("dp4 accumulate", B16, []),
+        ("pp2 x dp2 x zero1", B8, ["--parallel.pp", "2", "--parallel.zero", "1"])],
+}
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("precision")
+
+
+def _text(tmp, name: str, *overrides: str) -> str:
+    return config.to_toml(tiny(tmp, name, "--train.steps", STEPS, *overrides))
+
+
+def _worst(ref: list[float], got: list[float]) -> float:
+    return max(abs(g - r) / abs(r) for r, g in zip(ref, got, strict=True))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_bf16_layouts_match_one_process(tmp, world_size):
+    layouts = LAYOUTS[world_size]
+    texts = [_text(tmp, f"w{world_size}-{i}-{prec}", *ref, *o, "--train.precision", prec)
+             for i, (_, ref, o) in enumerate(layouts) for prec in ("bf16", "fp32")]
+    per_rank = run_distributed(train_layouts, world_size, texts, timeout_s=600)
+    refs = {}
+    for ref in dict.fromkeys(ref for _, ref, _ in layouts):
+        for prec in ("bf16", "fp32"):
+            refs[ref, prec] = train_layout(0, 1, _text(tmp, f"ref{world_size}-{ref[1]}-{prec}",
+                                                       *ref, "--train.precision", prec))
+    print()
+    for i, (label, ref, overrides) in enumerate(layouts):
+        worst = {prec: max(_worst(refs[ref, prec]["losses"], ranks[2 * i + j]["losses"])
+                           for ranks in per_rank)
+                 for j, prec in enumerate(("bf16", "fp32"))}
+        bound = BOUND["--parallel.tp" in overrides]
+        print(f"{label:>20}: worst relative loss deviation bf16 {worst['bf16']:.2e} "
+              f"(bound {bound:.0e}), fp32 {worst['fp32']:.2e}")
+        assert worst["bf16"] <= bound, label
+        assert worst["fp32"] <= 1e-5, label  # the fp32 parity bound
+    # bf16 computes: close to fp32, not equal to it.
+    bf16, fp32 = refs[layouts[0][1], "bf16"]["losses"], refs[layouts[0][1], "fp32"]["losses"]
+    assert bf16 != fp32 and _worst(fp32, bf16) < 1e-2
+
+
+# ---------------------------------------------------------------- fp16 and the loss scaler
+
+K = 3  # the step (1-based) whose gradient gets an inf
+
+
+def _state(trainer: Trainer) -> tuple[dict, dict]:
+    """(full weights, this rank's optimizer files): collectives, on every rank."""
+    files = trainer.parallel.optimizer_files(True)
+    return trainer.parallel.full_state_dict(), {k: v for k, v in files.items()
+                                                if k != SCALER_FILE}  # the scale does move
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return a == b
+
+
+def _inject(rank: int, world_size: int, runs: list[tuple[str, bool]]) -> list[dict]:
+    """Each config trained; with inject, on rank 0 only, one element of the first
+    parameter's gradient becomes inf in step K's backward (before any reduction)."""
+    out = []
+    for text, inject in runs:
+        cfg = config.loads(text)
+        trainer = Trainer(cfg, make_mesh(cfg, rank, world_size), torch.device("cpu"))
+        if rank == 0 and inject:
+            first = next(trainer.parallel.module.parameters())
+
+            def poison(grad, trainer=trainer):
+                if trainer.step == K - 1:
+                    grad = grad.clone()
+                    grad.view(-1)[0] = float("inf")
+                return grad
+
+            first.register_hook(poison)
+        records, unchanged = [], None
+        while trainer.step < cfg.train.steps:
+            before = _state(trainer) if trainer.step == K - 1 else None
+            records.append(trainer.train_step())
+            if before is not None:
+                unchanged = _equal(before, _state(trainer))
+        out.append({"skipped": [r["skipped"] for r in records],
+                    "scale": [r["loss_scale"] for r in records],
+                    "losses": [r["loss"] for r in records], "unchanged": unchanged,
+                    "weights": trainer.parallel.full_state_dict()})
+    return out
+
+
+def _distance(a: dict, b: dict) -> float:
+    """The L2 norm of the difference of two full state dicts."""
+    return math.sqrt(sum((a[n] - b[n]).double().square().sum().item() for n in a))
+
+
+def test_fp16_overflow_skips_the_step_on_every_rank(tmp):
+    layouts = {"dp2": [], "pp2": ["--parallel.pp", "2"]}
+    runs = [(_text(tmp, f"inf-{name}-{prec}-{inject}", *B8, *o, "--train.steps", "6",
+                   "--train.precision", prec, "--loss_scale.hysteresis", "1"), inject)
+            for name, o in layouts.items()
+            for prec, inject in (("fp16", True), ("fp32", True), ("fp32", False))]
+    per_rank = run_distributed(_inject, 2, runs, timeout_s=600)
+    for i, name in enumerate(layouts):
+        for rank, results in enumerate(per_rank):
+            fp16, fp32, applied = results[3 * i:3 * i + 3]
+            label = f"{name} rank {rank}"
+            expected = [step == K for step in range(1, 7)]
+            assert fp16["skipped"] == expected == fp32["skipped"], label
+            assert applied["skipped"] == [False] * 6, label
+            # Nothing of the skipped step reached the weights or the optimizer state.
+            assert fp16["unchanged"] and fp32["unchanged"], label
+            # The step's backward ran at 2^16; the overflow halved it for the next step
+            # (hysteresis 1 here: the default 2 tolerates one overflow first).
+            assert fp16["scale"] == [2.0**16] * K + [2.0**15] * (6 - K), label
+            assert fp32["scale"] == [1.0] * 6, label
+            # Against the fp32 control that skips the same step, the fp16 weights differ by
+            # fp16's rounding of the activations only: far less than step K's update would
+            # have moved them (the control against the run that applied it).
+            noise = _distance(fp16["weights"], fp32["weights"])
+            signal = _distance(applied["weights"], fp32["weights"])
+            print(f"{label}: skipped {fp16['skipped']}, scale {fp16['scale']}; weights "
+                  f"|fp16 - fp32 control| {noise:.2e}, |control - step {K} applied| "
+                  f"{signal:.2e}")
+            assert noise < 0.1 * signal, label
+            assert all(math.isfinite(x) for x in fp16["losses"]), label
+
+
+def test_loss_scaler_rules():
+    s = LossScaler(dynamic=True, initial=8.0, growth_interval=3, hysteresis=2, min_scale=2.0)
+    inf, one = torch.tensor(float("inf")), torch.tensor(1.0)
+    assert s.update(inf) and s.scale == 8.0  # the first overflow is tolerated (hysteresis)
+    assert s.update(torch.tensor(float("nan"))) and s.scale == 4.0
+    assert s.update(inf) and s.scale == 2.0  # no growth since: each overflow halves
+    assert [s.update(one) for _ in range(3)] == [False] * 3 and s.scale == 4.0  # grown x2
+    state = s.state_dict()
+    assert s.update(inf) and s.scale == 4.0  # growth refilled the tolerance
+    assert s.update(inf) and s.scale == 2.0
+    with pytest.raises(ScaleTooSmall, match="minimum"):
+        s.update(inf)
+    restored = LossScaler(dynamic=True)
+    restored.load_state_dict(state)
+    assert restored.state_dict() == state
+    static = LossScaler(dynamic=False, initial=8.0)
+    assert static.scale == 1.0 and static.update(inf) and static.scale == 1.0
+
+
+def test_precision_config_errors(tmp):
+    tiny(tmp, "ok", "--train.precision", "fp16", "--train.grad_reduce_dtype", "bf16").validate(1)
+    with pytest.raises(ConfigError, match="train.grad_reduce_dtype"):
+        tiny(tmp, "bad", "--train.grad_reduce_dtype", "bf16", "--comm.compress", "int8"
+             ).validate(1)
+    with pytest.raises(ConfigError, match="loss_scale.min_scale"):
+        tiny(tmp, "bad", "--loss_scale.min_scale", "1e6").validate(1)
+    with pytest.raises(ConfigError, match="train.precision"):
+        tiny(tmp, "bad", "--train.precision", "fp8")
+
+
+# ---------------------------------------------------------------- ledger bytes = planner bytes
+
+
+def _one_step(rank: int, world_size: int, tmp) -> dict:
+    out = {}
+    for zero in (0, 1, 2, 3):
+        for reduce in ("fp32", "bf16"):
+            cfg = tiny(tmp, f"ledger-z{zero}-{reduce}-r{rank}", "--train.global_batch", "8",
+                       "--train.micro_batch", "2", "--comm.bucket_mb", "0.1",
+                       "--train.precision", "bf16", "--train.grad_reduce_dtype", reduce,
+                       "--parallel.zero", str(zero))
+            trainer = Trainer(cfg, make_mesh(cfg, rank, world_size), torch.device("cpu"))
+            record = trainer.train_step()
+            update = trainer.parallel.update
+            padded = sum(u.padded for u in update.units) if zero else \
+                sum(b.buffer.numel() for b in update.reducer.buckets)
+            sent = {tag: sum(r.sent_bytes for r in trainer.mesh.ledger.records if r.tag == tag)
+                    for tag in ("grad", "param")}
+            out[zero, reduce] = {"sent": sent, "padded": padded, "record": record,
+                                 "units": len(update.units) if zero else 0}
+    return out
+
+
+def test_ledger_bytes_equal_planner_traffic_in_bf16(tmp):
+    world, m = 2, 2  # micro-batches per rank per step
+    for rank, r in enumerate(run_distributed(_one_step, world, tmp, timeout_s=600)):
+        for (zero, reduce), got in r.items():
+            plan = bytes_per_step(data_parallel_ops(
+                params=got["padded"], size=world, zero=zero, microbatches=m, precision="amp",
+                reduce_dtype=reduce, layers=max(got["units"], 1)))["dp"]
+            sent = got["sent"]["grad"] + got["sent"]["param"]
+            print(f"rank {rank} zero{zero} reduce {reduce}: ledger {got['sent']} = "
+                  f"{sent} B, planner {plan}")
+            assert sum(plan.values()) == pytest.approx(sent, abs=8), (zero, reduce)
+        # bf16 halves the gradient bytes; parameters (fp32, their own master) do not change.
+        for zero in (0, 1, 2, 3):
+            fp32, bf16 = r[zero, "fp32"]["sent"], r[zero, "bf16"]["sent"]
+            assert 2 * bf16["grad"] == fp32["grad"] and bf16["param"] == fp32["param"]
+            rec = r[zero, "bf16"]["record"]
+            assert rec["skipped"] is False and rec["loss_scale"] == 1.0
+            if zero:  # model states: the ZeRO formulas with the runtime's amp bytes (4+4+0+8)
+                states = model_states(r[zero, "bf16"]["padded"], nd=world, zero=zero,
+                                      precision="amp")
+                for key in ("params", "grads", "master", "optimizer"):
+                    assert rec[key + "_bytes"] == getattr(states, key), (zero, key)
