@@ -18,7 +18,8 @@ from shardtrain.parallel.precision import LossScaler, ScaleTooSmall
 from shardtrain.parallel.strategy import SCALER_FILE
 from shardtrain.plan.memory import model_states
 from shardtrain.plan.traffic import bytes_per_step, data_parallel_ops
-from shardtrain.train.trainer import Trainer
+from shardtrain.train.metrics import device_peak_flops
+from shardtrain.train.trainer import Trainer, format_record
 
 STEPS = "8"
 B8 = ("--train.global_batch", "8", "--train.micro_batch", "2")
@@ -48,24 +49,50 @@ def tmp(tmp_path_factory):
 
 
 def _text(tmp, name: str, *overrides: str) -> str:
-    return config.to_toml(tiny(tmp, name, "--train.steps", STEPS, *overrides))
+    # peak_flops set: no matmul throughput measurement per trainer (MFU is not under test)
+    return config.to_toml(tiny(tmp, name, "--train.steps", STEPS, "--train.peak_flops", "1e12",
+                               *overrides))
 
 
 def _worst(ref: list[float], got: list[float]) -> float:
     return max(abs(g - r) / abs(r) for r, g in zip(ref, got, strict=True))
 
 
+def _parity_texts(tmp, world_size: int) -> list[str]:
+    return [_text(tmp, f"w{world_size}-{i}-{prec}", *ref, *o, "--train.precision", prec)
+            for i, (_, ref, o) in enumerate(LAYOUTS[world_size]) for prec in ("bf16", "fp32")]
+
+
+def _world2(rank: int, world_size: int, tmp, parity: list[str], inject: list) -> dict:
+    """Every two-rank check in one spawn (spawning is the slow part)."""
+    return {"parity": train_layouts(rank, world_size, parity),
+            "inject": _inject(rank, world_size, inject), "ledger": _one_step(rank, world_size, tmp)}
+
+
+@pytest.fixture(scope="module")
+def world2(tmp) -> list[dict]:
+    return run_distributed(_world2, 2, tmp, _parity_texts(tmp, 2), _inject_runs(tmp),
+                           timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def refs() -> dict:
+    return {}  # (batch overrides, precision) -> the single-process run, filled once
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_bf16_layouts_match_one_process(tmp, world_size):
+def test_bf16_layouts_match_one_process(tmp, world2, refs, world_size):
     layouts = LAYOUTS[world_size]
-    texts = [_text(tmp, f"w{world_size}-{i}-{prec}", *ref, *o, "--train.precision", prec)
-             for i, (_, ref, o) in enumerate(layouts) for prec in ("bf16", "fp32")]
-    per_rank = run_distributed(train_layouts, world_size, texts, timeout_s=600)
-    refs = {}
+    if world_size == 2:
+        per_rank = [r["parity"] for r in world2]
+    else:
+        per_rank = run_distributed(train_layouts, world_size, _parity_texts(tmp, world_size),
+                                   timeout_s=600)
     for ref in dict.fromkeys(ref for _, ref, _ in layouts):
         for prec in ("bf16", "fp32"):
-            refs[ref, prec] = train_layout(0, 1, _text(tmp, f"ref{world_size}-{ref[1]}-{prec}",
-                                                       *ref, "--train.precision", prec))
+            if (ref, prec) not in refs:
+                refs[ref, prec] = train_layout(0, 1, _text(tmp, f"ref-{ref[1]}-{prec}", *ref,
+                                                           "--train.precision", prec))
     print()
     for i, (label, ref, overrides) in enumerate(layouts):
         worst = {prec: max(_worst(refs[ref, prec]["losses"], ranks[2 * i + j]["losses"])
@@ -138,14 +165,19 @@ def _distance(a: dict, b: dict) -> float:
     return math.sqrt(sum((a[n] - b[n]).double().square().sum().item() for n in a))
 
 
-def test_fp16_overflow_skips_the_step_on_every_rank(tmp):
-    layouts = {"dp2": [], "pp2": ["--parallel.pp", "2"]}
-    runs = [(_text(tmp, f"inf-{name}-{prec}-{inject}", *B8, *o, "--train.steps", "6",
+INJECT_LAYOUTS = {"dp2": [], "pp2": ["--parallel.pp", "2"]}
+INJECTED = (("fp16", True), ("fp32", True), ("fp32", False))  # per layout
+
+
+def _inject_runs(tmp) -> list[tuple[str, bool]]:
+    return [(_text(tmp, f"inf-{name}-{prec}-{inject}", *B8, *o, "--train.steps", "6",
                    "--train.precision", prec, "--loss_scale.hysteresis", "1"), inject)
-            for name, o in layouts.items()
-            for prec, inject in (("fp16", True), ("fp32", True), ("fp32", False))]
-    per_rank = run_distributed(_inject, 2, runs, timeout_s=600)
-    for i, name in enumerate(layouts):
+            for name, o in INJECT_LAYOUTS.items() for prec, inject in INJECTED]
+
+
+def test_fp16_overflow_skips_the_step_on_every_rank(world2):
+    per_rank = [r["inject"] for r in world2]
+    for i, name in enumerate(INJECT_LAYOUTS):
         for rank, results in enumerate(per_rank):
             fp16, fp32, applied = results[3 * i:3 * i + 3]
             label = f"{name} rank {rank}"
@@ -189,6 +221,19 @@ def test_loss_scaler_rules():
     assert static.scale == 1.0 and static.update(inf) and static.scale == 1.0
 
 
+def test_fp16_checkpoint_holds_the_scaler(tmp):
+    state = {"scale": 1024.0, "clean_steps": 1, "tolerance": 1}
+    cfg = config.loads(_text(tmp, "scaler", "--train.precision", "fp16", "--train.steps", "2"))
+    first = Trainer(cfg, make_mesh(cfg, 0, 1), torch.device("cpu"))
+    first.train_step()
+    first.parallel.scaler.load_state_dict(state)
+    first.save()
+    cfg.checkpoint.resume = "latest"
+    resumed = Trainer(cfg, make_mesh(cfg, 0, 1), torch.device("cpu"))
+    assert resumed.step == 1 and resumed.parallel.scaler.state_dict() == state
+    assert resumed.train_step()["loss_scale"] == 1024.0
+
+
 def test_precision_config_errors(tmp):
     tiny(tmp, "ok", "--train.precision", "fp16", "--train.grad_reduce_dtype", "bf16").validate(1)
     with pytest.raises(ConfigError, match="train.grad_reduce_dtype"):
@@ -208,6 +253,7 @@ def _one_step(rank: int, world_size: int, tmp) -> dict:
     for zero in (0, 1, 2, 3):
         for reduce in ("fp32", "bf16"):
             cfg = tiny(tmp, f"ledger-z{zero}-{reduce}-r{rank}", "--train.global_batch", "8",
+                       "--train.peak_flops", "1e12",
                        "--train.micro_batch", "2", "--comm.bucket_mb", "0.1",
                        "--train.precision", "bf16", "--train.grad_reduce_dtype", reduce,
                        "--parallel.zero", str(zero))
@@ -223,9 +269,9 @@ def _one_step(rank: int, world_size: int, tmp) -> dict:
     return out
 
 
-def test_ledger_bytes_equal_planner_traffic_in_bf16(tmp):
+def test_ledger_bytes_equal_planner_traffic_in_bf16(world2):
     world, m = 2, 2  # micro-batches per rank per step
-    for rank, r in enumerate(run_distributed(_one_step, world, tmp, timeout_s=600)):
+    for rank, r in enumerate(x["ledger"] for x in world2):
         for (zero, reduce), got in r.items():
             plan = bytes_per_step(data_parallel_ops(
                 params=got["padded"], size=world, zero=zero, microbatches=m, precision="amp",
@@ -245,3 +291,26 @@ def test_ledger_bytes_equal_planner_traffic_in_bf16(tmp):
                                       precision="amp")
                 for key in ("params", "grads", "master", "optimizer"):
                     assert rec[key + "_bytes"] == getattr(states, key), (zero, key)
+
+
+# ---------------------------------------------------------------- GPU metrics (no GPU needed)
+
+
+def test_mfu_peak_follows_the_precision_and_an_unknown_gpu_gives_null(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert device_peak_flops(cuda, 0.0, "bf16") == device_peak_flops(cuda, 0.0, "fp16") == 989.4e12
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for flag, peak in ((False, 67e12), (True, 494.7e12)):  # fp32 matmuls as fp32 or tf32
+            torch.backends.cuda.matmul.allow_tf32 = flag
+            assert device_peak_flops(cuda, 0.0, "fp32") == peak
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+    assert device_peak_flops(cuda, 5e14, "bf16") == 5e14  # train.peak_flops wins
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Mystery GPU 9000")
+    with pytest.warns(UserWarning, match="train.peak_flops"):
+        assert device_peak_flops(cuda, 0.0, "bf16") is None
+    record = {"step": 1, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1.0,
+              "mfu": None, "skipped": True, "loss_scale": 65536.0}
+    assert "mfu n/a" in format_record(record) and "skipped" in format_record(record)
