@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 from torch import nn
 
 from dist import run_distributed
+from shardtrain import config
 from shardtrain.comm import CommLedger
-from shardtrain.config import OptimConfig
+from shardtrain.config import ConfigError, OptimConfig
+from shardtrain.config.ps import check_parameter_server
 from shardtrain.parallel.ps.codec import PushCodec
 from shardtrain.parallel.ps.groups import build_groups
 from shardtrain.parallel.ps.layout import PSLayout
@@ -139,3 +142,58 @@ def test_two_servers_halve_the_incast():
     assert sum(got) == 2 * 2 * model_bytes and got[0] == got[1]  # N x model / S each
     torch.testing.assert_close(workers[0][0]["weights"], workers[1][0]["weights"], rtol=0,
                                atol=0)
+
+
+@pytest.mark.parametrize("world, args, needle", [
+    (2, ["--parallel.ps_servers", "2"], "parallel.ps_servers=2 leaves no workers"),
+    (3, ["--parallel.ps_servers", "1", "--parallel.tp", "2"], "parallel.tp=2"),
+    (3, ["--parallel.ps_servers", "1", "--parallel.pp", "2"], "parallel.pp=2"),
+    (3, ["--parallel.ps_servers", "1", "--parallel.zero", "1"], "parallel.zero=1"),
+    (3, ["--parallel.ps_servers", "1", "--parallel.cp", "2"], "parallel.cp=2"),
+    (3, ["--parallel.ps_servers", "1", "--parallel.ep", "2"], "parallel.ep=2"),
+    (3, ["--parallel.ps_servers", "-1"], "parallel.ps_servers=-1 must be >= 0"),
+    (3, ["--parallel.ps_mode", "async"], "parallel.ps_mode=async applies to a parameter server"),
+    (3, ["--parallel.ps_servers", "1", "--parallel.ps_staleness", "2"],
+     "parallel.ps_staleness=2 must be >= 0 and applies to parallel.ps_mode=ssp only"),
+    (3, ["--parallel.ps_servers", "1", "--parallel.ps_credit", "0"], "parallel.ps_credit=0"),
+    (2, ["--train.slow_ranks", "1-1.5"], "train.slow_ranks='1-1.5': '1-1.5' is not RANK:FACTOR"),
+    (2, ["--train.slow_ranks", "3:1.5"], "rank 3 must lie in 0..1"),
+    (2, ["--train.slow_ranks", "1:0.5"], "its factor 0.5 be >= 1"),
+])
+def test_bad_input_names_the_field(tmp_path, world, args, needle):
+    cfg = config.load("tiny", args)
+    with pytest.raises(ConfigError) as e:
+        cfg.validate(world)
+    assert needle in str(e.value)
+
+
+def test_servers_outnumbering_parameters_and_good_layouts():
+    cfg = config.load("tiny", ["--parallel.ps_servers", "1"])
+    cfg.validate(3)
+    assert cfg.parallel.resolved_dp(3) == 2  # the servers are not data-parallel ranks
+    config.load("tiny", ["--parallel.ps_servers", "2", "--parallel.ps_mode", "ssp",
+                         "--parallel.ps_staleness", "2", "--train.slow_ranks", "1:1.5"]).validate(4)
+    cfg = config.load("tiny", ["--parallel.ps_servers", "2"])
+    cfg.model.vocab_size, cfg.model.dim, cfg.model.n_layers = 1, 1, 0  # 3 parameters
+    cfg.model.n_heads = cfg.model.n_kv_heads = 1
+    cfg.parallel.ps_servers = 4
+    with pytest.raises(ConfigError, match="parallel.ps_servers=4 outnumbers the model's 3"):
+        check_parameter_server(cfg, 8)
+
+
+def test_slow_ranks_stretch_compute(monkeypatch):
+    """A 1.5x straggler sleeps 0.5 x (forward + backward) after each forward, measured in
+    thread CPU time (a fake clock here: 2 s per forward)."""
+    from shardtrain.train import straggler
+
+    clock, slept = iter([10.0, 12.0, 20.0, 22.0]), []
+    monkeypatch.setattr(straggler.time, "thread_time", lambda: next(clock))
+    monkeypatch.setattr(straggler.time, "sleep", slept.append)
+    model = nn.Linear(2, 2)
+    assert straggler.slow_down(model, 1.0) == []
+    handles = straggler.slow_down(model, 1.5)
+    model(torch.zeros(1, 2))
+    model(torch.zeros(1, 2))
+    assert slept == [0.5 * 3 * 2.0, 0.5 * 3 * 2.0]
+    for h in handles:
+        h.remove()
