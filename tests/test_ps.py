@@ -7,6 +7,7 @@ Parity of the real trainer against one process: test_ps_parity.py."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from shardtrain.comm import CommLedger
 from shardtrain.config import ConfigError, OptimConfig
 from shardtrain.config.ps import check_parameter_server
 from shardtrain.parallel.ps.codec import PushCodec
-from shardtrain.parallel.ps.groups import build_groups
+from shardtrain.parallel.ps.groups import ps_comms
 from shardtrain.parallel.ps.layout import PSLayout
 from shardtrain.parallel.ps.server import ParameterServer
 from shardtrain.parallel.ps.worker import PSWorker
@@ -46,7 +47,9 @@ def _scenario(rank: int, world: int, s: dict) -> dict:
     """One parameter-server run: workers train `steps` steps, sleeping delays[w][clock]
     before each; the servers serve. Returns what each side recorded."""
     ledger = CommLedger()
-    g = build_groups(rank, world, s["servers"], ledger, timeout_s=60)
+    world_comm, servers = ps_comms(rank, world, s["servers"], ledger, timeout_s=60)
+    g = SimpleNamespace(world=world_comm, servers=servers, is_server=rank >= world - s["servers"],
+                        index=rank - (world - s["servers"]) if rank >= world - s["servers"] else rank)
     model = _model()
     params = list(model.parameters())
     layout = PSLayout(params, workers=world - s["servers"], servers=s["servers"],

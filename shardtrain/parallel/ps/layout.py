@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from shardtrain.comm.communicator import _message_tag
-from shardtrain.comm.p2p import even_bounds
+from shardtrain.comm.p2p import even_bounds, message_tag
 
 HEAD = "ps:head"  # a worker's push is complete: [clock, version computed on, grad norm]
 PULL = "ps:pull"  # a server's reply of one partition follows: [partition, version]
 STATE = "ps:state"  # a server's optimizer state, to the checkpoint writer
+INIT = "ps:init"  # the starting weights of a server's shard, from worker 0
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class PSLayout:
             offset += n
         self.parts = parts
         labels = _distinct([f"ps:g{j}" for j in range(len(parts))] +
-                           [f"ps:w{j}" for j in range(len(parts))], reserved=(HEAD, PULL, STATE))
+                           [f"ps:w{j}" for j in range(len(parts))], reserved=(HEAD, PULL, STATE, INIT))
         self.push_tag, self.pull_tag = labels[:len(parts)], labels[len(parts):]
 
     def server_rank(self, s: int) -> int:
@@ -81,13 +81,13 @@ def _distinct(labels: list[str], reserved: tuple[str, ...]) -> list[str]:
     """Message labels whose wire tags (15 bits of a hash) all differ, so that messages of
     different partitions between two ranks can never match each other's receive: a label
     that collides gets a suffix until it does not. Every rank computes the same labels."""
-    used = {_message_tag(r) for r in reserved}
+    used = {message_tag(r) for r in reserved}
     out = []
     for label in labels:
         salt, chosen = 0, label
-        while _message_tag(chosen) in used:
+        while message_tag(chosen) in used:
             salt += 1
             chosen = f"{label}~{salt}"
-        used.add(_message_tag(chosen))
+        used.add(message_tag(chosen))
         out.append(chosen)
     return out

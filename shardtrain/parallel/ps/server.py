@@ -34,33 +34,40 @@ import torch
 from shardtrain.comm import Communicator
 from shardtrain.config import OptimConfig
 from shardtrain.parallel.ps.codec import PushCodec
-from shardtrain.parallel.ps.layout import HEAD, PULL, PSLayout
-from shardtrain.parallel.shard_optim import moment_names, update_shard
+from shardtrain.parallel.ps.layout import HEAD, INIT, PULL, STATE, PSLayout
+from shardtrain.parallel.zero.optim import moment_names, update_shard
 
 
 class ParameterServer:
     def __init__(self, comm: Communicator, servers: Communicator, layout: PSLayout, index: int,
-                 params: list[torch.Tensor], optim: OptimConfig, *, codec: PushCodec,
+                 params: list[torch.Tensor] | None, optim: OptimConfig, *, codec: PushCodec,
                  mode: str, staleness: int, priority: str, steps: int,
-                 lr_of: Callable[[int], float], max_norm: float = float("inf")):
+                 lr_of: Callable[[int], float], max_norm: float = float("inf"),
+                 state_requests: int = 0, device: torch.device | None = None):
         """`comm`: the world (workers and servers); `servers`: the servers' group (clip
-        norms); `params`: the model's initial parameters (the same on every rank); `steps`:
-        the pushes each worker makes."""
+        norms); `params`: the model's initial parameters, or None (they come from a worker or a
+        checkpoint); `steps`:
+        the pushes each worker makes; `state_requests`: the checkpoints worker 0 will ask
+        this server's state for (the loop serves them before it ends)."""
         self.comm, self.servers, self.layout, self.index = comm, servers, layout, index
         self.codec, self.optim, self.steps, self.lr_of = codec, optim, steps, lr_of
         self.mode, self.s = mode, (0 if mode == "sync" else staleness)
-        self.max_norm = max_norm
+        self.max_norm, self.state_requests = max_norm, state_requests
         self.parts = layout.on_server(index)
         # Updated in priority order (earliest layers first) or in the order backward
         # produced them (last layers first: FIFO, the order without a scheduler).
         if priority == "none":
             self.parts = self.parts[::-1]
-        self.device = params[0].device
+        self.device = device or (params[0].device if params else torch.device("cpu"))
+        # fp32 [numel] each: the given starting weights, or zeros until `receive_weights`
+        # or `load_state` fills them.
         self.master = [params[p.param].detach().reshape(-1)[p.lo:p.hi].float().clone()
-                       for p in self.parts]  # fp32 [numel] each
+                       if params is not None else torch.zeros(p.numel, device=device)
+                       for p in self.parts]
         names = moment_names(optim)
         self.moments = [[torch.zeros_like(m) for _ in names] for m in self.master]
-        self.version = 0  # updates applied
+        self.version = 0  # updates applied in this run (the clocks of sync and ssp)
+        self.base = 0  # updates applied before it (a resumed run): Adam's step count goes on
         self.records: list[dict] = []
         self._sends: list = []
 
@@ -74,9 +81,14 @@ class ParameterServer:
         clocks: dict[int, dict[int, tuple]] = {}  # clock -> worker -> (grads, computed_on, t)
         waiting: list[tuple[int, int]] = []  # (worker, clock) whose reply is due later
         head = torch.zeros(3, dtype=torch.float64, device=self.device)
-        while sum(pushed) < n * self.steps:
+        served = 0
+        while sum(pushed) < n * self.steps or served < self.state_requests:
             w = self.comm.irecv(head, None, tag=HEAD).wait()
             clock, computed_on, norm = int(head[0]), int(head[1]), float(head[2])
+            if clock < 0:  # a checkpoint: worker w wants this server's state
+                self.comm.isend(self.state_tensor(), w, tag=STATE).wait()
+                served += 1
+                continue
             grads = self._receive(posted.pop(w))
             pushed[w] += 1
             if pushed[w] < self.steps:
@@ -138,7 +150,8 @@ class ParameterServer:
         for k, part in enumerate(self.parts):
             grad = grads[k] * coef if coef != 1.0 else grads[k]
             update_shard(self.master[k], self.moments[k], grad,
-                         [(0, part.numel)] if part.decay else [], lr, self.version, self.optim)
+                         [(0, part.numel)] if part.decay else [], lr, self.base + self.version,
+                         self.optim)
             self._send_part(k, reply)
 
     def _reply(self, workers: list[int]) -> None:
@@ -174,19 +187,55 @@ class ParameterServer:
 
     # ------------------------------------------------------------------ state
 
-    def state_dict(self) -> dict:
-        """This server's shard: weights, optimizer moments and version, by partition."""
-        names = moment_names(self.optim)
-        return {"version": self.version, "server": self.index,
-                "parts": {p.index: {"master": m.clone(), **dict(zip(names, ms))}
-                          for p, m, ms in zip(self.parts, self.master, self.moments)}}
+    @torch.no_grad()
+    def receive_weights(self, src: int) -> None:
+        """The starting weights of this shard, from worker `src` (PSWorker.send_weights)."""
+        order = sorted(range(len(self.parts)), key=lambda k: self.parts[k].index)
+        flat = torch.empty(sum(self.parts[k].numel for k in order), device=self.device)
+        self.comm.irecv(flat, src, tag=INIT).wait()
+        offset = 0
+        for k in order:
+            self.master[k].copy_(flat[offset:offset + self.parts[k].numel])
+            offset += self.parts[k].numel
+
+    def state_tensor(self) -> torch.Tensor:
+        """[version, then per partition in index order: master, moments...] fp32, the
+        message a checkpoint carries (`unpack_state` reads it)."""
+        order = sorted(range(len(self.parts)), key=lambda k: self.parts[k].index)
+        pieces = [torch.tensor([float(self.base + self.version)], device=self.device)]
+        for k in order:
+            pieces += [self.master[k], *self.moments[k]]
+        return torch.cat(pieces)
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        self.version = state["version"]
-        names = moment_names(self.optim)
-        for p, m, ms in zip(self.parts, self.master, self.moments):
-            saved = state["parts"][p.index]
-            m.copy_(saved["master"])
-            for name, t in zip(names, ms):
-                t.copy_(saved[name])
+    def load_state(self, saved: list[dict]) -> None:
+        """Resume from the state files of any number of servers (`unpack_state`'s dicts):
+        each partition copies the ranges of its parameter that the files hold, so the
+        server count and partition size may change between runs."""
+        names = ("master", *moment_names(self.optim))
+        self.base, self.version = saved[0]["version"], 0
+        for part, master, moments in zip(self.parts, self.master, self.moments):
+            for state in saved:
+                for (param, lo, hi), tensors in state["parts"].items():
+                    a, b = max(lo, part.lo), min(hi, part.hi)
+                    if param != part.param or a >= b:
+                        continue
+                    for name, t in zip(names, (master, *moments)):
+                        t[a - part.lo:b - part.lo] = tensors[name][a - lo:b - lo]
+
+
+def unpack_state(flat: torch.Tensor, layout: PSLayout, server: int, optim: OptimConfig) -> dict:
+    """A server's state message -> {"version", "parts": {(param, lo, hi): {name: [n]}}}."""
+    names = ("master", *moment_names(optim))
+    out, offset = {"version": int(flat[0]), "parts": {}}, 1
+    for part in layout.on_server(server):
+        entry = {}
+        for name in names:
+            entry[name] = flat[offset:offset + part.numel].clone()
+            offset += part.numel
+        out["parts"][(part.param, part.lo, part.hi)] = entry
+    return out
+
+
+def state_numel(layout: PSLayout, server: int, optim: OptimConfig) -> int:
+    return 1 + (1 + len(moment_names(optim))) * sum(p.numel for p in layout.on_server(server))

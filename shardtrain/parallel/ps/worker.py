@@ -29,7 +29,7 @@ from torch import nn
 
 from shardtrain.comm import Communicator
 from shardtrain.parallel.ps.codec import PushCodec
-from shardtrain.parallel.ps.layout import HEAD, PULL, PSLayout
+from shardtrain.parallel.ps.layout import HEAD, INIT, PULL, PSLayout
 
 
 class PSWorker:
@@ -45,6 +45,7 @@ class PSWorker:
         for e in self._ready:
             e.set()  # version 0: every rank built the same initial weights
         self.clock = 0  # pushes made
+        self.last_norm = 0.0  # this worker's gradient norm at its last push
         self.version = 0  # the server version of the weights held
         self.timeline: list[list[tuple[int, float]]] = []
         self._sync = True
@@ -124,7 +125,7 @@ class PSWorker:
             self._pump()
         self._pushed.clear()
         self._reset_pending()
-        norm = self.local_grad_norm()
+        norm = self.last_norm = self.local_grad_norm()
         head = torch.tensor([self.clock, self.version, norm], dtype=torch.float64,
                             device=self.params[0].device)
         for work in [self.comm.isend(head, self.layout.server_rank(s), tag=HEAD)
@@ -183,6 +184,14 @@ class PSWorker:
         if self._puller is not None:
             self._puller.join()
             self._puller = None
+
+    @torch.no_grad()
+    def send_weights(self) -> None:
+        """Give every server the starting weights of its shard (worker 0, before step 1)."""
+        for s in range(self.layout.servers):
+            flat = torch.cat([self.params[p.param].detach().reshape(-1)[p.lo:p.hi].float()
+                              for p in self.layout.on_server(s)])
+            self.comm.isend(flat, self.layout.server_rank(s), tag=INIT).wait()
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
