@@ -200,3 +200,20 @@ def test_slow_ranks_stretch_compute(monkeypatch):
     assert slept == [0.5 * 3 * 2.0, 0.5 * 3 * 2.0]
     for h in handles:
         h.remove()
+
+
+def test_planner_server_bytes_fall_as_one_over_s():
+    """The planner's busiest server receives N x model bytes / S per step (ceil when the
+    parameters do not split evenly, as the runtime's byte ranges), against the ring's
+    2 (N-1)/N x model bytes per rank."""
+    from shardtrain.plan.counts import param_counts
+    from shardtrain.plan.layout import parse_layout
+    from shardtrain.plan.ps import ps_summary
+
+    model = config.load("tiny").model
+    total = param_counts(model).total
+    for s in (1, 2, 3, 4):
+        lay = parse_layout(f"ps_servers={s}", gpus=4 + s, global_batch=8, precision="fp32")
+        got = ps_summary(model, lay)
+        assert got["server_recv_bytes_per_step"] == 4 * 4 * -(-total // s)
+        assert got["ring_all_reduce_bytes_per_rank"] == 2 * 3 / 4 * 4 * total

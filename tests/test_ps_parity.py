@@ -15,6 +15,8 @@ from dist import run_distributed
 from parity import assert_parity, make_mesh, tiny, train_layout
 from shardtrain import config
 from shardtrain.config import ConfigError
+from shardtrain.plan.layout import parse_layout
+from shardtrain.plan.ps import ps_summary
 from shardtrain.train.checkpoint import check_layout
 from shardtrain.train.ps_server import run_server
 
@@ -80,8 +82,14 @@ def test_two_servers_match_one_process_and_resume(tmp):
         assert_parity(reference, joined, f"resumed S=2 worker {rank}")
     files = sorted(p.name for p in (Path(tmp) / "w4-1" / "checkpoints").glob("*/ps_server*.pt"))
     assert files == ["ps_server0.pt"] * 2 + ["ps_server1.pt"] * 2  # steps 3 and 6
-    summary = json.loads((Path(tmp) / "w4-0" / "ps_server1.json").read_text())
-    assert summary["push_recv_bytes"] == 2 * int(STEPS) * summary["shard_bytes"]
+    # Incast: each server received N x its shard per step, the planner's prediction.
+    cfg = tiny(tmp, "w4-0", *BASE, "--parallel.ps_servers", "2")
+    layout = parse_layout("ps_servers=2", gpus=4, global_batch=8, precision="fp32")
+    predicted = ps_summary(cfg.model, layout)["server_recv_bytes_per_step"]
+    for s in (0, 1):
+        summary = json.loads((Path(tmp) / "w4-0" / f"ps_server{s}.json").read_text())
+        assert summary["push_recv_bytes"] == int(STEPS) * 2 * summary["shard_bytes"]
+        assert summary["push_recv_bytes"] == int(STEPS) * predicted  # tiny: an even split
     # A parameter server's checkpoint resumes only with servers (and the reverse).
     checkpoint = sorted((Path(tmp) / "w4-1" / "checkpoints").glob("step_*"))[-1]
     with pytest.raises(ConfigError, match="parallel.ps_servers=2 and this run has "
