@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from dist import run_distributed
 from parity import assert_parity, make_mesh, tiny, train_layout
@@ -39,7 +38,7 @@ def _run(rank: int, world_size: int, texts: list[str]) -> list[dict]:
         if mesh.member:
             out.append(train_layout(rank, world_size, text, mesh=mesh))
         else:
-            out.append(run_server(cfg, mesh, torch.device("cpu")))
+            out.append(run_server(cfg, mesh))
     return out
 
 

@@ -5,9 +5,10 @@ The server builds the model's shapes only (meta device), takes its shard's start
 weights from worker 0 -- or, resuming, its weights and optimizer state from the
 checkpoint's ps_server*.pt files (any server count and partition size) -- and serves until
 every worker has pushed its steps and worker 0 has collected its state for each
-checkpoint. It applies the trainer's learning-rate schedule to the clock of each update and
-writes <run_dir>/ps_server{S}.json: every applied push (worker, clock, version computed on,
-applied at, staleness) and the bytes it received.
+checkpoint. Its tensors live in host memory (parallel/ps/groups.py: the traffic is
+Gloo's). It applies the trainer's learning-rate schedule to the clock of each update and
+writes <run_dir>/ps_server{S}.json: every applied push (worker, clock, version computed
+on, applied at, staleness) and the bytes it received.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from shardtrain.train import checkpoint as ckpt
 from shardtrain.train.optim import lr_at
 
 
-def run_server(cfg: Config, mesh: ParallelMesh, device: torch.device) -> dict:
+def run_server(cfg: Config, mesh: ParallelMesh) -> dict:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     p, t, o = cfg.parallel, cfg.train, cfg.optim
     world, servers = ps_comms(rank, world_size, p.ps_servers, mesh.ledger,
@@ -45,7 +46,7 @@ def run_server(cfg: Config, mesh: ParallelMesh, device: torch.device) -> dict:
     server = ParameterServer(
         world, servers, layout, index, None, o, codec=push_codec(cfg, layout),
         mode=p.ps_mode, staleness=p.ps_staleness, priority=p.ps_priority,
-        steps=t.steps - start, state_requests=saves, device=device,
+        steps=t.steps - start, state_requests=saves, device=torch.device("cpu"),
         lr_of=lambda clock: lr_at(start + clock, base_lr=t.lr, warmup=o.warmup_steps,
                                   total=t.steps, min_ratio=o.min_lr_ratio),
         max_norm=o.grad_clip or float("inf"))

@@ -95,7 +95,8 @@ class ParameterServer:
                 posted[w] = self._post(w)
             arrived = time.perf_counter()
             if self.mode == "async":
-                coef = self._coef(torch.tensor(norm * norm, dtype=torch.float64))
+                coef = self._coef(torch.tensor(norm * norm, dtype=torch.float64,
+                                                device=self.device))
                 self._apply(grads, coef, self.lr_of(clock), [(w, clock, computed_on, arrived)],
                             reply=[w])
                 continue
@@ -121,7 +122,8 @@ class ParameterServer:
         workers = sorted(pushes)
         grads = [torch.stack([pushes[w][0][k] for w in workers]).sum(0) / len(workers)
                  for k in range(len(self.parts))]
-        sq = sum((g.double().square().sum() for g in grads), torch.zeros((), dtype=torch.float64))
+        sq = sum((g.double().square().sum() for g in grads),
+                 torch.zeros((), dtype=torch.float64, device=self.device))
         due = [w for w, _ in self._due(waiting, clock + 1)]
         self._apply(grads, self._coef(sq), self.lr_of(clock),
                     [(w, clock, pushes[w][1], pushes[w][2]) for w in workers], reply=due)

@@ -10,7 +10,9 @@ is done the rest drains and a header closes the push: [clock, version computed o
 local gradient norm].
 
 Pull: the receives of every partition are posted into the parameters themselves (a
-partition is a contiguous slice of one parameter), and a thread takes the servers' replies
+partition is a contiguous slice of one parameter; on a GPU into host buffers copied in on
+arrival: the parameter server's traffic is a deliberate CPU side channel over Gloo, see
+groups.py), and a thread takes the servers' replies
 in the order they arrive (each announced by a [partition, version] message), stamping the
 arrival time and releasing the partition. Forward pre-hooks make each module wait only for
 its own partitions, so the next forward runs on the first layers while later ones still
@@ -30,6 +32,8 @@ from torch import nn
 from shardtrain.comm import Communicator
 from shardtrain.parallel.ps.codec import PushCodec
 from shardtrain.parallel.ps.layout import HEAD, INIT, PULL, PSLayout
+
+WIRE = torch.device("cpu")  # where pushed and pulled bytes live (groups.py: Gloo)
 
 
 class PSWorker:
@@ -98,8 +102,8 @@ class PSWorker:
     def _enqueue(self, j: int) -> None:
         part = self.layout.parts[j]
         grad = self.params[part.param].grad
-        flat = grad.reshape(-1)[part.lo:part.hi] if grad is not None else \
-            torch.zeros(part.numel, device=self.params[part.param].device)
+        flat = grad.reshape(-1)[part.lo:part.hi].to(WIRE) if grad is not None else \
+            torch.zeros(part.numel, device=WIRE)
         key = j if self.priority == "layer" else self._seq
         self._seq += 1
         heapq.heappush(self._queue, (key, j, self.codec.encode(j, flat)))
@@ -127,7 +131,7 @@ class PSWorker:
         self._reset_pending()
         norm = self.last_norm = self.local_grad_norm()
         head = torch.tensor([self.clock, self.version, norm], dtype=torch.float64,
-                            device=self.params[0].device)
+                            device=WIRE)
         for work in [self.comm.isend(head, self.layout.server_rank(s), tag=HEAD)
                      for s in range(self.layout.servers)]:
             work.wait()
@@ -148,8 +152,9 @@ class PSWorker:
         for part in self.layout.parts:
             self._ready[part.index].clear()
             flat = self.params[part.param].data.view(-1)[part.lo:part.hi]
-            works[part.index] = self.comm.irecv(
-                flat, self.layout.server_rank(part.server), tag=self.layout.pull_tag[part.index])
+            buf = flat if flat.device == WIRE else torch.empty(part.numel, device=WIRE)
+            works[part.index] = (self.comm.irecv(buf, self.layout.server_rank(part.server),
+                                                 tag=self.layout.pull_tag[part.index]), buf, flat)
         arrivals: list[tuple[int, float]] = []
         self.timeline.append(arrivals)
         self._puller = threading.Thread(target=self._pull, args=(works, arrivals),
@@ -158,12 +163,15 @@ class PSWorker:
 
     def _pull(self, works: dict, arrivals: list[tuple[int, float]]) -> None:
         start = time.perf_counter()
-        ident = torch.zeros(2, dtype=torch.int64, device=self.params[0].device)
+        ident = torch.zeros(2, dtype=torch.int64, device=WIRE)
         try:
             for _ in range(len(works)):
                 self.comm.irecv(ident, None, tag=PULL).wait()
                 j, version = int(ident[0]), int(ident[1])
-                works[j].wait()
+                work, buf, param = works[j]
+                work.wait()
+                if buf is not param:
+                    param.copy_(buf)
                 arrivals.append((j, time.perf_counter() - start))
                 self.version = version
                 self._ready[j].set()
@@ -190,7 +198,7 @@ class PSWorker:
         """Give every server the starting weights of its shard (worker 0, before step 1)."""
         for s in range(self.layout.servers):
             flat = torch.cat([self.params[p.param].detach().reshape(-1)[p.lo:p.hi].float()
-                              for p in self.layout.on_server(s)])
+                              for p in self.layout.on_server(s)]).to(WIRE)
             self.comm.isend(flat, self.layout.server_rank(s), tag=INIT).wait()
 
     def remove_hooks(self) -> None:
