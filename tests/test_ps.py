@@ -101,6 +101,7 @@ def _three_ranks(rank: int, world: int) -> list[dict]:
         dict(servers=1, mode="ssp", staleness=1, steps=6, delays={1: [0.3] * 6}),
         dict(servers=1, mode="sync", steps=2, priority="layer", partition_bytes=16, credit=1),
         dict(servers=1, mode="sync", steps=2, priority="none", partition_bytes=16, credit=1),
+        dict(servers=1, mode="sync", steps=2, compress="int8"),
     )]
 
 
@@ -135,6 +136,11 @@ def test_async_ssp_priority_and_incast():
     assert server[2]["push_bytes"] == 2 * 2 * model_bytes  # N = 2 workers x 2 steps
     # Sync: both workers end with the same weights (the replay of synchronous steps).
     torch.testing.assert_close(w0[2]["weights"], w1[2]["weights"], rtol=0, atol=0)
+    # int8 on push: the server receives one byte per value and a 4-byte scale per block.
+    numels = [p.numel() for p in _model().parameters()]  # one partition per parameter here
+    wire = sum(-(-n // 256) * (256 + 4) for n in numels)
+    assert server[4]["push_bytes"] == 2 * 2 * wire
+    torch.testing.assert_close(w0[4]["weights"], w1[4]["weights"], rtol=0, atol=0)
 
 
 def test_two_servers_halve_the_incast():
@@ -217,3 +223,23 @@ def test_planner_server_bytes_fall_as_one_over_s():
         got = ps_summary(model, lay)
         assert got["server_recv_bytes_per_step"] == 4 * 4 * -(-total // s)
         assert got["ring_all_reduce_bytes_per_rank"] == 2 * 3 / 4 * 4 * total
+
+
+def test_push_compression_codecs():
+    """int8 keeps each value within half a step of its block's scale; top-k with error
+    feedback loses nothing, only delays it (pushed + kept = every gradient); top-k of
+    everything is the identity."""
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(1000, generator=g) for _ in range(3)]
+    int8 = PushCodec("int8", [1000], block=256)
+    payload = int8.encode(0, grads[0])
+    assert payload.dtype == torch.uint8 and payload.numel() == 4 * 256 + 4 * 4
+    scale = grads[0].abs().max() / 127
+    assert (int8.decode(0, payload) - grads[0]).abs().max() <= scale / 2 + 1e-6
+    topk = PushCodec("topk", [1000], ratio=0.05)
+    pushed = sum(topk.decode(0, topk.encode(0, x)) for x in grads)
+    assert topk.empty(0, torch.device("cpu")).numel() == 2 * 50
+    torch.testing.assert_close(pushed + topk.residual[0], sum(grads), rtol=0, atol=1e-5)
+    everything = PushCodec("topk", [1000], ratio=1.0)
+    torch.testing.assert_close(everything.decode(0, everything.encode(0, grads[1])), grads[1],
+                               rtol=0, atol=0)
