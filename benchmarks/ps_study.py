@@ -29,7 +29,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 MODES = {"dp": [], "sync": ["--parallel.ps_servers", "1"],
          "async": ["--parallel.ps_servers", "1", "--parallel.ps_mode", "async"],

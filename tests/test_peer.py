@@ -7,8 +7,8 @@ import time
 
 import torch
 import torch.distributed as dist
-
 from dist import run_distributed
+
 from shardtrain.comm import CommLedger, Communicator
 
 

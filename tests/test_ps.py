@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from dist import run_distributed
 from torch import nn
 
-from dist import run_distributed
 from shardtrain import config
 from shardtrain.comm import CommLedger
 from shardtrain.config import ConfigError, OptimConfig

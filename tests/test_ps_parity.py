@@ -9,9 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
-
 from dist import run_distributed
 from parity import assert_parity, make_mesh, tiny, train_layout
+
 from shardtrain import config
 from shardtrain.config import ConfigError
 from shardtrain.plan.layout import parse_layout

@@ -57,7 +57,7 @@ def parse_slow_ranks(text: str) -> dict[int, float]:
     """"1:1.5,3:2" -> {1: 1.5, 3: 2.0}."""
     out: dict[int, float] = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
-        rank, sep, factor = item.partition(":")
+        rank, _, factor = item.partition(":")
         try:
             out[int(rank)] = float(factor)
         except ValueError:

@@ -15,6 +15,7 @@ first layers are needed first by the next forward).
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -57,7 +58,7 @@ class PSLayout:
                 if lo >= hi:
                     continue
                 cuts = even_bounds(hi - lo, math.ceil((hi - lo) / cap))
-                for a, b in zip(cuts, cuts[1:]):
+                for a, b in itertools.pairwise(cuts):
                     parts.append(Part(len(parts), i, lo - offset + a, lo - offset + b, s,
                                       p.dim() >= 2))
             offset += n

@@ -86,7 +86,7 @@ class PSWorker:
 
     def _reset_pending(self) -> None:
         self._pending = {j: 0 for j in range(len(self.layout.parts))}
-        for p, parts in self._parts_of.items():
+        for parts in self._parts_of.values():
             for j in parts:
                 self._pending[j] += 1
 
