@@ -17,10 +17,9 @@ from torch import nn
 from shardtrain import config
 from shardtrain.comm import CommLedger
 from shardtrain.config import ConfigError, OptimConfig
-from shardtrain.config.ps import check_parameter_server
 from shardtrain.parallel.ps.codec import PushCodec
 from shardtrain.parallel.ps.groups import ps_comms
-from shardtrain.parallel.ps.layout import PSLayout
+from shardtrain.parallel.ps.layout import PSLayout, check_servers
 from shardtrain.parallel.ps.server import ParameterServer
 from shardtrain.parallel.ps.worker import PSWorker
 
@@ -187,7 +186,7 @@ def test_servers_outnumbering_parameters_and_good_layouts():
     cfg.model.n_heads = cfg.model.n_kv_heads = 1
     cfg.parallel.ps_servers = 4
     with pytest.raises(ConfigError, match="parallel.ps_servers=4 outnumbers the model's 3"):
-        check_parameter_server(cfg, 8)
+        check_servers(cfg)  # run by cli.prepare_run (it needs the parameter count)
 
 
 def test_slow_ranks_stretch_compute(monkeypatch):
@@ -212,7 +211,7 @@ def test_planner_server_bytes_fall_as_one_over_s():
     """The planner's busiest server receives N x model bytes / S per step (ceil when the
     parameters do not split evenly, as the runtime's byte ranges), against the ring's
     2 (N-1)/N x model bytes per rank."""
-    from shardtrain.plan.counts import param_counts
+    from shardtrain.cost.counts import param_counts
     from shardtrain.plan.layout import parse_layout
     from shardtrain.plan.ps import ps_summary
 

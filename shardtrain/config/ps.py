@@ -1,5 +1,7 @@
 """Checks of the parameter-server fields (parallel.ps_*) and of the straggler knob
-(train.slow_ranks), run by `Config.validate` before any process starts."""
+(train.slow_ranks), run by `Config.validate` before any process starts. (That the servers
+do not outnumber the model's parameters needs the parameter count: parallel/ps/layout.py
+`check_servers`, run by the CLI's pre-launch checks.)"""
 
 from __future__ import annotations
 
@@ -38,13 +40,6 @@ def check_parameter_server(cfg: Config, world_size: int) -> None:
                               f"{getattr(p, name)}: a parameter server's workers each hold a "
                               f"whole model replica and its servers the optimizer; set "
                               f"parallel.{name}={plain} or parallel.ps_servers=0")
-    from shardtrain.plan.counts import param_counts  # pure arithmetic
-
-    total = param_counts(cfg.model).total
-    if p.ps_servers > total:
-        raise ConfigError(f"parallel.ps_servers={p.ps_servers} outnumbers the model's {total} "
-                          "parameters: servers hold equal ranges of them, each at least one; "
-                          "lower parallel.ps_servers")
     if p.ps_staleness < 0 or (p.ps_staleness and p.ps_mode != "ssp"):
         raise ConfigError(f"parallel.ps_staleness={p.ps_staleness} must be >= 0 and applies to "
                           f"parallel.ps_mode=ssp only (this run: {p.ps_mode})")

@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from shardtrain.comm.cost import Link
+from shardtrain.cost.link import Link
 from shardtrain.config import ModelConfig
-from shardtrain.plan.counts import param_counts
+from shardtrain.cost.counts import param_counts
 from shardtrain.plan.layout import Layout
 from shardtrain.plan.memory import STATE_BYTES
 

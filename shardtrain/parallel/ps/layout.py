@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from shardtrain.comm.p2p import even_bounds, message_tag
+from shardtrain.config import Config, ConfigError
+from shardtrain.cost.counts import param_counts
 
 HEAD = "ps:head"  # a worker's push is complete: [clock, version computed on, grad norm]
 PULL = "ps:pull"  # a server's reply of one partition follows: [partition, version]
@@ -76,6 +78,16 @@ class PSLayout:
     def server_bytes(self, s: int) -> int:
         """fp32 bytes server s holds: what it receives from each worker per push."""
         return 4 * (self.bounds[s + 1] - self.bounds[s])
+
+
+def check_servers(cfg: Config) -> None:
+    """Before launch: every server must own at least one parameter (an equal range of the
+    flat parameter vector)."""
+    total = param_counts(cfg.model).total
+    if cfg.parallel.ps_servers > total:
+        raise ConfigError(f"parallel.ps_servers={cfg.parallel.ps_servers} outnumbers the "
+                          f"model's {total} parameters: servers hold equal ranges of them, each "
+                          "at least one; lower parallel.ps_servers")
 
 
 def _distinct(labels: list[str], reserved: tuple[str, ...]) -> list[str]:

@@ -136,7 +136,7 @@ class ParameterServer:
             self.servers.all_reduce(sq, "sum", tag="ps:grad_norm")
         if self.max_norm == float("inf"):
             return 1.0
-        total = torch.as_tensor(sq, dtype=torch.float32).sqrt()
+        total = sq.float().sqrt()
         return float((self.max_norm / (total + 1e-6)).clamp(max=1.0))
 
     @torch.no_grad()
