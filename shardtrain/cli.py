@@ -84,6 +84,7 @@ def cmd_train(argv: list[str]) -> int:
 def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool) -> None:
     """Every check that can fail before training starts, and the token cache built once."""
     from shardtrain.data import check_source, check_vocab, load_dataset, load_tokenizer
+    from shardtrain.parallel.ps.layout import check_servers
     from shardtrain.parallel.zero.offload import check_offload_space
     from shardtrain.train import checkpoint as ckpt
 
@@ -93,6 +94,7 @@ def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool) -> None:
         load_tokenizer(cfg.data)  # a tokenizer.json path: fails fast if missing or invalid
     check_writable(Path(cfg.train.run_dir))
     check_offload_space(cfg)
+    check_servers(cfg)
     resume = ckpt.resolve_resume(cfg)
     if resume is not None:
         ckpt.check_compatible(resume, cfg, world_size)

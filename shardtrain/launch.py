@@ -10,6 +10,7 @@ once, and passed on explicitly.
 
 from __future__ import annotations
 
+import math
 import os
 import uuid
 from dataclasses import dataclass
@@ -109,9 +110,16 @@ def run_worker(config_text: str) -> dict:
     init_distributed(info, device, cfg.comm.timeout_s)
     p = cfg.parallel
     shape = MeshShape(pp=p.pp, dp=p.resolved_dp(info.world_size), cp=p.cp, tp=p.tp, ep=p.ep)
-    mesh = build_mesh(shape, rank=info.rank, node_size=p.node_size or info.local_world_size,
+    node_size = p.node_size or info.local_world_size
+    if p.ps_servers:  # the servers take the last ranks: the workers' nodes may be uneven,
+        node_size = math.gcd(node_size, shape.world_size)  # so count conservatively
+    mesh = build_mesh(shape, rank=info.rank, node_size=node_size,
                       algorithm=cfg.comm.algorithm, timeout_s=cfg.comm.timeout_s, device=device)
     try:
+        if not mesh.member:  # a parameter server's rank (parallel/ps/, train/ps_server.py)
+            from shardtrain.train.ps_server import run_server
+
+            return {"server": run_server(cfg, mesh)}
         result = Trainer(cfg, mesh, device).run()
     finally:
         if dist.is_initialized():

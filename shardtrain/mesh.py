@@ -134,7 +134,10 @@ class ParallelMesh:
         node_size = node_size or shape.world_size
         shape.validate(shape.world_size, node_size)
         self.shape, self.rank, self.node_size = shape, rank, node_size
-        self.coords = shape.coords(rank)
+        # A rank beyond the mesh (a parameter server beside the workers, parallel/ps/)
+        # creates the same groups, as every process must, and holds no communicator.
+        self.member = rank < shape.world_size
+        self.coords = shape.coords(rank) if self.member else {}
         self.timeout_s, self._link, self._factory = timeout_s, link, communicator
         if shape.world_size > 1 and not dist.is_initialized():
             raise RuntimeError("ParallelMesh with world size > 1 needs torch.distributed "
@@ -144,8 +147,9 @@ class ParallelMesh:
             device = torch.device("cuda", torch.cuda.current_device()) if cuda else \
                 torch.device("cpu")
         self.device = torch.device(device)
-        self._comms = {dim: communicator(self.sub_group(dim, lambda r: 0, dim))
-                       for dim in ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp")}
+        groups = {dim: self.sub_group(dim, lambda r: 0, dim)
+                  for dim in ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp")}
+        self._comms = {dim: communicator(g) for dim, g in groups.items() if g is not None}
 
     @property
     def world_size(self) -> int:
@@ -166,7 +170,7 @@ class ParallelMesh:
     def node_of(self, rank: int) -> int:
         return rank // self.node_size
 
-    def sub_group(self, dim: str, part: Callable[[int], int], name: str) -> Group:
+    def sub_group(self, dim: str, part: Callable[[int], int], name: str) -> Group | None:
         """This rank's part of its `dim` group, every `dim` group being split by `part`
         (global rank -> key; ranks with equal keys share a part). Collective: every rank
         calls it at the same point and creates every part in the same order, which is
@@ -179,15 +183,18 @@ class ParallelMesh:
             parts += keyed.values()
         timeout = timedelta(seconds=self.timeout_s)
         side = self.device.type == "cuda"  # NCCL payload: metadata on a Gloo group beside
+        world = dist.get_world_size() if dist.is_initialized() else self.world_size
         mine = None
         for ranks in parts:
             handle = meta = None
             if len(ranks) > 1:
-                handle = dist.group.WORLD if len(ranks) == self.world_size else \
+                handle = dist.group.WORLD if len(ranks) == world else \
                     dist.new_group(ranks, timeout=timeout)
                 meta = dist.new_group(ranks, timeout=timeout, backend="gloo") if side else handle
             if self.rank in ranks:
                 mine = (ranks, handle, meta)
+        if mine is None:  # not a member of the mesh
+            return None
         ranks, handle, meta = mine
         return Group(name=name, ranks=ranks, handle=handle, meta=meta, device=self.device,
                      node_size=self.node_size, link=self._link or self._runtime_link(ranks))

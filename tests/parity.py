@@ -37,12 +37,13 @@ def make_mesh(cfg: Config, rank: int, world_size: int) -> ParallelMesh:
 
 
 def train_layout(rank: int, world_size: int, cfg_text: str,
-                 extra: Callable[[Trainer], dict] | None = None) -> dict:
+                 extra: Callable[[Trainer], dict] | None = None, *,
+                 mesh: ParallelMesh | None = None) -> dict:
     """Worker: train one config on this rank; return its losses and final full weights
     (gathered over tensor-parallel and pipeline ranks, so every layout's are comparable),
     plus what `extra` (a module-level function: it is pickled) reads off the trainer."""
     cfg = config.loads(cfg_text)
-    trainer = Trainer(cfg, make_mesh(cfg, rank, world_size), torch.device("cpu"))
+    trainer = Trainer(cfg, mesh or make_mesh(cfg, rank, world_size), torch.device("cpu"))
     result = trainer.run()
     return {"losses": result.losses, "eval_loss": result.eval_loss,
             "weights": trainer.parallel.full_state_dict(),

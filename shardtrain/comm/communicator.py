@@ -36,6 +36,7 @@ from shardtrain.comm.dispatch import (ALGORITHMS, CHECKS, PRICED, Handle, Lane, 
                                       choose_for, on_device, run)
 from shardtrain.comm.ledger import CommLedger, CommRecord, add_record
 from shardtrain.comm.p2p import Team, flat_view, offsets, post_messages, then, wait_native
+from shardtrain.comm.peer import PeerOps
 from shardtrain.cost.link import Link
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
@@ -47,8 +48,8 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class Communicator:
-    """The collectives of one group, each recorded in the ledger."""
+class Communicator(PeerOps):
+    """The collectives of one group, each recorded in the ledger (isend/irecv: peer.py)."""
 
     def __init__(self, group: dist.ProcessGroup | None, *, name: str, ranks: list[int],
                  ledger: CommLedger, node_size: int = 0, algorithm: str = "native",

@@ -37,9 +37,18 @@ class ParallelConfig:
     microbatches: int = 0
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
     virtual_stages: int = 1
+    # Parameter server (parallel/ps/, docs/ps.md): ps_servers > 0 puts that many server
+    # ranks beside the workers (the rest of the world, their dp group).
+    ps_servers: int = 0
+    ps_mode: Literal["sync", "async", "ssp"] = "sync"
+    ps_staleness: int = 0  # ssp: steps a worker may run ahead of the slowest (0: sync)
+    ps_partition_mb: float = 4.0  # pushes and pulls travel in partitions of at most this
+    ps_priority: Literal["none", "layer"] = "layer"  # earliest layers first, or FIFO
+    ps_credit: int = 4  # a worker's pushes in flight at once
 
     def resolved_dp(self, world_size: int) -> int:
-        return self.dp or max(1, world_size // (self.tp * self.pp * self.cp))
+        """dp = 0 fills the world; parameter servers are not part of it."""
+        return self.dp or max(1, (world_size - self.ps_servers) // (self.tp * self.pp * self.cp))
 
     def validate(self, world_size: int) -> None:
         positive("parallel", self, "tp", "pp", "cp", "ep")
@@ -47,10 +56,12 @@ class ParallelConfig:
             raise ConfigError("parallel.dp and parallel.node_size must be >= 0 (0 means automatic)")
         dp = self.resolved_dp(world_size)
         product = dp * self.tp * self.pp * self.cp
-        if product != world_size:
+        if product != world_size - self.ps_servers:
             raise ConfigError(
                 f"parallel layout dp={dp} x tp={self.tp} x pp={self.pp} x cp={self.cp} = "
-                f"{product} does not equal the world size {world_size}; change parallel.dp "
+                f"{product} does not equal the world size {world_size}"
+                f"{f' less parallel.ps_servers={self.ps_servers}' if self.ps_servers else ''}"
+                f"; change parallel.dp "
                 f"(or set it to 0 to fill the world) or the number of processes (--nproc)")
         if not 0 <= self.zero <= 3:
             raise ConfigError(f"parallel.zero={self.zero} must be 0, 1, 2 or 3 (0: plain data "

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from shardtrain.config.errors import ConfigError, positive
 from shardtrain.config.layout import check_pipeline, check_tensor_parallel
 from shardtrain.config.parallel import CommConfig, ParallelConfig
+from shardtrain.config.ps import check_parameter_server, check_slow_ranks
 
 
 @dataclass(kw_only=True)
@@ -131,6 +132,7 @@ class TrainConfig:
     tensorboard: bool = False
     sample_tokens: int = 200  # generated after training; 0 disables
     sample_prompt: str = "def "
+    slow_ranks: str = ""  # "1:1.5,3:2": those ranks' compute takes 1.5x, 2x (straggler studies)
 
     def validate(self, dp: int, model: ModelConfig) -> None:
         positive("train", self, "steps", "global_batch", "micro_batch", "seq_len", "lr",
@@ -192,6 +194,7 @@ class Config:
         """Every check that needs no data or process group; raises ConfigError."""
         self.model.validate()
         self.data.validate()
+        check_parameter_server(self, world_size)  # first: it says why dp does not fill the world
         self.parallel.validate(world_size)
         self.comm.validate()
         self.optim.validate()
@@ -206,6 +209,7 @@ class Config:
                               "them (train.grad_reduce_dtype=fp32 or comm.compress=none)")
         check_tensor_parallel(self)
         check_pipeline(self)
+        check_slow_ranks(self.train.slow_ranks, world_size)
         if self.parallel.zero and self.comm.compress != "none":
             raise ConfigError(f"comm.compress={self.comm.compress} compresses data-parallel "
                               f"all-reduces; parallel.zero={self.parallel.zero} reduce-scatters "

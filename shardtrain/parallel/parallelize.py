@@ -2,13 +2,14 @@
 
 Order: tensor/sequence parallel (tensor/) -> context parallel -> expert parallel ->
 activation checkpointing -> pipeline split (pipeline/) -> ZeRO (zero/) or data parallel
-(data/). Context and expert parallelism are not built yet; config validation refuses them.
+(data/), or a parameter server (ps/). Context and expert parallelism are not built yet; config validation refuses them.
 Every layout runs its micro-batches through the pipeline executor: without pipeline
 parallelism that is one stage holding the whole model, and the schedule is plain gradient
 accumulation.
 
 The result is a `Strategy` (strategy.py): the model half (stage shards and pipeline) and
-the update half the config asks for (`ReplicatedUpdate`, `SparseUpdates` or `ZeroModel`),
+the update half the config asks for (`ReplicatedUpdate`, `SparseUpdates`, `ZeroModel` or
+`PSUpdate`),
 so the trainer drives every layout through the same calls.
 """
 
@@ -28,6 +29,7 @@ from shardtrain.parallel.pipeline.runtime import Pipeline
 from shardtrain.parallel.pipeline.stage import split_stages
 from shardtrain.parallel.pipeline.state import StageShards
 from shardtrain.parallel.precision import LossScaler, PrecisionPolicy
+from shardtrain.parallel.ps.update import PSUpdate, steps_together
 from shardtrain.parallel.strategy import Strategy, Update, rank_file
 from shardtrain.parallel.tensor.layers import apply_tensor_parallel
 from shardtrain.parallel.tensor.vocab import cross_entropy
@@ -67,14 +69,17 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
     pipeline = Pipeline(chunks, mesh, cfg, loss=loss, device=device, policy=policy)
     return Strategy(shards=shards, pipeline=pipeline,
                     update=_update(module, shards, mesh, cfg, policy, make_optimizer),
-                    policy=policy, scaler=LossScaler.from_config(cfg))
+                    policy=policy, scaler=LossScaler.from_config(cfg),
+                    average_loss=steps_together(cfg))
 
 
 def _update(module: torch.nn.Module, shards: StageShards, mesh: ParallelMesh, cfg: Config,
             policy: PrecisionPolicy, make_optimizer: MakeOptimizer) -> Update:
-    """The update half the config asks for: ZeRO over the dp group, top-k update
-    compression, or plain bucketed data parallelism."""
+    """The update half the config asks for: a parameter server's worker, ZeRO over the dp
+    group, top-k update compression, or plain bucketed data parallelism."""
     dp, c = mesh.comm("dp"), cfg.comm
+    if cfg.parallel.ps_servers:
+        return PSUpdate(module, mesh, cfg)
     if cfg.parallel.zero:
         unit_comm = build_unit_comm(mesh, cfg.parallel, block=c.quant_block)  # ZeRO++
         return ZeroModel(module, dp, shards, cfg, policy, unit_comm=unit_comm,

@@ -77,6 +77,10 @@ class Strategy:
     policy: PrecisionPolicy
     scaler: LossScaler
     loss_scale: float = field(default=1.0, init=False)  # the scale of the last step's backward
+    # False where the replicas do not take each step together (a parameter server's async
+    # and ssp workers): the loss is then this rank's own, as a per-step all-reduce would
+    # make them wait for each other.
+    average_loss: bool = True
 
     @property
     def module(self) -> nn.Module:
@@ -93,11 +97,12 @@ class Strategy:
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         """Forward and backward of this rank's micro-batches of one step, gradients
-        accumulated and synchronised. Returns the step's mean loss, the same on every rank."""
+        accumulated and synchronised. Returns the step's mean loss, the same on every rank
+        (`average_loss`; else this rank's)."""
         loss = self.pipeline.train(micro_batches, no_sync=self.update.no_sync,
                                    loss_scale=self.scaler.scale)
         self.update.finish()
-        return self.pipeline.average_over_replicas(loss)
+        return self.pipeline.average_over_replicas(loss) if self.average_loss else loss
 
     def forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean loss of one batch, forward only, the same on every stage."""

@@ -12,6 +12,7 @@ from shardtrain.cost.hardware import Hardware
 from shardtrain.plan.layout import Layout
 from shardtrain.plan.memory import BUCKET_BYTES, STATE_BYTES, MemoryBreakdown, memory_per_gpu
 from shardtrain.plan.partition import rank_params
+from shardtrain.plan.ps import ps_summary
 from shardtrain.plan.timing import StepTime, step_time, utilization
 from shardtrain.plan.traffic import CommOp, bytes_per_step, step_ops
 
@@ -74,6 +75,8 @@ class Plan:
                      "ops": [op.to_dict() for op in self.ops]},
             "time": self.time.to_dict(),
         }
+        if self.layout.ps_servers:
+            out["ps"] = ps_summary(self.cfg, self.layout)
         if measured_step_s is not None:
             out["measured"] = {
                 "step_s": measured_step_s, "tokens_per_s": self.tokens / measured_step_s,

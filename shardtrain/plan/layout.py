@@ -42,10 +42,11 @@ class Layout:
     microbatches: int = 1  # m: micro-batches per optimizer step
     schedule: str = "1f1b"
     v: int = 1  # virtual stages per pipeline rank (interleaved schedule)
+    ps_servers: int = 0  # parameter servers beside the dp workers (plan/ps.py)
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
+        return self.dp * self.tp * self.pp * self.cp + self.ps_servers
 
     @property
     def replicas(self) -> int:
@@ -64,6 +65,8 @@ class Layout:
             parts.append(self.schedule + (f"(v={self.v})" if self.v > 1 else ""))
         if self.offload != "none":
             parts.append(f"offload={self.offload}")
+        if self.ps_servers:
+            parts.append(f"ps_servers={self.ps_servers}")
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -90,7 +93,7 @@ def parse_layout(text: str, *, gpus: int, global_batch: int, precision: str) -> 
             raise PlanError(f"--layout: unknown key {key!r}{hint} (valid: {', '.join(_KEYS)})")
         values["micro_batch" if key == "mb" else key] = _value(key, raw, _KEYS[key])
     tp, pp, cp = (values.get(k, 1) for k in ("tp", "pp", "cp"))
-    values.setdefault("dp", max(1, gpus // (tp * pp * cp)))
+    values.setdefault("dp", max(1, (gpus - values.get("ps_servers", 0)) // (tp * pp * cp)))
     if "microbatches" not in values:
         per_call = values["dp"] * values.get("micro_batch", 1)
         values["microbatches"] = max(1, global_batch // per_call)
@@ -125,9 +128,15 @@ def check(layout: Layout, cfg: ModelConfig, *, gpus: int, node_size: int, global
         if getattr(lay, name) < 1:
             raise PlanError(f"layout {name}={getattr(lay, name)} must be >= 1")
     if lay.gpus != gpus:
-        raise PlanError(f"layout dp={lay.dp} x tp={lay.tp} x pp={lay.pp} x cp={lay.cp} = "
+        raise PlanError(f"layout dp={lay.dp} x tp={lay.tp} x pp={lay.pp} x cp={lay.cp}"
+                        f"{f' + ps_servers={lay.ps_servers}' if lay.ps_servers else ''} = "
                         f"{lay.gpus} does not equal --gpus {gpus}; change dp (or leave it out "
                         "to fill the GPUs) or --gpus")
+    if lay.ps_servers and (lay.tp, lay.pp, lay.cp, lay.ep, lay.zero) != (1, 1, 1, 1, 0):
+        raise PlanError(f"layout ps_servers={lay.ps_servers} serves whole model replicas: "
+                        "set tp, pp, cp, ep to 1 and zero to 0 (as parallel.ps_servers does)")
+    if lay.ps_servers < 0:
+        raise PlanError(f"layout ps_servers={lay.ps_servers} must be >= 0")
     if lay.tp > node_size:
         raise PlanError(f"layout tp={lay.tp} is above the node size {node_size} "
                         "(--gpus-per-node): tensor parallelism communicates in every layer and "

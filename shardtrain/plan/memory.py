@@ -132,6 +132,8 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
               + model_states(ranks.expert, nd=lay.replicas // lay.ep, zero=lay.zero,
                              precision=lay.precision))
     offloaded = 0.0
+    if lay.ps_servers:  # the optimizer lives on the parameter servers
+        states = ModelStates(params=states.params, grads=states.grads, master=0, optimizer=0)
     if lay.offload != "none":
         offloaded = states.master + states.optimizer
         states = ModelStates(params=states.params, grads=states.grads, master=0, optimizer=0)

@@ -38,6 +38,7 @@ from shardtrain.cost.hardware import Hardware
 from shardtrain.plan.layout import Layout
 from shardtrain.plan.memory import BUCKET_BYTES, REDUCE_BYTES, STATE_BYTES
 from shardtrain.plan.partition import rank_params
+from shardtrain.plan.ps import ps_ops
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,6 +140,8 @@ def step_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, seq_len: int,
     x = s * b * h * value
     extra = lay.recompute == "full"
     ops: list[CommOp] = []
+    if lay.ps_servers:  # pushes and pulls instead of the all-reduce (ps.py)
+        return ps_ops(cfg, lay, hw.inter_link() if lay.gpus > node else hw.intra_link())
     common = dict(zero=lay.zero, microbatches=m, precision=lay.precision, layers=ranks.layers,
                   bucket_bytes=bucket_bytes)
     ops += data_parallel_ops(group="dp", params=ranks.dense, size=lay.replicas,

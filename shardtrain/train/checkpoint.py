@@ -123,6 +123,14 @@ def check_layout(path: Path, cfg: Config, world_size: int) -> None:
     back (resharding is not implemented)."""
     meta = json.loads((path / "meta.json").read_text())
     p = cfg.parallel
+    saved_ps = meta.get("layout", {}).pop("ps_servers", 0)
+    if bool(saved_ps) != bool(p.ps_servers):
+        raise ConfigError(
+            f"cannot resume from {path}: it was written with parallel.ps_servers={saved_ps} "
+            f"and this run has parallel.ps_servers={p.ps_servers}; a parameter server's "
+            "optimizer state lives in its ps_server*.pt files, the other layouts' in "
+            "optimizer files: resume with parallel.ps_servers > 0 if and only if the "
+            "checkpoint had servers (their count may change)")
     saved = {**meta.get("layout", {"zero": 0}),
              "topk": checkpoint_config(path).comm.compress == "topk"}
     wanted = {"zero": p.zero, "pp": p.pp, "dp": p.resolved_dp(world_size), "tp": p.tp,

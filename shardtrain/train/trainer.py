@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from shardtrain import config as config_mod
 from shardtrain.config import Config
+from shardtrain.config.ps import parse_slow_ranks
 from shardtrain.data import TokenSampler, check_vocab, eval_batches, load_dataset
 from shardtrain.mesh import ParallelMesh
 from shardtrain.model.generate import generate
@@ -29,6 +30,7 @@ from shardtrain.cost.counts import model_flops_per_token
 from shardtrain.train import checkpoint as ckpt
 from shardtrain.train.metrics import MetricsWriter, clock, device_peak_flops, peak_memory
 from shardtrain.train.optim import build_optimizer, lr_at
+from shardtrain.train.straggler import slow_down
 
 
 @dataclass
@@ -54,6 +56,7 @@ class Trainer:
         self.model = build_model(cfg.model, seed=None)  # shapes only: parallelize materialises
         self.parallel = parallelize(self.model, mesh, cfg, device=device,
                                     make_optimizer=lambda m: build_optimizer(m, cfg.optim, t.lr))
+        slow_down(self.parallel.module, parse_slow_ranks(t.slow_ranks).get(mesh.rank, 1.0))
         self.accum = t.accumulation_steps(self.dp.size)
         self.sampler = TokenSampler(self.data.train, seq_len=t.seq_len,
                                     global_batch=t.global_batch, micro_batch=t.micro_batch,
@@ -178,7 +181,8 @@ class Trainer:
             p = self.cfg.parallel
             ckpt.save_checkpoint(self.cfg, step=self.step, model_state=model_state,
                                  staged=staged, sampler_state=self.sampler.state_dict(),
-                                 layout={"zero": p.zero, "pp": p.pp, "dp": self.dp.size, "tp": p.tp},
+                                 layout={"zero": p.zero, "pp": p.pp, "dp": self.dp.size, "tp": p.tp,
+                                         "ps_servers": p.ps_servers},
                                  tokenizer_file=getattr(self.data.tokenizer, "path", None))
         self._barrier()  # every rank waits for rank 0's write
 
