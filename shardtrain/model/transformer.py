@@ -158,6 +158,12 @@ class Transformer(nn.Module):
         self.tie_weights()
         init_parameters(self, self.cfg, seed)
 
+    def init_buffers(self) -> None:
+        """The state a checkpoint does not hold, after `to_empty` (the weights then come from
+        the checkpoint): tied weights and the RoPE tables."""
+        self.tie_weights()
+        init_rope(self, self.cfg)
+
 
 @torch.no_grad()
 def init_parameters(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
@@ -165,6 +171,11 @@ def init_parameters(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
     own names) by its full-model name, and the RoPE tables where the module has them."""
     for name, p in module.named_parameters():
         p.copy_(init_tensor(name, tuple(p.shape), seed, cfg))
+    init_rope(module, cfg)
+
+
+def init_rope(module: nn.Module, cfg: ModelConfig) -> None:
+    """The RoPE tables, where the module has them."""
     if hasattr(module, "rope_cos"):
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         module.rope_cos = cos.to(module.rope_cos.device)
