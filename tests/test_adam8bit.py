@@ -8,8 +8,8 @@ import io
 import pytest
 import torch
 
-from shardtrain.train.adam8bit import (BLOCK, AdamW8bit, Quantized, dequantize, dynamic_map,
-                                       quantize_)
+from shardtrain.quant.blockwise import BLOCK, Quantized, dequantize, dynamic_map, quantize_
+from shardtrain.train.adam8bit import AdamW8bit
 
 
 def test_dynamic_map_levels():

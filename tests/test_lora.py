@@ -1,4 +1,4 @@
-"""LoRA and QLoRA (train/lora.py, train/nf4.py): step 0 equals the base model, only the
+"""LoRA and QLoRA (train/lora.py, quant/nf4.py): step 0 equals the base model, only the
 adapters train, merge/unmerge agree, exports load in transformers, NF4 matches the paper."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from shardtrain.model.transformer import build_model
 from shardtrain.train import lora as lora_mod
 from shardtrain.train.finetune import (build_start_model, export_hf, load_adapters,
                                        resolve_init_from, save_adapters)
-from shardtrain.train.nf4 import NF4Weight, nf4_levels
+from shardtrain.quant.nf4 import NF4Weight, nf4_levels
 
 # Appendix E of Dettmers et al. 2023 (QLoRA), as published.
 PUBLISHED_NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,

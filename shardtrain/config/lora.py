@@ -1,5 +1,5 @@
 """The `[lora]` section: low-rank adapters on frozen linears, optionally over an NF4 base
-(train/lora.py, train/nf4.py). rank = 0 turns LoRA off (the whole model trains)."""
+(train/lora.py, quant/nf4.py). rank = 0 turns LoRA off (the whole model trains)."""
 
 from __future__ import annotations
 
@@ -49,3 +49,21 @@ class LoRAConfig:
             raise ConfigError(f"lora.targets={self.targets!r}: {bad[0] if bad else 'empty'!r} "
                               f"is not a target; choose among {', '.join(TARGET_MODULES)} "
                               "(comma-separated)")
+
+
+def check_finetune_layout(cfg) -> None:
+    """The layouts LoRA and the 8-bit optimizer compose with in this release (cfg: Config)."""
+    p = cfg.parallel
+    if cfg.lora.enabled:
+        for name, value, why in (
+                ("tp", p.tp, "the adapters are not split with the tensor-parallel linears yet"),
+                ("pp", p.pp, "pipeline stages with frozen tied embeddings are not supported"),
+                ("zero", 0 if p.zero < 3 else p.zero, "ZeRO-3 gathers units of trainable "
+                 "parameters by block and the frozen base has none; use parallel.zero=2")):
+            if value > 1:
+                raise ConfigError(f"lora.rank={cfg.lora.rank} with parallel.{name}={value}: "
+                                  f"{why}; LoRA composes with data parallelism and ZeRO-1/2")
+    if cfg.optim.name == "adamw8bit" and p.offload != "none":
+        raise ConfigError("optim.name=adamw8bit keeps its 8-bit moments beside the model; "
+                          f"parallel.offload={p.offload} moves fp32 AdamW state: set "
+                          "parallel.offload=none or optim.name=adamw")

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from shardtrain.config.errors import ConfigError, positive
 from shardtrain.config.layout import check_pipeline, check_tensor_parallel
-from shardtrain.config.lora import LoRAConfig
+from shardtrain.config.lora import LoRAConfig, check_finetune_layout
 from shardtrain.config.parallel import CommConfig, ParallelConfig
 
 
@@ -209,6 +209,7 @@ class Config:
                               f"{self.comm.compress} already decides what travels: set one of "
                               "them (train.grad_reduce_dtype=fp32 or comm.compress=none)")
         self.lora.validate()
+        check_finetune_layout(self)
         check_tensor_parallel(self)
         check_pipeline(self)
         if self.parallel.zero and self.comm.compress != "none":

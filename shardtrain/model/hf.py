@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -80,14 +81,15 @@ def materialize(model: Transformer, *, device: str | torch.device,
     model.init_buffers()
 
 
-@torch.no_grad()
-def load_hf_weights(model: nn.Module, path: str | os.PathLike, *,
-                    cfg: ModelConfig | None = None) -> None:
-    """Copy a Hugging Face checkpoint into `model` (a Transformer, perhaps with LoRA
-    linears), one tensor at a time. Every tensor the config implies must be present with
-    the shape the config implies; errors name the file and the tensor."""
+def iter_hf_weights(path: str | os.PathLike, cfg: ModelConfig
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(shardtrain parameter name, full tensor) for every weight of a Hugging Face
+    checkpoint of `cfg`, read one tensor at a time. Every tensor the config implies must be
+    present with the shape the config implies; errors name the file and the tensor."""
     path = Path(path)
-    cfg = cfg or model.cfg
+    with torch.device("meta"):
+        reference = Transformer(cfg)  # shapes only
+    shapes = {n: p.shape for n, p in reference.named_parameters(remove_duplicate=False)}
     maps = {m.hf: m for m in tensor_maps(cfg)}
     tied_head = "lm_head.weight" if cfg.tie_embeddings else None
     seen: set[str] = set()
@@ -105,20 +107,29 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike, *,
                                       f"{cfg.style} model with the shape of "
                                       f"{path / 'config.json'}")
                 tensor = f.get_tensor(key)
-                expected = m.to_hf([torch.empty(_shape(model, n), device="meta")
-                                    for n in m.ours]).shape
+                expected = m.to_hf([torch.empty(shapes[n], device="meta") for n in m.ours]).shape
                 if tensor.shape != expected:
                     raise ConfigError(
                         f"{file}: tensor {key!r} has shape {list(tensor.shape)}, but "
                         f"{path / 'config.json'} implies {list(expected)}; the weights and "
                         "the config.json come from different models")
-                for ours, part in zip(m.ours, m.to_ours(tensor)):
-                    _assign(model, ours, part)
+                yield from zip(m.ours, m.to_ours(tensor))
                 seen.add(name)
     missing = [n for n in maps if n not in seen]
     if missing:
         raise ConfigError(f"{path}: the safetensors files lack {len(missing)} tensor(s) that "
                           f"{path / 'config.json'} implies, e.g. {missing[:3]}")
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, path: str | os.PathLike, *,
+                    cfg: ModelConfig | None = None) -> None:
+    """Copy a Hugging Face checkpoint into `model` (a Transformer, perhaps with LoRA
+    linears, or one pipeline stage of one: the names it lacks are skipped)."""
+    cfg = cfg or model.cfg
+    for name, value in iter_hf_weights(path, cfg):
+        if holds(model, name):
+            assign(model, name, value)
     if cfg.tie_embeddings and hasattr(model, "tie_weights"):
         model.tie_weights()
 
@@ -128,13 +139,16 @@ def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     return model.get_submodule(module_name), leaf
 
 
-def _shape(model: nn.Module, name: str) -> tuple[int, ...]:
-    module, leaf = _owner(model, name)
-    shape = getattr(module, "weight_shape", None) if leaf == "weight" else None
-    return tuple(shape) if shape is not None else tuple(getattr(module, leaf).shape)
+def holds(model: nn.Module, name: str) -> bool:
+    """Whether `model` (or this pipeline stage of it) has the weight `name`."""
+    try:
+        module, leaf = _owner(model, name)
+    except AttributeError:
+        return False
+    return hasattr(module, leaf)  # an NF4 linear's weight attribute is None, but it is there
 
 
-def _assign(model: nn.Module, name: str, value: torch.Tensor) -> None:
+def assign(model: nn.Module, name: str, value: torch.Tensor) -> None:
     module, leaf = _owner(model, name)
     if leaf == "weight" and hasattr(module, "load_weight"):
         module.load_weight(value)

@@ -185,14 +185,19 @@ def init_rope(module: nn.Module, cfg: ModelConfig) -> None:
 def init_tensor(name: str, shape: tuple[int, ...], seed: int, cfg: ModelConfig) -> torch.Tensor:
     """The initial value of parameter `name`, drawn on the CPU from a generator seeded by
     (seed, name): ones for norm weights, zeros for biases, N(0, 0.02) for weights, with the
-    residual output projections (wo, w2) at 0.02 / sqrt(2 n_layers) (GPT-2's scaled init)."""
+    residual output projections (wo, w2) at 0.02 / sqrt(2 n_layers) (GPT-2's scaled init).
+    LoRA adapters (train/lora.py): lora_a [r, in] Kaiming-uniform with a = sqrt(5) (bound
+    1/sqrt(in), as nn.Linear and peft draw it), lora_b zero, so step 0 is the base model."""
     leaf = name.rsplit(".", 1)[-1]
     owner = name.rsplit(".", 2)[-2] if name.count(".") else ""
     if "norm" in owner:
         return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
-    if leaf == "bias":
+    if leaf in ("bias", "lora_b"):
         return torch.zeros(shape)
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    if leaf == "lora_a":
+        bound = 1.0 / math.sqrt(shape[1])
+        return torch.empty(shape).uniform_(-bound, bound, generator=gen)
     std = 0.02 / math.sqrt(2 * cfg.n_layers) if owner in ("wo", "w2") else 0.02
     return torch.empty(shape).normal_(0.0, std, generator=gen)
 

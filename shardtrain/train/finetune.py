@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,8 +20,9 @@ from torch import nn
 from shardtrain.config import Config, ConfigError, ModelConfig
 from shardtrain.model.hf import hf_tokenizer, load_hf_weights, materialize, save_hf, source_config
 from shardtrain.model.hf_names import model_config_from_hf
-from shardtrain.model.transformer import Transformer, build_model
-from shardtrain.train.lora import adapter_state, apply_lora, reset_adapters
+from shardtrain.model.transformer import Transformer, init_tensor
+from shardtrain.parallel.pipeline.state import StageShards
+from shardtrain.train.lora import adapter_state, apply_lora, lora_modules
 
 SHAPE_FIELDS = ("style", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
                 "max_seq_len", "tie_embeddings", "norm_eps", "rope_theta")
@@ -54,25 +56,44 @@ def resolve_init_from(cfg: Config) -> None:
         cfg.data.tokenizer = str(tokenizer)
 
 
-def build_start_model(cfg: Config, *, device: torch.device | str = "cpu") -> Transformer:
-    """The model a run starts from: fresh (seeded) or read from model.init_from, with
-    LoRA/QLoRA applied when lora.rank > 0. Loading streams into a meta-built model, so a
-    QLoRA base is quantized tensor by tensor and never exists dense in full."""
-    seed = cfg.train.seed
-    if not cfg.model.init_from:
-        model = build_model(cfg.model, device=device, seed=seed)
-        if cfg.lora.enabled:
-            apply_lora(model, cfg.lora, seed=seed)
-        return model
+def build_skeleton(cfg: Config, *, device: torch.device | str | None = None) -> Transformer:
+    """The run's model structure (LoRA/QLoRA applied) on the meta device, or materialised
+    on `device` with uninitialised weights (for a state dict to fill)."""
     with torch.device("meta"):
         model = Transformer(cfg.model)
     if cfg.lora.enabled:
-        apply_lora(model, cfg.lora, seed=seed)
-    materialize(model, device=device)
-    load_hf_weights(model, Path(cfg.model.init_from).expanduser(), cfg=cfg.model)
-    if cfg.lora.enabled:
-        reset_adapters(model, seed)
+        apply_lora(model, cfg.lora, seed=cfg.train.seed)
+    if device is not None:
+        materialize(model, device=device)
     return model
+
+
+def build_start_model(cfg: Config, *, device: torch.device | str = "cpu") -> Transformer:
+    """The model a run starts from, on one process: seeded, or read from model.init_from,
+    with LoRA/QLoRA applied when lora.rank > 0. Loading streams into the skeleton, so a
+    QLoRA base is quantized tensor by tensor and never exists dense in full."""
+    model = build_skeleton(cfg, device=device)
+    model.init_weights(cfg.train.seed)  # the adapters; the rest too unless init_from loads it
+    start_weights(cfg)(model)
+    return model
+
+
+def start_weights(cfg: Config) -> Callable[[nn.Module | StageShards], None]:
+    """What replaces the seeded initialisation of a model (or of a layout's shards,
+    parallelize's `load_weights`): model.init_from's weights, streamed; and the NF4 bases,
+    quantized from those weights or from the seeded dense ones."""
+    @torch.no_grad()
+    def load(target: nn.Module | StageShards) -> None:
+        model = target.model if isinstance(target, StageShards) else target
+        if cfg.model.init_from:
+            load_hf_weights(model, Path(cfg.model.init_from).expanduser(), cfg=cfg.model)
+            return
+        for name, module in lora_modules(model).items():
+            if module.nf4 is not None:
+                shape = (module.out_features, module.in_features)
+                module.load_weight(init_tensor(f"{name}.weight", shape, cfg.train.seed, cfg.model))
+
+    return load
 
 
 def export_hf(model: nn.Module, cfg: Config, out: str | Path,
@@ -113,3 +134,8 @@ def load_adapters(model: nn.Module, path: str | Path) -> None:
                           f"(e.g. {missing[:2]}); use the same lora.targets")
     for name, value in saved.items():
         params[name].copy_(value)
+
+
+def nf4_bytes(model: nn.Module) -> int:
+    """Bytes of the NF4 base weights (QLoRA; buffers, which no parameter count sees)."""
+    return sum(m.nf4.nbytes() for m in lora_modules(model).values() if m.nf4 is not None)

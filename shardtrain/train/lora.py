@@ -6,7 +6,7 @@ A [r, in] and B [out, r] the only trainable tensors. A starts Kaiming-uniform (t
 nn.Linear and peft give it), B at zero, so the adapted model starts equal to the base
 model. Everything else in the model is frozen (requires_grad False: no gradient, no
 optimizer state, nothing to reduce). With `quantize_base = "nf4"` the frozen W is kept as
-NF4 (train/nf4.py) and dequantized for each matmul.
+NF4 (quant/nf4.py) and dequantized for each matmul.
 
 Names stay those of the plain model (`layers.0.attn.wq.weight`), with the adapters beside
 them (`layers.0.attn.wq.lora_a`, `...lora_b`), so a Hugging Face checkpoint loads into an
@@ -16,17 +16,15 @@ export (`export_weight`) writes the plain names back.
 
 from __future__ import annotations
 
-import math
-import zlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardtrain.config import ConfigError
+from shardtrain.config import ConfigError, ModelConfig
 from shardtrain.config.lora import TARGET_MODULES, LoRAConfig
-from shardtrain.train.nf4 import BLOCK as NF4_BLOCK
-from shardtrain.train.nf4 import NF4Weight, nf4_linear
+from shardtrain.model.transformer import init_tensor
+from shardtrain.quant.nf4 import BLOCK as NF4_BLOCK
+from shardtrain.quant.nf4 import NF4Weight, nf4_linear
 
 
 class LoRALinear(nn.Module):
@@ -35,11 +33,10 @@ class LoRALinear(nn.Module):
     def __init__(self, base: nn.Linear, cfg: LoRAConfig):
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight_shape = (self.out_features, self.in_features)
         device = base.weight.device
         if cfg.quantize_base == "nf4":
             self.weight = None
-            self.nf4 = NF4Weight(self.weight_shape, device=device)
+            self.nf4 = NF4Weight((self.out_features, self.in_features), device=device)
             if device.type != "meta":
                 self.nf4.quantize_(base.weight)
         else:
@@ -54,14 +51,12 @@ class LoRALinear(nn.Module):
         self.merged = False
 
     @torch.no_grad()
-    def reset_adapter(self, name: str, seed: int) -> None:
-        """A Kaiming-uniform (a = sqrt(5): bound 1/sqrt(in)), drawn from a generator seeded
-        by (seed, name) so every layout draws the same; B zero."""
-        gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-        bound = 1.0 / math.sqrt(self.in_features)
-        a = torch.empty(self.lora_a.shape).uniform_(-bound, bound, generator=gen)
-        self.lora_a.copy_(a)
-        self.lora_b.zero_()
+    def reset_adapter(self, name: str, seed: int, cfg: ModelConfig) -> None:
+        """A Kaiming-uniform, B zero: `init_tensor`'s rule for `name`.lora_a / .lora_b,
+        drawn by (seed, name) so every layout draws the same."""
+        for leaf in ("lora_a", "lora_b"):
+            p = getattr(self, leaf)
+            p.copy_(init_tensor(f"{name}.{leaf}", tuple(p.shape), seed, cfg))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.nf4 is not None:
@@ -152,7 +147,7 @@ def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
 
 def reset_adapters(model: nn.Module, seed: int) -> None:
     for name, module in lora_modules(model).items():
-        module.reset_adapter(name, seed)
+        module.reset_adapter(name, seed, model.cfg)
 
 
 def merge(model: nn.Module) -> None:

@@ -10,7 +10,7 @@ of 64 values; each block is divided by its absolute maximum and every value stor
 
 Double quantization: the fp32 block maxima (4 bytes per 64 values = 0.5 bits per
 parameter) are themselves quantized: their mean is subtracted, and the rest is stored as
-8-bit codes of the dynamic map in blocks of 256 (train/adam8bit.py), leaving one fp32
+8-bit codes of the dynamic map in blocks of 256 (blockwise.py), leaving one fp32
 scale per 256 x 64 values. Storage: 0.5 + 1/64 + 4/16384 bytes per parameter ~ 0.516.
 
 `NF4Weight.dequantize` rebuilds the dense weight; `nf4_linear` multiplies by it without
@@ -25,7 +25,7 @@ import functools
 import torch
 from torch import nn
 
-from shardtrain.train.adam8bit import Quantized, dequantize, quantize_
+from shardtrain.quant.blockwise import Quantized, dequantize, quantize_
 
 BLOCK = 64
 OFFSET = (1 - 1 / (2 * 15) + 1 - 1 / (2 * 16)) / 2
