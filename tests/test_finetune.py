@@ -43,8 +43,8 @@ def jsonl(tmp):
     import shardtrain.train.trainer as source  # any text will do: Python source, as JSONL
     lines = inspect.getsource(source).splitlines()
     path = tmp / "data.jsonl"
-    path.write_text("\n".join(json.dumps({"text": "\n".join(lines[i:i + 20])})
-                              for i in range(0, len(lines), 20)) * 4)
+    records = [json.dumps({"text": "\n".join(lines[i:i + 20])}) for i in range(0, len(lines), 20)]
+    path.write_text("\n".join(records * 4) + "\n")
     return path
 
 
@@ -121,4 +121,5 @@ def test_lora_and_adamw8bit_parity_with_single_process(tmp, hf_dir):
           f"{full['optimizer_bytes']} B; LoRA (q,v,gate,down, r=4) grads {lora['grads_bytes']} "
           f"B, optimizer {lora['optimizer_bytes']} B")
     assert lora["grads_bytes"] < full["grads_bytes"] / 20
-    assert lora["optimizer_bytes"] == 2 * lora["grads_bytes"]  # AdamW: m and v per adapter value
+    # AdamW: m and v per adapter value (and a 4-byte step count per tensor).
+    assert 2 * lora["grads_bytes"] <= lora["optimizer_bytes"] <= 2 * lora["grads_bytes"] + 256
