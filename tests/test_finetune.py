@@ -14,6 +14,7 @@ from dist import run_distributed
 from parity import assert_parity, make_mesh, tiny, train_layout, train_layouts
 from shardtrain import cli, config
 from shardtrain.config import ConfigError
+from shardtrain.train.finetune import build_skeleton, resolve_init_from
 from shardtrain.train.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
@@ -115,6 +116,17 @@ def test_lora_and_adamw8bit_parity_with_single_process(tmp, hf_dir):
         for rank, results in enumerate(per_rank):
             assert_parity(reference, results[i], f"{label} rank {rank}")
         print(f"{label}: losses {[round(x, 5) for x in per_rank[0][i]['losses']]}")
+    # The 2-process LoRA run's checkpoint exports, and transformers reloads it equal.
+    step = sorted((tmp / "row0" / "checkpoints").glob("step_*"))[-1]
+    assert cli.main(["export", "--checkpoint", str(step), "--out", str(tmp / "row0-hf")]) == 0
+    cfg = config.loads(texts[0])
+    resolve_init_from(cfg)
+    model = build_skeleton(cfg, device="cpu")
+    model.load_state_dict(per_rank[0][0]["weights"])
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp / "row0-hf").eval()
+    tokens = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, model(tokens), rtol=0, atol=1e-5)
     full = train_layout(0, 1, text("full", "--train.steps", "1"), adapter_memory)["memory"]
     lora = per_rank[0][0]["memory"]
     print(f"memory ledger, dp2: full model grads {full['grads_bytes']} B, optimizer "
