@@ -41,7 +41,8 @@ from shardtrain.config import DataConfig
 from shardtrain.data.fsutil import build_once
 from shardtrain.data.sources import iter_documents
 from shardtrain.launch import ProcessInfo, init_distributed
-from shardtrain.mesh import MeshShape, ParallelMesh
+from shardtrain.comm import build_mesh
+from shardtrain.mesh import MeshShape
 from shardtrain.parallel.data.ddp import DataParallel
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -130,8 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     info = ProcessInfo.from_env()
     device = torch.device("cuda", info.local_rank) if torch.cuda.is_available() else torch.device("cpu")
     init_distributed(info, device, timeout_s=300)
-    mesh = ParallelMesh(MeshShape(dp=info.world_size), rank=info.rank,
-                        node_size=info.local_world_size, algorithm="ring")
+    mesh = build_mesh(MeshShape(dp=info.world_size), rank=info.rank,
+                      node_size=info.local_world_size, algorithm="ring", device=device)
     comm = mesh.comm("dp")
     if args.batch % info.world_size:
         raise SystemExit(f"--batch {args.batch} must be a multiple of the world size {info.world_size}")
