@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -122,14 +122,15 @@ def iter_hf_weights(path: str | os.PathLike, cfg: ModelConfig
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, path: str | os.PathLike, *,
-                    cfg: ModelConfig | None = None) -> None:
+def load_hf_weights(model: nn.Module, path: str | os.PathLike, *, cfg: ModelConfig | None = None,
+                    shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
     """Copy a Hugging Face checkpoint into `model` (a Transformer, perhaps with LoRA
-    linears, or one pipeline stage of one: the names it lacks are skipped)."""
+    linears, or one pipeline stage of one: the names it lacks are skipped); `shard(name,
+    full)` gives this rank's slice of each tensor under tensor parallelism."""
     cfg = cfg or model.cfg
     for name, value in iter_hf_weights(path, cfg):
         if holds(model, name):
-            assign(model, name, value)
+            assign(model, name, value if shard is None else shard(name, value))
     if cfg.tie_embeddings and hasattr(model, "tie_weights"):
         model.tie_weights()
 

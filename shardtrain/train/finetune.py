@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from shardtrain.config import Config, ConfigError, ModelConfig
-from shardtrain.model.hf import (assign, hf_tokenizer, holds, iter_hf_weights, materialize, save_hf,
+from shardtrain.model.hf import (hf_tokenizer, load_hf_weights, materialize, save_hf,
                                  source_config)
 from shardtrain.model.hf_names import model_config_from_hf
 from shardtrain.model.transformer import Transformer, init_tensor
@@ -88,12 +88,9 @@ def start_weights(cfg: Config) -> Callable[[nn.Module | StageShards], None]:
         shards = target if isinstance(target, StageShards) else None
         model = target.model if shards is not None else target
         if cfg.model.init_from:
-            path = Path(cfg.model.init_from).expanduser()
-            for name, full in iter_hf_weights(path, cfg.model):
-                if holds(model, name):  # this stage has it; this tp rank keeps its slice
-                    assign(model, name, shards.placement(name).shard(full) if shards else full)
-            if cfg.model.tie_embeddings:
-                model.tie_weights()
+            slicer = None if shards is None else (lambda n, full: shards.placement(n).shard(full))
+            load_hf_weights(model, Path(cfg.model.init_from).expanduser(), cfg=cfg.model,
+                            shard=slicer)  # this tp rank's slice of each tensor
             return
         for name, module in lora_modules(model).items():
             if module.nf4 is not None:
