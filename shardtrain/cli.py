@@ -16,6 +16,8 @@ from shardtrain.config import Config, ConfigError
 
 USAGE = """shardtrain train [--config FILE.toml|PRESET] [--nproc N] [--section.field VALUE ...]
 shardtrain generate --checkpoint DIR [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]
+                                                   (DIR: a checkpoint or a Hugging Face directory)
+shardtrain export --checkpoint DIR --out DIR [--adapters-only]   (a Hugging Face directory)
 shardtrain plan --model PRESET|FILE.toml [...]     (shardtrain plan --help)
 shardtrain bench comm [--nproc N] [...]            (time every collective and algorithm)
 shardtrain bench calibrate                         (measure this machine for the cpu preset)
@@ -29,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     commands = {"train": cmd_train, "generate": cmd_generate, "plan": cmd_plan, "bench": cmd_bench,
-                "report": cmd_report}
+                "report": cmd_report, "export": cmd_export}
     if command not in commands:
         print(f"shardtrain: unknown command {command!r}\n{USAGE}", file=sys.stderr)
         return 2
@@ -88,6 +90,9 @@ def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool) -> None:
     from shardtrain.parallel.zero.offload import check_offload_space
     from shardtrain.train import checkpoint as ckpt
 
+    from shardtrain.train.finetune import resolve_init_from
+
+    resolve_init_from(cfg)  # before validation: the shape comes from model.init_from
     cfg.validate(world_size)
     check_source(cfg.data)
     if cfg.data.tokenizer not in ("byte", "bpe"):
@@ -124,7 +129,8 @@ def check_writable(run_dir: Path) -> None:
 
 def cmd_generate(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="shardtrain generate")
-    parser.add_argument("--checkpoint", required=True, help="a checkpoint step_* directory")
+    parser.add_argument("--checkpoint", required=True,
+                        help="a checkpoint step_* directory or a Hugging Face directory")
     parser.add_argument("--prompt", default="def ")
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8)
@@ -132,26 +138,67 @@ def cmd_generate(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    import torch
-
     from shardtrain.data import load_tokenizer
     from shardtrain.data.tokenizer import BPETokenizer
     from shardtrain.model.generate import generate
-    from shardtrain.model.transformer import build_model
     from shardtrain.train import checkpoint as ckpt
 
     path = Path(args.checkpoint)
-    if not (path / "model.pt").is_file() or not (path / "config.toml").is_file():
-        raise ConfigError(f"--checkpoint {str(path)!r} is not a checkpoint directory (it must "
-                          "hold model.pt and config.toml); pass a <run_dir>/checkpoints/step_* dir")
-    cfg = ckpt.checkpoint_config(path)
-    saved = path / ckpt.TOKENIZER_FILE
-    tokenizer = BPETokenizer(saved) if saved.is_file() else load_tokenizer(cfg.data)
-    model = build_model(cfg.model, device="cpu", seed=0)
-    model.load_state_dict(torch.load(path / "model.pt", map_location="cpu", weights_only=True))
+    if (path / "config.json").is_file():  # a Hugging Face directory (shardtrain export's)
+        from shardtrain.data.tokenizer import ByteTokenizer
+        from shardtrain.model.hf import hf_tokenizer, load_hf
+
+        model = load_hf(path)
+        tok_file = hf_tokenizer(path)
+        tokenizer = BPETokenizer(tok_file) if tok_file else ByteTokenizer()
+    else:
+        model, cfg = load_checkpoint_model(path)
+        saved = path / ckpt.TOKENIZER_FILE
+        tokenizer = BPETokenizer(saved) if saved.is_file() else load_tokenizer(cfg.data)
     out = generate(model, tokenizer.encode(args.prompt), args.tokens,
                    temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     print(tokenizer.decode(out))
+    return 0
+
+
+def load_checkpoint_model(path: Path):
+    """The plain model of a checkpoint directory (LoRA linears included) and its config."""
+    import torch
+
+    from shardtrain.train import checkpoint as ckpt
+    from shardtrain.train.finetune import build_skeleton
+
+    if not (path / "model.pt").is_file() or not (path / "config.toml").is_file():
+        raise ConfigError(f"--checkpoint {str(path)!r} is not a checkpoint directory (it must "
+                          "hold model.pt and config.toml) nor a Hugging Face directory (with "
+                          "config.json); pass a <run_dir>/checkpoints/step_* dir")
+    cfg = ckpt.checkpoint_config(path)
+    model = build_skeleton(cfg, device="cpu")
+    model.load_state_dict(torch.load(path / "model.pt", map_location="cpu", weights_only=True))
+    return model, cfg
+
+
+def cmd_export(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="shardtrain export", description="Write a checkpoint as a Hugging Face directory "
+        "(LoRA merged, NF4 dequantized), or its LoRA adapters alone.")
+    parser.add_argument("--checkpoint", required=True, help="a <run_dir>/checkpoints/step_* dir")
+    parser.add_argument("--out", required=True, help="the directory to write")
+    parser.add_argument("--adapters-only", action="store_true",
+                        help="write adapters.safetensors + adapter_config.json only")
+    args = parser.parse_args(argv)
+    from shardtrain.train import checkpoint as ckpt
+    from shardtrain.train.finetune import export_hf, save_adapters
+
+    path = Path(args.checkpoint)
+    model, cfg = load_checkpoint_model(path)
+    if args.adapters_only:
+        if not cfg.lora.enabled:
+            raise ConfigError(f"--adapters-only: {path} was trained without LoRA (lora.rank=0)")
+        print(save_adapters(model, cfg, args.out))
+        return 0
+    saved = path / ckpt.TOKENIZER_FILE
+    print(export_hf(model, cfg, args.out, tokenizer_file=saved if saved.is_file() else None))
     return 0
 
 

@@ -9,8 +9,9 @@ Then the cheap commands run, in document order, in a scratch copy of the reposit
 (its entries linked, `runs/` fresh), with `--data.cache_dir` appended to train commands so
 the token cache lands in the scratch directory too. Cheap means seconds: `--help`,
 `shardtrain plan`, a `--config tiny` training of at most 50 steps on one process or at most
-10 steps on two, and `generate` / `report` on what an earlier command wrote. The rest (the
-default 400-step run, benchmarks, installs, larger launches) is skipped with its reason.
+10 steps on two, and `generate` / `report` / `export` on what an earlier command wrote. The
+rest (the default 400-step run, benchmarks, installs, larger launches) is skipped with its
+reason.
 
 To keep the whole check near a minute on a 2-core machine, the cheap commands run in one
 interpreter (torch imported once) through `shardtrain.cli.main`, the function
@@ -268,8 +269,8 @@ def classify(argv: tuple[str, ...], scratch: Path) -> tuple[str, str]:
     check_options(args[len(prefix):], help_of(lambda: main([*prefix, "--help"])))
     if sub == "bench":
         return "skip", "a multi-process benchmark (seconds to minutes)"
-    if sub in ("generate", "report"):
-        needed = args[args.index("--checkpoint") + 1] if sub == "generate" else args[1]
+    if sub in ("generate", "report", "export"):
+        needed = args[1] if sub == "report" else args[args.index("--checkpoint") + 1]
         if (scratch / needed).exists():
             return "run", ""
         return "skip", f"needs {needed}, written by a command above that is not run here"

@@ -23,13 +23,14 @@ ALLOWED: dict[str, set[str]] = {
     "mesh": {"config", "cost"},
     "model": {"config"},
     "data": {"config"},
+    "quant": set(),
     "comm": {"mesh", "cost", "config"},
-    "parallel": {"comm", "mesh", "model", "config", "cost"},
-    "train": {"parallel", "comm", "mesh", "model", "data", "config", "cost", "plan"},
+    "parallel": {"comm", "mesh", "model", "config", "cost", "quant"},
+    "train": {"parallel", "comm", "mesh", "model", "data", "config", "cost", "plan", "quant"},
     "launch": {"train", "mesh", "comm", "config", "cost", "plan"},
     "bench": {"launch", "train", "comm", "mesh", "config", "cost", "plan"},
     "cli": {"launch", "train", "parallel", "comm", "mesh", "model", "data", "config", "cost",
-            "plan", "bench"},
+            "plan", "bench", "quant"},
     "__main__": {"cli"},
 }
 NO_TORCH = {"config", "cost", "plan"}

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from shardtrain.config.errors import ConfigError, positive
 from shardtrain.config.layout import check_pipeline, check_tensor_parallel
+from shardtrain.config.lora import LoRAConfig, check_finetune_layout
 from shardtrain.config.parallel import CommConfig, ParallelConfig
 from shardtrain.config.ps import check_parameter_server, check_slow_ranks
 
@@ -31,6 +32,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     n_experts: int = 0  # 0: dense MLP; > 0: mixture of experts with top-k routing
     moe_top_k: int = 2
+    init_from: str = ""  # a Hugging Face directory: its weights, and its config.json's shape
 
     @property
     def kv_heads(self) -> int:
@@ -93,7 +95,7 @@ class DataConfig:
 class OptimConfig:
     """Optimizer and learning-rate schedule (linear warmup, cosine decay)."""
 
-    name: Literal["adamw", "sgd"] = "adamw"
+    name: Literal["adamw", "adamw8bit", "sgd"] = "adamw"  # adamw8bit: train/adam8bit.py
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
@@ -133,6 +135,7 @@ class TrainConfig:
     sample_tokens: int = 200  # generated after training; 0 disables
     sample_prompt: str = "def "
     slow_ranks: str = ""  # "1:1.5,3:2": those ranks' compute takes 1.5x, 2x (straggler studies)
+    export_hf: str = ""  # a directory: the final model (LoRA merged) as a Hugging Face dir
 
     def validate(self, dp: int, model: ModelConfig) -> None:
         positive("train", self, "steps", "global_batch", "micro_batch", "seq_len", "lr",
@@ -189,6 +192,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def validate(self, world_size: int) -> None:
         """Every check that needs no data or process group; raises ConfigError."""
@@ -207,6 +211,8 @@ class Config:
                               f"dtype gradients travel in, but comm.compress="
                               f"{self.comm.compress} already decides what travels: set one of "
                               "them (train.grad_reduce_dtype=fp32 or comm.compress=none)")
+        self.lora.validate()
+        check_finetune_layout(self)
         check_tensor_parallel(self)
         check_pipeline(self)
         check_slow_ranks(self.train.slow_ranks, world_size)

@@ -158,6 +158,12 @@ class Transformer(nn.Module):
         self.tie_weights()
         init_parameters(self, self.cfg, seed)
 
+    def init_buffers(self) -> None:
+        """The state a checkpoint does not hold, after `to_empty` (the weights then come from
+        the checkpoint): tied weights and the RoPE tables."""
+        self.tie_weights()
+        init_rope(self, self.cfg)
+
 
 @torch.no_grad()
 def init_parameters(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
@@ -165,6 +171,11 @@ def init_parameters(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
     own names) by its full-model name, and the RoPE tables where the module has them."""
     for name, p in module.named_parameters():
         p.copy_(init_tensor(name, tuple(p.shape), seed, cfg))
+    init_rope(module, cfg)
+
+
+def init_rope(module: nn.Module, cfg: ModelConfig) -> None:
+    """The RoPE tables, where the module has them."""
     if hasattr(module, "rope_cos"):
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         module.rope_cos = cos.to(module.rope_cos.device)
@@ -174,14 +185,19 @@ def init_parameters(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
 def init_tensor(name: str, shape: tuple[int, ...], seed: int, cfg: ModelConfig) -> torch.Tensor:
     """The initial value of parameter `name`, drawn on the CPU from a generator seeded by
     (seed, name): ones for norm weights, zeros for biases, N(0, 0.02) for weights, with the
-    residual output projections (wo, w2) at 0.02 / sqrt(2 n_layers) (GPT-2's scaled init)."""
+    residual output projections (wo, w2) at 0.02 / sqrt(2 n_layers) (GPT-2's scaled init).
+    LoRA adapters (train/lora.py): lora_a [r, in] Kaiming-uniform with a = sqrt(5) (bound
+    1/sqrt(in), as nn.Linear and peft draw it), lora_b zero, so step 0 is the base model."""
     leaf = name.rsplit(".", 1)[-1]
     owner = name.rsplit(".", 2)[-2] if name.count(".") else ""
     if "norm" in owner:
         return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
-    if leaf == "bias":
+    if leaf in ("bias", "lora_b"):
         return torch.zeros(shape)
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    if leaf == "lora_a":
+        bound = 1.0 / math.sqrt(shape[1])
+        return torch.empty(shape).uniform_(-bound, bound, generator=gen)
     std = 0.02 / math.sqrt(2 * cfg.n_layers) if owner in ("wo", "w2") else 0.02
     return torch.empty(shape).normal_(0.0, std, generator=gen)
 

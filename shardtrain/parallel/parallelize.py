@@ -40,13 +40,16 @@ MakeOptimizer = Callable[[torch.nn.Module], torch.optim.Optimizer]
 
 
 def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
-                device: torch.device, make_optimizer: MakeOptimizer) -> Strategy:
+                device: torch.device, make_optimizer: MakeOptimizer,
+                load_weights: Callable[[StageShards], None] | None = None) -> Strategy:
     """Apply the layout to `model`, built on the meta device (`build_model(seed=None)`), in
     place: swap in tensor-parallel modules, materialise this rank's shards on `device` and
     initialise them from `cfg.train.seed` (the slices of the single-process weights), then
     checkpoint activations and hook data parallelism or ZeRO over the dp group.
     `make_optimizer` builds the torch optimizer of the replicated layout; ZeRO builds its
-    shard optimizer from `cfg.optim` (the same update, weight decay on matrices only)."""
+    shard optimizer from `cfg.optim` (the same update, weight decay on matrices only).
+    `load_weights`: after the seeded initialisation and before the update half copies
+    anything, replaces this rank's weights (model.init_from: train/finetune.py)."""
     tp, pp = mesh.comm("tp"), mesh.comm("pp")
     placements, loss = {}, cross_entropy
     if tp.size > 1:
@@ -65,6 +68,8 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
     shards = StageShards(module, tp, placements, pp=pp, reference_keys=reference_keys,
                          reference_groups=reference_groups, tied=cfg.model.tie_embeddings)
     shards.init_weights(cfg.train.seed)
+    if load_weights is not None:
+        load_weights(shards)
     policy = PrecisionPolicy.from_config(cfg)  # the one source of every dtype below
     pipeline = Pipeline(chunks, mesh, cfg, loss=loss, device=device, policy=policy)
     return Strategy(shards=shards, pipeline=pipeline,

@@ -1,4 +1,5 @@
-"""Optimizers (AdamW, SGD with momentum) and the learning-rate schedule."""
+"""Optimizers (AdamW, AdamW with 8-bit states, SGD with momentum) and the learning-rate
+schedule."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from torch import nn
 
 from shardtrain.config import OptimConfig
+from shardtrain.train.adam8bit import AdamW8bit
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float) -> torch.optim.Optimizer:
@@ -17,6 +19,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float) -> torch.opti
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    if cfg.name == "adamw8bit":
+        return AdamW8bit(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum)
 
 

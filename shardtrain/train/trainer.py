@@ -24,10 +24,11 @@ from shardtrain.config.ps import parse_slow_ranks
 from shardtrain.data import TokenSampler, check_vocab, eval_batches, load_dataset
 from shardtrain.mesh import ParallelMesh
 from shardtrain.model.generate import generate
-from shardtrain.model.transformer import build_model
 from shardtrain.parallel.parallelize import parallelize
 from shardtrain.cost.counts import model_flops_per_token
 from shardtrain.train import checkpoint as ckpt
+from shardtrain.train.finetune import (build_skeleton, export_hf, nf4_bytes, resolve_init_from,
+                                       start_weights)
 from shardtrain.train.metrics import MetricsWriter, clock, device_peak_flops, peak_memory
 from shardtrain.train.optim import build_optimizer, lr_at
 from shardtrain.train.straggler import slow_down
@@ -50,12 +51,14 @@ class Trainer:
         t = cfg.train
         self.is_main = mesh.rank == 0
         self.dp = mesh.comm("dp")
+        resolve_init_from(cfg)  # model.init_from: the shape from its config.json (idempotent)
         cfg.resolve_microbatches(self.dp.size)  # a no-op on a validated config
         self.data = load_dataset(cfg.data, seq_len=t.seq_len)
         check_vocab(self.data, cfg.model.vocab_size)
-        self.model = build_model(cfg.model, seed=None)  # shapes only: parallelize materialises
+        self.model = build_skeleton(cfg)  # shapes only (LoRA applied): parallelize materialises
         self.parallel = parallelize(self.model, mesh, cfg, device=device,
-                                    make_optimizer=lambda m: build_optimizer(m, cfg.optim, t.lr))
+                                    make_optimizer=lambda m: build_optimizer(m, cfg.optim, t.lr),
+                                    load_weights=start_weights(cfg))
         slow_down(self.parallel.module, parse_slow_ranks(t.slow_ranks).get(mesh.rank, 1.0))
         self.accum = t.accumulation_steps(self.dp.size)
         self.sampler = TokenSampler(self.data.train, seq_len=t.seq_len,
@@ -157,6 +160,8 @@ class Trainer:
         self.write_timeline()
         if t.sample_tokens:
             result.sample = self.sample(t.sample_prompt, t.sample_tokens)
+        if t.export_hf:
+            self.export_hf(t.export_hf)
         return result
 
     def write_timeline(self) -> Path | None:
@@ -194,20 +199,37 @@ class Trainer:
 
     def memory_ledger(self) -> dict[str, int]:
         """Model-state bytes held by this rank (params, grads, optimizer, master) and the
-        peak memory (allocated, and on a GPU reserved)."""
-        return {**self.parallel.memory(), **peak_memory(self.device)}
+        peak memory (allocated, and on a GPU reserved), and QLoRA's NF4 base bytes."""
+        return {**self.parallel.memory(), **peak_memory(self.device),
+                "nf4_base_bytes": nf4_bytes(self.parallel.module)}
 
     def sample(self, prompt: str, n_tokens: int) -> str | None:
         """Generated text on rank 0 (None elsewhere), from the plain model with the full
         weights (gathered over tp: every rank calls this)."""
-        state = self.parallel.full_state_dict()
-        if not self.is_main:
+        model = self.plain_model()
+        if model is None:
             return None
-        model = build_model(self.cfg.model, device=self.device)
-        model.load_state_dict(state)
         tok = self.data.tokenizer
         out = generate(model, tok.encode(prompt), n_tokens, seed=self.cfg.train.seed)
         return tok.decode(out)
+
+    def plain_model(self) -> torch.nn.Module | None:
+        """On rank 0, the single-process model (LoRA linears included) with the full
+        weights; None elsewhere (every rank calls this: the state is gathered)."""
+        state = self.parallel.full_state_dict()
+        if not self.is_main:
+            return None
+        model = build_skeleton(self.cfg, device=self.device)
+        model.load_state_dict(state)
+        return model
+
+    def export_hf(self, out: str) -> None:
+        """train.export_hf: the final model (LoRA merged) as a Hugging Face directory."""
+        model = self.plain_model()
+        if model is not None:
+            path = export_hf(model, self.cfg, out,
+                             tokenizer_file=getattr(self.data.tokenizer, "path", None))
+            print(f"exported the model as a Hugging Face directory: {path}", flush=True)
 
 
 def format_record(r: dict[str, Any]) -> str:

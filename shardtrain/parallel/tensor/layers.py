@@ -70,7 +70,27 @@ class Region:
         self.chunk = self.gathered = None
 
 
-class ColumnParallelLinear(nn.Module):
+class LoRAFactors:
+    """A tensor-parallel linear's share of a LoRA update (train/lora.py): scaling * x A^T
+    B^T, A [r, in] and B [out, r] split as the base weight is: a column-parallel base splits
+    B's rows (A whole), a row-parallel one A's columns (B whole; its products are partial
+    sums, reduced with the base's). The whole factor's gradient is a part on each rank,
+    summed over tp (placement `partial`). Registered on the linear, under the plain names."""
+
+    def no_lora(self) -> None:
+        self.register_parameter("lora_a", None)
+        self.register_parameter("lora_b", None)
+
+    def add_lora(self, dense: nn.Module, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
+        self.lora_a, self.lora_b = nn.Parameter(lora_a), nn.Parameter(lora_b)
+        self.lora_scaling, self.lora_dropout = dense.scaling, dense.dropout
+
+    def lora_update(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.linear(self.lora_dropout(x), self.lora_a)  # [B, S, r]
+        return F.linear(h, self.lora_b) * self.lora_scaling
+
+
+class ColumnParallelLinear(LoRAFactors, nn.Module):
     """y = x A^T + b with the rows of A (output features) split: weight [out/t, in]. Its
     input is its region's (replicated [B, S, in]); its output stays split [B, S, out/t]."""
 
@@ -79,15 +99,18 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(weight)
         self.bias = None if bias is None else nn.Parameter(bias)
         self.region = region
+        self.no_lora()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         r = self.region
         if r.sp:
-            return _LinearOnGathered.apply(x, r.chunk, self.weight, self.bias, r.gathered)
-        return F.linear(x, self.weight, self.bias)
+            y = _LinearOnGathered.apply(x, r.chunk, self.weight, self.bias, r.gathered)
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y if self.lora_a is None else y + self.lora_update(x)  # [B, S, out/t]
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LoRAFactors, nn.Module):
     """y = sum_r x_r A_r^T + b with the columns of A (input features) split: weight
     [out, in/t]. The partial products [B, S, out] are all-reduced (`g`), or reduce-scattered
     along the sequence under sp; the bias is added once, after."""
@@ -98,9 +121,12 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(weight)
         self.bias = None if bias is None else nn.Parameter(bias)
         self.comm, self.sp = comm, sp
+        self.no_lora()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)  # [B, S, out] partial sums
+        if self.lora_a is not None:  # x_r A_r^T B^T: a partial sum too, reduced with the base's
+            y = y + self.lora_update(x)
         y = (ReduceScatterToSequence if self.sp else ReduceFromRegion).apply(y, self.comm)
         return y if self.bias is None else y + self.bias
 
@@ -134,6 +160,7 @@ def apply_tensor_parallel(model: Transformer, comm: Communicator, *, sp: bool
     loss over the vocab-split logits."""
     t, r, cfg = comm.size, comm.rank, model.cfg
     places: dict[str, Placement] = {}
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}  # LoRA's base
 
     def split(name: str, full: torch.Tensor | None, dim: int, parts: int = t,
               index: int = r, partial: bool = False) -> torch.Tensor | None:
@@ -163,12 +190,19 @@ def apply_tensor_parallel(model: Transformer, comm: Communicator, *, sp: bool
                 if kind == "row":
                     new = RowParallelLinear(split(prefix + "weight", dense.weight, 1),
                                             replicate(prefix + "bias", dense.bias), comm, sp=sp)
+                    if hasattr(dense, "lora_a"):  # A split with the input, B whole
+                        new.add_lora(dense, split(prefix + "lora_a", dense.lora_a, 1),
+                                     split(prefix + "lora_b", dense.lora_b, 0, 1, 0, True))
                 else:
                     parts, index = kv_split if kind == "kv" else (t, r)
                     partial = parts < t
                     new = ColumnParallelLinear(
                         split(prefix + "weight", dense.weight, 0, parts, index, partial),
                         split(prefix + "bias", dense.bias, 0, parts, index, partial), region)
+                    if hasattr(dense, "lora_a"):  # A whole, B split with the output
+                        new.add_lora(dense, split(prefix + "lora_a", dense.lora_a, 0, 1, 0, True),
+                                     split(prefix + "lora_b", dense.lora_b, 0, parts, index,
+                                           partial))
                 setattr(module, name, new)
     for module_name, module in model.named_modules():
         if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
@@ -183,6 +217,8 @@ def apply_tensor_parallel(model: Transformer, comm: Communicator, *, sp: bool
                                       head_region)
     head_region.attach(model.head)
     model.tie_weights()
+    for n, p in model.named_parameters():
+        p.requires_grad_(n not in frozen)
     if sp:  # the residual stream is split along the sequence from the first block on
         model.layers[0].register_forward_pre_hook(
             lambda module, args: (ScatterToSequence.apply(args[0], comm), *args[1:]))

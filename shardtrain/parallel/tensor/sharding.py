@@ -138,10 +138,10 @@ class TensorShards:
                         ) -> dict[str, torch.Tensor]:
         """The model's state dict as one process would hold it (collective over tp), from
         this rank's tensors: the model's own, or `local` (ZeRO: from its master shards; tied
-        parameters under their first name only)."""
+        parameters under their first name only; frozen ones are not in it)."""
         state = self.model.state_dict()
-        if local is not None:
-            state = {k: local[k] if k in local else local[self.tied_to[k]] for k in state}
+        if local is not None:  # tensors `local` lacks (frozen: LoRA's base) are the module's
+            state = {k: local.get(k, local.get(self.tied_to.get(k), v)) for k, v in state.items()}
         return self._gather({k: (v, self.placement(k)) for k, v in state.items()})
 
     def local_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -31,6 +31,7 @@ degenerate to copies).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -46,6 +47,8 @@ from shardtrain.parallel.zero.offload import build_shard_optimizer
 from shardtrain.parallel.zero.optim import ShardOptimizer
 from shardtrain.parallel.zero.reducer import ZeroReducer
 from shardtrain.parallel.zero.units import UnitComm, build_units, partial_runs
+from shardtrain.quant.adam8bit import MIN_QUANTIZED_NUMEL
+from shardtrain.quant.blockwise import BLOCK as ADAM8BIT_BLOCK
 
 
 class ZeroModel:
@@ -60,6 +63,8 @@ class ZeroModel:
         self.stage, self.comm, self.shards, self.cfg, self.file = p.zero, comm, shards, cfg, file
         dtype = policy.param_dtype
         align = cfg.comm.quant_block if p.zero_quantized_weights else 1  # qwZ blocks
+        if cfg.optim.name == "adamw8bit":  # the 8-bit moments' blocks (zero/optim8bit.py)
+            align = math.lcm(align, ADAM8BIT_BLOCK)
         self.units = build_units(model, dp_size=comm.size, dp_rank=comm.rank, dtype=dtype,
                                  tied=model.cfg.tie_embeddings, align=align)
         self.unit_comm = unit_comm or UnitComm(comm)
@@ -88,7 +93,9 @@ class ZeroModel:
             # flat buffer: the master weights need their own storage to stay exact.
             masters, aliased = [m.clone() for m in masters], False
         self.optimizer: ShardOptimizer = build_shard_optimizer(
-            masters, [u.decay_runs() for u in self.units], cfg, aliased=aliased, rank=comm.rank)
+            masters, [u.decay_runs() for u in self.units], cfg, aliased=aliased, rank=comm.rank,
+            small=[[(a, b) for i, a, b in u.shard_runs(lambda i, u=u: u.params[i].numel()
+                                                       < MIN_QUANTIZED_NUMEL)] for u in self.units])
         self._partial = [partial_runs(u, shards.placements) for u in self.units]
         self.no_sync, self.zero_grad = self.reducer.no_sync, self.reducer.zero_grad
 

@@ -84,10 +84,17 @@ def check_offload_dir(directory: str, needed_bytes: int) -> None:
 
 
 def build_shard_optimizer(masters: list[torch.Tensor], decay: list[Runs], cfg: Config, *,
-                          aliased: bool, rank: int) -> ShardOptimizer:
-    """The shard optimizer `parallel.offload` asks for: beside the model (MemoryOptimizer;
-    `aliased`: the masters are the fp32 parameter shards themselves) or on the host."""
+                          aliased: bool, rank: int, small: list[Runs] | None = None
+                          ) -> ShardOptimizer:
+    """The shard optimizer `parallel.offload` and `optim.name` ask for: beside the model
+    (MemoryOptimizer; `aliased`: the masters are the fp32 parameter shards themselves; with
+    8-bit moments for adamw8bit, `small` the runs that keep fp32 ones) or on the host."""
     p = cfg.parallel
+    if cfg.optim.name == "adamw8bit":  # config validation refuses it with offload
+        from shardtrain.parallel.zero.optim8bit import Adam8bitShardOptimizer
+
+        return Adam8bitShardOptimizer(masters, decay, small or [[] for _ in masters], cfg.optim,
+                                      aliased=aliased)
     if p.offload == "none":
         return MemoryOptimizer(masters, decay, cfg.optim, aliased=aliased)
     return HostOptimizer(masters, decay, cfg.optim, offload=p.offload, directory=p.offload_dir,

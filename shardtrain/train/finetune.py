@@ -1,0 +1,145 @@
+"""Fine-tuning set-up: the model a run starts from (fresh, or a Hugging Face directory's
+weights via `model.init_from`), LoRA/QLoRA applied, and the exports at the end (a merged
+Hugging Face directory, or the adapters alone).
+
+`resolve_init_from` is the one place where a config meets a Hugging Face config.json: the
+shape fields come from it, and a field the user set to something else is an error that
+names both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardtrain.config import Config, ConfigError, ModelConfig
+from shardtrain.model.hf import (hf_tokenizer, load_hf_weights, materialize, save_hf,
+                                 source_config)
+from shardtrain.model.hf_names import model_config_from_hf
+from shardtrain.model.transformer import Transformer, init_tensor
+from shardtrain.parallel.pipeline.state import StageShards
+from shardtrain.train.lora import adapter_state, apply_lora, lora_modules
+
+SHAPE_FIELDS = ("style", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+                "max_seq_len", "tie_embeddings", "norm_eps", "rope_theta")
+ADAPTER_FILE = "adapters.safetensors"
+
+
+def resolve_init_from(cfg: Config) -> None:
+    """With model.init_from set: take the model shape from the directory's config.json
+    (a field set to another value is an error naming both), and its tokenizer.json as
+    data.tokenizer unless one was chosen. Idempotent."""
+    if not cfg.model.init_from:
+        return
+    path = Path(cfg.model.init_from).expanduser()
+    hf = model_config_from_hf(path)
+    default = ModelConfig()
+    for name in SHAPE_FIELDS:
+        mine, theirs = getattr(cfg.model, name), getattr(hf, name)
+        if name == "n_kv_heads":
+            mine, theirs = cfg.model.n_kv_heads or theirs, hf.kv_heads
+        elif name == "ffn_dim":
+            mine, theirs = cfg.model.ffn_dim or theirs, hf.ffn_hidden
+        if mine != theirs and mine != getattr(default, name):
+            raise ConfigError(f"model.{name}={mine!r} conflicts with {path / 'config.json'} "
+                              f"({theirs!r}); drop model.{name}: model.init_from sets the shape")
+        setattr(cfg.model, name, getattr(hf, name))
+    if cfg.model.n_experts:
+        raise ConfigError("model.n_experts: a Hugging Face Llama or GPT-2 has no experts; "
+                          "drop it with model.init_from")
+    tokenizer = hf_tokenizer(path)
+    if tokenizer is not None and cfg.data.tokenizer == "byte":
+        cfg.data.tokenizer = str(tokenizer)
+
+
+def build_skeleton(cfg: Config, *, device: torch.device | str | None = None) -> Transformer:
+    """The run's model structure (LoRA/QLoRA applied) on the meta device, or materialised
+    on `device` with uninitialised weights (for a state dict to fill)."""
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    if cfg.lora.enabled:
+        apply_lora(model, cfg.lora, seed=cfg.train.seed)
+    if device is not None:
+        materialize(model, device=device)
+    return model
+
+
+def build_start_model(cfg: Config, *, device: torch.device | str = "cpu") -> Transformer:
+    """The model a run starts from, on one process: seeded, or read from model.init_from,
+    with LoRA/QLoRA applied when lora.rank > 0. Loading streams into the skeleton, so a
+    QLoRA base is quantized tensor by tensor and never exists dense in full."""
+    model = build_skeleton(cfg, device=device)
+    model.init_weights(cfg.train.seed)  # the adapters; the rest too unless init_from loads it
+    start_weights(cfg)(model)
+    return model
+
+
+def start_weights(cfg: Config) -> Callable[[nn.Module | StageShards], None]:
+    """What replaces the seeded initialisation of a model (or of a layout's shards,
+    parallelize's `load_weights`): model.init_from's weights, streamed; and the NF4 bases,
+    quantized from those weights or from the seeded dense ones."""
+    @torch.no_grad()
+    def load(target: nn.Module | StageShards) -> None:
+        shards = target if isinstance(target, StageShards) else None
+        model = target.model if shards is not None else target
+        if cfg.model.init_from:
+            slicer = None if shards is None else (lambda n, full: shards.placement(n).shard(full))
+            load_hf_weights(model, Path(cfg.model.init_from).expanduser(), cfg=cfg.model,
+                            shard=slicer)  # this tp rank's slice of each tensor
+            return
+        for name, module in lora_modules(model).items():
+            if module.nf4 is not None:
+                shape = (module.out_features, module.in_features)
+                module.load_weight(init_tensor(f"{name}.weight", shape, cfg.train.seed, cfg.model))
+
+    return load
+
+
+def export_hf(model: nn.Module, cfg: Config, out: str | Path,
+              tokenizer_file: str | Path | None = None) -> Path:
+    """The model (LoRA merged, NF4 dequantized) as a Hugging Face directory; the source
+    directory's config.json fields carried over when the run started from one."""
+    base = source_config(Path(cfg.model.init_from).expanduser()) if cfg.model.init_from else None
+    return save_hf(model, out, cfg=cfg.model, base_config=base, tokenizer_file=tokenizer_file)
+
+
+def save_adapters(model: nn.Module, cfg: Config, out: str | Path) -> Path:
+    """The adapters alone: adapters.safetensors (shardtrain's parameter names) and
+    adapter_config.json (rank, alpha, targets, the base directory)."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.float().cpu() for k, v in adapter_state(model).items()},
+              str(out / ADAPTER_FILE), metadata={"format": "pt"})
+    meta = {**dataclasses.asdict(cfg.lora), "base_model": cfg.model.init_from}
+    (out / "adapter_config.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return out
+
+
+@torch.no_grad()
+def load_adapters(model: nn.Module, path: str | Path) -> None:
+    """Copy saved adapters into a model with the same LoRA targets."""
+    from safetensors.torch import load_file
+
+    file = Path(path) / ADAPTER_FILE
+    if not file.is_file():
+        raise ConfigError(f"{file}: missing; give a directory written by save_adapters")
+    saved = load_file(str(file))
+    params = dict(model.named_parameters())
+    missing = sorted(set(saved) ^ {n for n in params if n.endswith((".lora_a", ".lora_b"))})
+    if missing:
+        raise ConfigError(f"{file}: adapters do not match this model's LoRA targets "
+                          f"(e.g. {missing[:2]}); use the same lora.targets")
+    for name, value in saved.items():
+        params[name].copy_(value)
+
+
+def nf4_bytes(model: nn.Module) -> int:
+    """Bytes of the NF4 base weights (QLoRA; buffers, which no parameter count sees)."""
+    return sum(m.nf4.nbytes() for m in lora_modules(model).values() if m.nf4 is not None)

@@ -1,0 +1,142 @@
+"""Fine-tuning end to end: a `transformers` Llama directory fine-tuned with QLoRA and 8-bit
+AdamW by the trainer, exported, reloaded by `transformers` and sampled by `shardtrain
+generate`; parity rows for LoRA under dp=2 and ZeRO-2 and for adamw8bit under ZeRO-2; the
+memory ledger of an adapter run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dist import run_distributed
+from parity import assert_parity, make_mesh, tiny, train_layout, train_layouts
+from shardtrain import cli, config
+from shardtrain.config import ConfigError
+from shardtrain.train.finetune import build_skeleton, resolve_init_from
+from shardtrain.train.trainer import Trainer
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("finetune")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp):
+    """A random tiny Llama with the tiny preset's shape (so the preset's model section
+    agrees with its config.json), saved as a Hugging Face directory."""
+    cfg = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp / "hf")
+    return tmp / "hf"
+
+
+@pytest.fixture(scope="module")
+def jsonl(tmp):
+    import inspect
+
+    import shardtrain.train.trainer as source  # any text will do: Python source, as JSONL
+    lines = inspect.getsource(source).splitlines()
+    path = tmp / "data.jsonl"
+    records = [json.dumps({"text": "\n".join(lines[i:i + 20])}) for i in range(0, len(lines), 20)]
+    path.write_text("\n".join(records * 4) + "\n")
+    return path
+
+
+def test_qlora_adamw8bit_fine_tune_exports_to_transformers(tmp, hf_dir, jsonl, capsys):
+    cfg = tiny(tmp, "qlora", "--model.init_from", str(hf_dir), "--data.source", str(jsonl),
+               "--data.eval_fraction", "0.1", "--lora.rank", "8", "--lora.targets",
+               "q,k,v,o,gate,up,down", "--lora.quantize_base", "nf4", "--optim.name",
+               "adamw8bit", "--train.steps", "30", "--train.lr", "1e-2",
+               "--train.export_hf", str(tmp / "export"))
+    trainer = Trainer(cfg, make_mesh(cfg, 0, 1), torch.device("cpu"))
+    before = trainer.evaluate()
+    result = trainer.run()
+    print(f"QLoRA + adamw8bit fine-tune: eval loss {before:.4f} -> {result.eval_loss:.4f}")
+    assert result.eval_loss < before - 0.3
+    ledger = result.history[-1]
+    n_adapter = sum(p.numel() for n, p in trainer.parallel.module.named_parameters()
+                    if p.requires_grad)
+    assert ledger["grads_bytes"] == 4 * n_adapter and ledger["nf4_base_bytes"] > 0
+    # The export: transformers loads it and agrees with the trained model.
+    model = trainer.plain_model()
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp / "export").eval()
+    tokens = torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, model(tokens), rtol=0, atol=1e-5)
+    capsys.readouterr()
+    assert cli.main(["generate", "--checkpoint", str(tmp / "export"), "--tokens", "5",
+                     "--prompt", "def "]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+    # And the checkpoint exports the same way from the command line.
+    step = sorted((tmp / "qlora" / "checkpoints").glob("step_*"))[-1]
+    assert cli.main(["export", "--checkpoint", str(step), "--out", str(tmp / "export2")]) == 0
+    assert cli.main(["export", "--checkpoint", str(step), "--out", str(tmp / "adapters"),
+                     "--adapters-only"]) == 0
+    assert (tmp / "adapters" / "adapters.safetensors").is_file()
+
+
+def test_fine_tune_config_errors(tmp, hf_dir):
+    with pytest.raises(ConfigError, match=r"model.dim=128 conflicts with .*config.json"):
+        cli.prepare_run(tiny(tmp, "bad", "--model.init_from", str(hf_dir), "--model.dim", "128"),
+                        1, prepare_data=False)
+    with pytest.raises(ConfigError, match="lora.rank=4 with parallel.tp=2: an NF4 base"):
+        tiny(tmp, "bad", "--lora.rank", "4", "--parallel.tp", "2", "--lora.quantize_base",
+             "nf4").validate(2)
+    with pytest.raises(ConfigError, match="lora.rank=4 with parallel.zero=3"):
+        tiny(tmp, "bad", "--lora.rank", "4", "--parallel.zero", "3").validate(2)
+    with pytest.raises(ConfigError, match="config.json: missing"):
+        cli.prepare_run(tiny(tmp, "bad", "--model.init_from", str(tmp)), 1, prepare_data=False)
+
+
+B8 = ("--train.global_batch", "8", "--train.steps", "4")
+LORA = ("--lora.rank", "4", "--lora.targets", "q,v,gate,down", "--train.lr", "1e-2")
+ROWS = [("lora dp2", LORA, []),
+        ("lora zero2 dp2", LORA, ["--parallel.zero", "2"]),
+        ("lora tp2", LORA, ["--parallel.tp", "2"]),
+        ("lora tp2 sp", LORA, ["--parallel.tp", "2", "--parallel.sp", "true"]),
+        ("adamw8bit zero2 dp2", ("--optim.name", "adamw8bit"), ["--parallel.zero", "2"])]
+
+
+def adapter_memory(trainer: Trainer) -> dict:
+    return {"memory": trainer.memory_ledger()}
+
+
+def test_lora_and_adamw8bit_parity_with_single_process(tmp, hf_dir):
+    def text(name, *overrides):
+        return config.to_toml(tiny(tmp, name, "--model.init_from", str(hf_dir), *B8, *overrides))
+
+    texts = [text(f"row{i}", *ref, *layout) for i, (_, ref, layout) in enumerate(ROWS)]
+    per_rank = run_distributed(train_layouts, 2, texts, adapter_memory)
+    refs: dict[tuple, dict] = {}
+    for i, (label, ref, _) in enumerate(ROWS):
+        if ref not in refs:
+            refs[ref] = train_layout(0, 1, text(f"ref{len(refs)}", *ref), adapter_memory)
+        for rank, results in enumerate(per_rank):
+            assert_parity(refs[ref], results[i], f"{label} rank {rank}")
+        print(f"{label}: losses {[round(x, 5) for x in per_rank[0][i]['losses']]}")
+    # The 2-process LoRA run's checkpoint exports, and transformers reloads it equal.
+    step = sorted((tmp / "row0" / "checkpoints").glob("step_*"))[-1]
+    assert cli.main(["export", "--checkpoint", str(step), "--out", str(tmp / "row0-hf")]) == 0
+    cfg = config.loads(texts[0])
+    resolve_init_from(cfg)
+    model = build_skeleton(cfg, device="cpu")
+    model.load_state_dict(per_rank[0][0]["weights"])
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp / "row0-hf").eval()
+    tokens = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, model(tokens), rtol=0, atol=1e-5)
+    full = train_layout(0, 1, text("full", "--train.steps", "1"), adapter_memory)["memory"]
+    lora = per_rank[0][0]["memory"]
+    print(f"memory ledger, dp2: full model grads {full['grads_bytes']} B, optimizer "
+          f"{full['optimizer_bytes']} B; LoRA (q,v,gate,down, r=4) grads {lora['grads_bytes']} "
+          f"B, optimizer {lora['optimizer_bytes']} B")
+    assert lora["grads_bytes"] < full["grads_bytes"] / 20
+    # AdamW: m and v per adapter value (and a 4-byte step count per tensor).
+    assert 2 * lora["grads_bytes"] <= lora["optimizer_bytes"] <= 2 * lora["grads_bytes"] + 256
