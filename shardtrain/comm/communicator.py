@@ -8,8 +8,8 @@ our algorithms' messages, rooted.py holds gather and scatter.
 
 Each call runs the algorithm named for it (`algorithm=`), or the run's `comm.algorithm`,
 or -- for ops that algorithm does not implement -- the backend's own (`native`); `auto`
-asks the cost model (see dispatch.py). Our algorithms are plain functions over point-to-point messages
-(algorithms/); the ledger records the bytes they really moved.
+asks the cost model (see dispatch.py). Our algorithms are plain functions over
+point-to-point messages (algorithms/); the ledger records the bytes they really moved.
 
 A communicator over a group of one rank (or no group at all) turns every collective into a
 no-op or a local copy, so world size 1 runs the same code. Ops: sum, avg, max, min (avg is a
@@ -61,8 +61,9 @@ class Communicator(PeerOps):
         figures `auto` and the hierarchical phases price with (cost.hardware.runtime_link;
         agreed from group rank 0 where the algorithm prices); `check_sizes`: compare sizes
         across ranks before the first call of each op ("first"), every call ("all") or never
-        ("off"); `device`: where the group's payload lives; `meta`: the group the CPU metadata travels on (None: `group` itself,
-        a Gloo group; beside an NCCL group, a Gloo group over the same ranks)."""
+        ("off"); `device`: where the group's payload lives; `meta`: the group the CPU metadata
+        travels on (None: `group` itself, a Gloo group; beside an NCCL group, a Gloo group over
+        the same ranks)."""
         if algorithm not in ALGORITHMS:
             raise ValueError(f"comm.algorithm={algorithm!r} is not one of {', '.join(ALGORITHMS)}")
         on_device(algorithm, torch.device(device), name)

@@ -2,7 +2,8 @@
 
 Order: tensor/sequence parallel (tensor/) -> context parallel -> expert parallel ->
 activation checkpointing -> pipeline split (pipeline/) -> ZeRO (zero/) or data parallel
-(data/), or a parameter server (ps/). Context and expert parallelism are not built yet; config validation refuses them.
+(data/), or a parameter server (ps/). Context and expert parallelism are not built yet;
+config validation refuses them.
 Every layout runs its micro-batches through the pipeline executor: without pipeline
 parallelism that is one stage holding the whole model, and the schedule is plain gradient
 accumulation.

@@ -122,7 +122,8 @@ class SparseUpdates:
     def load_optimizer_files(self, load: Callable[[str], dict]) -> None:
         state = load(self.file)
         self.optimizer.load_state_dict(state["optimizer"])
-        self.compressor.residual, self.steps = state["updates"]["residual"], state["updates"]["steps"]
+        updates = state["updates"]
+        self.compressor.residual, self.steps = updates["residual"], updates["steps"]
 
     @torch.no_grad()
     def step(self, lr: float) -> None:

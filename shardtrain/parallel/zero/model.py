@@ -113,10 +113,10 @@ class ZeroModel:
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float, unscale: float = 1.0) -> torch.Tensor:
         """The L2 norm of the full model's gradient, from the fp32 shards (first multiplied by
-        `unscale`); scales them to at most `max_norm`. Squares are summed over this rank's shards, a tensor-parallel block
-        weighted parts / t as in tensor/sharding.py (a block held by several tp ranks counts once),
-        then over dp, tp and pipeline stages (the last stage's copy of a tied embedding is
-        counted on the first)."""
+        `unscale`); scales them to at most `max_norm`. Squares are summed over this rank's
+        shards, a tensor-parallel block weighted parts / t as in tensor/sharding.py (a block
+        held by several tp ranks counts once), then over dp, tp and pipeline stages (the last
+        stage's copy of a tied embedding is counted on the first)."""
         if unscale != 1.0:
             torch._foreach_mul_([u.grad_shard for u in self.units], unscale)
         t = self.shards.comm.size
