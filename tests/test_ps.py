@@ -164,6 +164,7 @@ def test_two_servers_halve_the_incast():
     (3, ["--parallel.ps_servers", "1", "--parallel.ps_staleness", "2"],
      "parallel.ps_staleness=2 must be >= 0 and applies to parallel.ps_mode=ssp only"),
     (3, ["--parallel.ps_servers", "1", "--parallel.ps_credit", "0"], "parallel.ps_credit=0"),
+    (3, ["--parallel.ps_servers", "1", "--train.precision", "fp16"], "train.precision=fp16"),
     (2, ["--train.slow_ranks", "1-1.5"], "train.slow_ranks='1-1.5': '1-1.5' is not RANK:FACTOR"),
     (2, ["--train.slow_ranks", "3:1.5"], "rank 3 must lie in 0..1"),
     (2, ["--train.slow_ranks", "1:0.5"], "its factor 0.5 be >= 1"),
