@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.flatten(-2).type_as(x)
 
 
+def sdpa_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of q [B, H, S, D] over k, v [B, G, S, D] -> [B, H, S, D] (G divides
+    H: grouped-query attention, Ainslie et al. 2023)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class Attention(nn.Module):
+    """Projections, RoPE and the attention core. `core` (q, k, v after RoPE -> output) is
+    the one part a layout may replace: context parallelism swaps in ring or Ulysses
+    attention, selective recomputation a checkpointed core (parallel/)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         bias = cfg.style == "gpt2"
@@ -42,6 +57,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=bias)
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=bias)
+        self.core: AttentionCore = sdpa_core
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         b, s, _ = x.shape
@@ -51,8 +67,7 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H|G, S, D]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        out = self.core(q, k, v)  # [B, H, S, D]
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))  # [B, S, C]
 
 
