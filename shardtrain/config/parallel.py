@@ -22,6 +22,13 @@ class ParallelConfig:
     cp: int = 1
     ep: int = 1
     sp: bool = False
+    # Context parallelism (parallel/context/, docs/context-parallel.md): each sequence is
+    # split over cp ranks. ring: K and V travel around the cp ring (Liu et al. 2023);
+    # ulysses: all-to-alls trade the sequence split for a head split (Jacobs et al. 2023).
+    # cp_split zigzag gives rank r chunks r and 2cp-1-r of 2cp, so causal work is even;
+    # contiguous (chunk r of cp) is kept to show the imbalance it avoids.
+    cp_mode: Literal["ring", "ulysses"] = "ring"
+    cp_split: Literal["zigzag", "contiguous"] = "zigzag"
     node_size: int = 0  # ranks per (virtual) node; 0: LOCAL_WORLD_SIZE from the launcher
     # ZeRO over the dp group: 1 shards optimizer state and master weights, 2 also gradients,
     # 3 also parameters (gathered unit by unit, zero_prefetch units ahead).
@@ -76,11 +83,10 @@ class ParallelConfig:
         positive("parallel", self, "virtual_stages")
         if (dp * self.cp) % self.ep:
             raise ConfigError(f"parallel.ep={self.ep} must divide dp x cp = {dp * self.cp}")
-        for name in ("cp", "ep"):
-            if getattr(self, name) > 1:
-                raise ConfigError(
-                    f"parallel.{name}={getattr(self, name)}: the trainer supports data, tensor "
-                    f"and pipeline parallelism only in this release; set parallel.{name}=1")
+        if self.ep > 1:
+            raise ConfigError(
+                f"parallel.ep={self.ep}: expert parallelism is not built yet; the trainer runs "
+                "data, tensor, pipeline and context parallelism: set parallel.ep=1")
 
     def _validate_offload_and_zeropp(self) -> None:
         """Offload and ZeRO++ act on ZeRO's flat shards; hpZ on stage 3's backward gathers.

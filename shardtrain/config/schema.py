@@ -124,7 +124,9 @@ class TrainConfig:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # parallel/precision.py
     grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # gradients on the wire; bf16 halves
     lr: float = 3e-3
-    activation_checkpointing: Literal["none", "full"] = "none"
+    # none; selective: recompute the attention core (QK^T, softmax, over V) in backward
+    # (Korthikanti et al. 2022); full: keep only each block's input (Chen et al. 2016).
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
     eval_every: int = 100  # steps between evals (0: only at the end)
     eval_batches: int = 4
     log_every: int = 10
