@@ -48,11 +48,12 @@ def test_blockwise_round_trip_error():
         assert rel.mean() < 0.004
 
 
-def test_matches_torch_adamw_as_bitsandbytes_tests_it():
-    """bitsandbytes' test_optimizer8bit, our way: p ~ N(0, 0.1), g ~ N(0, 0.01), 50 steps,
-    the reference's parameters re-synchronised to ours after each step. bitsandbytes also
-    copies its dequantized moments into the reference; here the reference keeps its own fp32
-    moments, so the measured error includes the drift of the quantized moments."""
+def _against_torch_adamw(sync_moments: bool) -> tuple[list[float], list[float]]:
+    """bitsandbytes' test_optimizer8bit, our way: p ~ N(0, 0.1), g ~ N(0, 0.01), 50 steps;
+    after each step the reference's parameters are re-synchronised to ours, and with
+    `sync_moments` its moments to our dequantized ones, as bitsandbytes' test does. Each
+    step's moments are compared before any copy. Returns the per-step mean absolute and
+    mean relative parameter errors."""
     gen = torch.Generator().manual_seed(0)
     shapes = [(1024, 1024), (1031, 1000)]  # the second ends in a partial block
     ours = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.1) for s in shapes]
@@ -75,6 +76,8 @@ def test_matches_torch_adamw_as_bitsandbytes_tests_it():
                 v = dequantize(Quantized(state["v_codes"], state["v_absmax"], False)).view_as(p)
                 for mine, theirs in ((m, state_ref["exp_avg"]), (v, state_ref["exp_avg_sq"])):
                     assert (~torch.isclose(mine, theirs, atol=3e-3, rtol=1e-3)).sum() < 20
+                    if sync_moments:
+                        theirs.copy_(mine)
                 p.copy_(r)
         if step in (10, 40):  # the checkpoint round trip is exact, mid-run
             buf = io.BytesIO()
@@ -84,9 +87,24 @@ def test_matches_torch_adamw_as_bitsandbytes_tests_it():
             opt.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
             for k, v in before.items():
                 assert torch.equal(opt.state[ours[0]][k], v) and opt.state[ours[0]][k].dtype == v.dtype
+    return abs_err, rel_err
+
+
+def test_matches_torch_adamw_as_bitsandbytes_tests_it():
+    """With bitsandbytes' protocol (parameters and moments re-synchronised each step) the
+    parameter error is that of one step from the same state, within bitsandbytes' bounds
+    (mean absolute 6e-5, mean relative 6e-4); the moments' own error is the isclose check.
+    With only the parameters re-synchronised, the reference keeps its fp32 moments and the
+    error includes 50 steps of quantized-moment drift: reported, and bounded looser."""
+    abs_err, rel_err = _against_torch_adamw(sync_moments=True)
+    print(f"adamw8bit vs AdamW, 50 steps, bitsandbytes' protocol: mean abs error per step max "
+          f"{max(abs_err):.2e}, mean relative error per step max {max(rel_err):.2e}")
+    assert max(abs_err) < 6e-5 and max(rel_err) < 6e-4
+    abs_err, rel_err = _against_torch_adamw(sync_moments=False)
     mean_rel = sum(rel_err) / len(rel_err)
-    print(f"adamw8bit vs AdamW, 50 steps: mean abs error per step max {max(abs_err):.2e}; "
-          f"mean relative error per step max {max(rel_err):.2e}, average {mean_rel:.2e}")
+    print(f"adamw8bit vs AdamW, 50 steps, moments drifting: mean abs error per step max "
+          f"{max(abs_err):.2e}; mean relative error per step max {max(rel_err):.2e}, "
+          f"average {mean_rel:.2e}")
     assert max(abs_err) < 6e-5
     # The relative error is dominated by the few parameters nearest zero (|p| ~ 1e-7).
     assert mean_rel < 1.2e-3
