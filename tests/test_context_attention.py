@@ -14,9 +14,16 @@ import torch.nn.functional as F
 from dist import run_distributed
 
 from shardtrain.config.errors import ConfigError
-from shardtrain.parallel.context import (TAG_A2A, TAG_DKV, TAG_KV, ContextAttention,
-                                         SequenceSplit, ring_attention,
-                                         simulated_ring_attention, ulysses_attention)
+from shardtrain.parallel.context import (
+    TAG_A2A,
+    TAG_DKV,
+    TAG_KV,
+    ContextAttention,
+    SequenceSplit,
+    ring_attention,
+    simulated_ring_attention,
+    ulysses_attention,
+)
 
 # ------------------------------------------------------------------ the split
 
@@ -105,7 +112,7 @@ def test_simulated_ring_matches_dense_fp32(n, zigzag, causal, heads):
     split = SequenceSplit(24, n, zigzag)
     got = _out_and_grads(lambda *x: simulated_ring_attention(*x, split=split, causal=causal),
                          q, k, v, dout, torch.float32)
-    want = _out_and_grads(lambda *x: _dense(*x, causal), q, k, v, dout, torch.float32)
+    want = _out_and_grads(lambda *x, c=causal: _dense(*x, c), q, k, v, dout, torch.float32)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
 
@@ -126,7 +133,7 @@ def test_simulated_ring_matches_dense_bf16(n, zigzag, causal, heads):
     ring = _out_and_grads(lambda *x: simulated_ring_attention(*x, split=split, causal=causal),
                           q, k, v, dout, torch.bfloat16)
     sdpa = _out_and_grads(lambda *x: _dense(*x, causal), q, k, v, dout, torch.bfloat16)
-    want = _out_and_grads(lambda *x: _dense(*x, causal), q, k, v, dout, torch.float32)
+    want = _out_and_grads(lambda *x, c=causal: _dense(*x, c), q, k, v, dout, torch.float32)
     for name, a, s, b in zip(("out", "dq", "dk", "dv"), ring, sdpa, want):
         top = b.abs().max()
         assert (s - b).abs().max() <= BF16_BOUND * top, f"{name}: the yardstick itself"
@@ -202,7 +209,7 @@ def _cp_worker(rank: int, world: int) -> dict:
     for mode, zigzag, causal, (h, g), dtype in cases:
         split = SequenceSplit(8 * world, world, zigzag)
         q, k, v, dout = (t.to(dtype).float() for t in _inputs(h, g, seq=8 * world, seed=h + g))
-        want = _out_and_grads(lambda *x: _dense(*x, causal), q, k, v, dout, torch.float32)
+        want = _out_and_grads(lambda *x, c=causal: _dense(*x, c), q, k, v, dout, torch.float32)
         mark = len(ledger.records)
         x = [split.take(t, rank, dim=2).to(dtype).requires_grad_() for t in (q, k, v)]
         y = fns[mode](*x, comm=comm, split=split, causal=causal)

@@ -5,11 +5,24 @@ by Ulysses (all-to-all from a sequence split to a head split; Jacobs et al. 2023
 ulysses.py). `ContextAttention` is the model's attention core under a cp layout."""
 
 from shardtrain.parallel.context.core import ContextAttention
-from shardtrain.parallel.context.ring import (TAG_DKV, TAG_KV, ring_attention,
-                                              simulated_ring_attention)
+from shardtrain.parallel.context.ring import (
+                                              TAG_DKV,
+                                              TAG_KV,
+                                              ring_attention,
+                                              simulated_ring_attention,
+)
 from shardtrain.parallel.context.split import SequenceSplit
 from shardtrain.parallel.context.timer import ComputeTimer
 from shardtrain.parallel.context.ulysses import TAG_A2A, ulysses_attention
 
-__all__ = ["ComputeTimer", "ContextAttention", "SequenceSplit", "TAG_A2A", "TAG_DKV", "TAG_KV",
-           "ring_attention", "simulated_ring_attention", "ulysses_attention"]
+__all__ = [
+                                              "TAG_A2A",
+                                              "TAG_DKV",
+                                              "TAG_KV",
+                                              "ComputeTimer",
+                                              "ContextAttention",
+                                              "SequenceSplit",
+                                              "ring_attention",
+                                              "simulated_ring_attention",
+                                              "ulysses_attention",
+]

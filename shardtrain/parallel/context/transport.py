@@ -26,7 +26,7 @@ class CommTransport:
         self.size = comm.size
         self.ranks = [comm.rank]
 
-    def shift(self, blocks: Sequence[torch.Tensor], tag: str) -> "_Posted":
+    def shift(self, blocks: Sequence[torch.Tensor], tag: str) -> _Posted:
         (block,) = blocks
         block = block.contiguous()  # kept alive (and unchanged) until wait()
         got = torch.empty_like(block)
@@ -55,7 +55,7 @@ class LocalTransport:
         self.size = size
         self.ranks = list(range(size))
 
-    def shift(self, blocks: Sequence[torch.Tensor], tag: str) -> "_Rotated":
+    def shift(self, blocks: Sequence[torch.Tensor], tag: str) -> _Rotated:
         return _Rotated([blocks[(i - 1) % self.size] for i in range(self.size)])
 
 
