@@ -152,6 +152,27 @@ def test_simulated_ring_skips_masked_blocks_not_just_masks_them():
                                                           v[:, :, :12], True))
 
 
+def test_cp_of_one_runs_the_same_path_without_a_message():
+    """World size 1 is not a special case: a one-rank communicator, no ledger record."""
+    from shardtrain.comm import CommLedger, Communicator
+
+    ledger = CommLedger()
+    comm = Communicator(None, name="cp", ranks=[0], ledger=ledger)
+    q, k, v, dout = _inputs(4, 2, seq=12)
+    want = _out_and_grads(lambda *x: _dense(*x, True), q, k, v, dout, torch.float32)
+    for mode in ("ring", "ulysses"):
+        core = ContextAttention(comm, SequenceSplit(12, 1, True), mode)
+        got = _out_and_grads(core, q, k, v, dout, torch.float32)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{mode} {name}")
+        assert core.compute_s > 0
+        core.reset()
+        assert core.compute_s == 0
+        with torch.no_grad():  # inference: same output, nothing kept for a backward
+            torch.testing.assert_close(core(q, k, v), want[0], atol=1e-5, rtol=1e-5)
+    assert ledger.records == []
+
+
 # ------------------------------------------------------------------ bad input
 
 
@@ -203,6 +224,7 @@ def _cp_worker(rank: int, world: int) -> dict:
     cases = [(mode, zz, True, h, torch.float32) for mode in ("ring", "ulysses")
              for zz in (True, False) for h in heads]
     cases += [("ring", True, False, (4, 2), torch.float32),
+              ("ulysses", True, False, (4, 2), torch.float32),
               ("ring", True, True, (4, 2), torch.bfloat16),
               ("ulysses", True, True, (4, 2), torch.bfloat16)]
     fns = {"ring": ring_attention, "ulysses": ulysses_attention}

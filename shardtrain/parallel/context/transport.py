@@ -31,9 +31,18 @@ class CommTransport:
         block = block.contiguous()  # kept alive (and unchanged) until wait()
         got = torch.empty_like(block)
         n, r = self.size, self.comm.rank
-        # Receive first: the peer's matching send can land straight in `got`.
-        recv = self.comm.irecv(got, (r - 1) % n, tag=tag)
-        send = self.comm.isend(block, (r + 1) % n, tag=tag)
+        # Even ranks send first, odd ranks receive first. Gloo matches messages whenever
+        # they are posted, but NCCL runs a rank's point-to-point ops in posting order on one
+        # stream (per peer pair, or per communicator): if every rank posted its receive
+        # first, each would wait for a send queued behind its neighbour's receive. With the
+        # parity order a send always meets a receive posted first or second (and at N = 2,
+        # where both directions share one pair, the two ranks' orders mirror each other).
+        if r % 2 == 0:
+            send = self.comm.isend(block, (r + 1) % n, tag=tag)
+            recv = self.comm.irecv(got, (r - 1) % n, tag=tag)
+        else:
+            recv = self.comm.irecv(got, (r - 1) % n, tag=tag)
+            send = self.comm.isend(block, (r + 1) % n, tag=tag)
         return _Posted([recv, send], [got], keep=block)
 
 

@@ -67,15 +67,16 @@ class _Ulysses(torch.autograd.Function):
                 timer: Any):
         qh, kh, vh = _to_heads(comm, [q, k, v])  # [B, H/N | G'/N, S, D]
         timer.start()
-        order = split.order(q.device)  # [S]: position of each gathered token
-        natural = torch.argsort(order) if split.zigzag else None
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_() for t in (qh, kh, vh)]
+        order = split.order(q.device)  # [S]: the position of each gathered token
+        natural = torch.argsort(order) if split.zigzag else None  # gathered index by position
+        # The local graph is kept for backward (no recompute); none is built without grad.
+        with torch.set_grad_enabled(any(ctx.needs_input_grad[:3])):
+            leaves = [t.detach().requires_grad_(torch.is_grad_enabled()) for t in (qh, kh, vh)]
             x = [t.index_select(2, natural) for t in leaves] if natural is not None else leaves
             out = F.scaled_dot_product_attention(*x, is_causal=causal,
                                                  enable_gqa=x[0].shape[1] != x[1].shape[1])
             if natural is not None:
-                out = out.index_select(2, torch.argsort(natural))  # back to rank order
+                out = out.index_select(2, order)  # back to rank order
         timer.stop()
         ctx.graph, ctx.comm, ctx.timer = (leaves, out), comm, timer
         (result,) = _to_sequence(comm, [out.detach()])  # [B, H, s, D]
