@@ -54,9 +54,9 @@ def worker(args: dict) -> dict:
     def step(name: str) -> None:
         cores[name](q, k, v).sum().backward()
 
-    for name in cores:  # warm-up, then the clocks start from zero
+    for name, core in cores.items():  # warm-up, then the clocks start from zero
         step(name)
-        cores[name].reset()
+        core.reset()
     for i in range(args["iters"]):
         for name in (list(cores) if i % 2 else list(reversed(cores))):
             step(name)

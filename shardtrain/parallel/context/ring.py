@@ -1,6 +1,7 @@
 """Ring attention: K and V blocks travel around the cp ring while each rank attends with
 its own queries (Liu et al. 2023, "Ring Attention with Blockwise Transformers"; the
-zig-zag split that balances causal work: Brandon et al. 2023, see split.py).
+causal imbalance across ranks: Brandon et al. 2023; the zig-zag split that removes it:
+split.py).
 
 At step i (0 <= i < N) rank r attends to the kv block of rank (r - i) mod N; the block of
 step i + 1 is already in flight (isend to r + 1, irecv from r - 1, posted before the step's

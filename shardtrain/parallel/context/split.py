@@ -3,9 +3,11 @@
 Contiguous: N equal chunks, rank r holds chunk r. Under causal attention the last rank's
 queries see the whole sequence and the first rank's only its own chunk, so the ranks'
 attention work grows with r (r + 1 blocks of the ring: see blocks.py).
-Zig-zag (head-tail; Brandon et al. 2023, "Striped Attention" and the load-balanced ring
-of the same year): 2N chunks, rank r holds chunk r and chunk 2N-1-r, one from the cheap head
-and one from the expensive tail, so every rank does the same causal work.
+Zig-zag (head-tail): 2N chunks, rank r holds chunk r and chunk 2N-1-r, one from the cheap
+head and one from the expensive tail, so every rank does the same causal work. Brandon et
+al. 2023 ("Striped Attention") describe this imbalance of causal ring attention and balance
+it by striping tokens round-robin; the head-tail split balances it at chunk granularity,
+which keeps each chunk a contiguous run of positions (one mask rule per chunk pair).
 
 Chunks are ascending runs of positions and a rank's local tokens are its chunks
 concatenated in chunk order; `positions` says which global position each local token has

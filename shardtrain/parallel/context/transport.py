@@ -32,7 +32,7 @@ class CommTransport:
         got = torch.empty_like(block)
         n, r = self.size, self.comm.rank
         # Even ranks send first, odd ranks receive first. Gloo matches messages whenever
-        # they are posted, but NCCL runs a rank's point-to-point ops in posting order on one
+        # they are posted, but NCCL can run a rank's point-to-point ops in posting order on one
         # stream (per peer pair, or per communicator): if every rank posted its receive
         # first, each would wait for a send queued behind its neighbour's receive. With the
         # parity order a send always meets a receive posted first or second (and at N = 2,
