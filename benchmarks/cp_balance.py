@@ -9,15 +9,19 @@ splits alternating so machine noise hits both alike, after one warm-up call of e
 each rank's attention compute seconds (`compute_s`: time inside the blockwise math, not
 waiting for blocks), the max / min ratio over ranks for both splits, and the work each rank
 was given (chunk pairs of the ring, in units of one zig-zag chunk pair: contiguous rank r
-gets 4(r + 1), zig-zag every rank 2N + 1); the last line is one JSON object. The compute
-clock is wall time: on a loaded machine a rank descheduled mid-block counts that too. A
-figure, never a test.
+gets 4(r + 1), zig-zag every rank 2N + 1), and the process CPU seconds of each call (forward
+and backward, waits included, which cost next to no CPU); the last line is one JSON object.
+The compute clock is wall time: with more ranks than cores a rank descheduled mid-block
+counts that too, which inflates the light ranks (they compute while all others do) more
+than the heavy ones (which compute on while the others wait), so the wall-clock ratio
+understates the imbalance; the CPU seconds show it less distorted. A figure, never a test.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 import torch.distributed as dist
@@ -51,17 +55,23 @@ def worker(args: dict) -> dict:
     q, k, v = (torch.randn(b, m, s // n, d, generator=gen).requires_grad_()
                for m in (h, g, g))  # [B, H | G, S/N, D]: this rank's tokens
 
+    cpu = dict.fromkeys(cores, 0.0)
+
     def step(name: str) -> None:
+        start = time.process_time()
         cores[name](q, k, v).sum().backward()
+        cpu[name] += time.process_time() - start
 
     for name, core in cores.items():  # warm-up, then the clocks start from zero
         step(name)
         core.reset()
+        cpu[name] = 0.0
     for i in range(args["iters"]):
         for name in (list(cores) if i % 2 else list(reversed(cores))):
             step(name)
     result = {name: core.compute_s / args["iters"] for name, core in cores.items()}
     result["work"] = {name: work_units(core.split, rank) for name, core in cores.items()}
+    result["cpu"] = {name: t / args["iters"] for name, t in cpu.items()}
     dist.destroy_process_group()
     return result
 
@@ -86,14 +96,20 @@ def main() -> None:
           f"H={args.heads}, G={args.kv_heads}, D={args.head_dim}: compute seconds per call")
     for name in ("zigzag", "contiguous"):
         secs = [r[name] for r in ranks]
+        cpu = [r["cpu"][name] for r in ranks]
         work = [r["work"][name] for r in ranks]
-        ratio = max(secs) / min(secs)
-        print(f"{name:>10}: " + "  ".join(f"rank {i} {t:7.3f}s ({w:2d} units)"
+        ratio, cpu_ratio = max(secs) / min(secs), max(cpu) / min(cpu)
+        print(f"{name:>10}: " + "  ".join(f"rank {i} {t:6.3f}s ({w:2d} units)"
                                            for i, (t, w) in enumerate(zip(secs, work)))
               + f"   max/min {ratio:.2f} (work {max(work) / min(work):.2f})")
+        print(f"{'cpu':>10}: " + "  ".join(f"rank {i} {t:6.3f}s           "
+                                           for i, t in enumerate(cpu))
+              + f"   max/min {cpu_ratio:.2f}")
         summary[name] = {"compute_s": [round(t, 4) for t in secs], "work_units": work,
                          "max_over_min": round(ratio, 3),
-                         "work_max_over_min": round(max(work) / min(work), 3)}
+                         "work_max_over_min": round(max(work) / min(work), 3),
+                         "process_cpu_s": [round(t, 4) for t in cpu],
+                         "cpu_max_over_min": round(cpu_ratio, 3)}
     print(json.dumps(summary))
 
 
