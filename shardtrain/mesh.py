@@ -163,6 +163,14 @@ class ParallelMesh:
     def comm(self, dim: str):
         return self._comms[dim]
 
+    @property
+    def replica_dim(self) -> str:
+        """The group whose ranks hold the same parameters and see different tokens:
+        gradients are averaged and ZeRO shards over it, losses averaged. dp, or dp x cp
+        under context parallelism (each cp rank's gradient covers its slice of the
+        sequences: Liu et al. 2023)."""
+        return "dp_cp" if self.shape.cp > 1 else "dp"
+
     def communicator(self, group: Group):
         """A Communicator for a group made by `sub_group`, with the mesh's settings."""
         return self._factory(group)

@@ -1,4 +1,4 @@
-"""The checks that need the model and the layout together (tensor and pipeline
+"""The checks that need the model and the layout together (tensor, pipeline and context
 parallelism), run by `Config.validate` before any process starts."""
 
 from __future__ import annotations
@@ -86,3 +86,32 @@ def check_tensor_parallel(cfg: Config) -> None:
             "parallel groups then span nodes, and their activation all-reduces, on the "
             "critical path of every layer, cross the slower inter-node network; keep "
             "tp <= the devices per node", stacklevel=3)
+
+
+def check_context_parallel(cfg: Config) -> None:
+    """Context parallelism splits every sequence over cp ranks: in 2 cp chunks under the
+    zig-zag split (rank r holds chunks r and 2cp-1-r), in cp otherwise; sequence
+    parallelism then splits a rank's slice over tp. Ulysses trades the sequence split for
+    a head split, so each tensor-parallel rank's query heads must divide by cp (kv heads
+    that do not are repeated up to the query heads)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if p.cp == 1:
+        return
+    chunks = 2 * p.cp if p.cp_split == "zigzag" else p.cp
+    if t.seq_len % chunks:
+        raise ConfigError(
+            f"train.seq_len={t.seq_len} is not divisible by {chunks} (parallel.cp={p.cp}"
+            f"{', x 2 for cp_split=zigzag' if p.cp_split == 'zigzag' else ''}): every cp rank "
+            "holds equal chunks of each sequence; choose a seq_len that divides, or another cp")
+    if p.sp and (t.seq_len // p.cp) % p.tp:
+        raise ConfigError(
+            f"train.seq_len={t.seq_len} / parallel.cp={p.cp} = {t.seq_len // p.cp} tokens per "
+            f"cp rank is not divisible by parallel.tp={p.tp}: sequence parallelism splits "
+            "each cp rank's slice over tp; change seq_len, cp or tp")
+    heads = m.n_heads // p.tp
+    if p.cp_mode == "ulysses" and heads % p.cp:
+        raise ConfigError(
+            f"parallel.cp_mode=ulysses with model.n_heads={m.n_heads} / parallel.tp={p.tp} = "
+            f"{heads} query heads per tensor-parallel rank, not divisible by parallel.cp="
+            f"{p.cp}: Ulysses gives every cp rank whole heads; use cp_mode=ring, or a cp that "
+            "divides the heads")

@@ -62,6 +62,14 @@ class ParallelConfig:
         if self.dp < 0 or self.node_size < 0:
             raise ConfigError("parallel.dp and parallel.node_size must be >= 0 (0 means automatic)")
         dp = self.resolved_dp(world_size)
+        model_ranks = self.tp * self.pp * self.cp  # ranks one model replica spans
+        workers = world_size - self.ps_servers
+        if not self.dp and workers % model_ranks:
+            raise ConfigError(
+                f"parallel.tp={self.tp} x parallel.pp={self.pp} x parallel.cp={self.cp} = "
+                f"{model_ranks} ranks per model replica does not divide the {workers} "
+                f"training processes, so parallel.dp=0 cannot fill them; change tp, pp or cp, "
+                "or the number of processes (--nproc)")
         product = dp * self.tp * self.pp * self.cp
         if product != world_size - self.ps_servers:
             raise ConfigError(

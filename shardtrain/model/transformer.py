@@ -145,6 +145,9 @@ class Transformer(nn.Module):
         self.norm = _norm(cfg)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.tie_weights()
+        # The global positions of the tokens this rank holds, when they are not 0..S-1
+        # (context parallelism sets them: parallel/context/); None: the first S positions.
+        self.positions: torch.Tensor | None = None
         if cfg.style == "llama":
             cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
@@ -155,13 +158,13 @@ class Transformer(nn.Module):
             self.head.weight = self.tok_emb.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        s = tokens.shape[1]
+        at = position_index(self, tokens.shape[1])
         x = self.tok_emb(tokens)  # [B, S, C]
         rope = None
         if self.pos_emb is not None:
-            x = x + self.pos_emb.weight[:s]
+            x = x + self.pos_emb.weight[at]
         else:
-            rope = (self.rope_cos[:s], self.rope_sin[:s])
+            rope = (self.rope_cos[at], self.rope_sin[at])
         for layer in self.layers:
             x = layer(x, rope)
         return self.head(self.norm(x))
@@ -178,6 +181,17 @@ class Transformer(nn.Module):
         the checkpoint): tied weights and the RoPE tables."""
         self.tie_weights()
         init_rope(self, self.cfg)
+
+
+def position_index(module: nn.Module, seq_len: int) -> torch.Tensor | slice:
+    """Where the rows of the position tables (RoPE, GPT-2's learned positions) for the
+    `seq_len` tokens in hand are: the module's `positions` [S] when set, else 0..S-1."""
+    positions = getattr(module, "positions", None)
+    if positions is None:
+        return slice(0, seq_len)
+    if positions.shape[0] != seq_len:
+        raise ValueError(f"{seq_len} tokens in hand but {positions.shape[0]} positions set")
+    return positions
 
 
 @torch.no_grad()

@@ -1,9 +1,12 @@
 """parallelize(model, mesh, cfg): apply a layout to the plain model, in one documented order.
 
-Order: tensor/sequence parallel (tensor/) -> context parallel -> expert parallel ->
-activation checkpointing -> pipeline split (pipeline/) -> ZeRO (zero/) or data parallel
-(data/), or a parameter server (ps/). Context and expert parallelism are not built yet;
-config validation refuses them.
+Order: tensor/sequence parallel (tensor/) -> context parallel (context/) -> expert
+parallel -> activation checkpointing -> pipeline split (pipeline/) -> ZeRO (zero/) or data
+parallel (data/), or a parameter server (ps/). Expert parallelism is not built yet; config
+validation refuses it. Context parallelism comes after tensor parallelism because it
+replaces the attention core of the (possibly head-split) attention, and before
+checkpointing because selective recomputation wraps whichever core is in place.
+Under context parallelism the update half works over dp x cp (`mesh.replica_dim`).
 Every layout runs its micro-batches through the pipeline executor: without pipeline
 parallelism that is one stage holding the whole model, and the schedule is plain gradient
 accumulation.
@@ -24,6 +27,7 @@ from shardtrain.config import Config
 from shardtrain.mesh import ParallelMesh
 from shardtrain.model.transformer import Transformer
 from shardtrain.parallel.activation import checkpoint_blocks
+from shardtrain.parallel.context.apply import apply_context_parallel
 from shardtrain.parallel.data.ddp import DataParallel, ReplicatedUpdate
 from shardtrain.parallel.data.topk import SparseUpdates
 from shardtrain.parallel.pipeline.runtime import Pipeline
@@ -55,6 +59,7 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
     placements, loss = {}, cross_entropy
     if tp.size > 1:
         placements, loss = apply_tensor_parallel(model, tp, sp=cfg.parallel.sp)
+    split = apply_context_parallel(model, mesh.comm("cp"), cfg)
     if cfg.train.activation_checkpointing == "full":
         checkpoint_blocks(model.layers)
     # Pipeline split: this rank's stage (the model itself when pp = 1), the only part
@@ -66,13 +71,16 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
                         for group in make_optimizer(model).param_groups]
     module.to_empty(device=device)
     module.tie_weights()  # to_empty gives the tied modules a tensor each
+    if split is not None:  # RoPE and learned positions: the global positions held here
+        module.positions = split.positions(mesh.comm("cp").rank, device)
     shards = StageShards(module, tp, placements, pp=pp, reference_keys=reference_keys,
                          reference_groups=reference_groups, tied=cfg.model.tie_embeddings)
     shards.init_weights(cfg.train.seed)
     if load_weights is not None:
         load_weights(shards)
     policy = PrecisionPolicy.from_config(cfg)  # the one source of every dtype below
-    pipeline = Pipeline(chunks, mesh, cfg, loss=loss, device=device, policy=policy)
+    pipeline = Pipeline(chunks, mesh, cfg, loss=loss, device=device, policy=policy,
+                        split=split)
     return Strategy(shards=shards, pipeline=pipeline,
                     update=_update(module, shards, mesh, cfg, policy, make_optimizer),
                     policy=policy, scaler=LossScaler.from_config(cfg),
@@ -81,9 +89,10 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
 
 def _update(module: torch.nn.Module, shards: StageShards, mesh: ParallelMesh, cfg: Config,
             policy: PrecisionPolicy, make_optimizer: MakeOptimizer) -> Update:
-    """The update half the config asks for: a parameter server's worker, ZeRO over the dp
-    group, top-k update compression, or plain bucketed data parallelism."""
-    dp, c = mesh.comm("dp"), cfg.comm
+    """The update half the config asks for: a parameter server's worker, ZeRO over the
+    replica group (dp, or dp x cp), top-k update compression, or plain bucketed data
+    parallelism."""
+    dp, c = mesh.comm(mesh.replica_dim), cfg.comm
     if cfg.parallel.ps_servers:
         return PSUpdate(module, mesh, cfg)
     if cfg.parallel.zero:

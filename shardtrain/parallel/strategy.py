@@ -162,8 +162,10 @@ class Strategy:
 
 def rank_file(coords: dict[str, int]) -> str:
     """The checkpoint file of one rank's own optimizer state (ZeRO shards, top-k's per-rank
-    state), named by its mesh coordinates."""
-    return f"optimizer_pp{coords['pp']}_dp{coords['dp']}_tp{coords['tp']}.pt"
+    state), named by its mesh coordinates (the cp coordinate where it is not 0: ZeRO
+    shards over dp x cp under context parallelism)."""
+    cp = f"_cp{coords['cp']}" if coords.get("cp") else ""
+    return f"optimizer_pp{coords['pp']}_dp{coords['dp']}{cp}_tp{coords['tp']}.pt"
 
 
 def nbytes(*tensors: torch.Tensor) -> int:

@@ -131,10 +131,10 @@ def check_layout(path: Path, cfg: Config, world_size: int) -> None:
             "optimizer state lives in its ps_server*.pt files, the other layouts' in "
             "optimizer files: resume with parallel.ps_servers > 0 if and only if the "
             "checkpoint had servers (their count may change)")
-    saved = {**meta.get("layout", {"zero": 0}),
+    saved = {"zero": 0, "cp": 1, **meta.get("layout", {}),
              "topk": checkpoint_config(path).comm.compress == "topk"}
     wanted = {"zero": p.zero, "pp": p.pp, "dp": p.resolved_dp(world_size), "tp": p.tp,
-              "topk": cfg.comm.compress == "topk"}
+              "cp": p.cp, "topk": cfg.comm.compress == "topk"}
     replicated = saved["zero"] == wanted["zero"] == 0 and not saved["topk"] and not wanted["topk"]
     if replicated or saved == wanted:
         return
@@ -143,7 +143,7 @@ def check_layout(path: Path, cfg: Config, world_size: int) -> None:
         f"cannot resume from {path}: its optimizer state was written by {saved_text} and "
         f"this run has {wanted_text}; resharding ZeRO optimizer state, or the per-rank state "
         "of comm.compress=topk, to another layout is not supported. Resume with the "
-        "checkpoint's layout (the same parallel.zero, pp, dp and tp, with --nproc to match, "
+        "checkpoint's layout (the same parallel.zero, pp, dp, cp and tp, with --nproc to match, "
         "and comm.compress=topk or not), or start a new run without checkpoint.resume")
 
 

@@ -122,7 +122,8 @@ class Trainer:
                 count = torch.full((), float(i < len(mine)), device=self.device)
                 totals += torch.stack([self.parallel.forward_loss(inputs, targets) * count,
                                        count])
-        self.dp.all_reduce(totals, "sum", tag="metric")
+        # Over dp x cp under context parallelism: each cp rank's loss covers its slice.
+        self.mesh.comm(self.mesh.replica_dim).all_reduce(totals, "sum", tag="metric")
         return (totals[0] / totals[1]).item()
 
     # ------------------------------------------------------------------ the run
@@ -186,15 +187,15 @@ class Trainer:
             p = self.cfg.parallel
             ckpt.save_checkpoint(self.cfg, step=self.step, model_state=model_state,
                                  staged=staged, sampler_state=self.sampler.state_dict(),
-                                 layout={"zero": p.zero, "pp": p.pp, "dp": self.dp.size, "tp": p.tp,
+                                 layout={"zero": p.zero, "pp": p.pp, "dp": self.dp.size, "tp": p.tp, "cp": p.cp,
                                          "ps_servers": p.ps_servers},
                                  tokenizer_file=getattr(self.data.tokenizer, "path", None))
         self._barrier()  # every rank waits for rank 0's write
 
     def _barrier(self) -> None:
-        """All ranks: a dp, a tp, then a pp barrier (pp x dp x tp is the world): a rank
-        passes the last only once every rank has entered the first."""
-        for dim in ("dp", "tp", "pp"):
+        """All ranks: a dp, a cp, a tp, then a pp barrier (pp x dp x cp x tp is the
+        world): a rank passes the last only once every rank has entered the first."""
+        for dim in ("dp", "cp", "tp", "pp"):
             self.mesh.comm(dim).barrier()
 
     def memory_ledger(self) -> dict[str, int]:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from shardtrain.config import Config
-from shardtrain.model.transformer import Transformer, init_parameters
+from shardtrain.model.transformer import Transformer, init_parameters, position_index
 from shardtrain.parallel.pipeline.partition import layer_ranges, stage_costs
 
 
@@ -42,6 +42,7 @@ class PipelineStage(nn.Module):
         if last:
             self.norm, self.head = model.norm, model.head
         self.seq_shards = seq_shards
+        self.positions: torch.Tensor | None = None  # as Transformer.positions
         if cfg.style == "llama":  # filled in by init_weights, after materialisation
             self.register_buffer("rope_cos", torch.empty(0), persistent=False)
             self.register_buffer("rope_sin", torch.empty(0), persistent=False)
@@ -65,7 +66,8 @@ class PipelineStage(nn.Module):
     def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.cfg.style != "llama":
             return None
-        return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        at = position_index(self, seq_len)
+        return self.rope_cos[at], self.rope_sin[at]
 
 
 class StageChunk(nn.Module):
@@ -83,7 +85,7 @@ class StageChunk(nn.Module):
             seq_len = x.shape[1]
             x = stage.tok_emb(x)  # [B, S, C]
             if hasattr(stage, "pos_emb"):
-                x = x + stage.pos_emb.weight[:seq_len]
+                x = x + stage.pos_emb.weight[position_index(stage, seq_len)]
         else:  # x: activations [B, S / seq_shards, C]
             seq_len = x.shape[1] * stage.seq_shards
         rope = stage.rope(seq_len)

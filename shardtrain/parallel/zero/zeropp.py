@@ -134,10 +134,10 @@ class ZeroPlusPlusComm(UnitComm):
 def build_unit_comm(mesh: ParallelMesh, parallel: ParallelConfig, *, block: int) -> UnitComm:
     """The UnitComm the config asks for: ZeRO++'s when any of its options is on. Collective
     with hpZ (creates the node groups)."""
-    dp = mesh.comm("dp")
+    dp = mesh.comm(mesh.replica_dim)
     if not (parallel.zero_quantized_weights or parallel.zero_hpz
             or parallel.zero_quantized_gradients):
         return UnitComm(dp)
     return ZeroPlusPlusComm(dp, quantize_weights=parallel.zero_quantized_weights,
                             quantize_gradients=parallel.zero_quantized_gradients,
-                            node=node_comm(mesh) if parallel.zero_hpz else None, block=block)
+                            node=node_comm(mesh, mesh.replica_dim) if parallel.zero_hpz else None, block=block)
