@@ -140,10 +140,11 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
 
 def saved_bytes_per_block(block: nn.Module, x: torch.Tensor, *args: Any) -> SavedActivations:
     """What one block's forward saves for backward, measured in isolation: `x` [B, S, C]
-    is detached and made to require grad (as the previous block's output would), the
+    is copied into a storage of its own and made to require grad (as the previous block's
+    output would be; a view would bring its base's whole storage into the count), the
     block's parameters and buffers and the extra `args` (the RoPE tables: the model's
     buffers) are excluded; x itself is counted when the block saves it (the layer input)."""
-    x = x.detach().requires_grad_(True)
+    x = x.detach().clone().requires_grad_(True)
     meter = SavedActivations(exclude=block)
     meter._skip |= {t.untyped_storage().data_ptr() for t in _tensors(args)}
     with meter:
