@@ -197,3 +197,29 @@ def check_context_parallel(lay: Layout, cfg: ModelConfig, *, seq_len: int) -> No
         raise PlanError(f"layout cp_mode=ulysses with cp={lay.cp}: each tp rank's "
                         f"{heads} query heads (model.n_heads={cfg.n_heads} / tp={lay.tp}) "
                         f"must split evenly over cp; use cp_mode=ring or a cp dividing {heads}")
+
+
+def layout_overrides(layout: Layout, *, seq_len: int | None = None,
+                     offload_dir: str = "offload") -> list[str]:
+    """The `--section.field VALUE` overrides that make a training config run `layout`
+    (config.load(preset, overrides)): the degrees, ZeRO and offload, the schedule, the
+    batch geometry (global_batch = dp x micro_batch x microbatches) and recomputation.
+    Precision: fp32 stays fp32; bf16 and amp both train under train.precision=bf16 (the
+    amp policy). `attention` has no config field (the runtime's SDPA picks its kernel)."""
+    lay = layout
+    pairs = {
+        "parallel.dp": lay.dp, "parallel.tp": lay.tp, "parallel.pp": lay.pp,
+        "parallel.cp": lay.cp, "parallel.cp_mode": lay.cp_mode, "parallel.ep": lay.ep,
+        "parallel.sp": str(lay.sp).lower(), "parallel.zero": lay.zero,
+        "parallel.offload": lay.offload, "parallel.microbatches": lay.microbatches,
+        "parallel.schedule": lay.schedule, "parallel.virtual_stages": lay.v,
+        "parallel.ps_servers": lay.ps_servers, "train.micro_batch": lay.micro_batch,
+        "train.global_batch": lay.dp * lay.micro_batch * lay.microbatches,
+        "train.activation_checkpointing": lay.recompute,
+        "train.precision": "fp32" if lay.precision == "fp32" else "bf16",
+    }
+    if lay.offload == "nvme":
+        pairs["parallel.offload_dir"] = offload_dir
+    if seq_len is not None:
+        pairs["train.seq_len"] = seq_len
+    return [item for key, value in pairs.items() for item in (f"--{key}", str(value))]
