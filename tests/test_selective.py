@@ -148,3 +148,24 @@ def test_planner_per_layer_bytes_match_the_runtime_under_tp():
                                              precision=precision)
         assert predicted == pytest.approx(measured, rel=0.10), (name, sp, precision, mode)
         assert all(r[name, sp, precision, mode] == measured for r in results)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_hardware_flops_follow_what_the_runtime_recomputes(name):
+    """FlopCounterMode over one forward and backward, SDPA's math kernel (its matmuls are
+    counted; CPU flash attention is not): none equals the model FLOPs, selective adds QK^T
+    (the early-stopping checkpoint never reruns the product with V, whose output nothing
+    saves), full adds each block's forward but its last matmul (w2)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from shardtrain.cost.counts import hardware_flops_per_token
+
+    cfg = MODELS[name]
+    tokens = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
+    for mode in MODES:
+        model = build_model(cfg, seed=0)
+        _recompute(model, mode)
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            model(tokens).sum().backward()
+        want = hardware_flops_per_token(cfg, S, mode, attention="math") * B * S
+        assert counter.get_total_flops() == want, mode
