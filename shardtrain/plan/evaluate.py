@@ -26,7 +26,9 @@ CONVENTIONS = {
     "memory": "per GPU on the busiest pipeline stage; bf16: params 2 + grads 2 + master 4 + "
               "optimizer (Adam m, v) 8 bytes per parameter (K = master + optimizer = 12); "
               "fp32: 4 + 4 + 0 + 8; ZeRO shards over dp x cp; activations per Korthikanti "
-              "Table 2 times in-flight micro-batches; offloaded bytes are not in total",
+              "Table 2 under bf16, what shardtrain's block keeps under fp32 and amp "
+              "(docs/recompute.md), times in-flight micro-batches; offloaded bytes are "
+              "not in total",
     "comm": "bytes sent per rank per step by group and op (ring all-reduce 2(n-1)/n S, "
             "all-gather / reduce-scatter (n-1)/n S); alpha-beta-gamma times from "
             "shardtrain.cost.collectives",
