@@ -37,14 +37,13 @@ def checkpoint_attention_cores(blocks: nn.ModuleList) -> int:
     probabilities of the math kernel; out + logsumexp of flash-style kernels) is rebuilt
     in backward. Returns the number of cores wrapped.
 
-    Cores that declare `recomputes_in_backward = True` are left alone: ring attention's
-    autograd Function already saves only q, k, v, out and the logsumexp and rebuilds every
-    block in backward, so wrapping it would save nothing and replay the ring's sends. Call
-    this after context parallelism has installed its core, so the flag is seen (called
-    before, it would wrap the SDPA core that context parallelism then replaces, and the
-    checkpoint would be lost; a Ulysses core, which wraps SDPA between all-to-alls, would
-    be recomputed whole, its all-to-alls included, so it is left unwrapped too when it
-    declares the flag)."""
+    Cores that declare `recomputes_in_backward = True` (a core that manages its own
+    backward memory) are left alone: ring attention's autograd Function already saves only
+    q, k, v, out and the logsumexp and rebuilds every block in backward, so wrapping it
+    would save nothing and replay the ring's sends; a Ulysses core would replay its two
+    all-to-alls to drop at most SDPA's logsumexp. Call this after context parallelism has
+    installed its core, so the flag is seen (called before, it would wrap the SDPA core
+    that context parallelism then replaces, and the checkpoint would be lost)."""
     wrapped = 0
     for block in blocks:
         core = block.attn.core

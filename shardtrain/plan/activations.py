@@ -23,14 +23,18 @@ the tensor-by-tensor list). One layer, one micro-batch of b sequences of s local
   (n H D v): the s^2 term Korthikanti's 5 a s^2 b counts.
 - MLP: SwiGLU keeps w1 x, w3 x, silu(w1 x) and their product (4 n F v); GELU keeps w1 x
   and its GELU (2 n F v).
-- context parallelism: the ring core saves q, k, v, out and the lse (the flash terms) and
-  returns out in [b, H, s, D], so wo keeps a copy (+ n H D v); Ulysses runs SDPA on the
-  all-to-all'd [b, S, H/N, D] tensors (the same bytes, kv heads repeated to G' when N does
-  not divide them) and wo keeps the all-to-all'd output (+ n H D v).
+- context parallelism (parallel/context/): the ring core saves q, k, v, out and the lse
+  (the flash terms) and returns out as [b, H, s, D], so wo keeps a copy (+ n H D v).
+  Ulysses runs SDPA on the all-to-all'd [b, S, H/N, D] tensors (the same bytes as the
+  local ones; kv heads repeated to G' when N does not divide them), and wo keeps the
+  all-to-all'd output. Under the zigzag split (the default, parallel.cp_split) SDPA sees
+  position-ordered copies, so the rank-ordered q, k, v and out the Function keeps for its
+  backward are held besides (+ (H + 2G' + H) D v n, and two int64 [S] indices); with the
+  contiguous split they are the same tensors.
 Selective recomputation (the core under a checkpoint) keeps only the core's inputs q, k,
 v; wo still keeps out: with `flash` it saves exactly the lse, with `math` the s^2 term.
-A ring core is never wrapped (it recomputes already); a Ulysses core is wrapped whole, so
-it keeps its local q, k, v. Full recomputation keeps the block input (n / t r C with sp).
+A context-parallel core is never wrapped (`recomputes_in_backward`: it manages its own
+backward). Full recomputation keeps the block input (n / t r C with sp).
 """
 
 from __future__ import annotations
@@ -56,7 +60,8 @@ def ulysses_kv_heads(cfg: ModelConfig, tp: int, cp: int) -> int:
 def runtime_activation_bytes(cfg: ModelConfig, *, s: int, b: int, t: int = 1,
                              sp: bool = False, recompute: str = "none",
                              precision: str = "fp32", attention: str = "flash",
-                             cp: int = 1, cp_mode: str = "ring") -> float:
+                             cp: int = 1, cp_mode: str = "ring",
+                             cp_split: str = "zigzag") -> float:
     """Bytes one layer keeps for backward (see the module docstring); s is the local
     sequence length (S / cp). precision: fp32, or amp / bf16 / fp16 (autocast)."""
     if attention not in ATTENTION:
@@ -80,17 +85,20 @@ def runtime_activation_bytes(cfg: ModelConfig, *, s: int, b: int, t: int = 1,
     mlp = (4 if llama else 2) * n * (cfg.ffn_hidden // t) * v
     lse = 4 * b * heads * s
     out = n * heads * d * v
+    qkv = n * (heads + 2 * kv) * d * v
     if cp > 1 and cp_mode == "ulysses":
-        kv = ulysses_kv_heads(cfg, t, cp) if recompute != "selective" else kv
-        core = n * (heads + 2 * kv) * d * v + out + lse + out  # + wo's all-to-all'd input
-        if recompute == "selective":  # the whole core rebuilt: its inputs and wo's input
-            core = n * (heads + 2 * kv) * d * v + out
-    elif cp > 1:  # ring: never wrapped by selective recomputation
-        core = n * (heads + 2 * kv) * d * v + out + lse + out
-    elif recompute == "selective":
-        core = n * (heads + 2 * kv) * d * v + out
+        qkv = n * (heads + 2 * ulysses_kv_heads(cfg, t, cp)) * d * v
+        # SDPA on the all-to-all'd tensors: q, k, v, out, lse; wo's all-to-all'd input
+        core = qkv + out + lse + out
+        if cp_split == "zigzag":  # SDPA saves position-ordered copies (and two [S] int64
+            # indices); the Function keeps the rank-ordered q, k, v and out besides
+            core += qkv + out + 2 * 8 * s * cp
+    elif cp > 1:  # ring: q, k, v, out, lse; out is [b, H, s, D]: wo keeps a copy
+        core = qkv + out + lse + out
+    elif recompute == "selective":  # the checkpoint keeps q, k, v; wo keeps out
+        core = qkv + out
     elif attention == "flash":
-        core = n * (heads + 2 * kv) * d * v + out + lse
+        core = qkv + out + lse
     else:
         m = 4  # the math kernel's dtype on CPU, autocast included
         core = 3 * n * heads * d * m + b * heads * s * s * m + out

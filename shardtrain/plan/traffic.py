@@ -21,8 +21,8 @@ one micro-batch, s = seq / cp; P, G = this rank's parameter and gradient bytes):
   overlap the attention compute. Ulysses (Jacobs et al. 2023) all-to-alls the packed
   q,k,v [b, s, H+2G', D] and the output [b, s, H, D] forward, dout and dq,dk,dv backward
   (G' = G when N divides it, else H: kv heads repeated), each sending (N-1)/N of its
-  input; exposed. Full recomputation reruns the forward's two, and so does selective:
-  the Ulysses core is checkpointed whole (the ring core never is: it recomputes already).
+  input; exposed. Full recomputation reruns the forward's two; selective changes neither
+  mode (a context-parallel core declares `recomputes_in_backward` and is not wrapped).
 - ep: per MoE layer and micro-batch, all-to-all dispatch and combine of the routed
   tokens (top-k copies of b s/cp tokens, / t with sp), forward and backward.
 Times come from `shardtrain.cost.collectives` with the fastest algorithm for the group's
@@ -201,7 +201,7 @@ def context_parallel_ops(cfg: ModelConfig, layout: Layout, *, seq_len: int,
                 _p2p("cp", n, block * 4, n * calls, where.link, "compute")]  # fp32 dK,dV
     kv = ulysses_kv_heads(cfg, lay.tp, n)
     qkv, out = b * s * (heads + 2 * kv) * d * value, b * s * heads * d * value
-    forwards = 1 if lay.recompute == "none" else 2
+    forwards = 2 if lay.recompute == "full" else 1
     return [_a2a(n, nbytes, calls * (forwards + 1), where) for nbytes in (qkv, out)]
 
 
