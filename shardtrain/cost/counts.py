@@ -86,19 +86,29 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 3.0 * forward_flops_per_token(cfg, seq_len)
 
 
-def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "none") -> float:
-    """Model FLOPs plus what recomputation redoes (Korthikanti et al. 2022, section 5).
-    Full recomputation repeats the forward of every block (not the head): for GPT-3-like
-    shapes 96 B s L h^2 (1 + s/(6h) + V/(16Lh)). Selective recomputation follows the
-    paper's published form 72 B s L h^2 (1 + s/(3h) + V/(12hL)), as FORMULAS.md adopts: it
-    charges the attention core's 12 s^2 h per layer and sequence once more, although the
-    recomputed forward alone is 4 s^2 h; HFU stays comparable with the paper's tables."""
+def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "none",
+                             attention: str = "flash") -> float:
+    """Model FLOPs plus what the runtime's recomputation redoes (Korthikanti et al. 2022,
+    section 5), as torch.utils.checkpoint runs it: non-reentrant with early stop, so a
+    recomputation ends once every tensor backward needs is rebuilt, and an op whose output
+    nothing saves is not rerun.
+    - selective (parallel/activation.checkpoint_attention_cores): the attention core's
+      forward, 4 s^2 h per layer and sequence (QK^T and the weighted sum of V; the causal
+      mask not halving it, as everywhere here) with the flash kernel, one op whose out and
+      logsumexp backward needs; with the math kernel only QK^T and the softmax rerun (the
+      product with V is saved by nothing): 2 s^2 h.
+    - full: every block's forward except its last matmul (the dense MLP's w2, whose input
+      is saved and whose output is not): 2 h f per token and layer less than a whole
+      forward. For GPT-3-like shapes Korthikanti's 96 B s L h^2 (1 + s/(6h) + V/(16Lh))
+      less 8 B s L h^2 (closed_form.py keeps the paper's forms; the selective one
+      charges 12 s^2 h)."""
     base = model_flops_per_token(cfg, seq_len)
     if recompute == "none":
         return base
     attention_core = 4.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim  # forward
     if recompute == "selective":
-        return base + 3.0 * attention_core
+        return base + attention_core * (1.0 if attention == "flash" else 0.5)
     if recompute == "full":
-        return base + forward_flops_per_token(cfg, seq_len) - 2.0 * cfg.vocab_size * cfg.dim
+        last = 0.0 if cfg.n_experts else 2.0 * cfg.n_layers * cfg.dim * cfg.ffn_hidden
+        return base + forward_flops_per_token(cfg, seq_len) - 2.0 * cfg.vocab_size * cfg.dim - last
     raise ValueError(f"recompute={recompute!r} is not one of none, selective, full")

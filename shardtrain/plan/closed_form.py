@@ -5,7 +5,7 @@ count is the closed form of Narayanan et al. 2021 plus the final LayerNorm's 2h;
 exact model FLOPs and full-recomputation hardware FLOPs equal these forms exactly.
 Korthikanti et al.'s selective form charges 12 s^2 h per layer and sequence for the
 recomputed attention core where the exact count (counts.hardware_flops_per_token)
-charges its forward, 4 s^2 h; the planner uses the exact count.
+charges the forward the runtime reruns, 4 s^2 h; the planner uses the exact count.
 """
 
 from __future__ import annotations

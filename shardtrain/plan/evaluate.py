@@ -21,11 +21,14 @@ CONVENTIONS = {
     "params": "exact: equals sum(p.numel()) of the built model; params_closed_form is "
               "Narayanan et al. 2021 (GPT style, no final LayerNorm)",
     "flops": "model FLOPs = forward + backward, causal attention not halved; hardware "
-             "FLOPs add recomputation (Korthikanti et al. 2022)",
+             "FLOPs add what the runtime recomputes (torch.utils.checkpoint with early "
+             "stop; docs/recompute.md)",
     "memory": "per GPU on the busiest pipeline stage; bf16: params 2 + grads 2 + master 4 + "
               "optimizer (Adam m, v) 8 bytes per parameter (K = master + optimizer = 12); "
               "fp32: 4 + 4 + 0 + 8; ZeRO shards over dp x cp; activations per Korthikanti "
-              "Table 2 times in-flight micro-batches; offloaded bytes are not in total",
+              "Table 2 under bf16, what shardtrain's block keeps under fp32 and amp "
+              "(docs/recompute.md), times in-flight micro-batches; offloaded bytes are "
+              "not in total",
     "comm": "bytes sent per rank per step by group and op (ring all-reduce 2(n-1)/n S, "
             "all-gather / reduce-scatter (n-1)/n S); alpha-beta-gamma times from "
             "shardtrain.cost.collectives",
@@ -62,7 +65,8 @@ class Plan:
         """The `shardtrain plan --json` document of this layout."""
         peak = self.hw.flops(self.layout.precision)
         out: dict[str, Any] = {
-            "model": model_summary(self.cfg, self.seq_len, self.name, self.layout.recompute),
+            "model": model_summary(self.cfg, self.seq_len, self.name, self.layout.recompute,
+                                   self.layout.attention),
             "hardware": self.hw.to_dict(),
             "gpus": self.layout.gpus, "global_batch": self.global_batch, "seq": self.seq_len,
             "layout": self.layout.to_dict() | {"text": self.layout.describe()},
@@ -90,13 +94,14 @@ class Plan:
 
 
 def model_summary(cfg: ModelConfig, seq_len: int, name: str = "",
-                  recompute: str = "none") -> dict[str, Any]:
+                  recompute: str = "none", attention: str = "flash") -> dict[str, Any]:
     counts = param_counts(cfg)
     return {"name": name, "style": cfg.style, "params": counts.total,
             "params_non_embedding": counts.non_embedding, "params_active": counts.active,
             "params_closed_form": narayanan_params(cfg) if cfg.style == "gpt2" else None,
             "flops_per_token": model_flops_per_token(cfg, seq_len),
-            "hardware_flops_per_token": hardware_flops_per_token(cfg, seq_len, recompute),
+            "hardware_flops_per_token": hardware_flops_per_token(cfg, seq_len, recompute,
+                                                                 attention),
             "flops_per_token_6n": training_flops(counts.active, 1)}
 
 
@@ -107,7 +112,7 @@ def evaluate(cfg: ModelConfig, layout: Layout, hw: Hardware, *, global_batch: in
     lay = layout
     tokens = global_batch * seq_len
     model_flops = model_flops_per_token(cfg, seq_len) * tokens
-    hardware_flops = hardware_flops_per_token(cfg, seq_len, lay.recompute) * tokens
+    hardware_flops = hardware_flops_per_token(cfg, seq_len, lay.recompute, lay.attention) * tokens
     memory = memory or memory_per_gpu(cfg, lay, seq_len=seq_len, bucket_bytes=bucket_bytes)
     ops = step_ops(cfg, lay, hw, seq_len=seq_len, bucket_bytes=bucket_bytes)
     peak = hw.flops(lay.precision)

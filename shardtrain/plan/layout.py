@@ -20,6 +20,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "cpu", "nvme")
 PRECISIONS = ("fp32", "bf16", "amp")  # amp: the runtime's bf16/fp16 policy (memory.py)
+CP_MODES = ("ring", "ulysses")  # parallel.cp_mode
+ATTENTION = ("flash", "math")  # SDPA kernel: what activations keep (plan/activations.py)
 
 
 class PlanError(ConfigError):
@@ -32,6 +34,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    cp_mode: str = "ring"  # ring attention or Ulysses all-to-alls (parallel.cp_mode)
     ep: int = 1
     zero: int = 0
     offload: str = "none"
@@ -43,6 +46,9 @@ class Layout:
     schedule: str = "1f1b"
     v: int = 1  # virtual stages per pipeline rank (interleaved schedule)
     ps_servers: int = 0  # parameter servers beside the dp workers (plan/ps.py)
+    # flash: SDPA's flash / memory-efficient kernels (out + logsumexp kept), what the
+    # runtime runs on CPU and CUDA; math: the probabilities kept (plan/activations.py)
+    attention: str = "flash"
 
     @property
     def gpus(self) -> int:
@@ -56,6 +62,8 @@ class Layout:
     def describe(self) -> str:
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
         parts += [f"{k}={getattr(self, k)}" for k in ("cp", "ep") if getattr(self, k) > 1]
+        if self.cp > 1 and self.cp_mode != "ring":
+            parts.append(f"cp_mode={self.cp_mode}")
         parts += [f"zero={self.zero}", f"mb={self.micro_batch}", f"m={self.microbatches}"]
         if self.sp:
             parts.append("sp")
@@ -67,6 +75,8 @@ class Layout:
             parts.append(f"offload={self.offload}")
         if self.ps_servers:
             parts.append(f"ps_servers={self.ps_servers}")
+        if self.attention != "flash":
+            parts.append(f"attention={self.attention}")
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -120,7 +130,8 @@ def check(layout: Layout, cfg: ModelConfig, *, gpus: int, node_size: int, global
     """Raise PlanError naming the field and the fix if the layout cannot run."""
     lay = layout
     for name, choices in (("schedule", SCHEDULES), ("recompute", RECOMPUTE),
-                          ("offload", OFFLOAD), ("precision", PRECISIONS)):
+                          ("offload", OFFLOAD), ("precision", PRECISIONS),
+                          ("cp_mode", CP_MODES), ("attention", ATTENTION)):
         if getattr(lay, name) not in choices:
             raise PlanError(f"layout {name}={getattr(lay, name)!r} is not one of "
                             f"{', '.join(choices)}")
@@ -146,8 +157,7 @@ def check(layout: Layout, cfg: ModelConfig, *, gpus: int, node_size: int, global
                         f"MLP width {cfg.ffn_hidden}")
     if lay.pp > cfg.n_layers:
         raise PlanError(f"layout pp={lay.pp} exceeds model.n_layers={cfg.n_layers}")
-    if seq_len % lay.cp:
-        raise PlanError(f"layout cp={lay.cp} must divide the sequence length {seq_len}")
+    check_context_parallel(lay, cfg, seq_len=seq_len)
     if lay.ep > 1 and (not cfg.n_experts or cfg.n_experts % lay.ep or lay.replicas % lay.ep):
         raise PlanError(f"layout ep={lay.ep} needs a mixture-of-experts model whose "
                         f"model.n_experts={cfg.n_experts} and dp x cp = {lay.replicas} it divides")
@@ -173,3 +183,43 @@ def check(layout: Layout, cfg: ModelConfig, *, gpus: int, node_size: int, global
                             f"model.n_layers={cfg.n_layers}")
     elif lay.v != 1:
         raise PlanError(f"layout v={lay.v} needs schedule=interleaved")
+
+
+def check_context_parallel(lay: Layout, cfg: ModelConfig, *, seq_len: int) -> None:
+    """The sequence splits evenly (2 cp chunks per rank: the zigzag split); Ulysses trades
+    the sequence split for a head split, so cp must divide each tp rank's query heads."""
+    if seq_len % (2 * lay.cp if lay.cp > 1 else 1):
+        raise PlanError(f"layout cp={lay.cp} must divide the sequence length {seq_len} into "
+                        f"2 x cp = {2 * lay.cp} equal chunks (the zigzag split); change cp or "
+                        "--seq")
+    heads = cfg.n_heads // lay.tp
+    if lay.cp > 1 and lay.cp_mode == "ulysses" and heads % lay.cp:
+        raise PlanError(f"layout cp_mode=ulysses with cp={lay.cp}: each tp rank's "
+                        f"{heads} query heads (model.n_heads={cfg.n_heads} / tp={lay.tp}) "
+                        f"must split evenly over cp; use cp_mode=ring or a cp dividing {heads}")
+
+
+def layout_overrides(layout: Layout, *, seq_len: int | None = None,
+                     offload_dir: str = "offload") -> list[str]:
+    """The `--section.field VALUE` overrides that make a training config run `layout`
+    (config.load(preset, overrides)): the degrees, ZeRO and offload, the schedule, the
+    batch geometry (global_batch = dp x micro_batch x microbatches) and recomputation.
+    Precision: fp32 stays fp32; bf16 and amp both train under train.precision=bf16 (the
+    amp policy). `attention` has no config field (the runtime's SDPA picks its kernel)."""
+    lay = layout
+    pairs = {
+        "parallel.dp": lay.dp, "parallel.tp": lay.tp, "parallel.pp": lay.pp,
+        "parallel.cp": lay.cp, "parallel.cp_mode": lay.cp_mode, "parallel.ep": lay.ep,
+        "parallel.sp": str(lay.sp).lower(), "parallel.zero": lay.zero,
+        "parallel.offload": lay.offload, "parallel.microbatches": lay.microbatches,
+        "parallel.schedule": lay.schedule, "parallel.virtual_stages": lay.v,
+        "parallel.ps_servers": lay.ps_servers, "train.micro_batch": lay.micro_batch,
+        "train.global_batch": lay.dp * lay.micro_batch * lay.microbatches,
+        "train.activation_checkpointing": lay.recompute,
+        "train.precision": "fp32" if lay.precision == "fp32" else "bf16",
+    }
+    if lay.offload == "nvme":
+        pairs["parallel.offload_dir"] = offload_dir
+    if seq_len is not None:
+        pairs["train.seq_len"] = seq_len
+    return [item for key, value in pairs.items() for item in (f"--{key}", str(value))]

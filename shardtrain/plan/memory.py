@@ -12,11 +12,15 @@ Model states per parameter (Rajbhandari et al. 2020, FORMULAS.md), N_d = dp x cp
   parameters. Offload moves the sharded master + optimizer off the GPU (cpu: to host
   memory; nvme: to NVMe, with the parameter shards too, as ZeRO-Infinity does); they are
   reported under `offloaded`, not in `total`.
-Activations: the per-layer forms of Korthikanti et al. 2022 (16-bit values, 1-byte
-dropout masks; fp32 doubles the 16-bit values), times the layers of the first stage,
-times the micro-batches it holds in flight (m under GPipe, min(m, p) under 1F1B,
-(1 + (p-1)/(p v)) x min(m, p) interleaved); full recomputation adds one layer's full
-activations, rebuilt during its backward. cp splits the sequence: s -> s / cp.
+Activations, per layer and micro-batch: under the `bf16` convention the published forms
+of Korthikanti et al. 2022 (Megatron-LM's kernels: 16-bit values, stored attention
+probabilities, 1-byte dropout masks; `activation_bytes_per_layer`); under `fp32` and
+`amp` what shardtrain's own block keeps, counted tensor by tensor and equal to the
+runtime's measurement (plan/activations.py, with the layout's `attention` kernel and
+context-parallel mode). Times the layers of the first stage, times the micro-batches it
+holds in flight (m under GPipe, min(m, p) under 1F1B, (1 + (p-1)/(p v)) x min(m, p)
+interleaved); full recomputation adds one layer's full activations, rebuilt during its
+backward. cp splits the sequence: s -> s / cp.
 Buffers: two gradient buckets when gradients are synchronised (DDP's 25 MB default), for
 ZeRO-3 two layers of gathered parameters (current + prefetched) and one layer of full
 gradients, and for pp > 1 a send and a receive buffer of one boundary activation.
@@ -27,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardtrain.config import ModelConfig
+from shardtrain.plan.activations import runtime_activation_bytes
 from shardtrain.plan.layout import Layout
 from shardtrain.plan.partition import rank_params
 
@@ -94,6 +99,20 @@ def activation_bytes_per_layer(*, s: int, b: int, h: int, a: int, t: int = 1,
     return replicated + split + scores
 
 
+def layer_activation_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int,
+                           recompute: str | None = None) -> float:
+    """One layer, one micro-batch, on one rank: Korthikanti's Table 2 under the `bf16`
+    convention (the published figures), shardtrain's runtime under fp32 and amp."""
+    lay, s = layout, seq_len // layout.cp
+    recompute = recompute or lay.recompute
+    if lay.precision == "bf16":
+        return activation_bytes_per_layer(s=s, b=lay.micro_batch, h=cfg.dim, a=cfg.n_heads,
+                                          t=lay.tp, sp=lay.sp, recompute=recompute)
+    return runtime_activation_bytes(cfg, s=s, b=lay.micro_batch, t=lay.tp, sp=lay.sp,
+                                    recompute=recompute, precision=lay.precision,
+                                    attention=lay.attention, cp=lay.cp, cp_mode=lay.cp_mode)
+
+
 def in_flight(schedule: str, m: int, p: int, v: int = 1) -> float:
     """Micro-batches whose activations the first stage holds (Narayanan et al. 2021)."""
     if schedule == "gpipe":
@@ -141,20 +160,19 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
         offloaded += states.params
         states = ModelStates(params=0, grads=states.grads, master=0, optimizer=0)
     value_bytes = 4 if lay.precision == "fp32" else 2
-    shape = dict(s=seq_len // lay.cp, b=lay.micro_batch, h=cfg.dim, a=cfg.n_heads, t=lay.tp,
-                 sp=lay.sp, value_bytes=value_bytes)
-    per_layer = activation_bytes_per_layer(recompute=lay.recompute, **shape)
+    s = seq_len // lay.cp
+    per_layer = layer_activation_bytes(cfg, lay, seq_len=seq_len)
     activations = per_layer * ranks.layers * in_flight(lay.schedule, lay.microbatches, lay.pp,
                                                        lay.v)
     if lay.recompute == "full":
-        activations += activation_bytes_per_layer(recompute="none", **shape)
+        activations += layer_activation_bytes(cfg, lay, seq_len=seq_len, recompute="none")
     buffers = 0.0
     if lay.replicas > 1:
         buffers += 2 * min(bucket_bytes, STATE_BYTES[lay.precision][1] * ranks.total)
         if lay.zero == 3:
             buffers += 3 * ranks.layer * STATE_BYTES[lay.precision][0]
     if lay.pp > 1:
-        boundary = value_bytes * shape["s"] * lay.micro_batch * cfg.dim
+        boundary = value_bytes * s * lay.micro_batch * cfg.dim
         buffers += 2 * boundary / (lay.tp if lay.sp else 1)
     return MemoryBreakdown(params=states.params, grads=states.grads, optimizer=states.optimizer,
                            master=states.master, activations=activations,

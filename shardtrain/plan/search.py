@@ -1,11 +1,14 @@
 """Layout search: enumerate valid layouts, drop those that do not fit, rank the rest.
 
-Enumerated: tp among the divisors of the node size that split the heads and the MLP; pp
-among the divisors of the layer count; cp > 1 only for sequences of 8K tokens or more;
-ep for mixture-of-experts models; micro-batches of 1-16 sequences dividing the per-replica
-batch; ZeRO 0-3 when there is data parallelism (one stage otherwise: they coincide);
+Enumerated: tp among the divisors of the node size that split the heads, the kv heads
+and the MLP (dense models only); pp among the divisors of the layer count; cp > 1 only
+for sequences of 8K tokens or more, ring always and Ulysses where cp divides each tp
+rank's heads; micro-batches of 1-16 sequences dividing the per-replica batch; ZeRO 0-3
+when there is data parallelism (one stage otherwise: they coincide), 0-1 with pp > 1;
 recompute none / selective / full; sp with tp; GPipe, 1F1B and interleaved (v dividing
-the layers per stage, m a multiple of p). Offload (cpu, nvme) is tried only when nothing
+the layers per stage, m a multiple of p). Only layouts the trainer runs are proposed:
+each exclusion names the config rule it follows (tests/test_plan_cp.py builds a Config
+from every top layout and validates it). ep > 1 is not proposed (the trainer refuses it). Offload (cpu, nvme) is tried only when nothing
 fits without it. Ranked by predicted step time, then memory.
 """
 
@@ -48,41 +51,60 @@ def _divisors(n: int) -> list[int]:
 def candidates(cfg: ModelConfig, *, gpus: int, node_size: int, global_batch: int,
                seq_len: int, precision: str, offload: str = "none") -> Iterator[Layout]:
     for tp in _divisors(min(node_size, gpus)):
-        if cfg.n_heads % tp or cfg.ffn_hidden % tp or gpus % tp:
+        if not _tp_runs(cfg, tp) or gpus % tp:
             continue
         for pp in _divisors(cfg.n_layers):
-            cps = [c for c in (1, 2, 4, 8) if seq_len >= 8192 and seq_len % c == 0] or [1]
+            # cp splits each sequence into 2 cp chunks (the zigzag split, parallel.cp_split)
+            cps = [c for c in (1, 2, 4, 8) if seq_len >= 8192 and seq_len % (2 * c) == 0] or [1]
             for cp in cps:
                 if gpus % (tp * pp * cp) or global_batch % (gpus // (tp * pp * cp)):
                     continue
-                yield from _inner(cfg, dp=gpus // (tp * pp * cp), tp=tp, pp=pp, cp=cp,
-                                  global_batch=global_batch, precision=precision,
-                                  offload=offload)
+                # Ulysses needs each tp rank's query heads to split over cp (layout.py)
+                modes = ["ring"] + (["ulysses"] if (cfg.n_heads // tp) % cp == 0 else [])
+                for cp_mode in modes if cp > 1 else ["ring"]:
+                    yield from _inner(cfg, dp=gpus // (tp * pp * cp), tp=tp, pp=pp, cp=cp,
+                                      cp_mode=cp_mode, global_batch=global_batch,
+                                      seq_len=seq_len, precision=precision, offload=offload)
 
 
-def _inner(cfg: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, global_batch: int,
-           precision: str, offload: str) -> Iterator[Layout]:
-    eps = [e for e in _divisors(cfg.n_experts) if (dp * cp) % e == 0] if cfg.n_experts else [1]
+def _tp_runs(cfg: ModelConfig, tp: int) -> bool:
+    """What config.check_tensor_parallel accepts: tp splits the heads and the MLP, kv heads
+    split (n_kv_heads >= tp) or are shared (tp a multiple of them); no tensor parallelism
+    of MoE layers. (sp's sequence split is checked where sp is chosen.)"""
+    if tp == 1:
+        return True
+    g = cfg.kv_heads
+    kv_fits = g % tp == 0 if g >= tp else tp % g == 0
+    return (cfg.n_heads % tp == 0 and cfg.ffn_hidden % tp == 0 and kv_fits
+            and not cfg.n_experts)
+
+
+def _inner(cfg: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, cp_mode: str,
+           global_batch: int, seq_len: int, precision: str, offload: str) -> Iterator[Layout]:
+    # ep stays 1: config.ParallelConfig refuses parallel.ep > 1 (not built yet)
+    # sp splits each rank's (S / cp) tokens over tp (config.check_tensor_parallel)
+    sps = (False, True) if tp > 1 and (seq_len // cp) % tp == 0 else (False,)
     zeros = {"none": (0, 1, 2, 3), "cpu": (1, 2, 3), "nvme": (3,)}[offload]
     zeros = tuple(z for z in zeros if dp * cp > 1 or z == zeros[0])  # all alike on one replica
+    # config.check_pipeline refuses ZeRO-2/3 with pp > 1 (a reduce-scatter per micro-batch)
+    zeros = tuple(z for z in zeros if pp == 1 or z <= 1)
     per_replica = global_batch // dp
-    for ep in eps:
-        for b in (b for b in (1, 2, 4, 8, 16) if per_replica % b == 0):
-            m = per_replica // b
-            schedules = [("1f1b", 1)]
-            if pp > 1:
-                schedules.append(("gpipe", 1))
-                if m % pp == 0:
-                    schedules += [("interleaved", v) for v in _divisors(cfg.n_layers // pp)
-                                  if 2 <= v <= 8]
-            for zero in zeros:
-                for recompute in ("none", "selective", "full"):
-                    for sp in (False, True) if tp > 1 else (False,):
-                        for schedule, v in schedules:
-                            yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
-                                         offload=offload, precision=precision,
-                                         recompute=recompute, sp=sp, micro_batch=b,
-                                         microbatches=m, schedule=schedule, v=v)
+    for b in (b for b in (1, 2, 4, 8, 16) if per_replica % b == 0):
+        m = per_replica // b
+        schedules = [("1f1b", 1)]
+        if pp > 1:
+            schedules.append(("gpipe", 1))
+            if m % pp == 0:
+                schedules += [("interleaved", v) for v in _divisors(cfg.n_layers // pp)
+                              if 2 <= v <= 8]
+        for zero in zeros:
+            for recompute in ("none", "selective", "full"):
+                for sp in sps:
+                    for schedule, v in schedules:
+                        yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, cp_mode=cp_mode, zero=zero,
+                                     offload=offload, precision=precision,
+                                     recompute=recompute, sp=sp, micro_batch=b,
+                                     microbatches=m, schedule=schedule, v=v)
 
 
 def search(cfg: ModelConfig, hw: Hardware, *, gpus: int, global_batch: int, seq_len: int,

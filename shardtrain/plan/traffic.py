@@ -13,9 +13,16 @@ one micro-batch, s = seq / cp; P, G = this rank's parameter and gradient bytes):
   reduce-scatters of X instead, 4 + 4 (+2 + 2): the same bytes.
 - pp: point-to-point, the busiest (middle) stage sends one activation forward and one
   gradient backward per micro-batch and virtual chunk (X / t with sp).
-- cp (ring attention): per layer and micro-batch the K,V block of s/cp tokens goes round
-  the ring: (cp-1) sends forward, 2 (cp-1) backward (K,V and their gradients), +(cp-1)
-  with full recomputation; it overlaps the attention compute.
+- cp (`context_parallel_ops`, what parallel/context/ sends; per layer, micro-batch and
+  rank; N = cp, s = S/N local tokens, H, G the query and kv heads of one tp rank, D the
+  head dim, v the compute dtype's bytes): ring attention (Liu et al. 2023) sends the
+  packed K,V block [2, b, G, s, D] N-1 times forward, N-1 times again in backward, and the
+  packed fp32 dK,dV partials N times; full recomputation reruns the forward's N-1. They
+  overlap the attention compute. Ulysses (Jacobs et al. 2023) all-to-alls the packed
+  q,k,v [b, s, H+2G', D] and the output [b, s, H, D] forward, dout and dq,dk,dv backward
+  (G' = G when N divides it, else H: kv heads repeated), each sending (N-1)/N of its
+  input; exposed. Full recomputation reruns the forward's two; selective changes neither
+  mode (a context-parallel core declares `recomputes_in_backward` and is not wrapped).
 - ep: per MoE layer and micro-batch, all-to-all dispatch and combine of the routed
   tokens (top-k copies of b s/cp tokens, / t with sp), forward and backward.
 Times come from `shardtrain.cost.collectives` with the fastest algorithm for the group's
@@ -35,6 +42,7 @@ from shardtrain.cost.collectives import best_algorithm, cost
 from shardtrain.cost.link import Link
 from shardtrain.config import ModelConfig
 from shardtrain.cost.hardware import Hardware
+from shardtrain.plan.activations import kv_heads_per_rank, ulysses_kv_heads
 from shardtrain.plan.layout import Layout
 from shardtrain.plan.memory import BUCKET_BYTES, REDUCE_BYTES, STATE_BYTES
 from shardtrain.plan.partition import rank_params
@@ -165,16 +173,50 @@ def step_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, seq_len: int,
         ops.append(_p2p("pp", lay.pp, boundary / (lay.tp if lay.sp else 1), 2 * m * lay.v,
                         where.link, "none"))
     if lay.cp > 1:
-        where = placement(hw, node, lay.tp, lay.cp)
-        kv = 2 * s * b * cfg.kv_heads * cfg.head_dim * value / lay.tp
-        sends = (lay.cp - 1) * (4 if extra else 3) * ranks.layers * m
-        ops.append(_p2p("cp", lay.cp, kv, sends, where.link, "compute"))
+        ops += context_parallel_ops(cfg, lay, seq_len=seq_len,
+                                    where=placement(hw, node, lay.tp, lay.cp))
     if lay.ep > 1:
         where = placement(hw, node, lay.tp, lay.ep)
         routed = cfg.moe_top_k * x / (lay.tp if lay.sp else 1)
         ops.append(_collective("ep", "all_to_all", lay.ep, routed,
                                ranks.layers * m * (6 if extra else 4), where, "none"))
     return ops
+
+
+def context_parallel_ops(cfg: ModelConfig, layout: Layout, *, seq_len: int,
+                         where: Placement = FREE) -> list[CommOp]:
+    """The cp group's sends of one rank in one step (module docstring)."""
+    lay, n = layout, layout.cp
+    if n <= 1:
+        return []
+    value = 4 if lay.precision == "fp32" else 2
+    b, s, d = lay.micro_batch, seq_len // n, cfg.head_dim
+    heads, kv = cfg.n_heads // lay.tp, kv_heads_per_rank(cfg, lay.tp)
+    calls = rank_params(cfg, lay).layers * lay.microbatches  # attention calls per step
+    if lay.cp_mode == "ring":
+        block = 2 * b * kv * s * d  # packed K,V elements
+        forwards = 2 if lay.recompute == "full" else 1
+        return [_p2p("cp", n, block * value, (n - 1) * (forwards + 1) * calls, where.link,
+                     "compute"),
+                _p2p("cp", n, block * 4, n * calls, where.link, "compute")]  # fp32 dK,dV
+    kv = ulysses_kv_heads(cfg, lay.tp, n)
+    qkv, out = b * s * (heads + 2 * kv) * d * value, b * s * heads * d * value
+    forwards = 2 if lay.recompute == "full" else 1
+    return [_a2a(n, nbytes, calls * (forwards + 1), where) for nbytes in (qkv, out)]
+
+
+def _a2a(size: int, nbytes: float, calls: int, where: Placement) -> CommOp:
+    """All-to-all as the runtime's native backend runs it: pairwise, (n-1)/n of the input."""
+    one = cost("all_to_all", nbytes, size, where.link, algorithm="native")
+    return CommOp(group="cp", op="all_to_all", ranks=size, message_bytes=nbytes, calls=calls,
+                  algorithm="native", bytes_sent=one.sent_bytes * calls,
+                  time_s=one.time_s * calls, overlap="none")
+
+
+def cp_bytes_per_step(cfg: ModelConfig, layout: Layout, seq_len: int) -> float:
+    """Bytes one rank sends on the cp group in one optimizer step (the ledger's sent_bytes
+    summed over the step's cp records)."""
+    return sum(op.bytes_sent for op in context_parallel_ops(cfg, layout, seq_len=seq_len))
 
 
 def bytes_per_step(ops: list[CommOp]) -> dict[str, dict[str, float]]:

@@ -1,0 +1,105 @@
+"""Activation bytes one layer saves for backward in shardtrain's own runtime.
+
+Korthikanti et al. 2022 (Table 2; memory.activation_bytes_per_layer) count Megatron-LM's
+kernels: 16-bit activations, stored attention probabilities and 1-byte dropout masks.
+shardtrain's block saves other things, and this file counts them exactly as
+`parallel.activation.SavedActivations` measures them (docs/recompute.md has the table and
+the tensor-by-tensor list). One layer, one micro-batch of b sequences of s local tokens
+(s = S / cp), on one tensor-parallel rank:
+
+- value bytes v: 4 under fp32, 2 under the amp policy (autocast; the residual stream, the
+  norms and their statistics stay fp32, r = 4 bytes, in both).
+- norms (two per block; n = b s tokens, n / t under sequence parallelism): RMSNorm keeps
+  its input and x * rstd (2 r C per token) and rstd (4); LayerNorm its input (r C) and
+  mean and rstd (8).
+- linear inputs: fp32 keeps a region's normed input once (n r C); under autocast every
+  column-parallel linear keeps its own 16-bit cast (3 for q, k, v; 2 for SwiGLU's w1, w3,
+  1 for GELU's w1); under sp they keep the sequence chunk instead (n/t r C, once).
+- attention core, `flash` (what SDPA runs on CPU, fp32 and autocast alike, and on CUDA:
+  flash or memory-efficient): q, k, v after RoPE [b, s, H+2G, D] and out [b, s, H, D]
+  at v bytes, the logsumexp [b, H, s] fp32; wo's input is out itself. `math` (SDPA's
+  math kernel): q scaled, k and v repeated to H heads, the probabilities [b, H, s, s]
+  (fp32 on CPU, where autocast runs this kernel in fp32: m = 4), and wo's own input
+  (n H D v): the s^2 term Korthikanti's 5 a s^2 b counts.
+- MLP: SwiGLU keeps w1 x, w3 x, silu(w1 x) and their product (4 n F v); GELU keeps w1 x
+  and its GELU (2 n F v).
+- context parallelism (parallel/context/): the ring core saves q, k, v, out and the lse
+  (the flash terms) and returns out as [b, H, s, D], so wo keeps a copy (+ n H D v).
+  Ulysses runs SDPA on the all-to-all'd [b, S, H/N, D] tensors (the same bytes as the
+  local ones; kv heads repeated to G' when N does not divide them), and wo keeps the
+  all-to-all'd output. Under the zigzag split (the default, parallel.cp_split) SDPA sees
+  position-ordered copies, so the rank-ordered q, k, v and out the Function keeps for its
+  backward are held besides (+ (H + 2G' + H) D v n, and two int64 [S] indices); with the
+  contiguous split they are the same tensors.
+Selective recomputation (the core under a checkpoint) keeps only the core's inputs q, k,
+v; wo still keeps out: with `flash` it saves exactly the lse, with `math` the s^2 term.
+A context-parallel core is never wrapped (`recomputes_in_backward`: it manages its own
+backward). Full recomputation keeps the block input (n / t r C with sp).
+"""
+
+from __future__ import annotations
+
+from shardtrain.config import ModelConfig
+
+ATTENTION = ("flash", "math")
+
+
+def kv_heads_per_rank(cfg: ModelConfig, tp: int) -> int:
+    """kv heads on one tensor-parallel rank: split when n_kv_heads >= tp, else one
+    replicated head (config.check_tensor_parallel)."""
+    return max(cfg.kv_heads // tp, 1)
+
+
+def ulysses_kv_heads(cfg: ModelConfig, tp: int, cp: int) -> int:
+    """G': the kv heads Ulysses sends per tp rank: G when cp divides them, else repeated
+    to the query heads H (each rank of the cp group needs whole heads)."""
+    g, h = kv_heads_per_rank(cfg, tp), cfg.n_heads // tp
+    return g if g % cp == 0 else h
+
+
+def runtime_activation_bytes(cfg: ModelConfig, *, s: int, b: int, t: int = 1,
+                             sp: bool = False, recompute: str = "none",
+                             precision: str = "fp32", attention: str = "flash",
+                             cp: int = 1, cp_mode: str = "ring",
+                             cp_split: str = "zigzag") -> float:
+    """Bytes one layer keeps for backward (see the module docstring); s is the local
+    sequence length (S / cp). precision: fp32, or amp / bf16 / fp16 (autocast)."""
+    if attention not in ATTENTION:
+        raise ValueError(f"attention={attention!r} is not one of {', '.join(ATTENTION)}")
+    v = 4 if precision == "fp32" else 2
+    r = 4  # residual stream, norms and their statistics: fp32 under both policies
+    c, d = cfg.dim, cfg.head_dim
+    n = b * s
+    local = n / t if sp else n  # tokens of the replicated (norm, residual) region
+    if recompute == "full":
+        return local * c * r
+    heads, kv = cfg.n_heads // t, kv_heads_per_rank(cfg, t)
+    llama = cfg.style == "llama"
+    norms = 2 * local * ((2 * r * c + 4) if llama else (r * c + 8))
+    if sp:
+        inputs = 2 * local * c * r
+    elif v == 4:
+        inputs = 2 * n * c * r
+    else:
+        inputs = n * c * v * (3 + (2 if llama else 1))
+    mlp = (4 if llama else 2) * n * (cfg.ffn_hidden // t) * v
+    lse = 4 * b * heads * s
+    out = n * heads * d * v
+    qkv = n * (heads + 2 * kv) * d * v
+    if cp > 1 and cp_mode == "ulysses":
+        qkv = n * (heads + 2 * ulysses_kv_heads(cfg, t, cp)) * d * v
+        # SDPA on the all-to-all'd tensors: q, k, v, out, lse; wo's all-to-all'd input
+        core = qkv + out + lse + out
+        if cp_split == "zigzag":  # SDPA saves position-ordered copies (and two [S] int64
+            # indices); the Function keeps the rank-ordered q, k, v and out besides
+            core += qkv + out + 2 * 8 * s * cp
+    elif cp > 1:  # ring: q, k, v, out, lse; out is [b, H, s, D]: wo keeps a copy
+        core = qkv + out + lse + out
+    elif recompute == "selective":  # the checkpoint keeps q, k, v; wo keeps out
+        core = qkv + out
+    elif attention == "flash":
+        core = qkv + out + lse
+    else:
+        m = 4  # the math kernel's dtype on CPU, autocast included
+        core = 3 * n * heads * d * m + b * heads * s * s * m + out
+    return norms + inputs + core + mlp

@@ -1,0 +1,53 @@
+"""The planner proposes only what the trainer runs: every layout `search` ranks, and for a
+small model every candidate it enumerates, turned into config overrides
+(plan.layout.layout_overrides) passes the training config's validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardtrain import config
+from shardtrain.cost import hardware
+from shardtrain.plan.layout import Layout, layout_overrides
+from shardtrain.plan.search import candidates, search
+
+CASES = [  # preset, hardware, gpus, global batch, sequence
+    ("llama3-8b", "h100", 64, 256, 8192),  # cp (ring and Ulysses) candidates, GQA, tp
+    ("llama3-70b", "h100", 256, 512, 8192),
+    ("gpt3-175b", "a100", 1024, 1536, 2048),
+]
+
+
+def _validate(preset: str, layout: Layout, seq_len: int, *extra: str) -> None:
+    cfg = config.load(preset, [*extra, *layout_overrides(layout, seq_len=seq_len)])
+    cfg.validate(layout.gpus)
+    p = cfg.parallel  # the overrides say what the layout says
+    assert (p.dp, p.tp, p.pp, p.cp, p.cp_mode, p.zero, p.sp) == (
+        layout.dp, layout.tp, layout.pp, layout.cp, layout.cp_mode, layout.zero, layout.sp)
+    assert cfg.train.activation_checkpointing == layout.recompute
+
+
+@pytest.mark.parametrize("preset, hw, gpus, batch, seq", CASES, ids=[c[0] for c in CASES])
+def test_ranked_layouts_pass_config_validation(preset, hw, gpus, batch, seq):
+    model = config.load(preset).model
+    result = search(model, hardware.get(hw), gpus=gpus, global_batch=batch, seq_len=seq,
+                    top=20)
+    assert result.ranked
+    for plan in result.ranked:
+        _validate(preset, plan.layout, seq)
+
+
+def test_every_candidate_of_a_small_model_passes_config_validation():
+    """tiny's shapes (4 heads, 2 kv heads) on 8 ranks with a long sequence: tp, pp, cp
+    (both modes), ZeRO, sp, schedules and offload all enumerated, none refused."""
+    longer = ("--model.max_seq_len", "8192")
+    model = config.load("tiny", list(longer)).model
+    seen = 0
+    for offload in ("none", "cpu", "nvme"):
+        for layout in candidates(model, gpus=8, node_size=8, global_batch=8, seq_len=8192,
+                                 precision="bf16", offload=offload):
+            # gpipe and the recompute modes validate as 1f1b and none do (config.load is slow)
+            if layout.schedule != "gpipe" and (layout.recompute == "none" or seen % 50 == 0):
+                _validate("tiny", layout, 8192, *longer)
+                seen += 1
+    assert seen > 150
