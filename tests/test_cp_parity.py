@@ -25,6 +25,7 @@ LAYOUTS = {
         ("cp2 ulysses", (), ["--parallel.cp", "2", *ULYSSES]),
         ("cp2 ring contiguous split", (), ["--parallel.cp", "2",
                                           "--parallel.cp_split", "contiguous"]),
+        ("cp2 ring, mixture of experts", ("--model.n_experts", "4"), ["--parallel.cp", "2"]),
         ("selective + tp2", (), ["--parallel.tp", "2",
                                  "--train.activation_checkpointing", "selective"])],
     4: [("cp4 ring seq 40", SEQ40, ["--parallel.cp", "4"]),

@@ -26,7 +26,7 @@ import torch
 from shardtrain.config import Config
 from shardtrain.mesh import ParallelMesh
 from shardtrain.model.transformer import Transformer
-from shardtrain.parallel.activation import checkpoint_blocks
+from shardtrain.parallel.activation import checkpoint_attention_cores, checkpoint_blocks
 from shardtrain.parallel.context.apply import apply_context_parallel
 from shardtrain.parallel.data.ddp import DataParallel, ReplicatedUpdate
 from shardtrain.parallel.data.topk import SparseUpdates
@@ -62,6 +62,8 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
     split = apply_context_parallel(model, mesh.comm("cp"), cfg)
     if cfg.train.activation_checkpointing == "full":
         checkpoint_blocks(model.layers)
+    elif cfg.train.activation_checkpointing == "selective":  # after cp: it sees the cp core
+        checkpoint_attention_cores(model.layers)
     # Pipeline split: this rank's stage (the model itself when pp = 1), the only part
     # materialised; the full model's names order the layout-independent state dicts.
     module, chunks = split_stages(model, cfg, stage=pp.rank)

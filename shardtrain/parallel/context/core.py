@@ -19,7 +19,13 @@ class ContextAttention:
     """Causal attention of this rank's q [B, H, s, D] over k, v [B, G, s, D] (s = S/N, the
     tokens `split` gives comm.rank) with the other cp ranks -> [B, H, s, D]. `compute_s`:
     seconds this rank spent computing attention (forward and backward, not waiting for
-    messages) since the last `reset()`."""
+    messages) since the last `reset()`.
+
+    `recomputes_in_backward`: selective recomputation leaves this core alone (parallel/
+    activation.py). The ring's autograd Function keeps only q, k, v, out and lse already;
+    a checkpoint around Ulysses would replay its all-to-alls in backward."""
+
+    recomputes_in_backward = True
 
     def __init__(self, comm: Communicator, split: SequenceSplit, mode: str):
         if mode not in MODES:
