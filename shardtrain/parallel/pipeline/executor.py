@@ -22,7 +22,8 @@ Timeline format (`PipelineExecutor.timeline`, written by the trainer as
                   "mb": i, "chunk": c, "start": t0, "end": t1}, ...]}
 
 `rank` is the global rank, `stage` the pipeline stage, `chunk` the local chunk index, `step`
-the optimizer step (added by the trainer; `schedule` comes from the caller); times
+the optimizer step (added by the trainer; `schedule` comes from the caller; under context
+parallelism the pipeline adds `attention_s`, this rank's attention compute seconds); times
 are seconds from the step's start, taken right after a barrier over the pipeline group (so
 stages share a time origin up to the barrier's skew; forward-only evaluation runs skip the
 barrier, their timelines are not kept). Transfers of one batch share its start (posting)
