@@ -120,7 +120,8 @@ def main() -> None:
         ratio = max(secs) / min(secs)
         print(f"  {name:>10}: " + "  ".join(f"rank {i} {t:.3f}s" for i, t in enumerate(secs))
               + f"   busiest / least busy {ratio:.2f}")
-        summary[name] = {"attention_s": [round(t, 4) for t in secs], "max_over_min": round(ratio, 3)}
+        summary[name] = {"attention_s": [round(t, 4) for t in secs],
+                         "max_over_min": round(ratio, 3)}
     print(json.dumps(summary))
 
 
