@@ -36,7 +36,9 @@ LAYOUTS = {
         ("cp2 x pp2", (), ["--parallel.cp", "2", "--parallel.pp", "2"]),
         ("cp2 x dp2 zero3", (), ["--parallel.cp", "2", "--parallel.zero", "3"]),
         ("cp2 x dp2 ring full checkpointing", (),
-         ["--parallel.cp", "2", "--train.activation_checkpointing", "full"])],
+         ["--parallel.cp", "2", "--train.activation_checkpointing", "full"]),
+        ("cp2 x dp2 ulysses full checkpointing", (),
+         ["--parallel.cp", "2", *ULYSSES, "--train.activation_checkpointing", "full"])],
 }
 
 

@@ -23,7 +23,8 @@ LEDGER_ROWS = [
     ("ring fp32", ["--parallel.cp_mode", "ring"]),
     ("ring bf16 full recompute", ["--parallel.cp_mode", "ring", "--train.precision", "bf16",
                                   "--train.activation_checkpointing", "full"]),
-    ("ulysses fp32", ["--parallel.cp_mode", "ulysses"]),
+    ("ulysses fp32 full recompute", ["--parallel.cp_mode", "ulysses",
+                                     "--train.activation_checkpointing", "full"]),
     ("ulysses bf16 contiguous", ["--parallel.cp_mode", "ulysses", "--train.precision", "bf16",
                                  "--parallel.cp_split", "contiguous"]),
 ]

@@ -132,7 +132,10 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, ring: _Ring, *tensors: torch.Tensor):
         m = len(ring.transport.ranks)
         qs, ks, vs = tensors[:m], tensors[m:2 * m], tensors[2 * m:]
-        outs, lses = _forward(ring, qs, ks, vs)
+        # The block math is fp32 by design: under the model's autocast its matmuls would
+        # otherwise run (and its log-sum-exp come out) in bf16.
+        with torch.autocast(qs[0].device.type, enabled=False):
+            outs, lses = _forward(ring, qs, ks, vs)
         ctx.ring = ring
         ctx.save_for_backward(*qs, *ks, *vs, *outs, *lses)
         return tuple(outs)
@@ -142,7 +145,8 @@ class _RingAttention(torch.autograd.Function):
         m = len(douts)
         saved = ctx.saved_tensors
         qs, ks, vs, outs, lses = (saved[i * m:(i + 1) * m] for i in range(5))
-        dqs, dks, dvs = _backward(ctx.ring, qs, ks, vs, outs, lses, douts)
+        with torch.autocast(qs[0].device.type, enabled=False):
+            dqs, dks, dvs = _backward(ctx.ring, qs, ks, vs, outs, lses, douts)
         return (None, *dqs, *dks, *dvs)
 
 

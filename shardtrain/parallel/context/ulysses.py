@@ -70,7 +70,11 @@ class _Ulysses(torch.autograd.Function):
         order = split.order(q.device)  # [S]: the position of each gathered token
         natural = torch.argsort(order) if split.zigzag else None  # gathered index by position
         # The local graph is kept for backward (no recompute); none is built without grad.
-        with torch.set_grad_enabled(any(ctx.needs_input_grad[:3])):
+        # Its saved tensors are held as they are (identity hooks, innermost wins): under
+        # full activation checkpointing the block's hooks would otherwise turn them into
+        # recompute handles, and this Function's backward would replay the whole block.
+        with torch.set_grad_enabled(any(ctx.needs_input_grad[:3])), \
+                torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
             leaves = [t.detach().requires_grad_(torch.is_grad_enabled()) for t in (qh, kh, vh)]
             x = [t.index_select(2, natural) for t in leaves] if natural is not None else leaves
             out = F.scaled_dot_product_attention(*x, is_causal=causal,
@@ -92,6 +96,10 @@ class _Ulysses(torch.autograd.Function):
         dq, dk, dv = _to_sequence(ctx.comm, list(grads))
         ctx.graph = None
         return dq, dk, dv, None, None, None, None
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
