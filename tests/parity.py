@@ -50,6 +50,19 @@ def train_layout(rank: int, world_size: int, cfg_text: str,
             **(extra(trainer) if extra is not None else {})}
 
 
+def reference_runs(text: Callable[..., str]) -> Callable[[tuple], dict]:
+    """Single-process runs keyed by their overrides, each trained once (a module fixture
+    returns this): `text(name, *overrides)` is the run's config as TOML."""
+    cache: dict[tuple, dict] = {}
+
+    def get(overrides: tuple) -> dict:
+        if overrides not in cache:
+            cache[overrides] = train_layout(0, 1, text(f"ref-{len(cache)}", *overrides))
+        return cache[overrides]
+
+    return get
+
+
 def train_layouts(rank: int, world_size: int, cfg_texts: list[str],
                   extra: Callable[[Trainer], dict] | None = None) -> list[dict]:
     """Worker: several layouts in one spawn (spawning is the slow part)."""

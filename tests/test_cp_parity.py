@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from dist import run_distributed
-from parity import assert_parity, tiny, train_layout, train_layouts
+from parity import assert_parity, reference_runs, tiny, train_layout, train_layouts
 from shardtrain import config
 from shardtrain.config import ConfigError
 
@@ -55,14 +55,7 @@ def _text(tmp, name: str, *overrides: str) -> str:
 @pytest.fixture(scope="module")
 def references(tmp):
     """Single-process runs by reference overrides, each trained once for the module."""
-    cache: dict[tuple, dict] = {}
-
-    def get(overrides: tuple) -> dict:
-        if overrides not in cache:
-            cache[overrides] = train_layout(0, 1, _text(tmp, f"ref-{len(cache)}", *overrides))
-        return cache[overrides]
-
-    return get
+    return reference_runs(lambda name, *overrides: _text(tmp, name, *overrides))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

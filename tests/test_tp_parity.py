@@ -11,7 +11,7 @@ import math
 import pytest
 
 from dist import run_distributed
-from parity import assert_parity, tiny, train_layout, train_layouts
+from parity import assert_parity, reference_runs, tiny, train_layout, train_layouts
 from shardtrain import config
 
 STEPS = "8"
@@ -49,14 +49,7 @@ def _text(tmp, name: str, *overrides: str) -> str:
 @pytest.fixture(scope="module")
 def references(tmp):
     """Single-process runs by model overrides, each trained once for the module."""
-    cache: dict[tuple, dict] = {}
-
-    def get(model: tuple) -> dict:
-        if model not in cache:
-            cache[model] = train_layout(0, 1, _text(tmp, f"ref-{len(cache)}", *model))
-        return cache[model]
-
-    return get
+    return reference_runs(lambda name, *overrides: _text(tmp, name, *overrides))
 
 
 def _resumed_from(reference: dict) -> dict:
