@@ -17,6 +17,7 @@ from shardtrain.config import ModelConfig
 from shardtrain.comm import build_mesh
 from shardtrain.mesh import MeshShape, ParallelMesh
 from shardtrain.model.transformer import build_model
+from shardtrain.parallel.activation import SavedActivations
 from shardtrain.parallel.tensor.sharding import Placement, TensorShards
 from shardtrain.parallel.tensor.layers import (ColumnParallelLinear, Region, RowParallelLinear,
                                         apply_tensor_parallel)
@@ -122,18 +123,9 @@ def _check_model(comm, cfg: ModelConfig, sp: bool) -> None:
 
 def _saved_bytes(model: nn.Module, fn) -> int:
     """Bytes of the distinct storages autograd keeps for backward, parameters excluded."""
-    constant = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-    kept: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in constant:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedActivations(exclude=model) as meter:
         fn()
-    return sum(kept.values())
+    return meter.bytes
 
 
 def _layer_costs(mesh: ParallelMesh) -> dict:
