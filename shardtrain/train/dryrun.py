@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from shardtrain.config import Config, ConfigError
+from shardtrain.parallel.activation import SavedActivations
 from shardtrain.plan.layout import PlanError, config_layout
 from shardtrain.plan.memory import memory_per_gpu
 from shardtrain.plan.partition import layers_per_stage
@@ -39,6 +40,51 @@ STATES = ("params", "grads", "master", "optimizer")
 NOT_SHOWN = ["communication volume and time (collectives move nothing)", "step time",
              "other ranks' memory (e.g. the last pipeline stage's head) and imbalance",
              "real losses (training runs on whatever the fake collectives left)"]
+
+
+class _Held:
+    """A saved tensor while autograd holds it; its release is the graph letting go."""
+
+    def __init__(self, tensor: torch.Tensor, meter: "LiveSavedActivations", key: int):
+        self.tensor, self.meter, self.key = tensor, meter, key
+
+    def __del__(self) -> None:
+        self.meter.release(self.key)
+
+
+class LiveSavedActivations(SavedActivations):
+    """`peak`: the most bytes autograd held for backward at one moment, counted as
+    SavedActivations counts them (each storage once; parameters, `exclude`'s tensors and
+    autocast's copies of parameters left out). A storage stays counted while any saved
+    tensor of it is alive in the graph, so micro-batches in flight add up and a released
+    layer's activations leave: the peak the planner's `activations` predicts."""
+
+    def __init__(self, exclude: torch.nn.Module):
+        super().__init__(exclude)
+        self._live: dict[int, list[int]] = {}  # storage address -> [saved refs, bytes]
+        self.live = self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(
+            self._hold, lambda x: x.tensor if isinstance(x, _Held) else x)
+
+    def _hold(self, t: torch.Tensor) -> Any:
+        if t.device.type == "meta" or not t.numel() or isinstance(t, torch.nn.Parameter):
+            return t
+        key = t.untyped_storage().data_ptr()
+        if key in self._skip or self._cast_of_param(t):
+            return t
+        entry = self._live.setdefault(key, [0, t.untyped_storage().nbytes()])
+        if entry[0] == 0:
+            self.live += entry[1]
+            self.peak = max(self.peak, self.live)
+        entry[0] += 1
+        return _Held(t, self, key)
+
+    def release(self, key: int) -> None:
+        entry = self._live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self._live[key]
 
 
 def check_dry_run(cfg: Config, world_size: int) -> None:
@@ -69,18 +115,17 @@ def stage_layers(module: torch.nn.Module) -> int:
     return len(found)
 
 
-def dry_run(cfg: Config, world_size: int, *, steps: int = 2) -> dict[str, Any]:
-    """Build rank 0's Trainer in a fake world of `world_size`, run `steps` steps (at most
-    train.steps), and return (and write) the report."""
+def dry_run(cfg: Config, world_size: int, device: torch.device, *, steps: int = 2
+            ) -> dict[str, Any]:
+    """Build rank 0's Trainer on `device` (launch.pick_device's choice for a single local
+    rank) in a fake world of `world_size`, run `steps` steps (at most train.steps), and
+    return (and write) the report."""
     from shardtrain.comm import build_mesh
-    from shardtrain.launch import ProcessInfo, check_device, pick_device
     from shardtrain.mesh import MeshShape
-    from shardtrain.parallel.activation import SavedActivations
+    from shardtrain.train.metrics import peak_memory
     from shardtrain.train.trainer import Trainer, write_atomic
 
     check_dry_run(cfg, world_size)
-    device = pick_device(cfg.train.device, ProcessInfo(world_size=world_size))
-    check_device(cfg, device)
     p, t = cfg.parallel, cfg.train
     shape = MeshShape(pp=p.pp, dp=p.resolved_dp(world_size), cp=p.cp, tp=p.tp, ep=p.ep)
     if device.type == "cuda":
@@ -91,17 +136,20 @@ def dry_run(cfg: Config, world_size: int, *, steps: int = 2) -> dict[str, Any]:
                           algorithm=cfg.comm.algorithm, timeout_s=cfg.comm.timeout_s,
                           device=device)
         trainer = Trainer(cfg, mesh, device)
+        built = peak_memory(device)["peak_mem_bytes"]  # the build: the whole stage, unsharded
+        if device.type == "cuda":  # so that the steps' peak is their own
+            torch.cuda.reset_peak_memory_stats(device)
         saved = 0
         for _ in range(max(1, min(steps, t.steps))):
-            with SavedActivations(exclude=trainer.parallel.module) as meter:
+            with LiveSavedActivations(exclude=trainer.parallel.module) as meter:
                 trainer.train_step()
-            saved = max(saved, meter.bytes)
+            saved = max(saved, meter.peak)
         ledger = trainer.memory_ledger()
         layers = stage_layers(trainer.parallel.module)
     finally:
         dist.destroy_process_group()
-    report = build_report(cfg, world_size, ledger, saved=saved, layers=layers,
-                          steps=trainer.step, device=device)
+    report = build_report(cfg, world_size, {**ledger, "build_peak_bytes": built},
+                          saved=saved, layers=layers, steps=trainer.step, device=device)
     write_atomic(Path(t.run_dir) / "dry_run.json", json.dumps(report, indent=1))
     print(format_report(report), flush=True)
     return report
@@ -127,6 +175,7 @@ def build_report(cfg: Config, world_size: int, ledger: dict[str, Any], *, saved:
         "measured": {**measured, "model_states": sum(measured.values()),
                      "offloaded": int(ledger.get("offloaded_bytes") or 0),
                      "peak_mem": ledger["peak_mem_bytes"],
+                     "build_peak_mem": ledger["build_peak_bytes"],
                      "peak_reserved": ledger["peak_reserved_bytes"],
                      "saved_activations": saved},
         "planned_exact": None if exact is None else {**exact, "model_states": sum(exact.values())},
@@ -135,8 +184,9 @@ def build_report(cfg: Config, world_size: int, ledger: dict[str, Any], *, saved:
         "planned_estimate": estimate,
         "stage_layers": {"runtime": layers,
                          "planner": layers_per_stage(cfg.model, layout)},
-        "peak_meaning": ("CUDA allocator peak of allocated bytes" if device.type == "cuda"
-                         else "process peak RSS (mostly the Python and torch runtime)"),
+        "peak_meaning": ("CUDA allocator peak of allocated bytes during the steps"
+                         if device.type == "cuda" else
+                         "process peak RSS since start (mostly the Python and torch runtime)"),
         "not_shown": NOT_SHOWN,
     }
 
@@ -155,6 +205,8 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append(f"{'buffers':<18}{'':>16}{'':>16}{e['buffers']:>18,.0f}")
     lines.append(f"{'peak':<18}{m['peak_mem']:>16,}{'':>16}{e['total']:>18,.0f}"
                  f"   ({r['peak_meaning']})")
+    lines.append(f"{'peak while built':<18}{m['build_peak_mem']:>16,}   (the stage is "
+                 "materialised whole before it is sharded)")
     if x is None:
         lines.append(f"exact count unavailable: {r['planned_exact_unavailable']}")
     else:
