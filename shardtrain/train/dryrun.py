@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardtrain.comm import CommFactory, Communicator
 from shardtrain.config import Config, ConfigError
 from shardtrain.parallel.activation import SavedActivations
 from shardtrain.plan.layout import PlanError, config_layout
@@ -40,6 +41,43 @@ STATES = ("params", "grads", "master", "optimizer")
 NOT_SHOWN = ["communication volume and time (collectives move nothing)", "step time",
              "other ranks' memory (e.g. the last pipeline stage's head) and imbalance",
              "real losses (training runs on whatever the fake collectives left)"]
+
+
+class ZeroFilledCommunicator(Communicator):
+    """A communicator over the fake group whose every receive buffer reads zeros. The fake
+    collectives leave them as allocated (torch.empty: whatever the memory held), so a
+    gradient could come out non-finite, the update skip its step, a lazily built optimizer
+    state (torch's AdamW) never appear, and the ledger change from run to run."""
+
+    def all_gather(self, output, input, **kw):
+        output.zero_()
+        return super().all_gather(output, input, **kw)
+
+    def reduce_scatter(self, output, input, op="sum", **kw):
+        output.zero_()
+        return super().reduce_scatter(output, input, op, **kw)
+
+    def all_to_all(self, output, input, **kw):
+        output.zero_()
+        return super().all_to_all(output, input, **kw)
+
+    def gather(self, output, input, dst=0, **kw):
+        if output is not None:
+            output.zero_()
+        return super().gather(output, input, dst, **kw)
+
+    def scatter(self, output, input, src=0, **kw):
+        output.zero_()
+        return super().scatter(output, input, src, **kw)
+
+    def recv(self, tensor, src, **kw):
+        tensor.zero_()
+        return super().recv(tensor, src, **kw)
+
+    def exchange(self, sends, recvs):
+        for _, tensor, _ in recvs:
+            tensor.zero_()
+        return super().exchange(sends, recvs)
 
 
 class _Held:
@@ -92,6 +130,11 @@ def check_dry_run(cfg: Config, world_size: int) -> None:
     if world_size < 2:
         raise ConfigError(f"--dry-run-world {world_size} must be >= 2 (for one rank, train "
                           "normally: shardtrain train)")
+    if cfg.comm.algorithm != "native":
+        raise ConfigError(f"--dry-run-world with comm.algorithm={cfg.comm.algorithm}: the dry run "
+                          "fakes the backend's collectives, and shardtrain's own algorithms "
+                          "would compute on messages that never come; set --comm.algorithm "
+                          "native")
     if cfg.parallel.ps_servers:
         raise ConfigError(f"--dry-run-world with parallel.ps_servers={cfg.parallel.ps_servers}: "
                           "a parameter-server layout runs two programs (workers and servers) "
@@ -120,8 +163,7 @@ def dry_run(cfg: Config, world_size: int, device: torch.device, *, steps: int = 
     """Build rank 0's Trainer on `device` (launch.pick_device's choice for a single local
     rank) in a fake world of `world_size`, run `steps` steps (at most train.steps), and
     return (and write) the report."""
-    from shardtrain.comm import build_mesh
-    from shardtrain.mesh import MeshShape
+    from shardtrain.mesh import MeshShape, ParallelMesh
     from shardtrain.train.metrics import peak_memory
     from shardtrain.train.trainer import Trainer, write_atomic
 
@@ -132,17 +174,18 @@ def dry_run(cfg: Config, world_size: int, device: torch.device, *, steps: int = 
         torch.cuda.reset_peak_memory_stats(device)
     fake_world(world_size)
     try:
-        mesh = build_mesh(shape, rank=0, node_size=p.node_size or world_size,
-                          algorithm=cfg.comm.algorithm, timeout_s=cfg.comm.timeout_s,
-                          device=device)
+        mesh = ParallelMesh(shape, rank=0, node_size=p.node_size or world_size,
+                            timeout_s=cfg.comm.timeout_s, device=device,
+                            communicator=CommFactory(timeout_s=cfg.comm.timeout_s,
+                                                     kind=ZeroFilledCommunicator))
         trainer = Trainer(cfg, mesh, device)
         built = peak_memory(device)["peak_mem_bytes"]  # the build: the whole stage, unsharded
         if device.type == "cuda":  # so that the steps' peak is their own
             torch.cuda.reset_peak_memory_stats(device)
-        saved = 0
+        saved, skipped = 0, 0
         for _ in range(max(1, min(steps, t.steps))):
             with LiveSavedActivations(exclude=trainer.parallel.module) as meter:
-                trainer.train_step()
+                skipped += bool(trainer.train_step()["skipped"])
             saved = max(saved, meter.peak)
         ledger = trainer.memory_ledger()
         layers = stage_layers(trainer.parallel.module)
@@ -150,6 +193,7 @@ def dry_run(cfg: Config, world_size: int, device: torch.device, *, steps: int = 
         dist.destroy_process_group()
     report = build_report(cfg, world_size, {**ledger, "build_peak_bytes": built},
                           saved=saved, layers=layers, steps=trainer.step, device=device)
+    report["skipped_steps"] = skipped  # non-finite gradients: the optimizer state not built
     write_atomic(Path(t.run_dir) / "dry_run.json", json.dumps(report, indent=1))
     print(format_report(report), flush=True)
     return report
