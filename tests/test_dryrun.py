@@ -145,3 +145,24 @@ def test_report_is_written_atomically(tmp_path, monkeypatch, capsys):
         dryrun.dry_run(cfg, 64, torch.device("cpu"))
     assert json.loads(path.read_text()) == first  # the old report, whole
     assert not dist.is_initialized()
+
+
+def test_mesh_on_cuda_under_the_fake_backend_needs_no_gloo_side_group():
+    """On CUDA the mesh puts metadata on a Gloo group beside each NCCL group; under the fake
+    backend that group cannot exist (Gloo cannot rendezvous over a fake store) and is not
+    needed: the fake group carries the metadata. No GPU is touched building it."""
+    from shardtrain.comm import CommFactory
+    from shardtrain.cost.hardware import runtime_link
+    from shardtrain.mesh import MeshShape, ParallelMesh
+
+    dryrun.fake_world(8)
+    try:
+        mesh = ParallelMesh(MeshShape(dp=2, tp=4), rank=0, device=torch.device("cuda"),
+                            link=runtime_link("cpu", gpu_name="", across_nodes=False),
+                            communicator=CommFactory(kind=dryrun.ZeroFilledCommunicator))
+        for dim in ("tp", "dp"):
+            comm = mesh.comm(dim)
+            assert comm.meta is comm.group and comm.device.type == "cuda"
+            assert isinstance(comm, dryrun.ZeroFilledCommunicator)
+    finally:
+        dist.destroy_process_group()
