@@ -12,8 +12,8 @@ runtime's padding implies (plan/rank_states.py) and the estimate of plan/memory.
 
 What it cannot show: communication (nothing is sent, so no time and no traffic), step time,
 the other ranks (the last pipeline stage holds the head; their imbalance is not seen),
-and real losses: received tensors are whatever the fake collective left in the buffers,
-so the numbers it trains on are meaningless. A parameter-server layout is refused: its
+and real losses: what other ranks would send reads as zeros (ZeroFilledCommunicator), so
+the numbers it trains on are meaningless. A parameter-server layout is refused: its
 servers run a different program (train/ps_server.py), not rank 0's.
 
 The report goes to stdout and, written atomically, to <run_dir>/dry_run.json.
@@ -40,7 +40,7 @@ from shardtrain.plan.rank_states import rank0_states
 STATES = ("params", "grads", "master", "optimizer")
 NOT_SHOWN = ["communication volume and time (collectives move nothing)", "step time",
              "other ranks' memory (e.g. the last pipeline stage's head) and imbalance",
-             "real losses (training runs on whatever the fake collectives left)"]
+             "real losses (what other ranks would send reads as zeros)"]
 
 
 class ZeroFilledCommunicator(Communicator):
