@@ -16,7 +16,10 @@ import torch.distributed as dist
 from parity import tiny
 from shardtrain import config
 from shardtrain.cli import main
+from shardtrain.comm import CommFactory
 from shardtrain.config import ConfigError
+from shardtrain.cost.hardware import runtime_link
+from shardtrain.mesh import MeshShape, ParallelMesh
 from shardtrain.cost.counts import param_counts
 from shardtrain.plan.layout import Layout, PlanError, config_layout
 from shardtrain.plan.memory import model_states
@@ -24,6 +27,7 @@ from shardtrain.plan.rank_states import bucket_padded, rank0_states, rank0_tenso
 from shardtrain.train import dryrun
 
 STATES = ("params", "grads", "master", "optimizer")
+LINK = runtime_link("cpu", gpu_name="", across_nodes=False)
 ZERO3_DP64 = ("--parallel.zero", "3", "--train.global_batch", "128")
 TP2_PP2_DP16 = ("--parallel.tp", "2", "--parallel.pp", "2", "--train.global_batch", "64",
                 "--parallel.microbatches", "2")
@@ -45,6 +49,8 @@ LAYOUTS = [
     ("zero3-dp64", 64, ZERO3_DP64, 0),
     ("tp2-pp2-dp16", 64, TP2_PP2_DP16, None),
     ("tp2-pp2-dp16-zero1", 64, (*TP2_PP2_DP16, "--parallel.zero", "1"), 0),
+    ("tp4-dp16-zero1", 64, ("--parallel.tp", "4", "--parallel.zero", "1",  # kv heads shared
+                            "--train.global_batch", "32"), 0),
     ("gpt2-zero3-dp48", 48, ("--model.style", "gpt2", "--model.n_kv_heads", "0",
                              "--parallel.zero", "3", "--train.global_batch", "96"), 80),
     ("tp2-pp2-dp24-zero1", 96, ("--parallel.tp", "2", "--parallel.pp", "2", "--parallel.zero",
@@ -110,6 +116,27 @@ def test_llama3_8b_rank0_at_dp64_zero3():
     assert states.params % 4 == 0 and states.master == 0
 
 
+@pytest.mark.parametrize("tp", [8, 16])
+def test_llama3_8b_tensor_parallel_slices_on_the_meta_device(tmp_path, tp):
+    """At Llama-3-8B's shapes (8 kv heads: tp=16 shares each between two ranks), rank 0's
+    tensor-parallel tensors, built on the meta device by the runtime, are the planner's."""
+    from shardtrain.parallel.tensor.layers import apply_tensor_parallel
+    from shardtrain.train.finetune import build_skeleton
+
+    cfg = config.load("llama3-8b", ["--parallel.tp", str(tp), "--train.run_dir",
+                                    str(tmp_path)])
+    dryrun.fake_world(tp)
+    try:
+        mesh = ParallelMesh(MeshShape(tp=tp), rank=0, link=LINK,
+                            communicator=CommFactory(kind=dryrun.ZeroFilledCommunicator))
+        model = build_skeleton(cfg)
+        apply_tensor_parallel(model, mesh.comm("tp"), sp=False)
+        built = [(n, p.numel()) for n, p in model.named_parameters()]
+    finally:
+        dist.destroy_process_group()
+    assert built == rank0_tensors(cfg.model, Layout(tp=tp, precision="fp32"))
+
+
 def test_refusals(tmp_path, capsys):
     cfg = tiny(tmp_path, "ps", "--parallel.ps_servers", "1", "--train.global_batch", "126",
                "--train.micro_batch", "2")
@@ -151,14 +178,10 @@ def test_mesh_on_cuda_under_the_fake_backend_needs_no_gloo_side_group():
     """On CUDA the mesh puts metadata on a Gloo group beside each NCCL group; under the fake
     backend that group cannot exist (Gloo cannot rendezvous over a fake store) and is not
     needed: the fake group carries the metadata. No GPU is touched building it."""
-    from shardtrain.comm import CommFactory
-    from shardtrain.cost.hardware import runtime_link
-    from shardtrain.mesh import MeshShape, ParallelMesh
-
     dryrun.fake_world(8)
     try:
         mesh = ParallelMesh(MeshShape(dp=2, tp=4), rank=0, device=torch.device("cuda"),
-                            link=runtime_link("cpu", gpu_name="", across_nodes=False),
+                            link=LINK,
                             communicator=CommFactory(kind=dryrun.ZeroFilledCommunicator))
         for dim in ("tp", "dp"):
             comm = mesh.comm(dim)
