@@ -44,17 +44,25 @@ NOT_SHOWN = ["communication volume and time (collectives move nothing)", "step t
 
 
 class ZeroFilledCommunicator(Communicator):
-    """A communicator over the fake group whose every receive buffer reads zeros. The fake
-    collectives leave them as allocated (torch.empty: whatever the memory held), so a
+    """A communicator over the fake group where every other rank contributes zeros: what
+    this rank would receive reads zeros, its own part is its own. The fake collectives
+    leave receive buffers as allocated (torch.empty: whatever the memory held), so a
     gradient could come out non-finite, the update skip its step, a lazily built optimizer
     state (torch's AdamW) never appear, and the ledger change from run to run."""
 
     def all_gather(self, output, input, **kw):
-        output.zero_()
+        if output.is_contiguous():  # [size * m]: zeros around this rank's own [m]
+            out, m = output.view(-1), input.numel()
+            out[:self.rank * m].zero_()
+            out[(self.rank + 1) * m:].zero_()
+            out[self.rank * m:(self.rank + 1) * m].copy_(input.reshape(-1))
+        else:
+            output.zero_()
         return super().all_gather(output, input, **kw)
 
     def reduce_scatter(self, output, input, op="sum", **kw):
-        output.zero_()
+        n = output.numel()  # the sum is this rank's own chunk (avg: divided after the call)
+        output.copy_(input.reshape(-1)[self.rank * n:(self.rank + 1) * n].view_as(output))
         return super().reduce_scatter(output, input, op, **kw)
 
     def all_to_all(self, output, input, **kw):
@@ -215,7 +223,8 @@ def build_report(cfg: Config, world_size: int, ledger: dict[str, Any], *, saved:
     return {
         "world_size": world_size, "rank": 0, "layout": layout.describe(),
         "device": str(device), "steps": steps,
-        "note": "collectives did nothing: losses are not real; bytes and peaks are rank 0's",
+        "note": ("collectives moved nothing (other ranks read as zeros): losses are not "
+                 "real; bytes and peaks are rank 0's"),
         "measured": {**measured, "model_states": sum(measured.values()),
                      "offloaded": int(ledger.get("offloaded_bytes") or 0),
                      "peak_mem": ledger["peak_mem_bytes"],
