@@ -15,6 +15,7 @@ from shardtrain import config as config_mod
 from shardtrain.config import Config, ConfigError
 
 USAGE = """shardtrain train [--config FILE.toml|PRESET] [--nproc N] [--section.field VALUE ...]
+shardtrain train --dry-run-world N [...]           (rank 0 of an N-rank job, alone: its memory)
 shardtrain generate --checkpoint DIR [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]
                                                    (DIR: a checkpoint or a Hugging Face directory)
 shardtrain export --checkpoint DIR --out DIR [--adapters-only]   (a Hugging Face directory)
@@ -53,8 +54,13 @@ def cmd_train(argv: list[str]) -> int:
                         help="a TOML file or a preset name under configs/ (default: default)")
     parser.add_argument("--nproc", type=int, default=0,
                         help="local processes to launch (default: 1, or the launcher's world)")
+    parser.add_argument("--dry-run-world", type=int, default=0, metavar="N",
+                        help="run rank 0 of an N-rank job alone over a fake process group "
+                             "and print its memory next to the planner's (docs/planner.md)")
     args, overrides = parser.parse_known_args(argv)
     cfg = config_mod.load(args.config, overrides)
+    if args.dry_run_world:
+        return dry_run(cfg, args.dry_run_world, nproc=args.nproc)
 
     from shardtrain.launch import ProcessInfo, launch_local, run_worker, under_launcher
 
@@ -80,6 +86,22 @@ def cmd_train(argv: list[str]) -> int:
     except ChildFailedError as e:
         print(f"shardtrain train: a worker failed:\n{e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def dry_run(cfg: Config, world_size: int, *, nproc: int) -> int:
+    """`--dry-run-world N`: one process, rank 0's share of the N-rank layout (train/dryrun.py)."""
+    from shardtrain.launch import ProcessInfo, check_device, pick_device, under_launcher
+    from shardtrain.train.dryrun import check_dry_run, dry_run as run_dry
+
+    if nproc or under_launcher():
+        raise ConfigError("--dry-run-world runs one process standing for rank 0 of N: drop "
+                          "--nproc and run it outside torchrun")
+    check_dry_run(cfg, world_size)
+    prepare_run(cfg, world_size, prepare_data=True)
+    device = pick_device(cfg.train.device, ProcessInfo(world_size=world_size))
+    check_device(cfg, device)
+    run_dry(cfg, world_size, device)
     return 0
 
 

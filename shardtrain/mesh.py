@@ -190,7 +190,11 @@ class ParallelMesh:
                 keyed.setdefault(part(r), []).append(r)
             parts += keyed.values()
         timeout = timedelta(seconds=self.timeout_s)
-        side = self.device.type == "cuda"  # NCCL payload: metadata on a Gloo group beside
+        # NCCL payload: metadata on a Gloo group beside. Not under the fake backend of a
+        # dry run (train/dryrun.py): a Gloo group would wait for N - 1 ranks that never
+        # come, and the fake group carries CPU tensors as well (by moving nothing).
+        side = self.device.type == "cuda" and not (dist.is_initialized()
+                                                    and dist.get_backend() == "fake")
         world = dist.get_world_size() if dist.is_initialized() else self.world_size
         mine = None
         for ranks in parts:

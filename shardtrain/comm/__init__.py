@@ -33,9 +33,10 @@ class CommFactory:
     timeout_s: float = 300.0
     check_sizes: str = "first"
     ledger: CommLedger = field(default_factory=CommLedger)
+    kind: type[Communicator] = Communicator  # the dry run's subclass (train/dryrun.py)
 
     def __call__(self, group: Group) -> Communicator:
-        return Communicator(group.handle, name=group.name, ranks=group.ranks,
+        return self.kind(group.handle, name=group.name, ranks=group.ranks,
                             ledger=self.ledger, node_size=group.node_size,
                             algorithm=self.algorithm, timeout_s=self.timeout_s,
                             link=group.link, device=group.device, meta=group.meta,

@@ -14,7 +14,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Any
 
-from shardtrain.config import ConfigError, ModelConfig
+from shardtrain.config import Config, ConfigError, ModelConfig
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
@@ -223,3 +223,15 @@ def layout_overrides(layout: Layout, *, seq_len: int | None = None,
     if seq_len is not None:
         pairs["train.seq_len"] = seq_len
     return [item for key, value in pairs.items() for item in (f"--{key}", str(value))]
+
+
+def config_layout(cfg: Config, world_size: int) -> Layout:
+    """The Layout a validated training config runs on `world_size` ranks: the inverse of
+    `layout_overrides` (train.precision bf16 and fp16 are the runtime's `amp` policy)."""
+    p, t = cfg.parallel, cfg.train
+    dp = p.resolved_dp(world_size)
+    return Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, cp_mode=p.cp_mode, ep=p.ep, zero=p.zero,
+                  offload=p.offload, precision="fp32" if t.precision == "fp32" else "amp",
+                  recompute=t.activation_checkpointing, sp=p.sp, micro_batch=t.micro_batch,
+                  microbatches=p.microbatches or t.global_batch // (dp * t.micro_batch),
+                  schedule=p.schedule, v=p.virtual_stages, ps_servers=p.ps_servers)

@@ -1,0 +1,127 @@
+"""The runtime's exact model-state bytes on rank 0 of a layout, from the model config.
+
+`memory.model_states` divides the parameters by N_d; the runtime cannot: its flat buffers
+are padded so that every rank holds an equal shard. This module lists the parameter tensors
+rank 0 holds (tensor-parallel rank 0's slices, pipeline stage 0's layers) and applies the
+runtime's padding to them, so the planner reproduces the runtime's ledger to the byte:
+
+- ZeRO (parallel/zero/units.py): one flat unit for the embedding (token + position tables),
+  one per transformer block, one for the final norm and head (a tied embedding joins that
+  one); each unit padded to a multiple of N_d; then `model_states(padded, nd=N_d, zero=...)`.
+- Plain DP (parallel/data/ddp.py): gradient buckets filled in reverse module order, the first
+  closed at min(bucket, 1 MiB), each padded to a multiple of N_d; then
+  `runtime_adamw_fp32` with that padding and one AdamW `step` scalar per tensor.
+- Tensor parallelism (parallel/tensor/): every split dimension is padded to a multiple of
+  its parts (the vocabulary to a multiple of t; kv heads fewer than t are shared by t / kv
+  ranks, each holding one head); norms, position table and row-parallel biases whole.
+
+Covered: dense models (no experts, no LoRA), AdamW, no offload, parameter server or
+ZeRO++ weight quantization; anything else raises PlanError naming what is not covered.
+Pure arithmetic, like the rest of plan/: the rules are restated here, and the dry run
+(train/dryrun.py, tests/test_dryrun.py) checks them against the runtime's ledger.
+"""
+
+from __future__ import annotations
+
+from shardtrain.config import ModelConfig
+from shardtrain.plan.layout import Layout, PlanError
+from shardtrain.plan.memory import ModelStates, model_states, runtime_adamw_fp32
+from shardtrain.plan.partition import layers_per_stage
+
+FIRST_BUCKET_BYTES = 2**20  # parallel/data/ddp.py: the first bucket's cap
+PARAM_BYTES = 4  # fp32 and amp both hold fp32 parameters (memory.py, STATE_BYTES)
+
+
+def _up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def block_tensors(cfg: ModelConfig, index: int, t: int) -> list[tuple[str, int]]:
+    """(name, elements) of block `index` on tensor-parallel rank 0, in module order."""
+    h, gpt2 = cfg.dim, cfg.style == "gpt2"
+    q, f = cfg.n_heads * cfg.head_dim, cfg.ffn_hidden
+    kv_parts = cfg.kv_heads if cfg.kv_heads < t else t  # shared kv heads: one per rank
+    kv = -(-cfg.kv_heads * cfg.head_dim // kv_parts)
+    norm = [("weight", h), ("bias", h)] if gpt2 else [("weight", h)]
+    col = lambda rows: [("weight", rows * h)] + ([("bias", rows)] if gpt2 else [])  # noqa: E731
+    row = lambda cols: [("weight", h * cols)] + ([("bias", h)] if gpt2 else [])  # noqa: E731
+    linears = [("attn_norm", norm), ("attn.wq", col(-(-q // t))), ("attn.wk", col(kv)),
+               ("attn.wv", col(kv)), ("attn.wo", row(-(-q // t))), ("mlp_norm", norm),
+               ("mlp.w1", col(-(-f // t)))]
+    linears += [("mlp.w2", row(-(-f // t)))] if gpt2 else \
+        [("mlp.w3", col(-(-f // t))), ("mlp.w2", row(-(-f // t)))]
+    return [(f"layers.{index}.{m}.{p}", n) for m, parts in linears for p, n in parts]
+
+
+def rank0_tensors(cfg: ModelConfig, layout: Layout, *, layers: int | None = None
+                  ) -> list[tuple[str, int]]:
+    """(name, elements) of every trainable tensor rank 0 holds, in module order: the
+    embedding, stage 0's `layers` blocks (default: the planner's layers_per_stage; the
+    runtime's balanced cut may differ, parallel/pipeline/partition.py), and with pp = 1 the
+    final norm and the head (once, if tied)."""
+    if cfg.n_experts:
+        raise PlanError("the exact per-rank count covers dense models; model.n_experts="
+                        f"{cfg.n_experts} (use memory_per_gpu's estimate)")
+    t, h = layout.tp, cfg.dim
+    vocab_rows = -(-cfg.vocab_size // t)
+    out = [("tok_emb.weight", vocab_rows * h)]
+    if cfg.style == "gpt2":
+        out.append(("pos_emb.weight", cfg.max_seq_len * h))
+    n = layers_per_stage(cfg, layout) if layers is None else layers
+    for i in range(n):
+        out += block_tensors(cfg, i, t)
+    if layout.pp == 1:
+        out += [("norm.weight", h)] + ([("norm.bias", h)] if cfg.style == "gpt2" else [])
+        if not cfg.tie_embeddings:
+            out.append(("head.weight", vocab_rows * h))
+    return out
+
+
+def zero_padded(tensors: list[tuple[str, int]], *, nd: int, tied: bool) -> int:
+    """Elements of the flat units (parallel/zero/units.py `unit_key`), each padded to a
+    multiple of nd."""
+    units: dict[tuple[int, int], int] = {}
+    for name, n in tensors:
+        if name.startswith("layers."):
+            key = (1, int(name.split(".")[1]))
+        elif name.startswith(("tok_emb.", "pos_emb.")) and not tied:
+            key = (0, 0)
+        else:
+            key = (2, 0)
+        units[key] = units.get(key, 0) + n
+    return sum(_up(n, nd) for n in units.values())
+
+
+def bucket_padded(tensors: list[tuple[str, int]], *, nd: int, bucket_mb: float) -> int:
+    """Elements of the data-parallel gradient buckets (parallel/data/ddp.py)."""
+    cap, sizes, size = bucket_mb * 2**20, [0], 0
+    for _, n in reversed(tensors):
+        limit = min(cap, FIRST_BUCKET_BYTES) if len(sizes) == 1 else cap
+        if sizes[-1] and size >= limit:
+            sizes.append(0)
+            size = 0
+        sizes[-1] += n
+        size += n * PARAM_BYTES
+    return sum(_up(n, nd) for n in sizes)
+
+
+def rank0_states(cfg: ModelConfig, layout: Layout, *, layers: int | None = None,
+                 bucket_mb: float = 25.0, optimizer: str = "adamw") -> ModelStates:
+    """Rank 0's model-state bytes exactly as the runtime's ledger reports them
+    (Trainer.memory_ledger: params, grads, master, optimizer)."""
+    lay = layout
+    if lay.precision not in ("fp32", "amp"):
+        raise PlanError(f"layout precision={lay.precision!r}: the runtime holds fp32 or amp "
+                        "states (train.precision fp32, or bf16/fp16 = amp)")
+    if optimizer != "adamw":
+        raise PlanError(f"optim.name={optimizer!r}: the exact count covers adamw")
+    if lay.offload != "none" or lay.ps_servers:
+        raise PlanError("the exact per-rank count does not cover offload or parameter servers")
+    tensors = rank0_tensors(cfg, lay, layers=layers)
+    psi = sum(n for _, n in tensors)
+    if lay.zero:
+        padded = zero_padded(tensors, nd=lay.replicas, tied=cfg.tie_embeddings)
+        return model_states(padded, nd=lay.replicas, zero=lay.zero, precision=lay.precision)
+    padded = bucket_padded(tensors, nd=lay.replicas, bucket_mb=bucket_mb) \
+        if lay.replicas > 1 else psi  # one replica: no reducer, no buckets
+    return runtime_adamw_fp32(psi, grad_padding=padded - psi, step_tensors=len(tensors))

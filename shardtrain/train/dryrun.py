@@ -1,0 +1,269 @@
+"""`shardtrain train --dry-run-world N`: rank 0 of an N-rank job, alone on this machine.
+
+One process joins a fake process group of N ranks (torch's `fake` backend: every
+collective returns at once and moves nothing), builds the real mesh and the real Trainer
+for rank 0 of the configured layout, and runs a few training steps. What rank 0 allocates
+is then real: its parameter, gradient, optimizer and master-weight shards
+(`Trainer.memory_ledger`), its peak memory (CUDA: the allocator's peak; CPU: the process's
+peak RSS, dominated by the Python and torch runtime itself) and the bytes autograd saved
+for backward during one step (parallel/activation.py's SavedActivations). Beside them it
+puts the planner's prediction for the same layout: the exact model-state bytes the
+runtime's padding implies (plan/rank_states.py) and the estimate of plan/memory.py.
+
+What it cannot show: communication (nothing is sent, so no time and no traffic), step time,
+the other ranks (the last pipeline stage holds the head; their imbalance is not seen),
+and real losses: what other ranks would send reads as zeros (ZeroFilledCommunicator), so
+the numbers it trains on are meaningless. A parameter-server layout is refused: its
+servers run a different program (train/ps_server.py), not rank 0's.
+
+The report goes to stdout and, written atomically, to <run_dir>/dry_run.json.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardtrain.comm import CommFactory, Communicator
+from shardtrain.config import Config, ConfigError
+from shardtrain.parallel.activation import SavedActivations
+from shardtrain.plan.layout import PlanError, config_layout
+from shardtrain.plan.memory import memory_per_gpu
+from shardtrain.plan.partition import layers_per_stage
+from shardtrain.plan.rank_states import rank0_states
+
+STATES = ("params", "grads", "master", "optimizer")
+NOT_SHOWN = ["communication volume and time (collectives move nothing)", "step time",
+             "other ranks' memory (e.g. the last pipeline stage's head) and imbalance",
+             "real losses (what other ranks would send reads as zeros)"]
+
+
+class ZeroFilledCommunicator(Communicator):
+    """A communicator over the fake group where every other rank contributes zeros: what
+    this rank would receive reads zeros, its own part is its own. The fake collectives
+    leave receive buffers as allocated (torch.empty: whatever the memory held), so a
+    gradient could come out non-finite, the update skip its step, a lazily built optimizer
+    state (torch's AdamW) never appear, and the ledger change from run to run."""
+
+    def all_gather(self, output, input, **kw):
+        if output.is_contiguous():  # [size * m]: zeros around this rank's own [m]
+            out, m = output.view(-1), input.numel()
+            out[:self.rank * m].zero_()
+            out[(self.rank + 1) * m:].zero_()
+            out[self.rank * m:(self.rank + 1) * m].copy_(input.reshape(-1))
+        else:
+            output.zero_()
+        return super().all_gather(output, input, **kw)
+
+    def reduce_scatter(self, output, input, op="sum", **kw):
+        n = output.numel()  # the sum is this rank's own chunk (avg: divided after the call)
+        output.copy_(input.reshape(-1)[self.rank * n:(self.rank + 1) * n].view_as(output))
+        return super().reduce_scatter(output, input, op, **kw)
+
+    def all_to_all(self, output, input, **kw):
+        output.zero_()
+        return super().all_to_all(output, input, **kw)
+
+    def gather(self, output, input, dst=0, **kw):
+        if output is not None:
+            output.zero_()
+        return super().gather(output, input, dst, **kw)
+
+    def scatter(self, output, input, src=0, **kw):
+        output.zero_()
+        return super().scatter(output, input, src, **kw)
+
+    def recv(self, tensor, src, **kw):
+        tensor.zero_()
+        return super().recv(tensor, src, **kw)
+
+    def exchange(self, sends, recvs):
+        for _, tensor, _ in recvs:
+            tensor.zero_()
+        return super().exchange(sends, recvs)
+
+
+class _Held:
+    """A saved tensor while autograd holds it; its release is the graph letting go."""
+
+    def __init__(self, tensor: torch.Tensor, meter: "LiveSavedActivations", key: int):
+        self.tensor, self.meter, self.key = tensor, meter, key
+
+    def __del__(self) -> None:
+        self.meter.release(self.key)
+
+
+class LiveSavedActivations(SavedActivations):
+    """`peak`: the most bytes autograd held for backward at one moment, counted as
+    SavedActivations counts them (each storage once; parameters, `exclude`'s tensors and
+    autocast's copies of parameters left out). A storage stays counted while any saved
+    tensor of it is alive in the graph, so micro-batches in flight add up and a released
+    layer's activations leave: the peak the planner's `activations` predicts."""
+
+    def __init__(self, exclude: torch.nn.Module):
+        super().__init__(exclude)
+        self._live: dict[int, list[int]] = {}  # storage address -> [saved refs, bytes]
+        self.live = self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(
+            self._hold, lambda x: x.tensor if isinstance(x, _Held) else x)
+
+    def _hold(self, t: torch.Tensor) -> Any:
+        if t.device.type == "meta" or not t.numel() or isinstance(t, torch.nn.Parameter):
+            return t
+        key = t.untyped_storage().data_ptr()
+        if key in self._skip or self._cast_of_param(t):
+            return t
+        entry = self._live.setdefault(key, [0, t.untyped_storage().nbytes()])
+        if entry[0] == 0:
+            self.live += entry[1]
+            self.peak = max(self.peak, self.live)
+        entry[0] += 1
+        return _Held(t, self, key)
+
+    def release(self, key: int) -> None:
+        entry = self._live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self._live[key]
+
+
+def check_dry_run(cfg: Config, world_size: int) -> None:
+    """What the dry run cannot do, refused before anything is built."""
+    if world_size < 2:
+        raise ConfigError(f"--dry-run-world {world_size} must be >= 2 (for one rank, train "
+                          "normally: shardtrain train)")
+    if cfg.comm.algorithm != "native":
+        raise ConfigError(f"--dry-run-world with comm.algorithm={cfg.comm.algorithm}: the dry run "
+                          "fakes the backend's collectives, and shardtrain's own algorithms "
+                          "would compute on messages that never come; set --comm.algorithm "
+                          "native")
+    if cfg.parallel.ps_servers:
+        raise ConfigError(f"--dry-run-world with parallel.ps_servers={cfg.parallel.ps_servers}: "
+                          "a parameter-server layout runs two programs (workers and servers) "
+                          "and a dry run shows one rank's; set --parallel.ps_servers 0")
+    cfg.validate(world_size)
+
+
+def fake_world(world_size: int) -> None:
+    """Join a fake process group of `world_size` ranks as rank 0."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+
+    if dist.is_initialized():
+        raise RuntimeError("a dry run needs a process without a process group")
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+
+
+def stage_layers(module: torch.nn.Module) -> int:
+    """Transformer blocks this rank's module holds (every chunk's, interleaved)."""
+    found = {m.group(1) for n, _ in module.named_parameters()
+             if (m := re.match(r"(.*?layers\.\d+)\.", n))}
+    return len(found)
+
+
+def dry_run(cfg: Config, world_size: int, device: torch.device, *, steps: int = 2
+            ) -> dict[str, Any]:
+    """Build rank 0's Trainer on `device` (launch.pick_device's choice for a single local
+    rank) in a fake world of `world_size`, run `steps` steps (at most train.steps), and
+    return (and write) the report."""
+    from shardtrain.mesh import MeshShape, ParallelMesh
+    from shardtrain.train.metrics import peak_memory
+    from shardtrain.train.trainer import Trainer, write_atomic
+
+    check_dry_run(cfg, world_size)
+    p, t = cfg.parallel, cfg.train
+    shape = MeshShape(pp=p.pp, dp=p.resolved_dp(world_size), cp=p.cp, tp=p.tp, ep=p.ep)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    fake_world(world_size)
+    try:
+        mesh = ParallelMesh(shape, rank=0, node_size=p.node_size or world_size,
+                            timeout_s=cfg.comm.timeout_s, device=device,
+                            communicator=CommFactory(timeout_s=cfg.comm.timeout_s,
+                                                     kind=ZeroFilledCommunicator))
+        trainer = Trainer(cfg, mesh, device)
+        built = peak_memory(device)["peak_mem_bytes"]  # the build: the whole stage, unsharded
+        if device.type == "cuda":  # so that the steps' peak is their own
+            torch.cuda.reset_peak_memory_stats(device)
+        saved, skipped = 0, 0
+        for _ in range(max(1, min(steps, t.steps))):
+            with LiveSavedActivations(exclude=trainer.parallel.module) as meter:
+                skipped += bool(trainer.train_step()["skipped"])
+            saved = max(saved, meter.peak)
+        ledger = trainer.memory_ledger()
+        layers = stage_layers(trainer.parallel.module)
+    finally:
+        dist.destroy_process_group()
+    report = build_report(cfg, world_size, {**ledger, "build_peak_bytes": built},
+                          saved=saved, layers=layers, steps=trainer.step, device=device)
+    report["skipped_steps"] = skipped  # non-finite gradients: the optimizer state not built
+    write_atomic(Path(t.run_dir) / "dry_run.json", json.dumps(report, indent=1))
+    print(format_report(report), flush=True)
+    return report
+
+
+def build_report(cfg: Config, world_size: int, ledger: dict[str, Any], *, saved: int,
+                 layers: int, steps: int, device: torch.device) -> dict[str, Any]:
+    layout = config_layout(cfg, world_size)
+    measured = {k: int(ledger[f"{k}_bytes"]) for k in STATES}
+    estimate = memory_per_gpu(cfg.model, layout, seq_len=cfg.train.seq_len).to_dict()
+    try:
+        states = rank0_states(cfg.model, layout, layers=layers,
+                              bucket_mb=cfg.comm.bucket_mb, optimizer=cfg.optim.name)
+        exact, why = {k: int(getattr(states, k)) for k in STATES}, None
+    except PlanError as e:
+        exact, why = None, str(e)
+    if cfg.lora.enabled or cfg.parallel.zero_quantized_weights or cfg.parallel.zero_hpz:
+        exact, why = None, "LoRA and ZeRO++ (qwZ, hpZ) change the held tensors; not counted"
+    return {
+        "world_size": world_size, "rank": 0, "layout": layout.describe(),
+        "device": str(device), "steps": steps,
+        "note": ("collectives moved nothing (other ranks read as zeros): losses are not "
+                 "real; bytes and peaks are rank 0's"),
+        "measured": {**measured, "model_states": sum(measured.values()),
+                     "offloaded": int(ledger.get("offloaded_bytes") or 0),
+                     "peak_mem": ledger["peak_mem_bytes"],
+                     "build_peak_mem": ledger["build_peak_bytes"],
+                     "peak_reserved": ledger["peak_reserved_bytes"],
+                     "saved_activations": saved},
+        "planned_exact": None if exact is None else {**exact, "model_states": sum(exact.values())},
+        "planned_exact_unavailable": why,
+        "match": exact is not None and exact == measured,
+        "planned_estimate": estimate,
+        "stage_layers": {"runtime": layers,
+                         "planner": layers_per_stage(cfg.model, layout)},
+        "peak_meaning": ("CUDA allocator peak of allocated bytes during the steps"
+                         if device.type == "cuda" else
+                         "process peak RSS since start (mostly the Python and torch runtime)"),
+        "not_shown": NOT_SHOWN,
+    }
+
+
+def format_report(r: dict[str, Any]) -> str:
+    m, x, e = r["measured"], r["planned_exact"], r["planned_estimate"]
+    lines = [f"dry run: rank 0 of {r['world_size']} ranks ({r['layout']}) on {r['device']}, "
+             f"{r['steps']} steps; {r['note']}",
+             f"{'bytes':<18}{'measured':>16}{'planned exact':>16}{'planner estimate':>18}"]
+    for k in (*STATES, "model_states"):
+        exact = "n/a" if x is None else f"{x[k]:,}"
+        est = e["total"] - e["activations"] - e["buffers"] if k == "model_states" else e[k]
+        lines.append(f"{k:<18}{m[k]:>16,}{exact:>16}{est:>18,.0f}")
+    lines.append(f"{'saved activations':<18}{m['saved_activations']:>16,}{'':>16}"
+                 f"{e['activations']:>18,.0f}")
+    lines.append(f"{'buffers':<18}{'':>16}{'':>16}{e['buffers']:>18,.0f}")
+    lines.append(f"{'peak':<18}{m['peak_mem']:>16,}{'':>16}{e['total']:>18,.0f}"
+                 f"   ({r['peak_meaning']})")
+    lines.append(f"{'peak while built':<18}{m['build_peak_mem']:>16,}   (the stage is "
+                 "materialised whole before it is sharded)")
+    if x is None:
+        lines.append(f"exact count unavailable: {r['planned_exact_unavailable']}")
+    else:
+        lines.append("model states: measured " + ("==" if r["match"] else "!=") +
+                     " planned exact")
+    lines.append("not shown: " + "; ".join(r["not_shown"]))
+    return "\n".join(lines)
