@@ -11,7 +11,9 @@ Model states per parameter (Rajbhandari et al. 2020, FORMULAS.md), N_d = dp x cp
 - ZeRO-1 shards master + optimizer over N_d, ZeRO-2 the gradients too, ZeRO-3 also the
   parameters. Offload moves the sharded master + optimizer off the GPU (cpu: to host
   memory; nvme: to NVMe, with the parameter shards too, as ZeRO-Infinity does); they are
-  reported under `offloaded`, not in `total`.
+  reported under `offloaded`, not in `total`. With pp > 1 ZeRO-2 and 3 hold the stage's
+  full gradients (and ZeRO-3 its full parameters) through the step's micro-batches
+  (zero/model.py): their peak is ZeRO-1's (the fp32 shards beside them, 1/N_d, uncounted).
 Activations, per layer and micro-batch: under the `bf16` convention the published forms
 of Korthikanti et al. 2022 (Megatron-LM's kernels: 16-bit values, stored attention
 probabilities, 1-byte dropout masks; `activation_bytes_per_layer`); under `fp32` and
@@ -147,8 +149,9 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
                    bucket_bytes: float = BUCKET_BYTES) -> MemoryBreakdown:
     lay = layout
     ranks = rank_params(cfg, lay)
-    states = (model_states(ranks.dense, nd=lay.replicas, zero=lay.zero, precision=lay.precision)
-              + model_states(ranks.expert, nd=lay.replicas // lay.ep, zero=lay.zero,
+    zero = min(lay.zero, 1) if lay.pp > 1 else lay.zero  # the step's peak (docstring)
+    states = (model_states(ranks.dense, nd=lay.replicas, zero=zero, precision=lay.precision)
+              + model_states(ranks.expert, nd=lay.replicas // lay.ep, zero=zero,
                              precision=lay.precision))
     offloaded = 0.0
     if lay.ps_servers:  # the optimizer lives on the parameter servers
@@ -169,7 +172,7 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
     buffers = 0.0
     if lay.replicas > 1:
         buffers += 2 * min(bucket_bytes, STATE_BYTES[lay.precision][1] * ranks.total)
-        if lay.zero == 3:
+        if zero == 3:
             buffers += 3 * ranks.layer * STATE_BYTES[lay.precision][0]
     if lay.pp > 1:
         boundary = value_bytes * s * lay.micro_batch * cfg.dim

@@ -86,8 +86,6 @@ def _inner(cfg: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, cp_mode: str
     sps = (False, True) if tp > 1 and (seq_len // cp) % tp == 0 else (False,)
     zeros = {"none": (0, 1, 2, 3), "cpu": (1, 2, 3), "nvme": (3,)}[offload]
     zeros = tuple(z for z in zeros if dp * cp > 1 or z == zeros[0])  # all alike on one replica
-    # config.check_pipeline refuses ZeRO-2/3 with pp > 1 (a reduce-scatter per micro-batch)
-    zeros = tuple(z for z in zeros if pp == 1 or z <= 1)
     per_replica = global_batch // dp
     for b in (b for b in (1, 2, 4, 8, 16) if per_replica % b == 0):
         m = per_replica // b
