@@ -11,9 +11,7 @@ Model states per parameter (Rajbhandari et al. 2020, FORMULAS.md), N_d = dp x cp
 - ZeRO-1 shards master + optimizer over N_d, ZeRO-2 the gradients too, ZeRO-3 also the
   parameters. Offload moves the sharded master + optimizer off the GPU (cpu: to host
   memory; nvme: to NVMe, with the parameter shards too, as ZeRO-Infinity does); they are
-  reported under `offloaded`, not in `total`. With pp > 1 ZeRO-2 and 3 hold the stage's
-  full gradients (and ZeRO-3 its full parameters) through the step's micro-batches
-  (zero/model.py): their peak is ZeRO-1's (the fp32 shards beside them, 1/N_d, uncounted).
+  reported under `offloaded`, not in `total`.
 Activations, per layer and micro-batch: under the `bf16` convention the published forms
 of Korthikanti et al. 2022 (Megatron-LM's kernels: 16-bit values, stored attention
 probabilities, 1-byte dropout masks; `activation_bytes_per_layer`); under `fp32` and
@@ -25,7 +23,9 @@ interleaved); full recomputation adds one layer's full activations, rebuilt duri
 backward. cp splits the sequence: s -> s / cp.
 Buffers: two gradient buckets when gradients are synchronised (DDP's 25 MB default), for
 ZeRO-3 two layers of gathered parameters (current + prefetched) and one layer of full
-gradients, and for pp > 1 a send and a receive buffer of one boundary activation.
+gradients; with pp > 1, ZeRO-2 and 3 instead hold the stage's full gradients (and ZeRO-3
+its full parameters) from the step's first micro-batch to its reduce-scatter (zero/model.py):
+the step's peak is ZeRO-1's, the sharded states are what stays between steps; and for pp > 1 a send and a receive buffer of one boundary activation.
 """
 
 from __future__ import annotations
@@ -149,9 +149,8 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
                    bucket_bytes: float = BUCKET_BYTES) -> MemoryBreakdown:
     lay = layout
     ranks = rank_params(cfg, lay)
-    zero = min(lay.zero, 1) if lay.pp > 1 else lay.zero  # the step's peak (docstring)
-    states = (model_states(ranks.dense, nd=lay.replicas, zero=zero, precision=lay.precision)
-              + model_states(ranks.expert, nd=lay.replicas // lay.ep, zero=zero,
+    states = (model_states(ranks.dense, nd=lay.replicas, zero=lay.zero, precision=lay.precision)
+              + model_states(ranks.expert, nd=lay.replicas // lay.ep, zero=lay.zero,
                              precision=lay.precision))
     offloaded = 0.0
     if lay.ps_servers:  # the optimizer lives on the parameter servers
@@ -172,7 +171,10 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
     buffers = 0.0
     if lay.replicas > 1:
         buffers += 2 * min(bucket_bytes, STATE_BYTES[lay.precision][1] * ranks.total)
-        if zero == 3:
+        if lay.pp > 1 and lay.zero >= 2:  # full copies held through the step (docstring)
+            p_bytes, g_bytes = STATE_BYTES[lay.precision][:2]
+            buffers += ranks.total * (g_bytes + (p_bytes if lay.zero == 3 else 0))
+        elif lay.zero == 3:
             buffers += 3 * ranks.layer * STATE_BYTES[lay.precision][0]
     if lay.pp > 1:
         boundary = value_bytes * s * lay.micro_batch * cfg.dim

@@ -201,11 +201,10 @@ class ZeroModel:
 
     def memory(self) -> dict[str, int]:
         """Model-state bytes this rank holds, from the tensors: parameters (stages 1-2 the
-        full flat buffers, stage 3 the shards; units gathered for compute are transient),
-        gradients, master weights and optimizer state."""
-        if isinstance(self.gatherer, StepGatherer):  # full during the step, and the shards
-            params = nbytes(*(u.flat for u in self.units), *(u.shard for u in self.units))
-        elif self.stage == 3:
+        full flat buffers, stage 3 the shards; units gathered for compute are transient, as
+        are a pipeline's full copies held through a step), gradients, master weights and
+        optimizer state."""
+        if self.stage == 3:
             params = nbytes(*(u.shard for u in self.units))
         else:
             params = nbytes(*(u.flat for u in self.units))

@@ -131,10 +131,11 @@ class ZeroReducer:
     @property
     def grad_bytes(self) -> int:
         """Gradient bytes held during a step: stage 1 the full buffers (and fp32 shards when
-        they are not views of them), stages 2 and 3 the fp32 shards; with `per_step` the
-        full buffers and the fp32 shards (both exist while the reduce-scatter runs)."""
-        full = nbytes(*(u.grad_flat for u in self.units if u.grad_flat is not None))
+        they are not views of them), stages 2 and 3 the fp32 shards (a pipeline's full
+        buffers, freed between steps, are transient: plan/memory.py counts them as buffers)."""
+        if self.stage >= 2:
+            return sum(4 * u.shard_numel for u in self.units)
+        full = nbytes(*(u.grad_flat for u in self.units))
         shards = sum(4 * u.shard_numel for u in self.units
-                     if u.grad_flat is None or u.grad_shard is None
-                     or u.grad_shard._base is not u.grad_flat)
+                     if u.grad_shard._base is not u.grad_flat)
         return full + shards
