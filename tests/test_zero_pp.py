@@ -44,6 +44,10 @@ ROWS = [
     ("zero2 gpt2 tied 1f1b m2", GPT2, _pp(2, "1f1b", 2)),
     ("zero3 gpt2 tied 1f1b m2", GPT2, _pp(3, "1f1b", 2)),
     ("zero3 gpt2 tied interleaved v2 m2", GPT2, _pp(3, "interleaved", 2)),
+    # the backward's recomputation finds the units still gathered
+    ("zero3 1f1b m2 full recomputation", (),
+     _pp(3, "1f1b", 2, "--train.activation_checkpointing", "full")),
+    ("zero3 gpipe m4 offload cpu", (), _pp(3, "gpipe", 4, "--parallel.offload", "cpu")),
 ]
 RESUMED = [0, 1]  # rows resumed in the same layout from their step-2 checkpoint
 
@@ -72,12 +76,14 @@ def _ledger(rank: int, tmp) -> dict:
     """One training step of ZeRO-2 and ZeRO-3 at pp 2 x dp 2, m = 2: the dp bytes this rank
     sent (gradients, parameters) and its model-state bytes, with the unit sizes."""
     out = {}
-    for zero in (2, 3):
-        cfg = _cfg(tmp, f"ledger-z{zero}-r{rank}", *_pp(zero, "1f1b", 2))
+    for zero, reduce in ((2, "fp32"), (3, "fp32"), (3, "bf16")):
+        more = ("--train.precision", "bf16", "--train.grad_reduce_dtype", "bf16") \
+            if reduce == "bf16" else ()
+        cfg = _cfg(tmp, f"ledger-z{zero}-{reduce}-r{rank}", *_pp(zero, "1f1b", 2), *more)
         trainer = Trainer(cfg, make_mesh(cfg, rank, WORLD), torch.device("cpu"))
         record = trainer.train_step()
         z = trainer.parallel.update
-        out[zero] = {
+        out[zero, reduce] = {
             "record": record, "padded": sum(u.padded for u in z.units), "units": len(z.units),
             "sent": {tag: sum(r.sent_bytes for r in trainer.mesh.ledger.records
                               if r.tag == tag and r.group == "dp")
@@ -139,15 +145,17 @@ def test_zero_with_pipeline_ledger_equals_planner(spawned):
     freed after it."""
     dp = 2
     for rank, r in enumerate(x["ledger"] for x in spawned):
-        for zero, got in r.items():
+        for (zero, reduce), got in r.items():
+            # bf16 runs hold fp32 parameters (amp) and reduce gradients in bf16
+            precision = "fp32" if reduce == "fp32" else "amp"
             plan = bytes_per_step(data_parallel_ops(
-                params=got["padded"], size=dp, zero=zero, microbatches=2, precision="fp32",
-                layers=got["units"], pipelined=True))["dp"]
+                params=got["padded"], size=dp, zero=zero, microbatches=2, precision=precision,
+                layers=got["units"], pipelined=True, reduce_dtype=reduce))["dp"]
             sent = got["sent"]["grad"] + got["sent"]["param"]
             per_microbatch = bytes_per_step(data_parallel_ops(
-                params=got["padded"], size=dp, zero=zero, microbatches=2, precision="fp32",
-                layers=got["units"]))["dp"]
-            print(f"rank {rank} zero{zero}: ledger {got['sent']} = {sent} B in "
+                params=got["padded"], size=dp, zero=zero, microbatches=2, precision=precision,
+                layers=got["units"], reduce_dtype=reduce))["dp"]
+            print(f"rank {rank} zero{zero} reduce {reduce}: ledger {got['sent']} = {sent} B in "
                   f"{got['calls']} calls; planner {plan}; per micro-batch it would be "
                   f"{sum(per_microbatch.values()):.0f} B")
             assert sum(plan.values()) == pytest.approx(sent, abs=8), (rank, zero)
@@ -157,6 +165,6 @@ def test_zero_with_pipeline_ledger_equals_planner(spawned):
             assert got["held_grads"] == 0
             assert got["held_params"] == (0 if zero == 3 else 4 * got["padded"])
             assert got["step_gatherer"] == (zero == 3)
-            states = model_states(got["padded"], nd=dp, zero=zero, precision="fp32")
+            states = model_states(got["padded"], nd=dp, zero=zero, precision=precision)
             for key in ("params", "grads", "master", "optimizer"):
                 assert got["record"][key + "_bytes"] == getattr(states, key), (rank, zero, key)
