@@ -25,7 +25,8 @@ Buffers: two gradient buckets when gradients are synchronised (DDP's 25 MB defau
 ZeRO-3 two layers of gathered parameters (current + prefetched) and one layer of full
 gradients; with pp > 1, ZeRO-2 and 3 instead hold the stage's full gradients (and ZeRO-3
 its full parameters) from the step's first micro-batch to its reduce-scatter (zero/model.py):
-the step's peak is ZeRO-1's, the sharded states are what stays between steps; and for pp > 1 a send and a receive buffer of one boundary activation.
+the step's peak is ZeRO-1's, the sharded states are what stays between steps; and for
+pp > 1 a send and a receive buffer of one boundary activation.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Enumerated: tp among the divisors of the node size that split the heads, the kv 
 and the MLP (dense models only); pp among the divisors of the layer count; cp > 1 only
 for sequences of 8K tokens or more, ring always and Ulysses where cp divides each tp
 rank's heads; micro-batches of 1-16 sequences dividing the per-replica batch; ZeRO 0-3
-when there is data parallelism (one stage otherwise: they coincide), 0-1 with pp > 1;
+when there is data parallelism (one stage otherwise: they coincide), with pp too;
 recompute none / selective / full; sp with tp; GPipe, 1F1B and interleaved (v dividing
 the layers per stage, m a multiple of p). Only layouts the trainer runs are proposed:
 each exclusion names the config rule it follows (tests/test_plan_cp.py builds a Config

@@ -9,7 +9,8 @@ one micro-batch, s = seq / cp; P, G = this rank's parameter and gradient bytes):
   every micro-batch: 1.5x DP's bytes when m = 1. With pp > 1 (zero/model.py) ZeRO-2 and 3
   reduce-scatter G once per step, after the last micro-batch, and ZeRO-3 all-gathers P once
   per step, before the first: ZeRO-2 moves ZeRO-1's bytes, ZeRO-3 DP's. Gradients travel
-  in 25 MB buckets, ZeRO-3 parameters one layer at a time. `edp` is the same for expert parameters (dp x cp / ep).
+  in 25 MB buckets, ZeRO-3 parameters one layer at a time. `edp` is the same for expert
+  parameters (dp x cp / ep).
 - tp (Megatron-LM; Korthikanti et al. 2022): per layer and micro-batch, all-reduces of X,
   2 forward + 2 backward (+2 with full recomputation); with sp, all-gathers and
   reduce-scatters of X instead, 4 + 4 (+2 + 2): the same bytes.
