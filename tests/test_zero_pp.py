@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dist import run_distributed
-from parity import assert_parity, make_mesh, tiny, train_layout, train_layouts
+from parity import assert_parity, make_mesh, reference_runs, tiny, train_layouts
 from shardtrain import config
 from shardtrain.parallel.zero.gather import StepGatherer
 from shardtrain.plan.memory import model_states
@@ -112,23 +112,25 @@ def spawned(tmp):
     return run_distributed(_worker, WORLD, texts, tmp, timeout_s=900)
 
 
+def _reference(model: tuple, micro: int) -> tuple[str, ...]:
+    return (*model, "--train.micro_batch", str(micro))
+
+
 def test_zero_with_pipeline_matches_single_process(tmp, spawned):
+    refs = reference_runs(lambda name, *o: config.to_toml(_cfg(tmp, name, *o)))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the spawned workers run (dist.py)
     try:
-        refs: dict[tuple, dict] = {}
         for i, (label, model, layout) in enumerate(ROWS):
             # micro-batches of 2 (m = 2) or 1 (m = 4) from tiny's global batch 8 over dp 2:
             # the eval batches are micro-batch sized, so the reference uses the same size
             micro = 8 // (2 * int(layout[layout.index("--parallel.microbatches") + 1]))
-            if (model, micro) not in refs:
-                refs[model, micro] = train_layout(0, 1, config.to_toml(_cfg(
-                    tmp, f"ref-{len(refs)}", *model, "--train.micro_batch", str(micro))))
             for rank, per_rank in enumerate(spawned):
-                assert_parity(refs[model, micro], per_rank["rows"][i], f"{label} rank {rank}")
+                assert_parity(refs(_reference(model, micro)), per_rank["rows"][i],
+                              f"{label} rank {rank}")
             print(f"{label}: losses {[round(x, 5) for x in spawned[0]['rows'][i]['losses']]}")
         for k, i in enumerate(RESUMED):
-            ref = refs[ROWS[i][1], 2]
+            ref = refs(_reference(ROWS[i][1], 2))
             last = {**ref, "losses": ref["losses"][2:]}
             for rank, per_rank in enumerate(spawned):
                 assert_parity(last, per_rank["rows"][len(ROWS) + k],
