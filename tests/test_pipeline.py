@@ -117,7 +117,8 @@ def test_partition():
     (["--parallel.pp", "4", "--model.n_layers", "8", "--parallel.schedule", "interleaved",
       "--parallel.virtual_stages", "2", "--parallel.microbatches", "2"],
      "parallel.microbatches=2 is not a multiple of parallel.pp=4"),
-    (["--parallel.pp", "2", "--parallel.zero", "2"], "parallel.pp=2 with parallel.zero=2"),
+    (["--parallel.pp", "2", "--parallel.zero", "3", "--parallel.zero_hpz", "true"],
+     "parallel.zero_hpz with parallel.pp=2"),
 ])
 def test_bad_pipeline_layouts_name_the_fields(args, needle):
     with pytest.raises(ConfigError) as e:

@@ -14,16 +14,14 @@ if TYPE_CHECKING:
 
 def check_pipeline(cfg: Config) -> None:
     """Every stage needs a layer; the interleaved schedule (Narayanan et al. 2021) needs
-    several equal chunks per stage and whole rounds of pp micro-batches."""
+    several equal chunks per stage and whole rounds of pp micro-batches. Every ZeRO stage
+    composes (zero/model.py: stages 2 and 3 reduce once per step under a pipeline)."""
     m, p = cfg.model, cfg.parallel
-    if p.pp > 1 and p.zero > 1:
-        raise ConfigError(f"parallel.pp={p.pp} with parallel.zero={p.zero}: with a pipeline "
-                          "each stage runs many micro-batch backwards per step, and ZeRO-2/3 "
-                          "would reduce-scatter gradients (and ZeRO-3 gather parameters) "
-                          "for every one of them; ZeRO-1 shards the optimizer state and "
-                          "communicates once per step (as Megatron-LM's distributed "
-                          "optimizer and DeepSpeed's pipeline engine do): set "
-                          "parallel.zero=1, or parallel.pp=1")
+    if p.pp > 1 and p.zero_hpz:
+        raise ConfigError(f"parallel.zero_hpz with parallel.pp={p.pp}: under a pipeline ZeRO-3 "
+                          "gathers each unit once per step, before the forward, and keeps it "
+                          "through the backward, so hpZ's node-local copy (which serves the "
+                          "backward's gathers) would never be read; drop parallel.zero_hpz")
     if p.pp > m.n_layers:
         raise ConfigError(f"parallel.pp={p.pp} exceeds model.n_layers={m.n_layers}: every "
                           "pipeline stage needs at least one layer; lower parallel.pp")

@@ -23,7 +23,10 @@ interleaved); full recomputation adds one layer's full activations, rebuilt duri
 backward. cp splits the sequence: s -> s / cp.
 Buffers: two gradient buckets when gradients are synchronised (DDP's 25 MB default), for
 ZeRO-3 two layers of gathered parameters (current + prefetched) and one layer of full
-gradients, and for pp > 1 a send and a receive buffer of one boundary activation.
+gradients; with pp > 1, ZeRO-2 and 3 instead hold the stage's full gradients (and ZeRO-3
+its full parameters) from the step's first micro-batch to its reduce-scatter (zero/model.py):
+the step's peak is ZeRO-1's, the sharded states are what stays between steps; and for
+pp > 1 a send and a receive buffer of one boundary activation.
 """
 
 from __future__ import annotations
@@ -169,7 +172,10 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
     buffers = 0.0
     if lay.replicas > 1:
         buffers += 2 * min(bucket_bytes, STATE_BYTES[lay.precision][1] * ranks.total)
-        if lay.zero == 3:
+        if lay.pp > 1 and lay.zero >= 2:  # full copies held through the step (docstring)
+            p_bytes, g_bytes = STATE_BYTES[lay.precision][:2]
+            buffers += ranks.total * (g_bytes + (p_bytes if lay.zero == 3 else 0))
+        elif lay.zero == 3:
             buffers += 3 * ranks.layer * STATE_BYTES[lay.precision][0]
     if lay.pp > 1:
         boundary = value_bytes * s * lay.micro_batch * cfg.dim

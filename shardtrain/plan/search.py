@@ -4,7 +4,7 @@ Enumerated: tp among the divisors of the node size that split the heads, the kv 
 and the MLP (dense models only); pp among the divisors of the layer count; cp > 1 only
 for sequences of 8K tokens or more, ring always and Ulysses where cp divides each tp
 rank's heads; micro-batches of 1-16 sequences dividing the per-replica batch; ZeRO 0-3
-when there is data parallelism (one stage otherwise: they coincide), 0-1 with pp > 1;
+when there is data parallelism (one stage otherwise: they coincide), with pp too;
 recompute none / selective / full; sp with tp; GPipe, 1F1B and interleaved (v dividing
 the layers per stage, m a multiple of p). Only layouts the trainer runs are proposed:
 each exclusion names the config rule it follows (tests/test_plan_cp.py builds a Config
@@ -86,8 +86,6 @@ def _inner(cfg: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, cp_mode: str
     sps = (False, True) if tp > 1 and (seq_len // cp) % tp == 0 else (False,)
     zeros = {"none": (0, 1, 2, 3), "cpu": (1, 2, 3), "nvme": (3,)}[offload]
     zeros = tuple(z for z in zeros if dp * cp > 1 or z == zeros[0])  # all alike on one replica
-    # config.check_pipeline refuses ZeRO-2/3 with pp > 1 (a reduce-scatter per micro-batch)
-    zeros = tuple(z for z in zeros if pp == 1 or z <= 1)
     per_replica = global_batch // dp
     for b in (b for b in (1, 2, 4, 8, 16) if per_replica % b == 0):
         m = per_replica // b

@@ -6,8 +6,11 @@ one micro-batch, s = seq / cp; P, G = this rank's parameter and gradient bytes):
   2 (n-1)/n G; ZeRO-1 reduce-scatters G once and all-gathers the updated P, the same
   bytes; ZeRO-2 reduce-scatters every micro-batch (it keeps no full gradient to
   accumulate into); ZeRO-3 all-gathers P twice (forward, backward) and reduce-scatters G
-  every micro-batch: 1.5x DP's bytes when m = 1. Gradients travel in 25 MB buckets, ZeRO-3
-  parameters one layer at a time. `edp` is the same for expert parameters (dp x cp / ep).
+  every micro-batch: 1.5x DP's bytes when m = 1. With pp > 1 (zero/model.py) ZeRO-2 and 3
+  reduce-scatter G once per step, after the last micro-batch, and ZeRO-3 all-gathers P once
+  per step, before the first: ZeRO-2 moves ZeRO-1's bytes, ZeRO-3 DP's. Gradients travel
+  in 25 MB buckets, ZeRO-3 parameters one layer at a time. `edp` is the same for expert
+  parameters (dp x cp / ep).
 - tp (Megatron-LM; Korthikanti et al. 2022): per layer and micro-batch, all-reduces of X,
   2 forward + 2 backward (+2 with full recomputation); with sp, all-gathers and
   reduce-scatters of X instead, 4 + 4 (+2 + 2): the same bytes.
@@ -112,9 +115,10 @@ FREE = Placement(link=Link(alpha_s=0.0, beta_s_per_byte=0.0))  # bytes only, no 
 def data_parallel_ops(*, params: float, size: int, zero: int, microbatches: int = 1,
                       precision: str = "bf16", where: Placement = FREE, group: str = "dp",
                       layers: int = 1, bucket_bytes: float = BUCKET_BYTES,
-                      reduce_dtype: str = "") -> list[CommOp]:
+                      reduce_dtype: str = "", pipelined: bool = False) -> list[CommOp]:
     """Gradient synchronisation and ZeRO parameter traffic of `params` parameters held by
-    each of `size` ranks (see the module docstring); `layers` is ZeRO-3's gather unit.
+    each of `size` ranks (see the module docstring); `layers` is ZeRO-3's gather unit;
+    `pipelined` (pp > 1): ZeRO-2/3 reduce (and ZeRO-3 gathers) once per step.
     Parameters travel in the precision's parameter bytes (STATE_BYTES), gradients in
     `reduce_dtype`'s (train.grad_reduce_dtype; "": the precision's gradient bytes)."""
     if size <= 1 or params <= 0:
@@ -126,10 +130,14 @@ def data_parallel_ops(*, params: float, size: int, zero: int, microbatches: int 
     m = microbatches
     if zero == 0:
         return [_collective(group, "all_reduce", size, g_bytes / buckets, buckets, where, "step")]
+    if zero == 3 and pipelined:  # gathered before the stage's first forward, kept all step
+        return [_collective(group, "all_gather", size, p_bytes / layers, layers, where, "none"),
+                _collective(group, "reduce_scatter", size, g_bytes / layers, layers, where,
+                            "step")]
     if zero in (1, 2):
-        syncs = 1 if zero == 1 else m
+        syncs = 1 if zero == 1 or pipelined else m
         return [_collective(group, "reduce_scatter", size, g_bytes / buckets, buckets * syncs,
-                            where, "step" if zero == 1 else "backward"),
+                            where, "step" if syncs == 1 else "backward"),
                 _collective(group, "all_gather", size, p_bytes / buckets, buckets, where, "none")]
     return [_collective(group, "all_gather", size, p_bytes / layers, 2 * m * layers, where,
                         "compute"),
@@ -151,7 +159,7 @@ def step_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, seq_len: int,
     if lay.ps_servers:  # pushes and pulls instead of the all-reduce (ps.py)
         return ps_ops(cfg, lay, hw.inter_link() if lay.gpus > node else hw.intra_link())
     common = dict(zero=lay.zero, microbatches=m, precision=lay.precision, layers=ranks.layers,
-                  bucket_bytes=bucket_bytes)
+                  bucket_bytes=bucket_bytes, pipelined=lay.pp > 1)
     ops += data_parallel_ops(group="dp", params=ranks.dense, size=lay.replicas,
                              where=placement(hw, node, lay.tp, lay.replicas), **common)
     ops += data_parallel_ops(group="edp", params=ranks.expert, size=lay.replicas // lay.ep,

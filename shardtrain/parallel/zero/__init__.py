@@ -5,7 +5,8 @@ also the gradients, stage 3 also the parameters (FSDP's flat-parameter design, Z
 
 - units.py:   flat units (a block's parameters as views of one padded buffer) and UnitComm
 - reducer.py: gradients to fp32 shards (reduce-scatters launched as backward completes units)
-- gather.py:  ZeRO-3's gather-before-use, free-after-use parameter life cycle with prefetch
+- gather.py:  ZeRO-3's gather-before-use, free-after-use parameter life cycle with prefetch;
+              under a pipeline, gathered once per step (`StepGatherer`)
 - optim.py:   the shard optimizer interface and its on-device implementation
 - offload.py: the optimizer state and step on the host (ZeRO-Offload) or NVMe (ZeRO-Infinity)
 - zeropp.py:  ZeRO++ (Wang et al. 2023): int8 weights (qwZ), node-local secondary shards (hpZ),

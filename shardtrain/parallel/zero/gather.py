@@ -20,6 +20,11 @@ attention half still hides the gather. The engine frees a unit once its gradient
 complete and reduce-scattered. Under activation checkpointing the recompute
 happens inside the block's backward, after its backward event, so it finds the unit
 gathered. Every rank issues the same gathers in the same order: the events are the same.
+
+Under pipeline parallelism (`StepGatherer`) a stage runs m forwards and m backwards per step,
+interleaved by the schedule: a unit is gathered at the first forward of its stage in the
+step and kept until the step's gradients are reduced (model.py, "With pipeline
+parallelism" in docs/zero.md says why), as torchtitan's FSDP under pipelining keeps them.
 """
 
 from __future__ import annotations
@@ -31,26 +36,15 @@ from shardtrain.comm import Handle
 from shardtrain.parallel.zero.units import FlatUnit, UnitComm
 
 
-class ParamGatherer:
-    def __init__(self, model: nn.Module, units: list[FlatUnit], unit_comm: UnitComm, *,
-                 prefetch: int, events: list[tuple[nn.Module, FlatUnit]],
-                 midpoints: dict[int, nn.Module]):
-        """`events`: (module whose forward pre-hook starts the event, unit it computes
-        with), in forward order; the first module is the model itself. `midpoints`: event
-        index -> a module inside it whose input's gradient marks the middle of the unit's
-        backward, where the units before it are prefetched."""
-        self.units, self.unit_comm, self.prefetch = units, unit_comm, prefetch
-        self.events = [unit for _, unit in events]
-        self.midpoints = set(midpoints)
+class UnitGatherer:
+    """Gather and free units' parameters; every unit starts freed (its shard only)."""
+
+    def __init__(self, units: list[FlatUnit], unit_comm: UnitComm):
+        self.units, self.unit_comm = units, unit_comm
         self.live: dict[FlatUnit, Handle | None] = {}  # gathered or gathering
         self.max_live = 0  # instrument: the most units held full at once
         for unit in units:
             self.free(unit)
-        for k, (module, _) in enumerate(events):
-            module.register_forward_pre_hook(self._pre_forward_hook(k))
-        for k, module in midpoints.items():
-            module.register_forward_pre_hook(self._midpoint_hook(k))
-        model.register_forward_hook(self._end_of_forward)
 
     # ------------------------------------------------------------------ gather / free
 
@@ -79,6 +73,49 @@ class ParamGatherer:
     def free_all(self) -> None:
         for unit in list(self.live):
             self.free(unit)
+
+
+class StepGatherer(UnitGatherer):
+    """ZeRO-3 under pipeline parallelism: before a chunk's forward every unit of the stage
+    is gathered (a no-op once they are), and they stay gathered through the step's
+    micro-batches, freed by `free_all` once the step's gradients are reduced
+    (model.py). A forward-only run (evaluation, under no_grad) frees them after the stage's
+    last chunk. Every rank of a dp group runs the same stage: the same gathers, in order."""
+
+    def __init__(self, units: list[FlatUnit], unit_comm: UnitComm, chunks: list[nn.Module]):
+        super().__init__(units, unit_comm)
+        for chunk in chunks:
+            chunk.register_forward_pre_hook(lambda module, args: self.gather_all())
+        chunks[-1].register_forward_hook(self._after_last_chunk)
+
+    def gather_all(self) -> None:
+        for unit in self.units:  # launched together, waited for in order
+            self.start(unit, "forward")
+        for unit in self.units:
+            self.ready(unit, "forward")
+
+    def _after_last_chunk(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if not torch.is_grad_enabled():
+            self.free_all()
+
+
+class ParamGatherer(UnitGatherer):
+    def __init__(self, model: nn.Module, units: list[FlatUnit], unit_comm: UnitComm, *,
+                 prefetch: int, events: list[tuple[nn.Module, FlatUnit]],
+                 midpoints: dict[int, nn.Module]):
+        """`events`: (module whose forward pre-hook starts the event, unit it computes
+        with), in forward order; the first module is the model itself. `midpoints`: event
+        index -> a module inside it whose input's gradient marks the middle of the unit's
+        backward, where the units before it are prefetched."""
+        super().__init__(units, unit_comm)
+        self.prefetch = prefetch
+        self.events = [unit for _, unit in events]
+        self.midpoints = set(midpoints)
+        for k, (module, _) in enumerate(events):
+            module.register_forward_pre_hook(self._pre_forward_hook(k))
+        for k, module in midpoints.items():
+            module.register_forward_pre_hook(self._midpoint_hook(k))
+        model.register_forward_hook(self._end_of_forward)
 
     # ------------------------------------------------------------------ hooks
 

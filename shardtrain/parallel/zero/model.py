@@ -19,6 +19,17 @@ What each stage shards (N_d = dp ranks; each rank owns 1/N_d of every unit):
   and again before its backward, and freed after each; the next `prefetch` units are
   gathered while the current one computes; no all-gather after the step. Gradients as
   stage 2. Per step 1.5x DP's bytes: two all-gathers and one reduce-scatter of the model.
+With pipeline parallelism (pp > 1) a stage runs m forwards and m backwards per step,
+interleaved by the schedule (1F1B, interleaved virtual chunks). Stages 2 and 3 then keep the
+step's traffic at one reduction per step, as torchtitan's FSDP under pipelining does: full
+gradients accumulate over the micro-batches and are reduce-scattered once, after the last
+backward, then dropped (only the fp32 shards stay until the next step); stage 3 gathers
+each unit once, before the stage's first forward of the step (gather.py `StepGatherer`),
+and frees it after that reduce-scatter. Per step: stage 2 moves stage 1's bytes, stage 3
+one all-gather and one reduce-scatter (DP's bytes, not 1.5x); during the step a stage holds
+its full parameters and gradients (stage 1's peak), between steps only the shards.
+Reduce-scattering or gathering every micro-batch would multiply the bytes by m (2m
+gathers) on the pipeline's critical path; docs/zero.md "With pipeline parallelism".
 Precision (precision.py, the policy every layout shares): the flat buffers hold the
 parameters in the policy's parameter dtype, fp32, and under bf16 and fp16 the forward runs
 under autocast as DP's does, so ZeRO computes DP's numbers; the parameter shard is the
@@ -42,7 +53,7 @@ from shardtrain.config import Config
 from shardtrain.parallel.pipeline.state import StageShards
 from shardtrain.parallel.precision import PrecisionPolicy
 from shardtrain.parallel.strategy import nbytes
-from shardtrain.parallel.zero.gather import ParamGatherer
+from shardtrain.parallel.zero.gather import ParamGatherer, StepGatherer, UnitGatherer
 from shardtrain.parallel.zero.offload import build_shard_optimizer
 from shardtrain.parallel.zero.optim import ShardOptimizer
 from shardtrain.parallel.zero.reducer import ZeroReducer
@@ -70,12 +81,18 @@ class ZeroModel:
         self.unit_comm = unit_comm or UnitComm(comm)
         fp32 = dtype == policy.master_dtype  # the parameter shard is its own master
         masters = [u.shard if fp32 else u.shard.to(policy.master_dtype) for u in self.units]
-        self.gatherer = None
+        self.gatherer: UnitGatherer | None = None
+        # Pipeline parallelism: gradients reduced (and ZeRO-3 parameters gathered) once per
+        # step, not once per micro-batch (module docstring).
+        per_step = shards.pp.size > 1
         if self.stage == 3:
             for u in self.units:  # the shard gets its own storage; the flat buffer goes
                 u.shard = u.shard.clone()
             if fp32:
                 masters = [u.shard for u in self.units]
+        if self.stage == 3 and per_step:
+            self.gatherer = StepGatherer(self.units, self.unit_comm, model.chunks)
+        elif self.stage == 3:
             unit_of = {n: u for u in self.units for n in u.names}
             events = [(model, unit_of["tok_emb.weight"])]
             events += [(block, unit_of[f"layers.{i}.attn_norm.weight"])
@@ -86,7 +103,8 @@ class ZeroModel:
                                           prefetch=p.zero_prefetch, events=events,
                                           midpoints=midpoints)
         self.reducer = ZeroReducer(self.units, self.unit_comm, stage=self.stage,
-                                   gatherer=self.gatherer, reduce_dtype=policy.reduce_dtype)
+                                   gatherer=self.gatherer, reduce_dtype=policy.reduce_dtype,
+                                   per_step=per_step)
         aliased = fp32
         if p.zero_quantized_weights and self.stage < 3 and fp32:
             # qwZ's post-step gather writes dequantized values over this rank's slice of the
@@ -103,9 +121,11 @@ class ZeroModel:
 
     @torch.no_grad()
     def finish(self) -> None:
-        if self.stage == 1:  # pipeline (stage 1 only): the tied copies' full gradients
+        if self.reducer.per_step:  # pipeline: the tied copies' full gradients
             self.shards.sum_tied_grads()
         self.reducer.finish()
+        if isinstance(self.gatherer, StepGatherer):  # the step's last use of the parameters
+            self.gatherer.free_all()
         if any(self._partial):  # tp blocks whose gradient parts sum over tp
             self.shards.sum_partial([(u.grad_shard[a:b], place) for u, runs in
                                  zip(self.units, self._partial) for place, a, b in runs])
@@ -181,8 +201,9 @@ class ZeroModel:
 
     def memory(self) -> dict[str, int]:
         """Model-state bytes this rank holds, from the tensors: parameters (stages 1-2 the
-        full flat buffers, stage 3 the shards; units gathered for compute are transient),
-        gradients, master weights and optimizer state."""
+        full flat buffers, stage 3 the shards; units gathered for compute are transient, as
+        are a pipeline's full copies held through a step), gradients, master weights and
+        optimizer state."""
         if self.stage == 3:
             params = nbytes(*(u.shard for u in self.units))
         else:

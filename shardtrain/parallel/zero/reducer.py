@@ -5,7 +5,11 @@ Stage 1: the parameters' .grad are views into full flat buffers; after the last 
 every unit is reduce-scattered at once. Stages 2 and 3: as soon as a unit's gradients are
 complete in backward it is reduce-scattered asynchronously (units launched strictly in
 backward order, ready.py) and the full gradients are dropped; the fp32 shard exists from
-the step's first reduce-scatter until the next zero_grad (model.py says why). Gradients
+the step's first reduce-scatter until the next zero_grad (model.py says why). Under
+pipeline parallelism (`per_step`) stages 2 and 3 take stage 1's path -- full gradients
+accumulated over the step's micro-batches, one reduce-scatter after the last -- and then
+drop the full buffers (their storage freed until the next zero_grad): only the fp32
+shards are held from the reduce-scatter to the next step (model.py says why). Gradients
 accumulate in fp32 and travel in the policy's reduce dtype (precision.py): fp32, or a bf16
 copy whose reduced shard is added back in fp32.
 """
@@ -18,29 +22,34 @@ import torch
 
 from shardtrain.parallel.ready import ReadyInOrder
 from shardtrain.parallel.strategy import nbytes
-from shardtrain.parallel.zero.gather import ParamGatherer
+from shardtrain.parallel.zero.gather import UnitGatherer
 from shardtrain.parallel.zero.units import FlatUnit, UnitComm
 
 
 class ZeroReducer:
-    """The gradients of the units: .grad views (stage 1) or backward hooks (stages 2, 3)
-    that leave each rank with its averaged fp32 gradient shard of every unit."""
+    """The gradients of the units: .grad views (stage 1, and every stage with `per_step`)
+    or backward hooks (stages 2, 3) that leave each rank with its averaged fp32 gradient
+    shard of every unit. `per_step`: reduce once per step, after the last micro-batch (set
+    under pipeline parallelism)."""
 
     def __init__(self, units: list[FlatUnit], unit_comm: UnitComm, *, stage: int,
-                 gatherer: ParamGatherer | None, reduce_dtype: torch.dtype = torch.float32):
+                 gatherer: UnitGatherer | None, reduce_dtype: torch.dtype = torch.float32,
+                 per_step: bool = False):
         self.units, self.unit_comm, self.stage, self.gatherer = units, unit_comm, stage, gatherer
         self.reduce_dtype = reduce_dtype
+        self.per_step = per_step or stage == 1
         self.order = list(reversed(units))  # backward produces the last unit's grads first
         self._inflight: list[tuple[FlatUnit, object, torch.Tensor, torch.Tensor]] = []
         self.launcher: ReadyInOrder | None = None
         for u in units:
-            if stage == 1:  # full gradients accumulate in place; the fp32 shard is a view
-                u.grad_flat = torch.zeros_like(u.flat)
+            if self.per_step:  # full gradients accumulate in place
+                u.grad_flat = torch.zeros(u.padded, dtype=u.flat.dtype, device=u.flat.device)
                 for p, view in zip(u.params, u.param_views(u.grad_flat)):
                     p.grad = view
+            if stage == 1:  # the fp32 shard is a view, or a copy filled by finish
                 u.grad_shard = u.grad_flat[u.shard_slice()] if u.flat.dtype == torch.float32 \
                     else torch.zeros(u.shard_numel, device=u.flat.device)
-        if stage >= 2:  # the shard exists from the step's first reduce-scatter (_complete)
+        if not self.per_step:  # the shard exists from the step's first reduce-scatter (_complete)
             self.launcher = ReadyInOrder([u.params for u in self.order], self._launch)
 
     @contextmanager
@@ -51,30 +60,36 @@ class ZeroReducer:
         try:
             yield
         finally:
-            if self.stage >= 2:
+            if not self.per_step:
                 self._drain()
 
     def zero_grad(self) -> None:
         for u in self.units:
             if u.grad_flat is not None:  # stage 1: the shard is a view of it, or is copied
+                storage = u.grad_flat.untyped_storage()  # stages 2, 3: freed by finish
+                storage.resize_(u.padded * u.grad_flat.element_size())
                 u.grad_flat.zero_()
-            else:
+            if self.stage >= 2:
                 u.grad_shard = None
 
     @torch.no_grad()
     def finish(self) -> None:
         """After the last micro-batch: every unit's grad_shard is its dp-averaged shard."""
-        if self.stage >= 2:
+        if not self.per_step:
             self._drain()
             return
-        launched = []  # stage 1: every unit at once, in order, then wait
+        launched = []  # every unit at once, in order, then wait
         for u in self.order:
             out = torch.empty(u.shard_numel, dtype=self.reduce_dtype, device=u.flat.device)
             wire = u.grad_flat.to(self.reduce_dtype)  # [padded] (itself when already so)
             launched.append((u, self.unit_comm.reduce_grads(u, out, wire), out))
         for u, handle, out in launched:
             handle.wait()
-            u.grad_shard.copy_(out)
+            if self.stage == 1:
+                u.grad_shard.copy_(out)
+                continue
+            u.grad_shard = out.float()  # [shard] (out itself when it is fp32)
+            u.grad_flat.untyped_storage().resize_(0)  # the views stay, storage-less
 
     # ------------------------------------------------------------------ stages 2 and 3
 
@@ -116,8 +131,11 @@ class ZeroReducer:
     @property
     def grad_bytes(self) -> int:
         """Gradient bytes held during a step: stage 1 the full buffers (and fp32 shards when
-        they are not views of them), stages 2 and 3 the fp32 shards."""
-        full = nbytes(*(u.grad_flat for u in self.units if u.grad_flat is not None))
+        they are not views of them), stages 2 and 3 the fp32 shards (a pipeline's full
+        buffers, freed between steps, are transient: plan/memory.py counts them as buffers)."""
+        if self.stage >= 2:
+            return sum(4 * u.shard_numel for u in self.units)
+        full = nbytes(*(u.grad_flat for u in self.units))
         shards = sum(4 * u.shard_numel for u in self.units
-                     if u.grad_flat is None or u.grad_shard._base is not u.grad_flat)
+                     if u.grad_shard._base is not u.grad_flat)
         return full + shards
