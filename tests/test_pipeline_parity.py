@@ -51,7 +51,9 @@ LAYOUTS = {
              "--train.activation_checkpointing", "full"))],
     8: [("pp2 x tp2 x dp2", (), _pp(2, "1f1b", 2, "--parallel.tp", "2")),
         ("pp2 x tp2 x dp2 zero1", (), _pp(2, "1f1b", 2, "--parallel.tp", "2",
-                                          "--parallel.zero", "1"))],
+                                          "--parallel.zero", "1")),
+        ("pp2 x tp2 x dp2 zero3 (3D + ZeRO-3)", (), _pp(2, "1f1b", 2, "--parallel.tp", "2",
+                                                       "--parallel.zero", "3"))],
 }
 
 

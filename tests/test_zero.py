@@ -38,7 +38,8 @@ LAYOUTS = {
     4: [("zero1 dp4", B16, ["--parallel.zero", "1"]),
         ("zero2 dp4", B16, ["--parallel.zero", "2"]),
         ("zero3 dp4", B16, ["--parallel.zero", "3"]),
-        ("zero1 tp2 x dp2", B8, ["--parallel.zero", "1", "--parallel.tp", "2"])],
+        ("zero1 tp2 x dp2", B8, ["--parallel.zero", "1", "--parallel.tp", "2"]),
+        ("zero3 tp2 x dp2", B8, ["--parallel.zero", "3", "--parallel.tp", "2"])],
 }
 
 
