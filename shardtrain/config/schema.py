@@ -33,6 +33,16 @@ class ModelConfig:
     rope_theta: float = 10000.0
     n_experts: int = 0  # 0: dense MLP; > 0: mixture of experts with top-k routing
     moe_top_k: int = 2
+    # Mixture of experts (docs/moe.md): Switch load-balancing and ST-MoE router z-loss
+    # coefficients; capacity per expert per micro-batch = ceil(factor * tokens * k / E)
+    # (0: dropless), an over-full expert keeping its highest-probability (`probs`) or
+    # earliest (`position`) slots; `grouped`: one grouped matmul per projection, `loop`:
+    # a Python loop over experts (the benchmark's baseline).
+    moe_aux_loss_coef: float = 0.01
+    moe_z_loss_coef: float = 0.001
+    moe_capacity_factor: float = 0.0
+    moe_drop_policy: Literal["probs", "position"] = "probs"
+    moe_impl: Literal["grouped", "loop"] = "grouped"
     init_from: str = ""  # a Hugging Face directory: its weights, and its config.json's shape
 
     @property
@@ -70,6 +80,24 @@ class ModelConfig:
         if self.n_experts < 0 or (self.n_experts and not 1 <= self.moe_top_k <= self.n_experts):
             raise ConfigError(f"model.moe_top_k={self.moe_top_k} must lie in 1..model.n_experts="
                               f"{self.n_experts}")
+        self._validate_moe()
+
+    def _validate_moe(self) -> None:
+        for name in ("moe_aux_loss_coef", "moe_z_loss_coef", "moe_capacity_factor"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 0"
+                                  + (" (0: dropless)" if name == "moe_capacity_factor" else ""))
+        for name, choices in (("moe_drop_policy", ("probs", "position")),
+                              ("moe_impl", ("grouped", "loop"))):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"model.{name}={getattr(self, name)!r} is not one of "
+                                  f"{', '.join(choices)}")
+        if self.n_experts and self.moe_impl == "grouped" and \
+                (self.dim % 8 or self.ffn_hidden % 8):
+            # torch._grouped_mm needs 16-byte row strides (8 bf16 values).
+            raise ConfigError(f"model.moe_impl='grouped' needs model.dim={self.dim} and the "
+                              f"expert width {self.ffn_hidden} to be multiples of 8; change "
+                              "them or set model.moe_impl='loop'")
 
 
 @dataclass(kw_only=True)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardtrain.config import ModelConfig
+from shardtrain.model.moe import MoE
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,30 +87,6 @@ class MLP(nn.Module):
         if self.gated:
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
-
-
-class MoE(nn.Module):
-    """Mixture of experts: a linear router picks the top-k experts per token (Shazeer et al.
-    2017); the chosen experts' outputs are mixed by the renormalised router probabilities."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.top_k = cfg.moe_top_k
-        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.n_experts))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = x.reshape(-1, x.shape[-1])  # [B*S, C]
-        probs = self.router(tokens).float().softmax(-1)  # [B*S, E]
-        weight, chosen = probs.topk(self.top_k, dim=-1)  # [B*S, k]
-        weight = (weight / weight.sum(-1, keepdim=True)).type_as(x)
-        out = torch.zeros_like(tokens)
-        for e, expert in enumerate(self.experts):
-            token_idx, slot = (chosen == e).nonzero(as_tuple=True)
-            if token_idx.numel():
-                y = expert(tokens[token_idx]) * weight[token_idx, slot, None]
-                out.index_add_(0, token_idx, y)
-        return out.view_as(x)
 
 
 def _norm(cfg: ModelConfig) -> nn.Module:
@@ -215,20 +192,37 @@ def init_tensor(name: str, shape: tuple[int, ...], seed: int, cfg: ModelConfig) 
     """The initial value of parameter `name`, drawn on the CPU from a generator seeded by
     (seed, name): ones for norm weights, zeros for biases, N(0, 0.02) for weights, with the
     residual output projections (wo, w2) at 0.02 / sqrt(2 n_layers) (GPT-2's scaled init).
-    LoRA adapters (train/lora.py): lora_a [r, in] Kaiming-uniform with a = sqrt(5) (bound
-    1/sqrt(in), as nn.Linear and peft draw it), lora_b zero, so step 0 is the base model."""
+    Stacked expert weights ([E, out, in], model/moe.py) are drawn slice by slice
+    (`init_expert`). LoRA adapters (train/lora.py): lora_a [r, in] Kaiming-uniform with
+    a = sqrt(5) (bound 1/sqrt(in), as nn.Linear and peft draw it), lora_b zero, so step 0
+    is the base model."""
     leaf = name.rsplit(".", 1)[-1]
     owner = name.rsplit(".", 2)[-2] if name.count(".") else ""
     if "norm" in owner:
         return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
-    if leaf in ("bias", "lora_b"):
+    if leaf in ("bias", "lora_b") or (owner == "experts" and leaf in ("b1", "b2")):
         return torch.zeros(shape)
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    if owner == "experts":
+        return torch.stack([init_expert(name, shape[1:], seed, cfg, e) for e in range(shape[0])])
+    gen = _generator(seed, name)
     if leaf == "lora_a":
         bound = 1.0 / math.sqrt(shape[1])
         return torch.empty(shape).uniform_(-bound, bound, generator=gen)
     std = 0.02 / math.sqrt(2 * cfg.n_layers) if owner in ("wo", "w2") else 0.02
     return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
+def init_expert(name: str, shape: tuple[int, ...], seed: int, cfg: ModelConfig,
+                expert: int) -> torch.Tensor:
+    """Slice `expert` [out, in] of the stacked expert weight `name` (w1, w3 at 0.02; w2, the
+    residual output, at 0.02 / sqrt(2 n_layers)), drawn from (seed, name, expert) alone: an
+    expert-parallel rank holding experts [a, b) draws exactly its slices, e in range(a, b)."""
+    std = 0.02 / math.sqrt(2 * cfg.n_layers) if name.endswith(".w2") else 0.02
+    return torch.empty(shape).normal_(0.0, std, generator=_generator(seed, f"{name}#{expert}"))
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
 
 
 def build_model(cfg: ModelConfig, *, device: str | torch.device = "cpu",

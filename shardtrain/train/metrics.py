@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from shardtrain.model.moe import moe_stats
+
 # Dense peak FLOP/s per GPU by the precision of its matmuls (vendor datasheets, SXM parts
 # unless named; without sparsity), matched in order against the device name.
 _GPU_PEAK = {
@@ -118,3 +120,20 @@ class MetricsWriter:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+
+
+def moe_metrics(module: torch.nn.Module, comms: list, device: torch.device) -> dict[str, float]:
+    """The step's mixture-of-experts figures (model/moe.py `moe_stats`), summed over this
+    rank's MoE layers and micro-batches, then over `comms` (the pipeline and replica
+    groups, tag "metric"), so every rank (and rank 0, which writes) holds the whole
+    model's over all replicas: moe_aux_loss and moe_z_loss, the mean over layers,
+    micro-batches and replicas; moe_dropped, the token-slots over capacity, in total;
+    moe_expert_cv, the mean over layers and replicas of the coefficient of variation of
+    one layer's routed counts per expert on one replica in the step. One sync, here."""
+    total = moe_stats(module, device)
+    for comm in comms:
+        comm.all_reduce(total, "sum", tag="metric")
+    aux, z, forwards, dropped, cv, layers = total.tolist()
+    forwards, layers = max(forwards, 1.0), max(layers, 1.0)
+    return {"moe_aux_loss": aux / forwards, "moe_z_loss": z / forwards,
+            "moe_dropped": int(dropped), "moe_expert_cv": cv / layers}

@@ -29,7 +29,8 @@ from shardtrain.cost.counts import model_flops_per_token
 from shardtrain.train import checkpoint as ckpt
 from shardtrain.train.finetune import (build_skeleton, export_hf, nf4_bytes, resolve_init_from,
                                        start_weights)
-from shardtrain.train.metrics import MetricsWriter, clock, device_peak_flops, peak_memory
+from shardtrain.train.metrics import (MetricsWriter, clock, device_peak_flops, moe_metrics,
+                                      peak_memory)
 from shardtrain.train.optim import build_optimizer, lr_at
 from shardtrain.train.straggler import slow_down
 
@@ -93,6 +94,8 @@ class Trainer:
         self.parallel.step(lr)  # not applied if the gradients overflowed (`skipped`)
         elapsed = clock(self.device) - start
         self.step += 1
+        moe = moe_metrics(self.parallel.module, [self.mesh.comm("pp"), self.mesh.comm(
+            self.mesh.replica_dim)], self.device) if self.cfg.model.n_experts else {}
         comm = self.mesh.ledger.totals(self.mesh.ledger.mark())
         mfu = None if self.peak_flops is None else \
             self.flops_per_step / (elapsed * self.mesh.world_size * self.peak_flops)
@@ -103,7 +106,7 @@ class Trainer:
             "mfu": mfu, "loss_scale": self.parallel.loss_scale,
             "skipped": self.parallel.skipped,
             "comm_bytes": comm["sent_bytes"], "comm_calls": comm["calls"],
-            **self.memory_ledger(),
+            **self.memory_ledger(), **moe,
         }
 
     @torch.no_grad()

@@ -44,6 +44,7 @@ from torch import nn
 
 from shardtrain.comm import Communicator
 from shardtrain.parallel.pipeline.schedules import COMPUTE, Action
+from shardtrain.model.moe import loss_grad_scale
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (output, targets) -> mean
 
@@ -162,7 +163,8 @@ class _Run:
         else:
             x = self.received.pop(("act", a.mb, a.chunk))
             x.requires_grad_(self.backward_pass)
-        with ex.autocast:
+        # The MoE auxiliary losses' gradients are scaled as this loss's is (model/moe.py).
+        with ex.autocast, loss_grad_scale(self.loss_scale / self.m):
             out = ex.chunks[a.chunk](x)
         if g == self.last_virtual:
             loss = ex.loss(out, targets[a.mb].to(ex.device))

@@ -1,0 +1,273 @@
+"""The mixture-of-experts block (Shazeer et al. 2017), in three separable steps.
+
+- `route`: a linear router in fp32, softmax, top-k, weights renormalised over the k chosen.
+- `dispatch`: the token-slots (token, choice) sorted by expert, with per-expert counts and
+  device-side group offsets; a capacity (GShard, Lepikhin et al. 2020; Switch, Fedus et
+  al. 2021) drops the slots an over-full expert cannot take, by router probability or by
+  position. `experts_grouped` runs each projection as one grouped matmul over the sorted
+  slots (no host sync); `experts_looped` is the per-expert loop it replaces.
+- `combine`: the inverse permutation, each slot weighted by its router weight.
+Expert parallelism (later) puts an all-to-all between dispatch and the experts and its
+inverse before combine; the model itself knows nothing of ranks.
+
+Auxiliary losses: Switch's load-balancing loss E * sum_i f_i P_i and ST-MoE's router z-loss
+mean(logsumexp(logits)^2) (Zoph et al. 2022). Their gradient enters through `_AuxGrad`, an
+identity on the block's output whose backward also feeds d(coef * loss) to the router,
+scaled like the main loss's gradient (`loss_grad_scale`), so no stage adds a loss of its
+own to the pipeline's. Shape legend: T tokens, K top-k, N = T * K slots, E experts, C dim,
+F expert hidden width.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardtrain.config import ModelConfig
+
+# The factor the training loss's gradient is scaled by (the pipeline executor scales each
+# micro-batch's loss by loss_scale / m before backward and sets this around its forwards:
+# parallel/pipeline/executor.py). A float, not a process group: 1 outside the executor,
+# where a plain loss.backward() of the mean loss is the convention.
+_LOSS_GRAD_SCALE = 1.0
+
+
+@contextmanager
+def loss_grad_scale(scale: float):
+    """Forwards run inside this block scale the auxiliary losses' gradients by `scale`, as
+    the main loss's gradient is (read when the MoE block runs forward, kept for backward)."""
+    global _LOSS_GRAD_SCALE
+    previous, _LOSS_GRAD_SCALE = _LOSS_GRAD_SCALE, scale
+    try:
+        yield
+    finally:
+        _LOSS_GRAD_SCALE = previous
+
+
+@dataclass
+class Routing:
+    logits: torch.Tensor  # [T, E] fp32
+    probs: torch.Tensor  # [T, E] fp32 softmax of logits
+    weights: torch.Tensor  # [T, K] fp32, renormalised over the K chosen
+    experts: torch.Tensor  # [T, K] int64, the chosen experts
+
+
+def route(tokens: torch.Tensor, router_weight: torch.Tensor, top_k: int) -> Routing:
+    """Router in fp32 (autocast off: small logit differences decide the choice)."""
+    with torch.autocast(tokens.device.type, enabled=False):
+        logits = F.linear(tokens.float(), router_weight.float())  # [T, E]
+    probs = logits.softmax(-1)
+    weights, experts = probs.topk(top_k, dim=-1)  # [T, K]
+    return Routing(logits, probs, weights / weights.sum(-1, keepdim=True), experts)
+
+
+def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Slots per expert [E] int64, on the device (scatter_add: bincount would sync)."""
+    flat = experts.reshape(-1)
+    return torch.zeros(n_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+
+
+def balance_loss(r: Routing, routed: torch.Tensor) -> torch.Tensor:
+    """Switch's E * sum_i f_i P_i: f_i the fraction of the N slots routed to expert i
+    (before capacity drops; no gradient), P_i the mean router probability of expert i.
+    1 when both are uniform; its gradient pushes probability off the busy experts."""
+    n_experts = r.probs.shape[-1]
+    f = routed.float() / r.experts.numel()  # [E]
+    return n_experts * (f * r.probs.mean(0)).sum()
+
+
+def z_loss(r: Routing) -> torch.Tensor:
+    """ST-MoE's router z-loss: mean over tokens of logsumexp(logits)^2 (keeps logits small)."""
+    return torch.logsumexp(r.logits, dim=-1).square().mean()
+
+
+@dataclass
+class Dispatch:
+    """The N token-slots sorted by expert, kept slots first (grouped by expert), dropped
+    ones (over capacity) after all groups."""
+    token: torch.Tensor  # [N] int64, the token each sorted slot reads
+    expert: torch.Tensor  # [N] int64, its expert
+    weight: torch.Tensor  # [N] fp32, its router weight, 0 where dropped
+    keep: torch.Tensor  # [N] bool
+    counts: torch.Tensor  # [E] int64, kept slots per expert
+    offsets: torch.Tensor  # [E] int32, end of each expert's group (cumulative counts)
+    routed: torch.Tensor  # [E] int64, slots routed to each expert before drops
+
+
+def capacity(cfg: ModelConfig, n_tokens: int) -> int | None:
+    """Slots per expert for `n_tokens` tokens: ceil(factor * T * K / E); None: dropless."""
+    if cfg.moe_capacity_factor <= 0:
+        return None
+    return math.ceil(cfg.moe_capacity_factor * n_tokens * cfg.moe_top_k / cfg.n_experts)
+
+
+def dispatch(tokens: torch.Tensor, r: Routing, cap: int | None,
+             policy: str = "probs") -> tuple[torch.Tensor, Dispatch]:
+    """tokens [T, C] -> the sorted slots' inputs [N, C] (zero rows where dropped) and the
+    bookkeeping `combine` needs. Over capacity, an expert keeps its `cap` slots of highest
+    router probability (`probs`) or of the earliest tokens (`position`; slot order is
+    token-major: token t's choices are slots t*K .. t*K+K-1)."""
+    n_experts, top_k = r.probs.shape[-1], r.experts.shape[-1]
+    flat = r.experts.reshape(-1)  # [N]
+    routed = expert_counts(flat, n_experts)
+    slots = torch.arange(flat.numel(), device=flat.device)
+    if cap is not None:
+        if policy == "probs":  # by probability first; the stable sort by expert keeps it
+            slots = r.probs.gather(1, r.experts).reshape(-1).argsort(descending=True, stable=True)
+        slots = slots[flat[slots].argsort(stable=True)]  # grouped by expert, in priority
+        starts = routed.cumsum(0) - routed  # [E]
+        rank = torch.arange(flat.numel(), device=flat.device) - starts[flat[slots]]
+        keep_sorted = rank < cap
+        # Kept slots to the front (expert order), dropped after every group.
+        order = torch.where(keep_sorted, flat[slots], n_experts).argsort(stable=True)
+        slots, keep = slots[order], keep_sorted[order]
+        counts = routed.clamp(max=cap)
+    else:
+        slots = flat.argsort(stable=True)
+        keep = torch.ones_like(slots, dtype=torch.bool)
+        counts = routed
+    token = slots // top_k
+    weight = torch.where(keep, r.weights.reshape(-1)[slots], 0.0)
+    d = Dispatch(token, flat[slots], weight, keep, counts,
+                 counts.cumsum(0).to(torch.int32), routed)
+    # where, not a product: rows outside every group are never read as numbers.
+    return torch.where(keep[:, None], tokens[token], 0.0), d
+
+
+def combine(y: torch.Tensor, d: Dispatch, n_tokens: int) -> torch.Tensor:
+    """The experts' outputs y [N, C] (sorted slots) -> [T, C]: each token's slots summed,
+    weighted by the router; a dropped slot adds nothing (its token keeps the residual)."""
+    y = torch.where(d.keep[:, None], y, 0.0) * d.weight[:, None].to(y.dtype)
+    return y.new_zeros(n_tokens, y.shape[-1]).index_add_(0, d.token, y)
+
+
+class Experts(nn.Module):
+    """E expert MLPs, weights stacked per projection ([E, out, in], as nn.Linear stores
+    one): SwiGLU w2(silu(w1 x) * w3 x) (llama) or GELU w2(gelu(w1 x + b1)) + b2 (gpt2; the
+    biases flat [E * out], so the optimizer's ndim >= 2 decay rule leaves them alone)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, c, f = cfg.n_experts, cfg.dim, cfg.ffn_hidden
+        self.gated, self.impl = cfg.style == "llama", cfg.moe_impl
+        self.w1 = nn.Parameter(torch.empty(e, f, c))
+        self.w3 = nn.Parameter(torch.empty(e, f, c)) if self.gated else None
+        self.w2 = nn.Parameter(torch.empty(e, c, f))
+        self.b1 = None if self.gated else nn.Parameter(torch.empty(e * f))
+        self.b2 = None if self.gated else nn.Parameter(torch.empty(e * c))
+
+    def forward(self, x: torch.Tensor, d: Dispatch) -> torch.Tensor:
+        """x [N, C] sorted slots -> [N, C]; rows after the last group are not computed."""
+        mm = _grouped if self.impl == "grouped" else _looped
+        if self.gated:
+            h = F.silu(mm(x, self.w1, d)) * mm(x, self.w3, d)  # [N, F]
+            return mm(h, self.w2, d)
+        h = F.gelu(mm(x, self.w1, d) + self._bias(self.b1, d), approximate="tanh")
+        return mm(h, self.w2, d) + self._bias(self.b2, d)
+
+    def _bias(self, b: torch.Tensor, d: Dispatch) -> torch.Tensor:
+        """Each sorted row's expert's bias [N, out]; 0 on dropped rows (no gradient from the
+        rows outside every group, whose matmul values the grouped kernel leaves unset)."""
+        rows = b.view(self.w1.shape[0], -1)[d.expert]
+        return torch.where(d.keep[:, None], rows, 0.0)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """What a linear would compute in: autocast's dtype where it is on (_grouped_mm has no
+    autocast rule), else x's."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
+def _grouped(x: torch.Tensor, w: torch.Tensor, d: Dispatch) -> torch.Tensor:
+    """One grouped matmul: rows of group e times w[e]^T, groups ending at d.offsets."""
+    dt = _compute_dtype(x)
+    return torch._grouped_mm(x.to(dt), w.to(dt).transpose(-2, -1), offs=d.offsets)
+
+
+def _looped(x: torch.Tensor, w: torch.Tensor, d: Dispatch) -> torch.Tensor:
+    """The per-expert loop (one host sync for the counts): the benchmark's baseline."""
+    ends = d.offsets.tolist()
+    parts, start = [], 0
+    for e, end in enumerate(ends):
+        parts.append(F.linear(x[start:end], w[e]))
+        start = end
+    out = torch.cat(parts)
+    return torch.cat([out, out.new_zeros(x.shape[0] - end, out.shape[-1])])
+
+
+class _AuxGrad(torch.autograd.Function):
+    """Identity on `out`; backward also returns `scale` as the gradient of `aux` (the
+    weighted auxiliary losses), `scale` being the main loss's gradient factor."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.scale = _LOSS_GRAD_SCALE
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full((), ctx.scale, device=grad.device)
+
+
+class MoE(nn.Module):
+    """route -> dispatch -> experts -> combine, plus the auxiliary losses' gradient. While
+    training, `stats` sums per forward [balance loss, z-loss, dropped slots, routed slots
+    per expert (E)] on the device; `take_stats` hands them over and resets."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.experts = Experts(cfg)
+        self.stats: torch.Tensor | None = None  # [3 + E] fp32
+        self.forwards = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        tokens = x.reshape(-1, x.shape[-1])  # [T, C]
+        r = route(tokens, self.router.weight, cfg.moe_top_k)
+        xs, d = dispatch(tokens, r, capacity(cfg, tokens.shape[0]), cfg.moe_drop_policy)
+        out = combine(self.experts(xs, d), d, tokens.shape[0]).to(x.dtype).view_as(x)
+        balance, z = balance_loss(r, d.routed), z_loss(r)
+        if self.training and torch.is_grad_enabled() and \
+                (cfg.moe_aux_loss_coef or cfg.moe_z_loss_coef):
+            out = _AuxGrad.apply(out, cfg.moe_aux_loss_coef * balance + cfg.moe_z_loss_coef * z)
+        # A forward rerun by activation recomputation happens inside backward: not counted.
+        if self.training and torch._C._current_graph_task_id() == -1:
+            dropped = (d.routed - d.counts).sum()
+            row = torch.cat([torch.stack([balance.detach(), z.detach(), dropped.float()]),
+                             d.routed.float()])
+            self.stats = row if self.stats is None else self.stats + row
+            self.forwards += 1
+        return out
+
+    def take_stats(self) -> tuple[torch.Tensor | None, int]:
+        """(the summed stats row [3 + E] or None, the forwards it covers); resets."""
+        stats, forwards = self.stats, self.forwards
+        self.stats, self.forwards = None, 0
+        return stats, forwards
+
+
+def moe_stats(module: nn.Module, device: torch.device) -> torch.Tensor:
+    """The MoE layers of `module` (a model or a pipeline stage) since the last call, as a
+    vector that sums across ranks: [balance-loss sum, z-loss sum, layer-forwards, dropped
+    slots, sum over layers of the per-expert routed counts' coefficient of variation
+    (std / mean, population std), layers]. Resets the layers' stats."""
+    total = torch.zeros(6, device=device)
+    for layer in module.modules():
+        if isinstance(layer, MoE):
+            stats, forwards = layer.take_stats()
+            if stats is None:
+                continue
+            counts = stats[3:]
+            cv = counts.std(correction=0) / counts.mean().clamp(min=1)
+            total += torch.stack([stats[0], stats[1], total.new_tensor(forwards), stats[2],
+                                  cv, total.new_tensor(1.0)])
+    return total
