@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -17,28 +18,41 @@ from shardtrain.config import ModelConfig
 from shardtrain.model.transformer import build_model
 
 
-def tokens_per_s(impl: str, args: argparse.Namespace, device: torch.device) -> float:
+def build(impl: str, args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
     cfg = ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=args.dim // 64,
                       n_experts=args.experts, moe_top_k=args.top_k, max_seq_len=args.seq,
                       moe_impl=impl)
     cfg.validate()
-    model = build_model(cfg, device=device, seed=0)
+    return build_model(cfg, device=device, seed=0)
+
+
+def step_time(model: torch.nn.Module, tokens: torch.Tensor, bf16: bool) -> float:
+    device = tokens.device
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        loss = model(tokens).float().logsumexp(-1).mean()
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def tokens_per_s(args: argparse.Namespace, device: torch.device) -> dict[str, float]:
+    """Median step time per impl, the two impls' steps interleaved (a shared machine's
+    load then weighs on both alike)."""
+    models = {impl: build(impl, args, device) for impl in ("grouped", "loop")}
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen).to(device)
-    times = []
+    tokens = torch.randint(0, 256, (args.batch, args.seq), generator=gen).to(device)
+    times: dict[str, list[float]] = {impl: [] for impl in models}
     for i in range(args.warmup + args.steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            loss = model(tokens).float().logsumexp(-1).mean()
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - start)
-    return args.batch * args.seq / (sum(times) / len(times))
+        for impl, model in models.items():
+            t = step_time(model, tokens, args.bf16)
+            if i >= args.warmup:
+                times[impl].append(t)
+    return {impl: args.batch * args.seq / statistics.median(ts) for impl, ts in times.items()}
 
 
 def main() -> None:
@@ -55,7 +69,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
     device = torch.device(args.device)
-    result = {impl: tokens_per_s(impl, args, device) for impl in ("grouped", "loop")}
+    result = tokens_per_s(args, device)
     for impl, rate in result.items():
         print(f"{impl:8s} {rate:12.0f} tokens/s")
     ratio = result["grouped"] / result["loop"]
