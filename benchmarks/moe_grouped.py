@@ -74,7 +74,8 @@ def main() -> None:
         print(f"{impl:8s} {rate:12.0f} tokens/s")
     ratio = result["grouped"] / result["loop"]
     print(f"grouped / loop: {ratio:.2f}x")
-    print(json.dumps({"device": str(device), **vars(args), "grouped_tokens_per_s": result["grouped"],
+    print(json.dumps({"device": str(device), **vars(args),
+                      "grouped_tokens_per_s": result["grouped"],
                       "loop_tokens_per_s": result["loop"], "ratio": ratio}))
 
 

@@ -14,7 +14,7 @@ from shardtrain import config
 from shardtrain.config import ConfigError, ModelConfig
 from shardtrain.model.moe import (Routing, balance_loss, capacity, combine, dispatch,
                                   expert_counts, loss_grad_scale, route, z_loss)
-from shardtrain.model.transformer import build_model
+from shardtrain.model.transformer import build_model, init_expert
 from shardtrain.train.trainer import Trainer
 
 from dist import run_distributed
@@ -132,9 +132,8 @@ def test_expert_slices_drawn_by_index():
     w2 = a.layers[0].mlp.experts.w2
     assert not torch.equal(w2[0], w2[1])
     assert torch.equal(w2, b.layers[0].mlp.experts.w2)
-    from shardtrain.model.transformer import init_expert
-    torch.testing.assert_close(init_expert("layers.0.mlp.experts.w2", tuple(w2.shape[1:]), 0, cfg, 2),
-                               w2[2], rtol=0, atol=0)
+    slice2 = init_expert("layers.0.mlp.experts.w2", tuple(w2.shape[1:]), 0, cfg, 2)
+    torch.testing.assert_close(slice2, w2[2], rtol=0, atol=0)
     assert w2.std() < 0.7 * a.layers[0].mlp.experts.w1.std()  # the scaled residual init
 
 
@@ -206,6 +205,14 @@ def test_trainer_logs_moe_stats(tmp_path):
     assert record["moe_expert_cv"] >= 0
     again = trainer.train_step()  # the stats were reset: one step's, not two
     assert slots // 2 <= again["moe_dropped"] <= slots
+    # Full recomputation reruns each block's forward in backward: the same numbers, and
+    # the rerun is not counted twice.
+    cfg = tiny(tmp_path, "stats-ac", "--model.n_experts", "4", "--train.steps", "2",
+               "--model.moe_capacity_factor", "0.5", "--train.activation_checkpointing", "full")
+    recomputed = Trainer(cfg, make_mesh(cfg, 0, 1), torch.device("cpu")).train_step()
+    for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_dropped",
+                "moe_expert_cv"):
+        assert recomputed[key] == pytest.approx(record[key], rel=1e-6), key
 
 
 @pytest.mark.parametrize("overrides,field", [
