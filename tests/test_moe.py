@@ -239,15 +239,16 @@ def _moe_records(trainer: Trainer) -> dict:
 
 
 def test_moe_parity_dp2_and_pp2(tmp_path):
-    """Aux and z losses on (dropless): dp=2 and pp=2 train as the single process does, and
-    rank 0 logs the same mean aux / z losses (reduced over dp, pp). Capacity drops are a
+    """Aux and z losses on (dropless): dp=2 (also with ZeRO-3) and pp=2 train as the single
+    process does, and rank 0 logs the same mean aux / z losses (reduced over dp, pp). Capacity drops are a
     discontinuity: an all-reduce's rounding can flip a slot at the capacity boundary, so
     they are compared with the loop implementation on one process instead."""
     moe = ("--model.n_experts", "4",
            "--model.moe_aux_loss_coef", "0.1", "--train.steps", "4")
     text = lambda name, *o: config.to_toml(tiny(tmp_path, name, *moe, *o))  # noqa: E731
     reference = train_layout(0, 1, text("ref"), _moe_records)
-    rows = [("dp2", ()), ("pp2", ("--parallel.pp", "2"))]
+    rows = [("dp2", ()), ("pp2", ("--parallel.pp", "2")),
+            ("dp2 zero3", ("--parallel.zero", "3"))]
     per_rank = run_distributed(train_layouts, 2, [text(n, *o) for n, o in rows], _moe_records)
     for i, (label, _) in enumerate(rows):
         for rank, results in enumerate(per_rank):
