@@ -240,11 +240,11 @@ def _moe_records(trainer: Trainer) -> dict:
 
 def test_moe_parity_dp2_and_pp2(tmp_path):
     """Aux and z losses on (dropless): dp=2 (also with ZeRO-3) and pp=2 train as the single
-    process does, and rank 0 logs the same mean aux / z losses (reduced over dp, pp). Capacity drops are a
-    discontinuity: an all-reduce's rounding can flip a slot at the capacity boundary, so
-    they are compared with the loop implementation on one process instead."""
-    moe = ("--model.n_experts", "4",
-           "--model.moe_aux_loss_coef", "0.1", "--train.steps", "4")
+    process does, and rank 0 logs the same mean aux / z losses (reduced over dp, pp).
+    Capacity drops are a discontinuity: an all-reduce's rounding can flip a slot at the
+    capacity boundary, so they are checked against the loop implementation on one
+    process instead."""
+    moe = ("--model.n_experts", "4", "--model.moe_aux_loss_coef", "0.1", "--train.steps", "4")
     text = lambda name, *o: config.to_toml(tiny(tmp_path, name, *moe, *o))  # noqa: E731
     reference = train_layout(0, 1, text("ref"), _moe_records)
     rows = [("dp2", ()), ("pp2", ("--parallel.pp", "2")),
