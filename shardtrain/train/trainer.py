@@ -190,8 +190,8 @@ class Trainer:
             p = self.cfg.parallel
             ckpt.save_checkpoint(self.cfg, step=self.step, model_state=model_state,
                                  staged=staged, sampler_state=self.sampler.state_dict(),
-                                 layout={"zero": p.zero, "pp": p.pp, "dp": self.dp.size, "tp": p.tp, "cp": p.cp,
-                                         "ps_servers": p.ps_servers},
+                                 layout={"zero": p.zero, "pp": p.pp, "dp": self.dp.size,
+                                         "tp": p.tp, "cp": p.cp, "ps_servers": p.ps_servers},
                                  tokenizer_file=getattr(self.data.tokenizer, "path", None))
         self._barrier()  # every rank waits for rank 0's write
 

@@ -140,4 +140,5 @@ def build_unit_comm(mesh: ParallelMesh, parallel: ParallelConfig, *, block: int)
         return UnitComm(dp)
     return ZeroPlusPlusComm(dp, quantize_weights=parallel.zero_quantized_weights,
                             quantize_gradients=parallel.zero_quantized_gradients,
-                            node=node_comm(mesh, mesh.replica_dim) if parallel.zero_hpz else None, block=block)
+                            node=node_comm(mesh, mesh.replica_dim) if parallel.zero_hpz
+                            else None, block=block)
