@@ -69,14 +69,24 @@ def test_cp_parity_with_single_process(tmp, references, world_size):
              for i, (_, ref, layout) in enumerate(layouts)]
     if world_size == 2:  # bf16 under one policy: close to the single-process bf16 run
         texts.append(_text(tmp, "cp2-bf16", "--parallel.cp", "2", "--train.precision", "bf16"))
+        # ZeRO-1 shards over dp x cp (one file per cp rank); a resume in the same layout
+        zero1 = ("--parallel.cp", "2", "--parallel.zero", "1")
+        texts.append(_text(tmp, "cp2-zero1", *zero1, "--checkpoint.every", "3"))
+        texts.append(_text(tmp, "cp2-zero1-resumed", *zero1, "--checkpoint.resume",
+                           str(tmp / "cp2-zero1" / "checkpoints" / "step_00000003")))
     per_rank = run_distributed(train_layouts, world_size, texts)
     for i, (label, _, _) in enumerate(layouts):
         for rank, results in enumerate(per_rank):
             assert_parity(refs[i], results[i], f"{label} rank {rank}")
         print(f"{label}: losses {[round(x, 5) for x in per_rank[0][i]['losses']]}")
     if world_size == 2:
+        for rank, results in enumerate(per_rank):
+            assert_parity(references(()), results[-2],
+                          f"cp2 zero1 rank {rank}")
+            assert_parity({**references(()), "losses": references(())["losses"][3:]},
+                          results[-1], f"cp2 zero1 resumed at step 3, rank {rank}")
         ref16 = references(("--train.precision", "bf16"))["losses"]
-        got = per_rank[0][-1]["losses"]
+        got = per_rank[0][-3]["losses"]
         worst = max(abs(g - r) / r for g, r in zip(got, ref16))
         print(f"cp2 ring bf16: worst relative loss deviation {worst:.2e}")
         # the bound of the precision suite for layouts without tp (tests/test_precision.py)
