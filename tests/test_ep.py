@@ -4,6 +4,9 @@ weights), the ledger's ep all-to-all bytes, and the layouts config validation re
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -58,8 +61,13 @@ def _exchange(rank: int, world: int, ep: int) -> list[str]:
 
 
 def _ep_records(trainer) -> dict:
+    """The ep all-to-alls in the ledger, and the logged per-step grad norms (rank 0 writes
+    metrics.jsonl): Adam barely sees a mis-scaled gradient, the norm does."""
     rows = [r for r in trainer.mesh.ledger.records if r.tag == "ep"]
-    return {"ep_ops": sorted({(r.op, r.group) for r in rows}),
+    path = Path(trainer.cfg.train.run_dir) / "metrics.jsonl"
+    norms = [json.loads(line)["grad_norm"] for line in path.read_text().splitlines()] \
+        if path.exists() else None
+    return {"grad_norms": norms, "ep_ops": sorted({(r.op, r.group) for r in rows}),
             "ep_sent_bytes": sum(r.sent_bytes for r in rows), "ep_calls": len(rows)}
 
 
@@ -82,17 +90,23 @@ def _text(tmp, name: str, *overrides: str) -> str:
     (4, [("ep2 x dp2", ("--parallel.ep", "2")), ("ep4", ("--parallel.ep", "4"))]),
 ])
 def test_ep_exchange_and_parity(tmp_path, world, rows):
-    reference = train_layout(0, 1, _text(tmp_path, "ref"))
+    reference = train_layout(0, 1, _text(tmp_path, "ref"), _ep_records)
     texts = [_text(tmp_path, f"{n.replace(' ', '')}-{world}", *o) for n, o in rows]
     per_rank = run_distributed(_world, world, texts)
     for rank, result in enumerate(per_rank):
         assert result["exchange"] == [], f"rank {rank}: {result['exchange']}"
         for (label, _), run in zip(rows, result["runs"]):
             assert_parity(reference, run, f"{label} rank {rank}")
+            if run["grad_norms"] is not None:  # rank 0
+                torch.testing.assert_close(torch.tensor(run["grad_norms"]),
+                                           torch.tensor(reference["grad_norms"]), rtol=1e-5,
+                                           atol=0, msg=lambda m: f"{label}: grad norms\n{m}")
             assert run["ep_ops"] == [("all_to_all", "ep")]
             assert run["ep_sent_bytes"] > 0
-            # 3 steps x 4 micro-batches / dp, 2 MoE layers: counts + slots + back forward,
-            # two swapped all-to-alls backward; the eval forwards add 3 per layer each.
+            # 2 MoE layers x (5 per training micro-batch: counts, slots and back forward,
+            # the two swapped backward; 3 per eval forward): 3 steps of 8 / (2 world)
+            # micro-batches of 2, one eval batch per rank.
+            assert run["ep_calls"] == 2 * (5 * 3 * (8 // (2 * world)) + 3)
             print(f"{label} rank {rank}: ep all_to_all {run['ep_calls']} calls, "
                   f"{run['ep_sent_bytes']} bytes sent over 3 steps and the evals")
 
