@@ -123,7 +123,11 @@ def check_expert_parallel(cfg: Config) -> None:
     if p.ep == 1:
         return
     supported = "expert parallelism runs with data parallelism only (dp divisible by ep)"
-    if not m.n_experts or m.n_experts % p.ep:
+    if not m.n_experts:
+        raise ConfigError(f"parallel.ep={p.ep} splits a mixture of experts, but "
+                          "model.n_experts=0 (a dense model): set model.n_experts (a multiple "
+                          "of ep) or parallel.ep=1")
+    if m.n_experts % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} needs model.n_experts divisible by it (got "
                           f"n_experts={m.n_experts}): each ep rank holds n_experts / ep "
                           "experts; change parallel.ep or model.n_experts")
