@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 
+from shardtrain.comm import Communicator
 from shardtrain.config import Config
 from shardtrain.mesh import ParallelMesh
 from shardtrain.model.transformer import Transformer
@@ -116,7 +117,7 @@ def _update(module: torch.nn.Module, shards: StageShards, mesh: ParallelMesh, cf
     return ReplicatedUpdate(reducer, make_optimizer(module), shards)
 
 
-def _reducer(module: torch.nn.Module, mesh: ParallelMesh, dp, cfg: Config,
+def _reducer(module: torch.nn.Module, mesh: ParallelMesh, dp: Communicator, cfg: Config,
              policy: PrecisionPolicy) -> DataParallel | ExpertDataParallel:
     """Bucketed gradient averaging over dp; under expert parallelism the experts' own
     reducer over edp (expert/reduce.py)."""

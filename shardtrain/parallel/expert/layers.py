@@ -13,6 +13,7 @@ legend: N slots, K kept slots, R received rows, C dim, L local experts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -61,7 +62,8 @@ def exchange_counts(counts: torch.Tensor, comm: Communicator
     return recv, sent, got
 
 
-def run_experts(xs: torch.Tensor, d: Dispatch, comm: Communicator, experts) -> torch.Tensor:
+def run_experts(xs: torch.Tensor, d: Dispatch, comm: Communicator,
+                experts: Callable[[torch.Tensor, Dispatch], torch.Tensor]) -> torch.Tensor:
     """xs [N, C] dispatch's sorted slots -> [N, C] their experts' outputs (zero rows after
     the kept ones). `experts(x [R, C], local Dispatch) -> [R, C]` runs the L local experts."""
     recv_counts, sent, got = exchange_counts(d.counts, comm)
