@@ -31,9 +31,9 @@ from shardtrain.model.transformer import Transformer
 from shardtrain.parallel.activation import checkpoint_attention_cores, checkpoint_blocks
 from shardtrain.parallel.context.apply import apply_context_parallel
 from shardtrain.parallel.data.ddp import DataParallel, ReplicatedUpdate
+from shardtrain.parallel.data.topk import SparseUpdates
 from shardtrain.parallel.expert.layers import apply_expert_parallel
 from shardtrain.parallel.expert.reduce import ExpertDataParallel, expert_parameters
-from shardtrain.parallel.data.topk import SparseUpdates
 from shardtrain.parallel.pipeline.runtime import Pipeline
 from shardtrain.parallel.pipeline.stage import split_stages
 from shardtrain.parallel.pipeline.state import StageShards
@@ -122,8 +122,8 @@ def _reducer(module: torch.nn.Module, mesh: ParallelMesh, dp: Communicator, cfg:
     """Bucketed gradient averaging over dp; under expert parallelism the experts' own
     reducer over edp (expert/reduce.py)."""
     c = cfg.comm
-    kw = dict(bucket_mb=c.bucket_mb, compress=c.compress, quant_block=c.quant_block,
-              reduce_dtype=policy.reduce_dtype)
+    kw = {"bucket_mb": c.bucket_mb, "compress": c.compress, "quant_block": c.quant_block,
+          "reduce_dtype": policy.reduce_dtype}
     if mesh.shape.ep == 1:
         return DataParallel(module, dp, **kw)
     experts = expert_parameters(module)
