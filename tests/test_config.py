@@ -55,7 +55,7 @@ def test_round_trip_through_toml():
     (["--parallel.dp", "3"], 2, "dp=3 x tp=1 x pp=1 x cp=1 = 3 does not equal the world size 2"),
     (["--model.n_kv_heads", "3"], 1, "model.n_heads=4 is not divisible by model.n_kv_heads=3"),
     (["--train.global_batch", "7"], 2, "train.global_batch=7 is not divisible by train.micro_batch=2 x dp=2"),
-    (["--parallel.ep", "2"], 2, "parallel.ep=2: expert parallelism is not built yet"),
+    (["--parallel.ep", "2"], 2, "parallel.ep=2 splits a mixture of experts, but model.n_experts=0"),
     (["--parallel.tp", "3"], 3, "model.n_heads=4 is not divisible by parallel.tp=3"),
     (["--parallel.tp", "4", "--model.n_heads", "12", "--model.n_kv_heads", "6",
       "--model.dim", "96"], 4, "model.n_kv_heads=6 does not fit parallel.tp=4"),

@@ -1,5 +1,5 @@
-"""The checks that need the model and the layout together (tensor, pipeline and context
-parallelism), run by `Config.validate` before any process starts."""
+"""The checks that need the model and the layout together (tensor, pipeline, context and
+expert parallelism), run by `Config.validate` before any process starts."""
 
 from __future__ import annotations
 
@@ -113,3 +113,33 @@ def check_context_parallel(cfg: Config) -> None:
             f"{heads} query heads per tensor-parallel rank, not divisible by parallel.cp="
             f"{p.cp}: Ulysses gives every cp rank whole heads; use cp_mode=ring, or a cp that "
             "divides the heads")
+
+
+def check_expert_parallel(cfg: Config) -> None:
+    """Expert parallelism runs with plain data parallelism only (parallel/expert/): dp
+    divisible by ep, every other split 1, the bucketed all-reduce update (no ZeRO, no
+    parameter server, no top-k updates), the whole model training (no LoRA)."""
+    m, p = cfg.model, cfg.parallel
+    if p.ep == 1:
+        return
+    supported = "expert parallelism runs with data parallelism only (dp divisible by ep)"
+    if not m.n_experts:
+        raise ConfigError(f"parallel.ep={p.ep} splits a mixture of experts, but "
+                          "model.n_experts=0 (a dense model): set model.n_experts (a multiple "
+                          "of ep) or parallel.ep=1")
+    if m.n_experts % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} needs model.n_experts divisible by it (got "
+                          f"n_experts={m.n_experts}): each ep rank holds n_experts / ep "
+                          "experts; change parallel.ep or model.n_experts")
+    for field, value in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp), ("zero", p.zero),
+                         ("ps_servers", p.ps_servers)):
+        if value != (0 if field in ("zero", "ps_servers") else 1):
+            raise ConfigError(f"parallel.{field}={value} with parallel.ep={p.ep}: {supported}; "
+                              f"set parallel.{field}={0 if field in ('zero', 'ps_servers') else 1}"
+                              " or parallel.ep=1")
+    if cfg.comm.compress == "topk":
+        raise ConfigError(f"comm.compress=topk with parallel.ep={p.ep}: {supported} and the "
+                          "bucketed all-reduce; set comm.compress=none or int8, or parallel.ep=1")
+    if cfg.lora.enabled:
+        raise ConfigError(f"lora.rank={cfg.lora.rank} with parallel.ep={p.ep}: {supported}, "
+                          "training the whole model; set lora.rank=0 or parallel.ep=1")

@@ -91,10 +91,6 @@ class ParallelConfig:
         positive("parallel", self, "virtual_stages")
         if (dp * self.cp) % self.ep:
             raise ConfigError(f"parallel.ep={self.ep} must divide dp x cp = {dp * self.cp}")
-        if self.ep > 1:
-            raise ConfigError(
-                f"parallel.ep={self.ep}: expert parallelism is not built yet; the trainer runs "
-                "data, tensor, pipeline and context parallelism: set parallel.ep=1")
 
     def _validate_offload_and_zeropp(self) -> None:
         """Offload and ZeRO++ act on ZeRO's flat shards; hpZ on stage 3's backward gathers.

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from shardtrain.config.errors import ConfigError, positive
-from shardtrain.config.layout import (check_context_parallel, check_pipeline,
-                                      check_tensor_parallel)
+from shardtrain.config.layout import (check_context_parallel, check_expert_parallel,
+                                      check_pipeline, check_tensor_parallel)
 from shardtrain.config.lora import LoRAConfig, check_finetune_layout
 from shardtrain.config.parallel import CommConfig, ParallelConfig
 from shardtrain.config.ps import check_parameter_server, check_slow_ranks
@@ -246,6 +246,7 @@ class Config:
         check_finetune_layout(self)
         check_tensor_parallel(self)
         check_context_parallel(self)
+        check_expert_parallel(self)
         check_pipeline(self)
         check_slow_ranks(self.train.slow_ranks, world_size)
         if self.parallel.zero and self.comm.compress != "none":

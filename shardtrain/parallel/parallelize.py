@@ -2,8 +2,9 @@
 
 Order: tensor/sequence parallel (tensor/) -> context parallel (context/) -> expert
 parallel -> activation checkpointing -> pipeline split (pipeline/) -> ZeRO (zero/) or data
-parallel (data/), or a parameter server (ps/). Expert parallelism is not built yet; config
-validation refuses it. Context parallelism comes after tensor parallelism because it
+parallel (data/), or a parameter server (ps/). Expert parallelism (expert/) runs with plain
+data parallelism only (config validation refuses the rest): its placements are over the ep
+group, which then stands in StageShards for the (size 1) tp group. Context parallelism comes after tensor parallelism because it
 replaces the attention core of the (possibly head-split) attention, and before
 checkpointing because selective recomputation wraps whichever core is in place.
 Under context parallelism the update half works over dp x cp (`mesh.replica_dim`).
@@ -23,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 
+from shardtrain.comm import Communicator
 from shardtrain.config import Config
 from shardtrain.mesh import ParallelMesh
 from shardtrain.model.transformer import Transformer
@@ -30,6 +32,8 @@ from shardtrain.parallel.activation import checkpoint_attention_cores, checkpoin
 from shardtrain.parallel.context.apply import apply_context_parallel
 from shardtrain.parallel.data.ddp import DataParallel, ReplicatedUpdate
 from shardtrain.parallel.data.topk import SparseUpdates
+from shardtrain.parallel.expert.layers import apply_expert_parallel
+from shardtrain.parallel.expert.reduce import ExpertDataParallel, expert_parameters
 from shardtrain.parallel.pipeline.runtime import Pipeline
 from shardtrain.parallel.pipeline.stage import split_stages
 from shardtrain.parallel.pipeline.state import StageShards
@@ -60,6 +64,10 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
     if tp.size > 1:
         placements, loss = apply_tensor_parallel(model, tp, sp=cfg.parallel.sp)
     split = apply_context_parallel(model, mesh.comm("cp"), cfg)
+    shard_comm = tp
+    if mesh.shape.ep > 1:  # tp = 1 here (config validation): the slices are over ep
+        shard_comm = mesh.comm("ep")
+        placements = apply_expert_parallel(model, shard_comm)
     if cfg.train.activation_checkpointing == "full":
         checkpoint_blocks(model.layers)
     elif cfg.train.activation_checkpointing == "selective":  # after cp: it sees the cp core
@@ -75,7 +83,7 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
     module.tie_weights()  # to_empty gives the tied modules a tensor each
     if split is not None:  # RoPE and learned positions: the global positions held here
         module.positions = split.positions(mesh.comm("cp").rank, device)
-    shards = StageShards(module, tp, placements, pp=pp, reference_keys=reference_keys,
+    shards = StageShards(module, shard_comm, placements, pp=pp, reference_keys=reference_keys,
                          reference_groups=reference_groups, tied=cfg.model.tie_embeddings)
     shards.init_weights(cfg.train.seed)
     if load_weights is not None:
@@ -105,6 +113,22 @@ def _update(module: torch.nn.Module, shards: StageShards, mesh: ParallelMesh, cf
         return SparseUpdates(dp, make_optimizer(module), shards, ratio=c.topk_ratio,
                              error_feedback=c.error_feedback, warmup_steps=c.topk_warmup_steps,
                              file=rank_file(mesh.coords))
-    reducer = DataParallel(module, dp, bucket_mb=c.bucket_mb, compress=c.compress,
-                           quant_block=c.quant_block, reduce_dtype=policy.reduce_dtype)
+    reducer = _reducer(module, mesh, dp, cfg, policy)
     return ReplicatedUpdate(reducer, make_optimizer(module), shards)
+
+
+def _reducer(module: torch.nn.Module, mesh: ParallelMesh, dp: Communicator, cfg: Config,
+             policy: PrecisionPolicy) -> DataParallel | ExpertDataParallel:
+    """Bucketed gradient averaging over dp; under expert parallelism the experts' own
+    reducer over edp (expert/reduce.py)."""
+    c = cfg.comm
+    kw = {"bucket_mb": c.bucket_mb, "compress": c.compress, "quant_block": c.quant_block,
+          "reduce_dtype": policy.reduce_dtype}
+    if mesh.shape.ep == 1:
+        return DataParallel(module, dp, **kw)
+    experts = expert_parameters(module)
+    trained = [p for p in module.parameters() if p.requires_grad]
+    dense = DataParallel(module, dp, params=[p for p in trained if p not in experts], **kw)
+    return ExpertDataParallel(
+        dense, DataParallel(module, mesh.comm("edp"), params=[p for p in trained if p in experts],
+                            **kw), mesh.shape.ep)

@@ -8,8 +8,9 @@ when there is data parallelism (one stage otherwise: they coincide), with pp too
 recompute none / selective / full; sp with tp; GPipe, 1F1B and interleaved (v dividing
 the layers per stage, m a multiple of p). Only layouts the trainer runs are proposed:
 each exclusion names the config rule it follows (tests/test_plan_cp.py builds a Config
-from every top layout and validates it). ep > 1 is not proposed (the trainer refuses it). Offload (cpu, nvme) is tried only when nothing
-fits without it. Ranked by predicted step time, then memory.
+from every top layout and validates it). ep > 1 is not proposed (the trainer runs it only
+with plain dp, config.check_expert_parallel). Offload (cpu, nvme) is tried only when
+nothing fits without it. Ranked by predicted step time, then memory.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def _tp_runs(cfg: ModelConfig, tp: int) -> bool:
 
 def _inner(cfg: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, cp_mode: str,
            global_batch: int, seq_len: int, precision: str, offload: str) -> Iterator[Layout]:
-    # ep stays 1: config.ParallelConfig refuses parallel.ep > 1 (not built yet)
+    # ep stays 1: the trainer runs ep only with plain dp (config.check_expert_parallel)
     # sp splits each rank's (S / cp) tokens over tp (config.check_tensor_parallel)
     sps = (False, True) if tp > 1 and (seq_len // cp) % tp == 0 else (False,)
     zeros = {"none": (0, 1, 2, 3), "cpu": (1, 2, 3), "nvme": (3,)}[offload]

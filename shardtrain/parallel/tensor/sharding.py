@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from shardtrain.comm import Communicator
-from shardtrain.model.transformer import Transformer, init_tensor
+from shardtrain.config import ModelConfig
+from shardtrain.model.transformer import Transformer, init_expert, init_tensor
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +51,20 @@ class Placement:
 
 REPLICATED = Placement()
 
+_STACKED = ("experts.w1", "experts.w2", "experts.w3")  # [E, out, in] (model/moe.py)
+
+
+def init_block(name: str, place: Placement, shape: torch.Size, seed: int,
+               cfg: ModelConfig) -> torch.Tensor:
+    """This rank's block of the full initial tensor `name`. A stacked expert weight split
+    along its expert dim (expert parallelism) draws only its own experts, each from
+    (seed, name, e) (`init_expert`): the same values as the full tensor's slices."""
+    if name.endswith(_STACKED) and place.dim == 0:
+        first = place.index * place.block()
+        return torch.stack([init_expert(name, tuple(shape[1:]), seed, cfg, e)
+                            for e in range(first, first + shape[0])])
+    return place.shard(init_tensor(name, place.full_shape(shape), seed, cfg))
+
 
 class TensorShards:
     """The placements of one model's parameters over the tensor-parallel group `comm`."""
@@ -75,8 +90,7 @@ class TensorShards:
         for name, p in self.named.items():
             place = self.placement(name)
             if place.parts > 1:
-                full = init_tensor(name, place.full_shape(p.shape), seed, self.model.cfg)
-                p.copy_(place.shard(full))
+                p.copy_(init_block(name, place, p.shape, seed, self.model.cfg))
 
     # ------------------------------------------------------------------ gradients
 
