@@ -4,9 +4,10 @@ Order: tensor/sequence parallel (tensor/) -> context parallel (context/) -> expe
 parallel -> activation checkpointing -> pipeline split (pipeline/) -> ZeRO (zero/) or data
 parallel (data/), or a parameter server (ps/). Expert parallelism (expert/) runs with plain
 data parallelism only (config validation refuses the rest): its placements are over the ep
-group, which then stands in StageShards for the (size 1) tp group. Context parallelism comes after tensor parallelism because it
-replaces the attention core of the (possibly head-split) attention, and before
-checkpointing because selective recomputation wraps whichever core is in place.
+group, which then stands in StageShards for the (size 1) tp group. Context parallelism
+comes after tensor parallelism because it replaces the attention core of the (possibly
+head-split) attention, and before checkpointing because selective recomputation wraps
+whichever core is in place.
 Under context parallelism the update half works over dp x cp (`mesh.replica_dim`).
 Every layout runs its micro-batches through the pipeline executor: without pipeline
 parallelism that is one stage holding the whole model, and the schedule is plain gradient

@@ -48,8 +48,8 @@ class DataParallel:
                  reduce_dtype: torch.dtype = torch.float32,
                  params: list[nn.Parameter] | None = None):
         """`params`: the parameters to reduce (default: all of the module's that train;
-        expert parallelism gives its experts a reducer of their own). `compress`: gradient compression (comm/compress.py), none or int8, one compressor
-        per bucket. (comm.compress=topk sparsifies optimizer updates instead of gradients:
+        expert parallelism gives its experts a reducer of their own). `compress`: gradient
+        compression (comm/compress.py), none or int8, one compressor per bucket. (comm.compress=topk sparsifies optimizer updates instead of gradients:
         topk.py.) `reduce_dtype`: the dtype gradients travel in (the policy's)."""
         self.module, self.comm, self.reduce_dtype = module, comm, reduce_dtype
         if params is None:
