@@ -49,8 +49,9 @@ class DataParallel:
                  params: list[nn.Parameter] | None = None):
         """`params`: the parameters to reduce (default: all of the module's that train;
         expert parallelism gives its experts a reducer of their own). `compress`: gradient
-        compression (comm/compress.py), none or int8, one compressor per bucket. (comm.compress=topk sparsifies optimizer updates instead of gradients:
-        topk.py.) `reduce_dtype`: the dtype gradients travel in (the policy's)."""
+        compression (comm/compress.py), none or int8, one compressor per bucket
+        (comm.compress=topk sparsifies optimizer updates instead of gradients: topk.py).
+        `reduce_dtype`: the dtype gradients travel in (the policy's)."""
         self.module, self.comm, self.reduce_dtype = module, comm, reduce_dtype
         if params is None:
             params = [p for p in module.parameters() if p.requires_grad]  # tied weights once
