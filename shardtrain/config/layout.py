@@ -70,10 +70,6 @@ def check_tensor_parallel(cfg: Config) -> None:
     if m.ffn_hidden % t:
         raise ConfigError(f"the MLP hidden size {m.ffn_hidden} (model.ffn_dim) is not "
                           f"divisible by parallel.tp={t}; choose a tp that divides it")
-    if m.n_experts:
-        raise ConfigError(f"parallel.tp={t} with model.n_experts={m.n_experts}: tensor "
-                          "parallelism of mixture-of-experts layers is not supported; set "
-                          "parallel.tp=1 or model.n_experts=0")
     if p.sp and cfg.train.seq_len % t:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} is not divisible by "
                           f"parallel.tp={t}; sequence parallelism splits the sequence "
@@ -116,13 +112,13 @@ def check_context_parallel(cfg: Config) -> None:
 
 
 def check_expert_parallel(cfg: Config) -> None:
-    """Expert parallelism runs with plain data parallelism only (parallel/expert/): dp
-    divisible by ep, every other split 1, the bucketed all-reduce update (no ZeRO, no
-    parameter server, no top-k updates), the whole model training (no LoRA)."""
+    """Expert parallelism (parallel/expert/) splits the experts over ep ranks carved out of
+    dp x cp, and composes with tensor, pipeline and context parallelism and ZeRO (over the
+    expert-data-parallel group for the experts). Not with a parameter server, top-k
+    update compression or LoRA (their update halves know one replica group)."""
     m, p = cfg.model, cfg.parallel
     if p.ep == 1:
         return
-    supported = "expert parallelism runs with data parallelism only (dp divisible by ep)"
     if not m.n_experts:
         raise ConfigError(f"parallel.ep={p.ep} splits a mixture of experts, but "
                           "model.n_experts=0 (a dense model): set model.n_experts (a multiple "
@@ -131,15 +127,11 @@ def check_expert_parallel(cfg: Config) -> None:
         raise ConfigError(f"parallel.ep={p.ep} needs model.n_experts divisible by it (got "
                           f"n_experts={m.n_experts}): each ep rank holds n_experts / ep "
                           "experts; change parallel.ep or model.n_experts")
-    for field, value in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp), ("zero", p.zero),
-                         ("ps_servers", p.ps_servers)):
-        if value != (0 if field in ("zero", "ps_servers") else 1):
-            raise ConfigError(f"parallel.{field}={value} with parallel.ep={p.ep}: {supported}; "
-                              f"set parallel.{field}={0 if field in ('zero', 'ps_servers') else 1}"
-                              " or parallel.ep=1")
-    if cfg.comm.compress == "topk":
-        raise ConfigError(f"comm.compress=topk with parallel.ep={p.ep}: {supported} and the "
-                          "bucketed all-reduce; set comm.compress=none or int8, or parallel.ep=1")
-    if cfg.lora.enabled:
-        raise ConfigError(f"lora.rank={cfg.lora.rank} with parallel.ep={p.ep}: {supported}, "
-                          "training the whole model; set lora.rank=0 or parallel.ep=1")
+    why = "their update keeps one replica group, and experts are replicated over dp x cp / ep"
+    for field, value, fix in (("parallel.ps_servers", p.ps_servers, "0"),
+                              ("comm.compress", cfg.comm.compress if cfg.comm.compress == "topk"
+                               else 0, "none or int8"),
+                              ("lora.rank", cfg.lora.rank if cfg.lora.enabled else 0, "0")):
+        if value:
+            raise ConfigError(f"{field}={value} with parallel.ep={p.ep}: {why}; set {field}="
+                              f"{fix} or parallel.ep=1")

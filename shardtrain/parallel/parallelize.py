@@ -65,10 +65,10 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
     if tp.size > 1:
         placements, loss = apply_tensor_parallel(model, tp, sp=cfg.parallel.sp)
     split = apply_context_parallel(model, mesh.comm("cp"), cfg)
-    shard_comm = tp
-    if mesh.shape.ep > 1:  # tp = 1 here (config validation): the slices are over ep
-        shard_comm = mesh.comm("ep")
-        placements = apply_expert_parallel(model, shard_comm)
+    ep, ep_placements = None, None
+    if mesh.shape.ep > 1:
+        ep = mesh.comm("ep")
+        ep_placements = apply_expert_parallel(model, ep)
     if cfg.train.activation_checkpointing == "full":
         checkpoint_blocks(model.layers)
     elif cfg.train.activation_checkpointing == "selective":  # after cp: it sees the cp core
@@ -84,8 +84,9 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
     module.tie_weights()  # to_empty gives the tied modules a tensor each
     if split is not None:  # RoPE and learned positions: the global positions held here
         module.positions = split.positions(mesh.comm("cp").rank, device)
-    shards = StageShards(module, shard_comm, placements, pp=pp, reference_keys=reference_keys,
-                         reference_groups=reference_groups, tied=cfg.model.tie_embeddings)
+    shards = StageShards(module, tp, placements, pp=pp, reference_keys=reference_keys,
+                         reference_groups=reference_groups, tied=cfg.model.tie_embeddings,
+                         ep=ep, ep_placements=ep_placements)
     shards.init_weights(cfg.train.seed)
     if load_weights is not None:
         load_weights(shards)

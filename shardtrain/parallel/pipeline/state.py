@@ -26,11 +26,13 @@ TIED = "tok_emb.weight"
 class StageShards(TensorShards):
     def __init__(self, module: nn.Module, tp: Communicator, placements: dict[str, Placement],
                  *, pp: Communicator, reference_keys: list[str],
-                 reference_groups: list[list[str]], tied: bool):
+                 reference_groups: list[list[str]], tied: bool,
+                 ep: Communicator | None = None, ep_placements: dict[str, Placement] | None = None):
         """`reference_keys`: the full model's state-dict keys in order; `reference_groups`:
         the parameter names of each of the single-process optimizer's groups, in order;
-        `tied`: the model ties its embedding and head."""
-        super().__init__(module, tp, placements)
+        `tied`: the model ties its embedding and head; `ep`, `ep_placements`: the experts'
+        split (tensor/sharding.py)."""
+        super().__init__(module, tp, placements, ep=ep, ep_placements=ep_placements)
         self.pp = pp
         self.reference_keys, self.reference_groups = reference_keys, reference_groups
         ends = pp.size > 1 and pp.rank in (0, pp.size - 1)
@@ -61,7 +63,7 @@ class StageShards(TensorShards):
         return super().grad_norm_squared(skip | self.counted_elsewhere)
 
     def sum_norm_squared(self, total: torch.Tensor) -> torch.Tensor:
-        """Over tp, then over the pipeline stages."""
+        """Over tp (and ep), then over the pipeline stages."""
         self.pp.all_reduce(super().sum_norm_squared(total), "sum", tag="grad_norm")
         return total
 

@@ -7,10 +7,16 @@ this rank holds block `index` of `parts` equal blocks. parts == tp: a proper sha
 parts == 1: the whole tensor (replicated); 1 < parts < tp: a block shared by tp / parts
 ranks (kv heads when there are fewer of them than ranks). Parameters without an entry are
 replicated whole.
+
+Expert parallelism adds a second, independent split: the stacked expert weights are cut
+along their expert dim over the `ep` group (`ep_placements`), and are whole on every tp
+rank (replicated; `partial` over tp under sequence parallelism, whose ranks route different
+tokens). A full tensor is sliced over ep first, then over tp; gathered over tp, then ep.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,10 +73,14 @@ def init_block(name: str, place: Placement, shape: torch.Size, seed: int,
 
 
 class TensorShards:
-    """The placements of one model's parameters over the tensor-parallel group `comm`."""
+    """The placements of one model's parameters over the tensor-parallel group `comm`, and
+    of its experts over the expert-parallel group `ep` (None: no expert parallelism)."""
 
-    def __init__(self, model: Transformer, comm: Communicator, placements: dict[str, Placement]):
+    def __init__(self, model: Transformer, comm: Communicator, placements: dict[str, Placement],
+                 *, ep: Communicator | None = None,
+                 ep_placements: dict[str, Placement] | None = None):
         self.model, self.comm, self.placements = model, comm, placements
+        self.ep, self.ep_placements = ep, ep_placements or {}
         self.named = dict(model.named_parameters())
         # A tied parameter's other names -> its first name.
         first = {id(p): n for n, p in self.named.items()}
@@ -82,13 +92,30 @@ class TensorShards:
     def placement(self, name: str) -> Placement:
         return self.placements.get(name, REPLICATED)
 
+    def ep_placement(self, name: str) -> Placement:
+        return self.ep_placements.get(name, REPLICATED)
+
+    def norm_share(self, name: str) -> float:
+        """The weight of this rank's copy of `name` in the norm summed over tp and ep: a
+        block held by r of the group's n ranks counts r / n on each."""
+        share = self.placement(name).parts / self.comm.size
+        if self.ep is not None:
+            share *= self.ep_placement(name).parts / self.ep.size
+        return share
+
+    def _levels(self) -> list[tuple[Communicator, Callable[[str], Placement]]]:
+        """The splits, innermost first: tp, then ep."""
+        levels = [(self.comm, self.placement)]
+        return levels + [(self.ep, self.ep_placement)] if self.ep is not None else levels
+
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Each shard is its slice of the full tensor a single process draws
         (`init_tensor` by name), so every layout starts from the same weights."""
         self.model.init_weights(seed)  # ties, RoPE tables and the replicated parameters
         for name, p in self.named.items():
-            place = self.placement(name)
+            place = self.ep_placement(name) if name in self.ep_placements else \
+                self.placement(name)  # experts are whole over tp
             if place.parts > 1:
                 p.copy_(init_block(name, place, p.shape, seed, self.model.cfg))
 
@@ -136,14 +163,14 @@ class TensorShards:
         `skip` left out. A block held by r ranks counts 1/r on each; the tp ranks' sums are
         added."""
         named = [(n, p) for n, p in self.named.items() if p.grad is not None and n not in skip]
-        share = torch.tensor([self.placement(n).parts / self.comm.size for n, _ in named],
-                             device=self.comm.device)
+        share = torch.tensor([self.norm_share(n) for n, _ in named], device=self.comm.device)
         norms = torch.stack(torch._foreach_norm([p.grad for _, p in named])).float()  # [P]
         return self.sum_norm_squared((norms.square() * share.to(norms.device)).sum())
 
     def sum_norm_squared(self, total: torch.Tensor) -> torch.Tensor:
         """A squared norm summed over the ranks holding the other shards (in place)."""
-        self.comm.all_reduce(total, "sum", tag="grad_norm")
+        for comm, _ in self._levels():
+            comm.all_reduce(total, "sum", tag="grad_norm")
         return total
 
     # ------------------------------------------------------------------ state
@@ -156,11 +183,15 @@ class TensorShards:
         state = self.model.state_dict()
         if local is not None:  # tensors `local` lacks (frozen: LoRA's base) are the module's
             state = {k: local.get(k, local.get(self.tied_to.get(k), v)) for k, v in state.items()}
-        return self._gather({k: (v, self.placement(k)) for k, v in state.items()})
+        for comm, place in self._levels():
+            state = self._gather({k: (v, place(k)) for k, v in state.items()}, comm)
+        return state
 
     def local_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's slices of a full state dict."""
-        return {k: self.placement(k).shard(v) for k, v in state.items()}
+        for _, place in reversed(self._levels()):
+            state = {k: place(k).shard(v) for k, v in state.items()}
+        return state
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(self.local_state_dict(state))
@@ -168,37 +199,41 @@ class TensorShards:
     def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """The optimizer's state dict with every per-element tensor made full."""
         state = optimizer.state_dict()
-        places = self._optimizer_placements(optimizer)
-        flat = {(i, k): (v, places[i] if v.ndim else REPLICATED)
-                for i, s in state["state"].items() for k, v in s.items()}
-        full = self._gather(flat)
-        per_param = {i: {k: full[i, k] for k in s} for i, s in state["state"].items()}
+        flat = {(i, k): v for i, s in state["state"].items() for k, v in s.items()}
+        for comm, place in self._levels():
+            places = self._optimizer_placements(optimizer, place)
+            flat = self._gather({(i, k): (v, places[i] if v.ndim else REPLICATED)
+                                 for (i, k), v in flat.items()}, comm)
+        per_param = {i: {k: flat[i, k] for k in s} for i, s in state["state"].items()}
         return {**state, "state": per_param}
 
     def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        places = self._optimizer_placements(optimizer)
-        local = {i: {k: places[i].shard(v) if v.ndim else v for k, v in s.items()}
-                 for i, s in state["state"].items()}
+        local = state["state"]
+        for _, place in reversed(self._levels()):
+            places = self._optimizer_placements(optimizer, place)
+            local = {i: {k: places[i].shard(v) if v.ndim else v for k, v in s.items()}
+                     for i, s in local.items()}
         optimizer.load_state_dict({**state, "state": local})
 
-    def _optimizer_placements(self, optimizer: torch.optim.Optimizer) -> list[Placement]:
+    def _optimizer_placements(self, optimizer: torch.optim.Optimizer,
+                              place: Callable[[str], Placement]) -> list[Placement]:
         name_of = {p: n for n, p in self.named.items()}
-        return [self.placement(name_of[p]) for g in optimizer.param_groups for p in g["params"]]
+        return [place(name_of[p]) for g in optimizer.param_groups for p in g["params"]]
 
-    def _gather(self, items: dict) -> dict:
+    def _gather(self, items: dict, comm: Communicator) -> dict:
         """{key: (local tensor, placement)} -> {key: full tensor}: the sharded ones in one
-        all-gather over tp per dtype; a block comes from the first rank holding it."""
+        all-gather over `comm` per dtype; a block comes from the first rank holding it."""
         out = {k: v.detach().clone() for k, (v, place) in items.items() if place.parts == 1}
         sharded = [k for k, (_, place) in items.items() if place.parts > 1]
         for dtype in dict.fromkeys(items[k][0].dtype for k in sharded):  # same order everywhere
             keys = [k for k in sharded if items[k][0].dtype == dtype]
             local = torch.cat([items[k][0].detach().flatten() for k in keys])
-            gathered = local.new_empty(self.comm.size, local.numel())  # [t, n]
-            self.comm.all_gather(gathered, local, tag="state")
+            gathered = local.new_empty(comm.size, local.numel())  # [t, n]
+            comm.all_gather(gathered, local, tag="state")
             offset = 0
             for k in keys:
                 v, place = items[k]
-                ranks = range(0, self.comm.size, self.comm.size // place.parts)
+                ranks = range(0, comm.size, comm.size // place.parts)
                 out[k] = place.unshard([gathered[r, offset:offset + v.numel()].view(v.shape)
                                         for r in ranks])
                 offset += v.numel()

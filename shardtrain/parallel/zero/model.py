@@ -134,21 +134,21 @@ class ZeroModel:
     def clip_grad_norm(self, max_norm: float, unscale: float = 1.0) -> torch.Tensor:
         """The L2 norm of the full model's gradient, from the fp32 shards (first multiplied by
         `unscale`); scales them to at most `max_norm`. Squares are summed over this rank's
-        shards, a tensor-parallel block weighted parts / t as in tensor/sharding.py (a block
-        held by several tp ranks counts once), then over dp, tp and pipeline stages (the last
+        shards, each weighted by `norm_share` (tensor/sharding.py: a block held by several tp
+        ranks counts once), then over dp, tp and pipeline stages (the last
         stage's copy of a tied embedding is counted on the first)."""
         if unscale != 1.0:
             torch._foreach_mul_([u.grad_shard for u in self.units], unscale)
-        t = self.shards.comm.size
+        whole = self.shards.comm.size == 1 and self.shards.ep is None
         skip = self.shards.counted_elsewhere
         total = torch.zeros((), device=self.units[0].grad_shard.device)
         for u in self.units:
             g = u.grad_shard
-            if t == 1 and not skip:
+            if whole and not skip:
                 total += g.square().sum()
                 continue
             for i, a, b in u.shard_runs(lambda i, u=u: u.names[i] not in skip):
-                share = self.shards.placement(u.names[i]).parts / t
+                share = self.shards.norm_share(u.names[i])
                 total += g[a:b].square().sum() * share
         self.comm.all_reduce(total, "sum", tag="grad_norm")
         total = self.shards.sum_norm_squared(total).sqrt()
