@@ -21,6 +21,7 @@ F expert hidden width.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -74,11 +75,12 @@ def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
 
 
 def balance_loss(r: Routing, routed: torch.Tensor) -> torch.Tensor:
-    """Switch's E * sum_i f_i P_i: f_i the fraction of the N slots routed to expert i
-    (before capacity drops; no gradient), P_i the mean router probability of expert i.
-    1 when both are uniform; its gradient pushes probability off the busy experts."""
+    """Switch's E * sum_i f_i P_i: f_i the fraction of the slots routed to expert i (before
+    capacity drops; no gradient), P_i the mean router probability of expert i over these
+    tokens. 1 when both are uniform; its gradient pushes probability off the busy experts.
+    `routed` [E] may count a larger token group than these tokens (MoE.group_counts)."""
     n_experts = r.probs.shape[-1]
-    f = routed.float() / r.experts.numel()  # [E]
+    f = routed.float() / routed.sum()  # [E]
     return n_experts * (f * r.probs.mean(0)).sum()
 
 
@@ -228,6 +230,13 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         self.stats: torch.Tensor | None = None  # [3 + E] fp32
         self.forwards = 0
+        # When a micro-batch's tokens are split over ranks (context parallelism, sequence
+        # parallelism: parallel/expert/groups.py), f of the balance loss counts the whole
+        # group's slots (`group_counts` sums [E] over those ranks), and `aux_scale` weights
+        # the auxiliary losses' gradient so that the ranks' parts add up to the loss of the
+        # whole micro-batch. Identity and 1 on one rank.
+        self.group_counts: Callable[[torch.Tensor], torch.Tensor] = lambda routed: routed
+        self.aux_scale = 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -235,12 +244,14 @@ class MoE(nn.Module):
         r = route(tokens, self.router.weight, cfg.moe_top_k)
         xs, d = dispatch(tokens, r, capacity(cfg, tokens.shape[0]), cfg.moe_drop_policy)
         out = combine(self.experts(xs, d), d, tokens.shape[0]).to(x.dtype).view_as(x)
-        balance, z = balance_loss(r, d.routed), z_loss(r)
-        if self.training and torch.is_grad_enabled() and \
-                (cfg.moe_aux_loss_coef or cfg.moe_z_loss_coef):
-            out = _AuxGrad.apply(out, cfg.moe_aux_loss_coef * balance + cfg.moe_z_loss_coef * z)
+        if not self.training:  # the auxiliary losses and stats are training's
+            return out
+        balance, z = balance_loss(r, self.group_counts(d.routed)), z_loss(r)
+        if torch.is_grad_enabled() and (cfg.moe_aux_loss_coef or cfg.moe_z_loss_coef):
+            aux = cfg.moe_aux_loss_coef * balance + cfg.moe_z_loss_coef * z
+            out = _AuxGrad.apply(out, aux * self.aux_scale)
         # A forward rerun by activation recomputation happens inside backward: not counted.
-        if self.training and torch._C._current_graph_task_id() == -1:
+        if torch._C._current_graph_task_id() == -1:
             dropped = (d.routed - d.counts).sum()
             row = torch.cat([torch.stack([balance.detach(), z.detach(), dropped.float()]),
                              d.routed.float()])

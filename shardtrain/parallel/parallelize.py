@@ -1,10 +1,11 @@
 """parallelize(model, mesh, cfg): apply a layout to the plain model, in one documented order.
 
 Order: tensor/sequence parallel (tensor/) -> context parallel (context/) -> expert
-parallel -> activation checkpointing -> pipeline split (pipeline/) -> ZeRO (zero/) or data
-parallel (data/), or a parameter server (ps/). Expert parallelism (expert/) runs with plain
-data parallelism only (config validation refuses the rest): its placements are over the ep
-group, which then stands in StageShards for the (size 1) tp group. Context parallelism
+parallel (expert/) -> activation checkpointing -> pipeline split (pipeline/) -> ZeRO
+(zero/) or data parallel (data/), or a parameter server (ps/). Expert parallelism swaps
+each MoE layer's experts for this rank's slice (placements over the ep group, beside the
+tp ones in StageShards) and, where cp or sp split a micro-batch's tokens, gives the MoE
+layers their token group (expert/groups.py). Context parallelism
 comes after tensor parallelism because it replaces the attention core of the (possibly
 head-split) attention, and before checkpointing because selective recomputation wraps
 whichever core is in place.
@@ -33,6 +34,7 @@ from shardtrain.parallel.activation import checkpoint_attention_cores, checkpoin
 from shardtrain.parallel.context.apply import apply_context_parallel
 from shardtrain.parallel.data.ddp import DataParallel, ReplicatedUpdate
 from shardtrain.parallel.data.topk import SparseUpdates
+from shardtrain.parallel.expert.groups import apply_token_groups
 from shardtrain.parallel.expert.layers import apply_expert_parallel
 from shardtrain.parallel.expert.reduce import ExpertDataParallel, expert_parameters
 from shardtrain.parallel.pipeline.runtime import Pipeline
@@ -69,6 +71,7 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
     if mesh.shape.ep > 1:
         ep = mesh.comm("ep")
         ep_placements = apply_expert_parallel(model, ep)
+    apply_token_groups(model, tp, mesh.comm("cp"), sp=cfg.parallel.sp)
     if cfg.train.activation_checkpointing == "full":
         checkpoint_blocks(model.layers)
     elif cfg.train.activation_checkpointing == "selective":  # after cp: it sees the cp core

@@ -21,6 +21,11 @@ their input for backward, and the head all-gathers the final norm's output. The 
 weights (and row-parallel biases) then see 1/t of the tokens: their gradients are summed
 over tp.
 
+Mixture-of-experts layers are not split: every tp rank holds the router and experts
+whole (expert parallelism splits the experts over ep instead, parallel/expert/) and runs
+the layer on the tokens it holds: all of them (the same work on every tp rank, so the same
+gradients), or under sp its sequence chunk (gradient parts summed over tp, `partial`).
+
 Rank r of the tp group holds block r of every split dimension (sharding.Placement).
 """
 
@@ -32,6 +37,7 @@ from torch import nn
 from torch.autograd import Function
 
 from shardtrain.comm import Communicator
+from shardtrain.model.moe import MoE
 from shardtrain.model.transformer import Transformer
 from shardtrain.parallel.tensor.sharding import Placement
 from shardtrain.parallel.tensor.ops import (CopyToRegion, GatheredInput, GatherFromSequence,
@@ -181,6 +187,10 @@ def apply_tensor_parallel(model: Transformer, comm: Communicator, *, sp: bool
     for i, block in enumerate(model.layers):
         for region_name, linears in TABLE.items():
             module = block.get_submodule(region_name)
+            if isinstance(module, MoE):  # experts whole on every tp rank (docstring)
+                for pname, p in module.named_parameters():
+                    replicate(f"layers.{i}.{region_name}.{pname}", p)
+                continue
             region = Region(comm, sp=sp)
             region.attach(module)
             for name, kind in linears.items():
