@@ -65,9 +65,12 @@ def _ep_records(trainer) -> dict:
     metrics.jsonl): Adam barely sees a mis-scaled gradient, the norm does."""
     rows = [r for r in trainer.mesh.ledger.records if r.tag == "ep"]
     path = Path(trainer.cfg.train.run_dir) / "metrics.jsonl"
-    norms = [json.loads(line)["grad_norm"] for line in path.read_text().splitlines()] \
+    logged = [json.loads(line) for line in path.read_text().splitlines()] \
         if path.exists() else None
-    return {"grad_norms": norms, "ep_ops": sorted({(r.op, r.group) for r in rows}),
+    norms = [r["grad_norm"] for r in logged] if logged else None
+    dropped = sum(r["moe_dropped"] for r in logged) if logged else None
+    return {"grad_norms": norms, "dropped": dropped,
+            "ep_ops": sorted({(r.op, r.group) for r in rows}),
             "ep_sent_bytes": sum(r.sent_bytes for r in rows), "ep_calls": len(rows)}
 
 
@@ -112,14 +115,12 @@ def test_ep_exchange_and_parity(tmp_path, world, rows):
 
 
 @pytest.mark.parametrize("world,overrides,field", [
-    (4, ("--parallel.tp", "2"), "parallel.tp"),
-    (4, ("--parallel.pp", "2"), "parallel.pp"),
-    (4, ("--parallel.cp", "2"), "parallel.cp"),
-    (2, ("--parallel.zero", "1"), "parallel.zero"),
+    (4, ("--parallel.ps_servers", "2"), "parallel.ps_servers"),
     (2, ("--comm.compress", "topk"), "comm.compress"),
     (2, ("--lora.rank", "4"), "lora.rank"),
     (3, ("--parallel.ep", "3", "--train.global_batch", "6"), "model.n_experts"),
     (2, ("--parallel.ep", "4"), "parallel.ep"),  # must divide dp = 2
+    (2, ("--parallel.tp", "2"), "parallel.ep"),  # dp x cp = 1
 ])
 def test_config_errors(tmp_path, world, overrides, field):
     cfg = tiny(tmp_path, "bad", "--model.n_experts", "4", "--parallel.ep", "2", *overrides)
