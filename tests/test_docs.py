@@ -248,6 +248,9 @@ def classify(argv: tuple[str, ...], scratch: Path) -> tuple[str, str]:
         world = known.nnodes * known.nproc_per_node
         check_train(list(argv[m + 3:]), world)
         return "skip", f"a torchrun launch of {world} processes on {known.nnodes} node(s)"
+    if argv[0] == "examples/two_nodes.sh":  # PROCS_PER_NODE, then train's arguments
+        check_train(list(argv[2:]), 2 * int(argv[1]))
+        return "skip", "two network namespaces need root: tests/test_two_nodes.py runs it"
     args = shardtrain_argv(argv)
     if args is None:
         raise Failed("is not a shardtrain, python or torchrun command this test can check; "
