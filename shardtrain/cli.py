@@ -57,6 +57,9 @@ def cmd_train(argv: list[str]) -> int:
     parser.add_argument("--dry-run-world", type=int, default=0, metavar="N",
                         help="run rank 0 of an N-rank job alone over a fake process group "
                              "and print its memory next to the planner's (docs/planner.md)")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                        help="restart the job up to K times after a worker dies, resuming "
+                             "from the newest checkpoint (under torchrun: its --max-restarts)")
     args, overrides = parser.parse_known_args(argv)
     cfg = config_mod.load(args.config, overrides)
     if args.dry_run_world:
@@ -64,7 +67,12 @@ def cmd_train(argv: list[str]) -> int:
 
     from shardtrain.launch import ProcessInfo, launch_local, run_worker, under_launcher
 
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {args.max_restarts} must be >= 0")
     if under_launcher():
+        if args.max_restarts:
+            raise ConfigError("--max-restarts under torchrun: the launcher restarts the job; "
+                              "give torchrun --max-restarts instead")
         info = ProcessInfo.from_env()
         if args.nproc and args.nproc != info.local_world_size:
             raise ConfigError(f"--nproc {args.nproc} conflicts with the launcher's "
@@ -76,13 +84,13 @@ def cmd_train(argv: list[str]) -> int:
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc} must be >= 1")
     prepare_run(cfg, nproc, prepare_data=True)
-    if nproc == 1:
+    if nproc == 1 and not args.max_restarts:  # in this process; restarts need a launcher
         run_worker(config_mod.to_toml(cfg))
         return 0
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        launch_local(nproc, run_worker, config_mod.to_toml(cfg))
+        launch_local(nproc, run_worker, config_mod.to_toml(cfg), max_restarts=args.max_restarts)
     except ChildFailedError as e:
         print(f"shardtrain train: a worker failed:\n{e}", file=sys.stderr)
         return 1

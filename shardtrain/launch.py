@@ -79,18 +79,39 @@ def init_distributed(info: ProcessInfo, device: torch.device, timeout_s: float) 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
     if info.world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
+        store = _attempt_store(info, timeout_s)
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+                                device_id=device if device.type == "cuda" else None,
+                                store=store, rank=info.rank if store else -1,
+                                world_size=info.world_size if store else -1)
 
 
-def launch_local(nproc: int, entrypoint, *args) -> dict[int, object]:
+def _attempt_store(info: ProcessInfo, timeout_s: float) -> dist.Store | None:
+    """A restarted job's rendezvous store, its keys under the attempt's own prefix; None
+    (the launcher's env:// store) on the first attempt. The launcher's store outlives a
+    failed attempt, and the dead processes' keys (every group's Gloo addresses) would
+    otherwise be read by the new ones, which then connect to ports no one listens on."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if not restarts:
+        return None
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the agent hosts it
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          info.world_size, is_master=not agent and info.rank == 0,
+                          timeout=timedelta(seconds=timeout_s), multi_tenant=not agent)
+    return dist.PrefixStore(f"shardtrain/attempt_{restarts}", store)
+
+
+def launch_local(nproc: int, entrypoint, *args, max_restarts: int = 0) -> dict[int, object]:
     """Run `entrypoint(*args)` in `nproc` local processes (a module-level function: it is
-    pickled); return each rank's return value. A failing worker raises ChildFailedError."""
+    pickled); return each rank's return value. When a worker fails, the launcher stops the
+    others and starts them all again, up to `max_restarts` times (workers resume from the
+    newest checkpoint: `run_worker`); after that a failing worker raises ChildFailedError."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
                           run_id=f"shardtrain-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
-                          rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1)
+                          rdzv_endpoint="localhost:0", max_restarts=max_restarts,
+                          monitor_interval=0.1)
     return elastic_launch(config, entrypoint)(*args)
 
 
@@ -100,10 +121,17 @@ def run_worker(config_text: str) -> dict:
     from shardtrain import config as config_mod
     from shardtrain.comm import build_mesh
     from shardtrain.mesh import MeshShape
+    from shardtrain.train.checkpoint import resume_after_restart
+    from shardtrain.train.faults import restart_count
     from shardtrain.train.trainer import Trainer
 
     cfg = config_mod.loads(config_text)
+    restarts = restart_count()
+    cfg = resume_after_restart(cfg, restarts)  # a restarted job picks up its last checkpoint
     info = ProcessInfo.from_env()
+    if restarts and info.rank == 0:
+        print(f"restart {restarts}: resuming from {cfg.checkpoint.resume or 'the start'}",
+              flush=True)
     cfg.validate(info.world_size)
     device = pick_device(cfg.train.device, info)
     check_device(cfg, device)

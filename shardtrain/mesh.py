@@ -195,13 +195,14 @@ class ParallelMesh:
         # come, and the fake group carries CPU tensors as well (by moving nothing).
         side = self.device.type == "cuda" and not (dist.is_initialized()
                                                     and dist.get_backend() == "fake")
-        world = dist.get_world_size() if dist.is_initialized() else self.world_size
         mine = None
         for ranks in parts:
             handle = meta = None
             if len(ranks) > 1:
-                handle = dist.group.WORLD if len(ranks) == world else \
-                    dist.new_group(ranks, timeout=timeout)
+                # A group of its own even when it spans the world: two dims sharing one
+                # process group (dp and ep at ep = dp = world) would share its order of
+                # calls, and a call from dp's lane thread could cross the main thread's.
+                handle = dist.new_group(ranks, timeout=timeout)
                 meta = dist.new_group(ranks, timeout=timeout, backend="gloo") if side else handle
             if self.rank in ranks:
                 mine = (ranks, handle, meta)

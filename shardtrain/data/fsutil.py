@@ -34,3 +34,12 @@ def build_once(target: Path, build: Callable[[Path], None]) -> bool:
         finally:
             tmp.unlink(missing_ok=True)
     return True
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file renamed into place: a reader (or a
+    crash) never sees half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -99,6 +99,16 @@ def resolve_resume(cfg: Config) -> Path | None:
     return path
 
 
+def resume_after_restart(cfg: Config, restarts: int) -> Config:
+    """The config a restarted job runs (`restarts` > 0: the launcher's count): it resumes
+    from the newest checkpoint in its run dir, written by an earlier attempt (a
+    checkpoint is complete once renamed into place, so the newest is valid); with none
+    yet, it starts as the first attempt did."""
+    if restarts == 0 or not list_checkpoints(checkpoint_root(cfg.train.run_dir)):
+        return cfg
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume="latest"))
+
+
 def checkpoint_config(path: Path) -> Config:
     return config_mod.load(path / "config.toml")
 

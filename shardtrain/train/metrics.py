@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from shardtrain.data.fsutil import write_atomic
 from shardtrain.model.moe import moe_stats
 
 # Dense peak FLOP/s per GPU by the precision of its matmuls (vendor datasheets, SXM parts
@@ -95,7 +96,10 @@ def clock(device: torch.device) -> float:
 class MetricsWriter:
     """Appends one JSON object per optimizer step to <run_dir>/metrics.jsonl (rank 0)."""
 
-    def __init__(self, run_dir: str | Path, *, enabled: bool, tensorboard: bool, resume: bool):
+    def __init__(self, run_dir: str | Path, *, enabled: bool, tensorboard: bool, resume: bool,
+                 from_step: int = 0):
+        """`resume`: keep the records of the steps up to `from_step` (the checkpoint's), drop
+        later ones (an interrupted attempt's, redone now); else start the file afresh."""
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self._tb = None
@@ -103,6 +107,10 @@ class MetricsWriter:
             return
         if not resume:
             self.path.unlink(missing_ok=True)
+        elif self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if json.loads(line).get("step", 0) <= from_step]
+            write_atomic(self.path, "".join(line + "\n" for line in kept))
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # optional extra
             self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))

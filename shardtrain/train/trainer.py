@@ -10,7 +10,6 @@ the optimizer step, metrics, periodic eval and checkpoints.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,11 +21,13 @@ from shardtrain import config as config_mod
 from shardtrain.config import Config
 from shardtrain.config.ps import parse_slow_ranks
 from shardtrain.data import TokenSampler, check_vocab, eval_batches, load_dataset
+from shardtrain.data.fsutil import write_atomic
 from shardtrain.mesh import ParallelMesh
 from shardtrain.model.generate import generate
 from shardtrain.parallel.parallelize import parallelize
 from shardtrain.cost.counts import model_flops_per_token
 from shardtrain.train import checkpoint as ckpt
+from shardtrain.train.faults import kill_point
 from shardtrain.train.finetune import (build_skeleton, export_hf, nf4_bytes, resolve_init_from,
                                        start_weights)
 from shardtrain.train.metrics import (MetricsWriter, clock, device_peak_flops, moe_metrics,
@@ -79,7 +80,7 @@ class Trainer:
         self.flops_per_step = model_flops_per_token(cfg.model, t.seq_len) * self.tokens_per_step
         self.peak_flops = device_peak_flops(device, t.peak_flops, t.precision)  # None: unknown
         self.metrics = MetricsWriter(t.run_dir, enabled=self.is_main, tensorboard=t.tensorboard,
-                                     resume=resume is not None)
+                                     resume=resume is not None, from_step=self.step)
 
     # ------------------------------------------------------------------ one step
 
@@ -148,6 +149,7 @@ class Trainer:
             every = self.cfg.checkpoint.every
             if (every and self.step % every == 0) or final:
                 self.save()
+            kill_point(self.mesh.rank, self.step)  # tests of recovery only (train/faults.py)
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
             if self.is_main and (self.step % t.log_every == 0 or final or "eval_loss" in record):
@@ -245,10 +247,3 @@ def format_record(r: dict[str, Any]) -> str:
     if "eval_loss" in r:
         line += f"  eval_loss {r['eval_loss']:.4f}"
     return line
-
-
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -1,0 +1,88 @@
+"""Automatic restart (`shardtrain train --max-restarts K`, train/faults.py): a 4-process run
+loses one rank to SIGKILL after step 3; the launcher restarts the job, which resumes from
+the step-2 checkpoint and finishes. Its final weights equal an uninterrupted run's bitwise
+(fp32, CPU), and metrics.jsonl holds each step once. Without restarts the same kill fails
+the job. A crash in the middle of a checkpoint write leaves the previous checkpoint valid
+and `latest`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardtrain.train import checkpoint as ckpt
+from tests.parity import tiny
+
+ROOT = Path(__file__).resolve().parents[1]
+ARGS = ["--config", "tiny", "--train.steps", "6", "--checkpoint.every", "2",
+        "--train.progress", "false"]
+
+
+def _train(tmp: Path, name: str, *extra: str, kill: str = "") -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("SHARDTRAIN_KILL_AT", None)
+    if kill:
+        env["SHARDTRAIN_KILL_AT"] = kill
+    return subprocess.run(
+        [sys.executable, "-m", "shardtrain", "train", "--nproc", "4", *ARGS, *extra,
+         "--train.run_dir", str(tmp / name), "--data.cache_dir", str(tmp / "cache")],
+        env=env, cwd=tmp, capture_output=True, text=True, timeout=600)
+
+
+def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    model_state, meta = ckpt.load_checkpoint(ckpt.list_checkpoints(run_dir / "checkpoints")[-1])
+    assert meta["step"] == 6
+    return model_state
+
+
+def test_killed_rank_restarts_and_matches(tmp_path):
+    plain = _train(tmp_path, "plain")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    restarted = _train(tmp_path, "restarted", "--max-restarts", "1", kill="2:3")
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert "restart 1: resuming from latest" in restarted.stdout
+    want, got = _final_weights(tmp_path / "plain"), _final_weights(tmp_path / "restarted")
+    for name, w in want.items():
+        assert torch.equal(got[name], w), f"{name} differs after the restart"
+    steps = [json.loads(line)["step"] for line in
+             (tmp_path / "restarted" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    failed = _train(tmp_path, "no-restarts", kill="2:3")
+    assert failed.returncode != 0 and "a worker failed" in failed.stderr
+
+
+def test_crash_mid_save_keeps_latest(tmp_path, monkeypatch):
+    """A save that dies while writing its files leaves no checkpoint directory (they are
+    written in a temporary one, renamed into place last), so `latest` is still the
+    previous, loadable checkpoint."""
+    cfg = tiny(tmp_path, "run")
+
+    def save(step: int, weights: torch.Tensor) -> None:
+        staged = ckpt.stage_files(cfg, step, {"optimizer.pt": {"step": step}})
+        ckpt.save_checkpoint(cfg, step=step, model_state={"w": weights}, staged=staged,
+                             layout={"zero": 0, "dp": 1, "tp": 1}, sampler_state={"step": step})
+
+    save(2, torch.arange(4.0))
+    real_save = torch.save
+
+    def dying_save(obj, f, *a, **kw):
+        if str(f).endswith("model.pt"):
+            raise KeyboardInterrupt("killed mid-write")
+        return real_save(obj, f, *a, **kw)
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        save(4, torch.zeros(4))
+    monkeypatch.undo()
+    latest = ckpt.resolve_resume(dataclasses.replace(
+        cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume="latest")))
+    assert latest == ckpt.checkpoint_root(cfg.train.run_dir) / "step_00000002"
+    model_state, meta = ckpt.load_checkpoint(latest)
+    assert meta["step"] == 2 and torch.equal(model_state["w"], torch.arange(4.0))
