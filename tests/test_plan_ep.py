@@ -26,6 +26,7 @@ from shardtrain.config import ModelConfig
 from shardtrain.cost import hardware
 from shardtrain.plan.cli import main
 from shardtrain.plan.layout import Layout, config_layout, trainer_refusal
+from shardtrain.plan import memory
 from shardtrain.plan.partition import rank_params
 from shardtrain.plan.search import candidates
 from shardtrain.plan.traffic import expert_parallel_ops, routed_slots, step_ops
@@ -83,6 +84,37 @@ def test_ep_ops_hand_computed(precision, recompute, sp, factor, calls, slots, ou
     assert all(op.time_s > 0 for op in placed)
 
 
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+@pytest.mark.parametrize("precision", ["fp32", "amp"])
+def test_moe_activation_bytes_match_the_runtime(style, precision):
+    """One process, every recompute mode and a few (E, k): what an MoE block keeps for
+    backward equals the planner's per-layer figure to the byte (ep = 2 is checked, summed
+    over the ranks, in test_ep_bytes_against_the_ledger)."""
+    import torch
+
+    from shardtrain.model.transformer import build_model
+    from shardtrain.parallel.activation import (checkpoint_attention_cores, checkpoint_blocks,
+                                                saved_bytes_per_block)
+    from shardtrain.plan.activations import runtime_activation_bytes
+
+    for experts, k, b, s in ((4, 2, 2, 32), (8, 1, 2, 32), (8, 3, 1, 64)):
+        cfg = ModelConfig(**{**MOE.__dict__, "style": style, "n_experts": experts,
+                             "moe_top_k": k, "n_kv_heads": 0})
+        for mode in ("none", "selective", "full"):
+            model = build_model(cfg, seed=0)
+            if mode == "selective":
+                checkpoint_attention_cores(model.layers)
+            elif mode == "full":
+                checkpoint_blocks(model.layers)
+            rope = (model.rope_cos[:s], model.rope_sin[:s]) if style == "llama" else None
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "amp"):
+                measured = saved_bytes_per_block(model.layers[-1], torch.randn(b, s, cfg.dim),
+                                                 rope).bytes
+            predicted = runtime_activation_bytes(cfg, s=s, b=b, recompute=mode,
+                                                 precision=precision)
+            assert predicted == measured, (experts, k, b, s, mode)
+
+
 def test_no_ep_ops_without_ep():
     assert expert_parallel_ops(MOE, Layout(dp=2), seq_len=32) == []
     assert not [op for op in step_ops(MOE, Layout(dp=2), hardware.get("h100"), seq_len=32)
@@ -100,11 +132,13 @@ RUNS = {  # name: overrides on the tiny preset (dp = ep = 2, 2 micro-batches of 
 }
 
 
-def _ep_steps(rank: int, world: int, texts: list[str]) -> list[list[list[tuple]]]:
+def _ep_steps(rank: int, world: int, texts: list[str]) -> list[tuple[list, int]]:
     """Worker: each config trains STEPS steps; per step, the ep records of this rank as
-    (dtype, msg_bytes, sent_bytes) in call order."""
+    (dtype, msg_bytes, sent_bytes) in call order; then the bytes the last block keeps for
+    backward on a micro-batch of random activations (autocast under bf16)."""
     import torch
 
+    from shardtrain.parallel.activation import saved_bytes_per_block
     from shardtrain.train.trainer import Trainer
     from tests.parity import make_mesh
 
@@ -118,7 +152,13 @@ def _ep_steps(rank: int, world: int, texts: list[str]) -> list[list[list[tuple]]
             trainer.train_step()
             steps.append([(r.dtype, r.msg_bytes, r.sent_bytes)
                           for r in trainer.mesh.ledger.records[first:] if r.tag == "ep"])
-        out.append(steps)
+        model, t = trainer.parallel.module, cfg.train
+        x = torch.randn(t.micro_batch, t.seq_len, cfg.model.dim,
+                        generator=torch.Generator().manual_seed(rank))
+        rope = (model.rope_cos[:t.seq_len], model.rope_sin[:t.seq_len])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.precision == "bf16"):
+            saved = saved_bytes_per_block(model.layers[-1], x, rope).bytes
+        out.append((steps, saved))
     return out
 
 
@@ -157,7 +197,7 @@ def test_ep_bytes_against_the_ledger(tmp_path):
         planned_own = calls * (forwards * o + b)
         planned_received = calls * (o + forwards * b)
         for step in range(STEPS):
-            rows = [per_rank[r][i][step] for r in range(2)]
+            rows = [per_rank[r][i][0][step] for r in range(2)]
             group_sum = {"received": 0, "planned": 0}
             for rank, records in enumerate(rows):
                 assert len(records) == counts.calls + out.calls + back.calls, (name, rank)
@@ -180,6 +220,16 @@ def test_ep_bytes_against_the_ledger(tmp_path):
                 group_sum["received"] += got_received
                 group_sum["planned"] += planned_received
             assert group_sum["received"] == group_sum["planned"], name
+        # activations: the received rows (R) vary per rank like the bytes; summed, exact
+        saved = [per_rank[r][i][1] for r in range(2)]
+        planned = memory.layer_activation_bytes(cfg.model, lay, seq_len=cfg.train.seq_len)
+        print(f"{name}: last block keeps {saved} B on the 2 ranks, planned {planned:.0f} each")
+        if cfg.model.moe_capacity_factor > 0:  # dropped slots are not sent: a bound
+            assert max(saved) <= planned, name
+        elif lay.recompute == "full":  # the block input only
+            assert saved == [planned, planned], name
+        else:
+            assert sum(saved) == 2 * planned, name
 
 
 def _split(slots: list[tuple], calls: int, forwards: int) -> tuple[list, list]:
