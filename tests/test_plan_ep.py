@@ -29,7 +29,8 @@ from shardtrain.plan.layout import Layout, config_layout, trainer_refusal
 from shardtrain.plan import memory
 from shardtrain.plan.partition import rank_params
 from shardtrain.plan.search import candidates
-from shardtrain.plan.traffic import expert_parallel_ops, routed_slots, step_ops
+from shardtrain.plan.traffic import (expert_parallel_ops, moe_counts_ops, routed_slots,
+                                     step_ops)
 from tests.dist import run_distributed
 
 MOE = ModelConfig(style="llama", vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -129,6 +130,7 @@ RUNS = {  # name: overrides on the tiny preset (dp = ep = 2, 2 micro-batches of 
     "fp32 full recompute": ("--train.activation_checkpointing", "full"),
     "bf16 (amp)": ("--train.precision", "bf16"),
     "capacity 0.5": ("--model.moe_capacity_factor", "0.5"),
+    "cp2 x ep2": ("--parallel.cp", "2"),  # dp = 1: the counts also all-reduced over cp
 }
 
 
@@ -152,17 +154,23 @@ def _ep_steps(rank: int, world: int, texts: list[str]) -> list[tuple[list, int]]
         # opposite orders on the two ranks (a runtime race, reported). One synchronous
         # all-reduce first settles the check, so every later call is issued in program
         # order. Ledger rows tagged "warm" are not ep rows.
-        trainer.mesh.comm("dp").all_reduce(torch.zeros(1), "sum", tag="warm")
+        trainer.mesh.comm(trainer.mesh.replica_dim).all_reduce(torch.zeros(1), "sum",
+                                                               tag="warm")
         steps = []
         for _ in range(STEPS):
             first = len(trainer.mesh.ledger.records)
             trainer.train_step()
-            steps.append([(r.dtype, r.msg_bytes, r.sent_bytes)
-                          for r in trainer.mesh.ledger.records[first:] if r.tag == "ep"])
+            rows = trainer.mesh.ledger.records[first:]
+            steps.append({"ep": [(r.dtype, r.msg_bytes, r.sent_bytes) for r in rows
+                                 if r.tag == "ep"],
+                          "moe_counts": [(r.group, r.op, r.sent_bytes) for r in rows
+                                         if r.tag == "moe_counts"]})
         model, t = trainer.parallel.module, cfg.train
         x = torch.randn(t.micro_batch, t.seq_len, cfg.model.dim,
                         generator=torch.Generator().manual_seed(rank))
-        rope = (model.rope_cos[:t.seq_len], model.rope_sin[:t.seq_len])
+        s = t.seq_len // cfg.parallel.cp  # this rank's tokens of each sequence
+        x = x[:, :s]
+        rope = (model.rope_cos[:s], model.rope_sin[:s])
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.precision == "bf16"):
             saved = saved_bytes_per_block(model.layers[-1], x, rope).bytes
         out.append((steps, saved))
@@ -194,7 +202,7 @@ def test_ep_bytes_against_the_ledger(tmp_path):
     for i, (name, cfg) in enumerate(cfgs.items()):
         cfg.validate(2)
         lay = config_layout(cfg, 2)
-        assert lay.ep == 2 and lay.dp == 2 and lay.microbatches == 2
+        assert lay.ep == 2 and lay.dp * lay.cp == 2
         counts, out, back = expert_parallel_ops(cfg.model, lay, seq_len=cfg.train.seq_len)
         forwards = 2 if lay.recompute == "full" else 1
         calls = lay.microbatches * cfg.model.n_layers  # MoE calls per step
@@ -204,7 +212,13 @@ def test_ep_bytes_against_the_ledger(tmp_path):
         planned_own = calls * (forwards * o + b)
         planned_received = calls * (o + forwards * b)
         for step in range(STEPS):
-            rows = [per_rank[r][i][0][step] for r in range(2)]
+            rows = [per_rank[r][i][0][step]["ep"] for r in range(2)]
+            for r in range(2):  # the balance loss's counts over cp (none without cp)
+                got = per_rank[r][i][0][step]["moe_counts"]
+                want = moe_counts_ops(cfg.model, lay)
+                assert len(got) == sum(op.calls for op in want), (name, r)
+                assert sum(b for *_, b in got) == sum(op.bytes_sent for op in want), (name, r)
+                assert {(g, o) for g, o, _ in got} == {(op.group, op.op) for op in want}
             group_sum = {"received": 0, "planned": 0}
             for rank, records in enumerate(rows):
                 assert len(records) == counts.calls + out.calls + back.calls, (name, rank)

@@ -35,7 +35,9 @@ one micro-batch, s = seq / cp; P, G = this rank's parameter and gradient bytes):
   factor f. Rows travel in their dtype: the normed input (the residual stream's, fp32
   under amp) to the experts, the experts' output back (16-bit under amp for SwiGLU; gpt2's
   fp32 bias add makes it fp32). Full recomputation reruns the forward's three; selective
-  leaves the MoE block alone (it checkpoints the attention core).
+  leaves the MoE block alone (it checkpoints the attention core). Under sp and cp (any
+  ep) the balance loss's [E] int64 routed counts are all-reduced over tp and over cp per
+  MoE forward (`moe_counts_ops`).
 Times come from `shardtrain.cost.collectives` with the fastest algorithm for the group's
 placement: inside a node the NVLink/PCIe link, across nodes one GPU's share of the node's
 network (flat), or two-tier (hierarchical, torus2d) when a group spans part of a node.
@@ -192,6 +194,8 @@ def step_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, seq_len: int,
     if lay.cp > 1:
         ops += context_parallel_ops(cfg, lay, seq_len=seq_len,
                                     where=placement(hw, node, lay.tp, lay.cp))
+    ops += moe_counts_ops(cfg, lay, tp=placement(hw, node, 1, lay.tp),
+                          cp=placement(hw, node, lay.tp, lay.cp))
     if lay.ep > 1:
         ops += expert_parallel_ops(cfg, lay, seq_len=seq_len,
                                    where=placement(hw, node, lay.tp, lay.ep))
@@ -228,6 +232,20 @@ def expert_parallel_ops(cfg: ModelConfig, layout: Layout, *, seq_len: int,
             _a2a(n, rows * back_bytes, calls * (forwards + 1), where, "ep", "combine")]
 
 
+def moe_counts_ops(cfg: ModelConfig, layout: Layout, *, tp: Placement = FREE,
+                   cp: Placement = FREE) -> list[CommOp]:
+    """The balance loss's [E] int64 routed counts summed over the micro-batch's token group
+    (parallel/expert/groups.py, tag moe_counts): an all-reduce over tp under sp and one
+    over cp, per MoE training forward (full recomputation's rerun included); any ep."""
+    lay = layout
+    calls = rank_params(cfg, lay).layers * lay.microbatches * (2 if lay.recompute == "full"
+                                                               else 1)
+    groups = [("tp", lay.tp, tp)] if lay.sp else []
+    return [_a2a(size, cfg.n_experts * 8, calls, where, group, "moe_counts", "all_reduce")
+            for group, size, where in groups + [("cp", lay.cp, cp)]
+            if cfg.n_experts and size > 1]
+
+
 def context_parallel_ops(cfg: ModelConfig, layout: Layout, *, seq_len: int,
                          where: Placement = FREE) -> list[CommOp]:
     """The cp group's sends of one rank in one step (module docstring)."""
@@ -251,10 +269,11 @@ def context_parallel_ops(cfg: ModelConfig, layout: Layout, *, seq_len: int,
 
 
 def _a2a(size: int, nbytes: float, calls: int, where: Placement, group: str = "cp",
-         what: str = "") -> CommOp:
-    """All-to-all as the runtime's native backend runs it: pairwise, (n-1)/n of the input."""
-    one = cost("all_to_all", nbytes, size, where.link, algorithm="native")
-    return CommOp(group=group, op="all_to_all", ranks=size, message_bytes=nbytes, calls=calls,
+         what: str = "", op: str = "all_to_all") -> CommOp:
+    """`op` (all-to-all: pairwise, (n-1)/n of the input) as the runtime's native backend
+    runs it and the ledger counts it."""
+    one = cost(op, nbytes, size, where.link, algorithm="native")
+    return CommOp(group=group, op=op, ranks=size, message_bytes=nbytes, calls=calls,
                   algorithm="native", bytes_sent=one.sent_bytes * calls,
                   time_s=one.time_s * calls, overlap="none", what=what)
 
