@@ -308,3 +308,14 @@ def test_a_model_that_fits_nowhere_is_still_reported():
     assert doc["memory_per_gpu_bytes"]["fits"] is False and doc["time"]["step_s"] > 0
     code, out, err = run_cli(["--model", "llama3-405b", "--gpus", "8", "--gpu", "a100-40gb"])
     assert code == 2 and "closest:" in out and "memory per GPU" in out
+
+
+def test_a_layout_the_trainer_refuses_says_so():
+    """The planner's own checks let pp x v = 12 <= 32 layers through; the trainer wants
+    equal chunks (config.check_pipeline), and the report carries its message."""
+    code, out, _ = run_cli(["--model", "llama3-8b", "--gpus", "64", "--gpu", "h100", "--seq",
+                            "1024", "--layout", "dp=16,pp=4,v=3,schedule=interleaved,"
+                            "microbatches=16,recompute=full", "--json"])
+    doc = json.loads(out)
+    assert code == (0 if doc["fits"] else 2)
+    assert "parallel.virtual_stages=3" in doc["trainer_refuses"]
