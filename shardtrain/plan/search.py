@@ -9,8 +9,9 @@ data parallelism (one stage otherwise: they coincide); recompute none / selectiv
 sp with tp; GPipe, 1F1B and interleaved (v dividing the layers per stage, m a multiple of
 p). Every candidate then goes through the trainer's own config validation
 (`layout.trainer_refusal`: `Config.validate` of the config `layout_overrides` describes),
-so a layout the trainer refuses (ep with what it does not compose with yet, a tp that does
-not split the kv heads, ...) is never proposed, and no rule is restated here. Offload
+so a layout the trainer refuses (a tp that does not split the kv heads, an sp or cp that
+does not split the sequence, Ulysses heads cp does not divide, ...) is never proposed, and
+no rule is restated here: when the trainer learns a composition, the search proposes it. Offload
 (cpu, nvme) is tried only when nothing fits without it. Ranked by predicted step time,
 then memory.
 """
