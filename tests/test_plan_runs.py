@@ -1,20 +1,30 @@
-"""The planner proposes only what the trainer runs: every layout `search` ranks, and for a
-small model every candidate it enumerates, turned into config overrides
+"""The planner proposes only what the trainer runs: every layout `search` ranks (dense and
+mixture-of-experts models; and what `shardtrain plan --json` prints), and for a small model
+every candidate it enumerates, turned into config overrides
 (plan.layout.layout_overrides) passes the training config's validation."""
 
 from __future__ import annotations
+
+import contextlib
+import io
+import json
 
 import pytest
 
 from shardtrain import config
 from shardtrain.cost import hardware
+from shardtrain.plan.cli import main
 from shardtrain.plan.layout import Layout, layout_overrides
 from shardtrain.plan.search import candidates, search
 
-CASES = [  # preset, hardware, gpus, global batch, sequence
-    ("llama3-8b", "h100", 64, 256, 8192),  # cp (ring and Ulysses) candidates, GQA, tp
-    ("llama3-70b", "h100", 256, 512, 8192),
-    ("gpt3-175b", "a100", 1024, 1536, 2048),
+MOE = ("--model.n_experts", "8", "--model.moe_top_k", "2")  # a Mixtral-like split of the MLP
+CASES = [  # preset, hardware, gpus, global batch, sequence, model overrides
+    ("llama3-8b", "h100", 64, 256, 8192, ()),  # cp (ring and Ulysses) candidates, GQA, tp
+    ("llama3-70b", "h100", 256, 512, 8192, ()),
+    ("gpt3-175b", "a100", 1024, 1536, 2048, ()),
+    ("llama3-8b", "h100", 64, 256, 8192, MOE),  # ep candidates with dp, cp, tp, pp, zero
+    ("llama3-8b", "a100", 256, 1024, 4096, MOE),
+    ("tiny", "a100", 8, 8, 64, MOE),
 ]
 
 
@@ -22,19 +32,41 @@ def _validate(preset: str, layout: Layout, seq_len: int, *extra: str) -> None:
     cfg = config.load(preset, [*extra, *layout_overrides(layout, seq_len=seq_len)])
     cfg.validate(layout.gpus)
     p = cfg.parallel  # the overrides say what the layout says
-    assert (p.dp, p.tp, p.pp, p.cp, p.cp_mode, p.zero, p.sp) == (
-        layout.dp, layout.tp, layout.pp, layout.cp, layout.cp_mode, layout.zero, layout.sp)
+    assert (p.dp, p.tp, p.pp, p.cp, p.cp_mode, p.ep, p.zero, p.sp) == (
+        layout.dp, layout.tp, layout.pp, layout.cp, layout.cp_mode, layout.ep, layout.zero,
+        layout.sp)
     assert cfg.train.activation_checkpointing == layout.recompute
 
 
-@pytest.mark.parametrize("preset, hw, gpus, batch, seq", CASES, ids=[c[0] for c in CASES])
-def test_ranked_layouts_pass_config_validation(preset, hw, gpus, batch, seq):
-    model = config.load(preset).model
+@pytest.mark.parametrize("preset, hw, gpus, batch, seq, extra", CASES,
+                         ids=[c[0] + ("-moe" if c[5] else "") for c in CASES])
+def test_ranked_layouts_pass_config_validation(preset, hw, gpus, batch, seq, extra):
+    model = config.load(preset, list(extra)).model
     result = search(model, hardware.get(hw), gpus=gpus, global_batch=batch, seq_len=seq,
                     top=20)
     assert result.ranked
     for plan in result.ranked:
-        _validate(preset, plan.layout, seq)
+        _validate(preset, plan.layout, seq, *extra)
+    print(f"{preset}{' moe' if extra else ''} on {gpus}: {result.considered} candidates run, "
+          f"{result.refused} refused by config validation; best {result.ranked[0].layout.describe()}")
+
+
+@pytest.mark.parametrize("argv, extra", [
+    (["--model", "llama3-8b", "--gpus", "16", "--gpu", "h100"], ()),
+    (["--model", "llama3-8b", "--gpus", "64", "--gpu", "h100"], MOE),
+    (["--model", "tiny", "--gpus", "4", "--gpu", "a100", "--global-batch", "8"], MOE),
+])
+def test_cli_ranked_layouts_pass_config_validation(argv, extra):
+    """What `shardtrain plan --json` ranks, read back from the document."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([*argv, *extra, "--top", "10", "--json"]) == 0
+    doc = json.loads(out.getvalue())
+    assert doc["fits"] and doc["ranked"]
+    for plan in doc["ranked"]:
+        layout = Layout(**{k: v for k, v in plan["layout"].items() if k != "text"})
+        assert layout.gpus == int(argv[3])
+        _validate(argv[1], layout, plan["seq"], *extra)
 
 
 def test_every_candidate_of_a_small_model_passes_config_validation():

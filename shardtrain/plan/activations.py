@@ -31,6 +31,15 @@ the tensor-by-tensor list). One layer, one micro-batch of b sequences of s local
   position-ordered copies, so the rank-ordered q, k, v and out the Function keeps for its
   backward are held besides (+ (H + 2G' + H) D v n, and two int64 [S] indices); with the
   contiguous split they are the same tensors.
+- mixture of experts (model/moe.py; `moe_block_bytes`), in place of the MLP, for the n
+  tokens this rank routes (n / t under sp; the experts are whole on every tp rank): the
+  router's fp32 input (n r C, also under autocast: the router runs in fp32), its logits
+  and probabilities, top-k indices and weights, the z-loss's logsumexp; the dispatch's
+  N = n k slot indices and keep mask; the experts' input rows (fp32: once; autocast:
+  each projection's own 16-bit cast, 2 for SwiGLU) and hidden tensors as the MLP keeps
+  them but on N rows; combine's weighted rows, 2 N C in the experts' output dtype (gpt2's
+  fp32 bias add makes it fp32). Under ep the rows are the R received ones (R = N under
+  uniform routing) and the exchange keeps two [R] int64 permutations.
 Selective recomputation (the core under a checkpoint) keeps only the core's inputs q, k,
 v; wo still keeps out: with `flash` it saves exactly the lse, with `math` the s^2 term.
 A context-parallel core is never wrapped (`recomputes_in_backward`: it manages its own
@@ -61,7 +70,7 @@ def runtime_activation_bytes(cfg: ModelConfig, *, s: int, b: int, t: int = 1,
                              sp: bool = False, recompute: str = "none",
                              precision: str = "fp32", attention: str = "flash",
                              cp: int = 1, cp_mode: str = "ring",
-                             cp_split: str = "zigzag") -> float:
+                             cp_split: str = "zigzag", ep: int = 1) -> float:
     """Bytes one layer keeps for backward (see the module docstring); s is the local
     sequence length (S / cp). precision: fp32, or amp / bf16 / fp16 (autocast)."""
     if attention not in ATTENTION:
@@ -83,6 +92,10 @@ def runtime_activation_bytes(cfg: ModelConfig, *, s: int, b: int, t: int = 1,
     else:
         inputs = n * c * v * (3 + (2 if llama else 1))
     mlp = (4 if llama else 2) * n * (cfg.ffn_hidden // t) * v
+    if cfg.n_experts:
+        mlp = moe_block_bytes(cfg, tokens=local, precision=precision, ep=ep)
+        if v == 2 and not sp:  # the router keeps its fp32 input, not the MLP's casts
+            inputs = n * c * v * 3 + n * c * r
     lse = 4 * b * heads * s
     out = n * heads * d * v
     qkv = n * (heads + 2 * kv) * d * v
@@ -103,3 +116,22 @@ def runtime_activation_bytes(cfg: ModelConfig, *, s: int, b: int, t: int = 1,
         m = 4  # the math kernel's dtype on CPU, autocast included
         core = 3 * n * heads * d * m + b * heads * s * s * m + out
     return norms + inputs + core + mlp
+
+
+def moe_block_bytes(cfg: ModelConfig, *, tokens: float, precision: str = "fp32",
+                    ep: int = 1) -> float:
+    """What a mixture-of-experts block keeps for backward beyond its input, for `tokens`
+    routed on this rank (module docstring), dropless under uniform routing."""
+    v = 4 if precision == "fp32" else 2
+    n, e, k, c, f = tokens, cfg.n_experts, cfg.moe_top_k, cfg.dim, cfg.ffn_hidden
+    slots = n * k  # N; under ep the received rows R, N under uniform routing
+    # probs and the z-loss's logits [n, E], top-k indices (int64) and weights [n, k], the
+    # weights' sum and the logsumexp [n], the balance loss's f [E]
+    router = n * (2 * e * 4 + k * 8 + k * 4 + 2 * 4) + e * 4
+    # token and slot indices (int64), the keep mask (bool); the experts' group offsets
+    dispatch = slots * 17 + (e // ep) * 4 + (2 * slots * 8 if ep > 1 else 0)
+    if cfg.style == "llama":  # rows (2 casts under autocast), w1 x, w3 x, silu, product
+        rows, out = slots * c * v * (1 if v == 4 else 2) + 4 * slots * f * v, v
+    else:  # rows, the bias rows' expert index, GELU's fp32 input and its output
+        rows, out = slots * c * v + slots * 8 + slots * f * (4 + v), 4
+    return router + dispatch + rows + slots * out * (1 + 2 * c)  # combine: weights, 2 rows

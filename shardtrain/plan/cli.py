@@ -2,7 +2,9 @@
 
 With --layout, evaluate that layout; without, search and rank the layouts that fit.
 Exit codes: 0 success; 2 bad input (unknown preset or field, a layout that cannot run or
-does not fit, a model that fits nowhere), with the reason on stderr.
+does not fit, a model that fits nowhere), with the reason on stderr. A layout that does not
+fit, or a model that fits nowhere, is still reported (the document with `fits: false`, an
+empty `ranked`, the closest layout's counts, memory, traffic and time, and `reason`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from shardtrain.config import ConfigError, load, parse_overrides, read_toml, res
 from shardtrain.cost import hardware
 from shardtrain.plan import report
 from shardtrain.plan.evaluate import CONVENTIONS, evaluate
-from shardtrain.plan.layout import PRECISIONS, PlanError, check, parse_layout
+from shardtrain.plan.layout import (PRECISIONS, PlanError, check, parse_layout,
+                                     trainer_refusal)
 from shardtrain.plan.search import advice, search, shortfall
 
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -106,27 +109,45 @@ def _run(argv: list[str]) -> int:
               seq_len=seq)
         plan = evaluate(cfg, layout, hw, global_batch=batch, seq_len=seq, name=name)
         doc: dict[str, Any] = plan.to_dict(tokens=args.tokens, measured_step_s=measured)
+        refusal = trainer_refusal(layout, cfg, seq_len=seq)
+        reason = "" if plan.fits else (
+            f"layout {layout.describe()} {shortfall(plan.memory, hw)}. "
+            + advice(cfg, layout, hw, seq_len=seq, gpus=gpus, global_batch=batch,
+                     memory=plan.memory))
+        doc |= {"fits": plan.fits, "reason": reason, "trainer_refuses": refusal}
         text = report.header(plan) + "\n\n" + report.details(plan, tokens=args.tokens,
                                                              measured_step_s=measured)
+        if refusal:
+            text += f"\n\nthe trainer refuses this layout: {refusal}"
         _emit(args.json, doc, text)
-        if not plan.fits:
-            raise PlanError(f"layout {layout.describe()} {shortfall(plan.memory, hw)}. "
-                            + advice(cfg, layout, hw, seq_len=seq, gpus=gpus,
-                                     global_batch=batch, memory=plan.memory))
+        if not plan.fits:  # reported above; the exit code and stderr say it too
+            raise PlanError(reason)
         return 0
     result = search(cfg, hw, gpus=gpus, global_batch=batch, seq_len=seq, name=name, top=args.top,
                     precision=precision)
-    best = result.ranked[0]
-    doc = best.to_dict(tokens=args.tokens, measured_step_s=measured)
+    doc = {}
+    if result.ranked or result.closest:
+        best = result.ranked[0] if result.ranked else result.closest
+        doc = best.to_dict(tokens=args.tokens, measured_step_s=measured)
+    doc |= {"fits": bool(result.ranked), "reason": result.reason}
     doc["ranked"] = [p.to_dict(tokens=args.tokens, measured_step_s=measured)
                      for p in result.ranked]
     doc["rejected"] = [{"layout": r.layout.to_dict() | {"text": r.layout.describe()},
                         "reason": r.reason, "memory_per_gpu_bytes": r.memory.to_dict()}
                        for r in result.rejected]
-    doc["search"] = {"considered": result.considered, "rejected_total": result.rejected_total}
-    text = "\n\n".join([report.header(best), report.ranking(result), "best: " + report.details(
-        best, tokens=args.tokens, measured_step_s=measured)])
+    doc["search"] = {"considered": result.considered, "rejected_total": result.rejected_total,
+                     "refused_by_config": result.refused}
+    if result.ranked:
+        text = "\n\n".join([report.header(best), report.ranking(result), "best: " +
+                             report.details(best, tokens=args.tokens, measured_step_s=measured)])
+    else:  # nothing fits: what was computed for the closest layout, then the reason
+        text = "\n\n".join(filter(None, [
+            report.header(best) if result.closest else "", report.ranking(result),
+            "closest: " + report.details(best, tokens=args.tokens, measured_step_s=measured)
+            if result.closest else "", "fits: no (why: below)"]))
     _emit(args.json, doc, text)
+    if not result.ranked:
+        raise PlanError(result.reason)
     return 0
 
 

@@ -199,6 +199,29 @@ def check_context_parallel(lay: Layout, cfg: ModelConfig, *, seq_len: int) -> No
                         f"must split evenly over cp; use cp_mode=ring or a cp dividing {heads}")
 
 
+def _config_fields(layout: Layout, *, seq_len: int | None,
+                   offload_dir: str) -> dict[tuple[str, str], Any]:
+    """(section, field) -> value of the training config that runs `layout` (the one
+    mapping `layout_overrides` and `layout_config` share)."""
+    lay = layout
+    pairs: dict[tuple[str, str], Any] = {
+        ("parallel", "dp"): lay.dp, ("parallel", "tp"): lay.tp, ("parallel", "pp"): lay.pp,
+        ("parallel", "cp"): lay.cp, ("parallel", "cp_mode"): lay.cp_mode,
+        ("parallel", "ep"): lay.ep, ("parallel", "sp"): lay.sp, ("parallel", "zero"): lay.zero,
+        ("parallel", "offload"): lay.offload, ("parallel", "microbatches"): lay.microbatches,
+        ("parallel", "schedule"): lay.schedule, ("parallel", "virtual_stages"): lay.v,
+        ("parallel", "ps_servers"): lay.ps_servers, ("train", "micro_batch"): lay.micro_batch,
+        ("train", "global_batch"): lay.dp * lay.micro_batch * lay.microbatches,
+        ("train", "activation_checkpointing"): lay.recompute,
+        ("train", "precision"): "fp32" if lay.precision == "fp32" else "bf16",
+    }
+    if lay.offload == "nvme":
+        pairs["parallel", "offload_dir"] = offload_dir
+    if seq_len is not None:
+        pairs["train", "seq_len"] = seq_len
+    return pairs
+
+
 def layout_overrides(layout: Layout, *, seq_len: int | None = None,
                      offload_dir: str = "offload") -> list[str]:
     """The `--section.field VALUE` overrides that make a training config run `layout`
@@ -206,23 +229,29 @@ def layout_overrides(layout: Layout, *, seq_len: int | None = None,
     batch geometry (global_batch = dp x micro_batch x microbatches) and recomputation.
     Precision: fp32 stays fp32; bf16 and amp both train under train.precision=bf16 (the
     amp policy). `attention` has no config field (the runtime's SDPA picks its kernel)."""
-    lay = layout
-    pairs = {
-        "parallel.dp": lay.dp, "parallel.tp": lay.tp, "parallel.pp": lay.pp,
-        "parallel.cp": lay.cp, "parallel.cp_mode": lay.cp_mode, "parallel.ep": lay.ep,
-        "parallel.sp": str(lay.sp).lower(), "parallel.zero": lay.zero,
-        "parallel.offload": lay.offload, "parallel.microbatches": lay.microbatches,
-        "parallel.schedule": lay.schedule, "parallel.virtual_stages": lay.v,
-        "parallel.ps_servers": lay.ps_servers, "train.micro_batch": lay.micro_batch,
-        "train.global_batch": lay.dp * lay.micro_batch * lay.microbatches,
-        "train.activation_checkpointing": lay.recompute,
-        "train.precision": "fp32" if lay.precision == "fp32" else "bf16",
-    }
-    if lay.offload == "nvme":
-        pairs["parallel.offload_dir"] = offload_dir
-    if seq_len is not None:
-        pairs["train.seq_len"] = seq_len
-    return [item for key, value in pairs.items() for item in (f"--{key}", str(value))]
+    fields = _config_fields(layout, seq_len=seq_len, offload_dir=offload_dir)
+    return [item for (section, name), value in fields.items()
+            for item in (f"--{section}.{name}", str(value).lower() if isinstance(value, bool)
+                         else str(value))]
+
+
+def layout_config(layout: Layout, cfg: ModelConfig, *, seq_len: int) -> Config:
+    """The training Config (defaults elsewhere) that runs `layout` on model `cfg`."""
+    out = Config(model=cfg)
+    for (section, name), value in _config_fields(layout, seq_len=seq_len,
+                                                 offload_dir="offload").items():
+        setattr(getattr(out, section), name, value)
+    return out
+
+
+def trainer_refusal(layout: Layout, cfg: ModelConfig, *, seq_len: int) -> str | None:
+    """Why the trainer's own config validation (`Config.validate`) refuses `layout`, or
+    None when it runs: the planner proposes only what the trainer accepts."""
+    try:
+        layout_config(layout, cfg, seq_len=seq_len).validate(layout.gpus)
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 def config_layout(cfg: Config, world_size: int) -> Layout:

@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardtrain.config import ModelConfig
-from shardtrain.plan.activations import runtime_activation_bytes
+from shardtrain.plan.activations import moe_block_bytes, runtime_activation_bytes
 from shardtrain.plan.layout import Layout
 from shardtrain.plan.partition import rank_params
 
@@ -109,11 +109,20 @@ def layer_activation_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int,
     lay, s = layout, seq_len // layout.cp
     recompute = recompute or lay.recompute
     if lay.precision == "bf16":
-        return activation_bytes_per_layer(s=s, b=lay.micro_batch, h=cfg.dim, a=cfg.n_heads,
-                                          t=lay.tp, sp=lay.sp, recompute=recompute)
+        dense = activation_bytes_per_layer(s=s, b=lay.micro_batch, h=cfg.dim, a=cfg.n_heads,
+                                           t=lay.tp, sp=lay.sp, recompute=recompute)
+        if not cfg.n_experts or recompute == "full":
+            return dense
+        # an MoE block: the published dense layer plus what the block keeps beyond a dense
+        # MLP, counted as shardtrain's runtime keeps it in 16 bits (activations.py)
+        n = s * lay.micro_batch
+        mlp = (4 if cfg.style == "llama" else 2) * n * (cfg.ffn_hidden // lay.tp) * 2
+        return dense + moe_block_bytes(cfg, tokens=n / lay.tp if lay.sp else n,
+                                       precision="bf16", ep=lay.ep) - mlp
     return runtime_activation_bytes(cfg, s=s, b=lay.micro_batch, t=lay.tp, sp=lay.sp,
                                     recompute=recompute, precision=lay.precision,
-                                    attention=lay.attention, cp=lay.cp, cp_mode=lay.cp_mode)
+                                    attention=lay.attention, cp=lay.cp, cp_mode=lay.cp_mode,
+                                    ep=lay.ep)
 
 
 def in_flight(schedule: str, m: int, p: int, v: int = 1) -> float:

@@ -4,9 +4,11 @@ The planner reports the busiest rank: the pipeline stage with the most parameter
 stage holds ceil(L / (p v)) layers per virtual chunk; the first stage also holds the
 token (and position) embedding, the last the final norm and the output head, or a copy of
 the tied embedding as Megatron-LM keeps one (Narayanan et al. 2021). Tensor parallelism
-splits every weight t ways (vocabulary-parallel embedding and head; replicated norms and
-biases are counted as split too, a < 0.1% simplification); expert parallelism splits the
-experts ep ways. With tp = pp = ep = 1 the total is exactly `param_counts(cfg).total`.
+splits every dense weight t ways (vocabulary-parallel embedding and head; replicated norms,
+biases and the MoE router are counted as split too, a < 0.1% simplification). Experts are
+not split by tp: each tp rank holds whole experts (parallel/expert/layers.py) and expert
+parallelism splits them ep ways, n_experts / ep per rank. With tp = pp = ep = 1 the total
+is exactly `param_counts(cfg).total`.
 """
 
 from __future__ import annotations
@@ -48,6 +50,6 @@ def rank_params(cfg: ModelConfig, layout: Layout) -> RankParams:
         last = norm_params(cfg) + word  # the untied head, or the tied embedding's copy
         outside = max(first, last)
     t = layout.tp
-    return RankParams(dense=(layers * dense_layer + outside) / t,
-                      expert=layers * expert_layer / (t * layout.ep),
-                      layer=(dense_layer + expert_layer / layout.ep) / t, layers=layers)
+    expert = expert_layer / layout.ep  # replicated over tp, split over ep
+    return RankParams(dense=(layers * dense_layer + outside) / t, expert=layers * expert,
+                      layer=dense_layer / t + expert, layers=layers)

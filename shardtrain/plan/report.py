@@ -87,7 +87,7 @@ def ranking(result: SearchResult) -> str:
     rows = [[i + 1, p.layout.describe(), p.time.step_s, p.time.tokens_per_s, p.time.mfu,
              p.memory.total / GB] for i, p in enumerate(result.ranked)]
     text = [f"ranked layouts ({result.considered:,} considered, {result.rejected_total:,} do "
-            "not fit)", table(["#", "layout", "step s", "tokens/s", "MFU", "GB/GPU"], rows)]
+            f"not fit, {result.refused:,} refused by the trainer's config validation)", table(["#", "layout", "step s", "tokens/s", "MFU", "GB/GPU"], rows)]
     if result.rejected:
         text += ["", "closest rejected",
                  table(["layout", "why"], [[r.layout.describe(), r.reason]

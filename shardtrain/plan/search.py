@@ -1,16 +1,19 @@
-"""Layout search: enumerate valid layouts, drop those that do not fit, rank the rest.
+"""Layout search: enumerate layouts, keep those the trainer runs, drop those that do not
+fit, rank the rest.
 
-Enumerated: tp among the divisors of the node size that split the heads, the kv heads
-and the MLP (dense models only); pp among the divisors of the layer count; cp > 1 only
-for sequences of 8K tokens or more, ring always and Ulysses where cp divides each tp
-rank's heads; micro-batches of 1-16 sequences dividing the per-replica batch; ZeRO 0-3
-when there is data parallelism (one stage otherwise: they coincide), with pp too;
-recompute none / selective / full; sp with tp; GPipe, 1F1B and interleaved (v dividing
-the layers per stage, m a multiple of p). Only layouts the trainer runs are proposed:
-each exclusion names the config rule it follows (tests/test_plan_cp.py builds a Config
-from every top layout and validates it). ep > 1 is not proposed (the trainer runs it only
-with plain dp, config.check_expert_parallel). Offload (cpu, nvme) is tried only when
-nothing fits without it. Ranked by predicted step time, then memory.
+Enumerated: tp among the divisors of the node size; pp among the divisors of the layer
+count; cp > 1 only for sequences of 8K tokens or more, ring and Ulysses; for a
+mixture-of-experts model ep among the divisors of dp x cp that divide the experts;
+micro-batches of 1-16 sequences dividing the per-replica batch; ZeRO 0-3 when there is
+data parallelism (one stage otherwise: they coincide); recompute none / selective / full;
+sp with tp; GPipe, 1F1B and interleaved (v dividing the layers per stage, m a multiple of
+p). Every candidate then goes through the trainer's own config validation
+(`layout.trainer_refusal`: `Config.validate` of the config `layout_overrides` describes),
+so a layout the trainer refuses (a tp that does not split the kv heads, an sp or cp that
+does not split the sequence, Ulysses heads cp does not divide, ...) is never proposed, and
+no rule is restated here: when the trainer learns a composition, the search proposes it. Offload
+(cpu, nvme) is tried only when nothing fits without it. Ranked by predicted step time,
+then memory.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from shardtrain.config import ModelConfig
 from shardtrain.cost.counts import param_counts
 from shardtrain.plan.evaluate import Plan, evaluate
 from shardtrain.cost.hardware import Hardware
-from shardtrain.plan.layout import Layout, PlanError, check
+from shardtrain.plan.layout import Layout, PlanError, check, trainer_refusal
 from shardtrain.plan.memory import MemoryBreakdown, memory_per_gpu
 
 GB = 1e9
@@ -39,10 +42,13 @@ class Rejected:
 
 @dataclass(frozen=True, kw_only=True)
 class SearchResult:
-    ranked: tuple[Plan, ...]  # the fastest `top`
+    ranked: tuple[Plan, ...]  # the fastest `top`; empty when nothing fits
     rejected: tuple[Rejected, ...]  # the `top` that came closest to fitting
-    considered: int
+    considered: int  # enumerated layouts the trainer accepts
     rejected_total: int
+    refused: int = 0  # enumerated layouts the trainer's config validation refuses
+    closest: Plan | None = None  # nothing fits: the closest layout, evaluated in full
+    reason: str = ""  # nothing fits: why, and the knob that helps most
 
 
 def _divisors(n: int) -> list[int]:
@@ -51,8 +57,20 @@ def _divisors(n: int) -> list[int]:
 
 def candidates(cfg: ModelConfig, *, gpus: int, node_size: int, global_batch: int,
                seq_len: int, precision: str, offload: str = "none") -> Iterator[Layout]:
+    """The enumerated layouts the trainer's config validation accepts."""
+    for layout in enumerate_layouts(cfg, gpus=gpus, node_size=node_size,
+                                    global_batch=global_batch, seq_len=seq_len,
+                                    precision=precision, offload=offload):
+        if trainer_refusal(layout, cfg, seq_len=seq_len) is None:
+            yield layout
+
+
+def enumerate_layouts(cfg: ModelConfig, *, gpus: int, node_size: int, global_batch: int,
+                      seq_len: int, precision: str, offload: str = "none") -> Iterator[Layout]:
+    """Every layout of the module docstring's grid that fills the GPUs and splits the
+    batch, before config validation."""
     for tp in _divisors(min(node_size, gpus)):
-        if not _tp_runs(cfg, tp) or gpus % tp:
+        if gpus % tp:
             continue
         for pp in _divisors(cfg.n_layers):
             # cp splits each sequence into 2 cp chunks (the zigzag split, parallel.cp_split)
@@ -60,31 +78,20 @@ def candidates(cfg: ModelConfig, *, gpus: int, node_size: int, global_batch: int
             for cp in cps:
                 if gpus % (tp * pp * cp) or global_batch % (gpus // (tp * pp * cp)):
                     continue
-                # Ulysses needs each tp rank's query heads to split over cp (layout.py)
-                modes = ["ring"] + (["ulysses"] if (cfg.n_heads // tp) % cp == 0 else [])
-                for cp_mode in modes if cp > 1 else ["ring"]:
-                    yield from _inner(cfg, dp=gpus // (tp * pp * cp), tp=tp, pp=pp, cp=cp,
-                                      cp_mode=cp_mode, global_batch=global_batch,
-                                      seq_len=seq_len, precision=precision, offload=offload)
+                dp = gpus // (tp * pp * cp)
+                eps = [e for e in _divisors(dp * cp) if cfg.n_experts % e == 0] \
+                    if cfg.n_experts else [1]
+                for cp_mode in ("ring", "ulysses") if cp > 1 else ("ring",):
+                    for ep in eps:
+                        yield from _inner(cfg, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep,
+                                          cp_mode=cp_mode, global_batch=global_batch,
+                                          seq_len=seq_len, precision=precision,
+                                          offload=offload)
 
 
-def _tp_runs(cfg: ModelConfig, tp: int) -> bool:
-    """What config.check_tensor_parallel accepts: tp splits the heads and the MLP, kv heads
-    split (n_kv_heads >= tp) or are shared (tp a multiple of them); no tensor parallelism
-    of MoE layers. (sp's sequence split is checked where sp is chosen.)"""
-    if tp == 1:
-        return True
-    g = cfg.kv_heads
-    kv_fits = g % tp == 0 if g >= tp else tp % g == 0
-    return (cfg.n_heads % tp == 0 and cfg.ffn_hidden % tp == 0 and kv_fits
-            and not cfg.n_experts)
-
-
-def _inner(cfg: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, cp_mode: str,
+def _inner(cfg: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, ep: int, cp_mode: str,
            global_batch: int, seq_len: int, precision: str, offload: str) -> Iterator[Layout]:
-    # ep stays 1: the trainer runs ep only with plain dp (config.check_expert_parallel)
-    # sp splits each rank's (S / cp) tokens over tp (config.check_tensor_parallel)
-    sps = (False, True) if tp > 1 and (seq_len // cp) % tp == 0 else (False,)
+    sps = (False, True) if tp > 1 else (False,)
     zeros = {"none": (0, 1, 2, 3), "cpu": (1, 2, 3), "nvme": (3,)}[offload]
     zeros = tuple(z for z in zeros if dp * cp > 1 or z == zeros[0])  # all alike on one replica
     per_replica = global_batch // dp
@@ -100,24 +107,29 @@ def _inner(cfg: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, cp_mode: str
             for recompute in ("none", "selective", "full"):
                 for sp in sps:
                     for schedule, v in schedules:
-                        yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, cp_mode=cp_mode, zero=zero,
-                                     offload=offload, precision=precision,
+                        yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, cp_mode=cp_mode, ep=ep,
+                                     zero=zero, offload=offload, precision=precision,
                                      recompute=recompute, sp=sp, micro_batch=b,
                                      microbatches=m, schedule=schedule, v=v)
 
 
 def search(cfg: ModelConfig, hw: Hardware, *, gpus: int, global_batch: int, seq_len: int,
            name: str = "", top: int = 5, precision: str | None = None) -> SearchResult:
-    """The `top` fastest layouts that fit; PlanError (with the missing memory and the
-    knob that helps most) when none does."""
+    """The `top` fastest layouts the trainer runs that fit. When none fits, `ranked` is
+    empty and `reason` says why (the missing memory and the knob that helps most), with the
+    closest layout evaluated in `closest` (none when no layout splits batch and layers)."""
     precision = precision or hw.default_precision
     node = hw.node_size(gpus)
     fitting: list[tuple[Layout, MemoryBreakdown]] = []
     rejected: list[Rejected] = []
-    considered = 0
+    considered = refused = 0
     for offload in ("none", "cpu", "nvme"):
-        for layout in candidates(cfg, gpus=gpus, node_size=node, global_batch=global_batch,
-                                 seq_len=seq_len, precision=precision, offload=offload):
+        for layout in enumerate_layouts(cfg, gpus=gpus, node_size=node,
+                                        global_batch=global_batch, seq_len=seq_len,
+                                        precision=precision, offload=offload):
+            if trainer_refusal(layout, cfg, seq_len=seq_len) is not None:
+                refused += 1
+                continue
             considered += 1
             memory = memory_per_gpu(cfg, layout, seq_len=seq_len)
             if memory.total <= hw.usable_bytes:
@@ -128,21 +140,27 @@ def search(cfg: ModelConfig, hw: Hardware, *, gpus: int, global_batch: int, seq_
         if fitting:
             break
     rejected.sort(key=lambda r: r.memory.total)
+    counts = dict(considered=considered, rejected_total=len(rejected), refused=refused,
+                  rejected=tuple(rejected[:top]))
     if not fitting:
         if not rejected:
-            raise PlanError(f"no layout of {gpus} GPUs (node size {node}) can split the "
-                            f"global batch {global_batch} and {cfg.n_layers} layers; pick a "
-                            "--global-batch divisible by more data-parallel degrees")
-        closest = rejected[0]
-        raise PlanError(f"{name or 'the model'} fits nowhere on {gpus} x {hw.name}: the closest "
-                        f"layout ({closest.layout.describe()}) {closest.reason}. "
-                        + advice(cfg, closest.layout, hw, seq_len=seq_len, gpus=gpus,
-                                 global_batch=global_batch, memory=closest.memory))
+            return SearchResult(ranked=(), **counts, reason=(
+                f"no layout of {gpus} GPUs (node size {node}) that the trainer runs can split "
+                f"the global batch {global_batch} and {cfg.n_layers} layers ({refused} refused "
+                "by config validation); pick a --global-batch divisible by more "
+                "data-parallel degrees"))
+        near = rejected[0]
+        closest = evaluate(cfg, near.layout, hw, global_batch=global_batch, seq_len=seq_len,
+                           name=name, memory=near.memory)
+        return SearchResult(ranked=(), **counts, closest=closest, reason=(
+            f"{name or 'the model'} fits nowhere on {gpus} x {hw.name}: the closest layout "
+            f"({near.layout.describe()}) {near.reason}. "
+            + advice(cfg, near.layout, hw, seq_len=seq_len, gpus=gpus,
+                     global_batch=global_batch, memory=near.memory)))
     plans = [evaluate(cfg, lay, hw, global_batch=global_batch, seq_len=seq_len, name=name,
                       memory=mem) for lay, mem in fitting]
     plans.sort(key=lambda p: (p.time.step_s, p.memory.total))
-    return SearchResult(ranked=tuple(plans[:top]), rejected=tuple(rejected[:top]),
-                        considered=considered, rejected_total=len(rejected))
+    return SearchResult(ranked=tuple(plans[:top]), **counts)
 
 
 def shortfall(memory: MemoryBreakdown, hw: Hardware) -> str:
@@ -173,6 +191,8 @@ def advice(cfg: ModelConfig, layout: Layout, hw: Hardware, *, seq_len: int, gpus
                   global_batch=global_batch, seq_len=seq_len)
         except PlanError:
             continue
+        if trainer_refusal(variant, cfg, seq_len=seq_len) is not None:
+            continue  # advise only what the trainer runs
         total = memory_per_gpu(cfg, variant, seq_len=seq_len).total
         if variant != lay and total < memory.total:
             after[knob] = total

@@ -26,8 +26,18 @@ one micro-batch, s = seq / cp; P, G = this rank's parameter and gradient bytes):
   (G' = G when N divides it, else H: kv heads repeated), each sending (N-1)/N of its
   input; exposed. Full recomputation reruns the forward's two; selective changes neither
   mode (a context-parallel core declares `recomputes_in_backward` and is not wrapped).
-- ep: per MoE layer and micro-batch, all-to-all dispatch and combine of the routed
-  tokens (top-k copies of b s/cp tokens, / t with sp), forward and backward.
+- ep (`expert_parallel_ops`, what parallel/expert/layers.py sends; native pairwise
+  all-to-alls, the ledger's (n-1)/n of the input): per MoE layer on this stage and
+  micro-batch, the kept-slot counts [E] int64, the slot rows [K, C] to the experts' ranks
+  and the expert outputs back; backward the two swapped. Each tp rank routes its own
+  T = b s/cp tokens (/ t with sp) into K = T k slots, under uniform routing (dropless: the
+  slots depend on the data, K is their mean) or at most E ceil(f T k / E) under a capacity
+  factor f. Rows travel in their dtype: the normed input (the residual stream's, fp32
+  under amp) to the experts, the experts' output back (16-bit under amp for SwiGLU; gpt2's
+  fp32 bias add makes it fp32). Full recomputation reruns the forward's three; selective
+  leaves the MoE block alone (it checkpoints the attention core). Under sp and cp (any
+  ep) the balance loss's [E] int64 routed counts are all-reduced over tp and over cp per
+  MoE forward (`moe_counts_ops`).
 Times come from `shardtrain.cost.collectives` with the fastest algorithm for the group's
 placement: inside a node the NVLink/PCIe link, across nodes one GPU's share of the node's
 network (flat), or two-tier (hierarchical, torus2d) when a group spans part of a node.
@@ -64,9 +74,10 @@ class CommOp:
     time_s: float  # per step, all calls, as if nothing overlapped
     overlap: str  # hides under: "step" the last backward, "backward" every backward,
     # "compute" all compute; "none": exposed
+    what: str = ""  # which of a group's same-op transfers (ep: counts, dispatch, combine)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"group": self.group, "op": self.op, "ranks": self.ranks,
+        return {"group": self.group, "op": self.op, "what": self.what, "ranks": self.ranks,
                 "message_bytes": self.message_bytes, "calls": self.calls,
                 "algorithm": self.algorithm, "bytes_sent": self.bytes_sent,
                 "time_s": self.time_s, "overlap": self.overlap}
@@ -183,12 +194,56 @@ def step_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, seq_len: int,
     if lay.cp > 1:
         ops += context_parallel_ops(cfg, lay, seq_len=seq_len,
                                     where=placement(hw, node, lay.tp, lay.cp))
+    ops += moe_counts_ops(cfg, lay, tp=placement(hw, node, 1, lay.tp),
+                          cp=placement(hw, node, lay.tp, lay.cp))
     if lay.ep > 1:
-        where = placement(hw, node, lay.tp, lay.ep)
-        routed = cfg.moe_top_k * x / (lay.tp if lay.sp else 1)
-        ops.append(_collective("ep", "all_to_all", lay.ep, routed,
-                               ranks.layers * m * (6 if extra else 4), where, "none"))
+        ops += expert_parallel_ops(cfg, lay, seq_len=seq_len,
+                                   where=placement(hw, node, lay.tp, lay.ep))
     return ops
+
+
+def routed_slots(cfg: ModelConfig, layout: Layout, *, seq_len: int) -> float:
+    """Kept slots one rank sends to the experts per MoE layer and micro-batch: T k under
+    uniform routing, capped at E ceil(f T k / E) by a capacity factor f (model/moe.py)."""
+    lay = layout
+    tokens = lay.micro_batch * (seq_len // lay.cp) // (lay.tp if lay.sp else 1)
+    slots = tokens * cfg.moe_top_k
+    if cfg.moe_capacity_factor > 0:
+        slots = min(slots, cfg.n_experts * math.ceil(cfg.moe_capacity_factor * slots
+                                                     / cfg.n_experts))
+    return float(slots)
+
+
+def expert_parallel_ops(cfg: ModelConfig, layout: Layout, *, seq_len: int,
+                        where: Placement = FREE) -> list[CommOp]:
+    """The ep group's all-to-alls of one rank in one step (module docstring): counts, the
+    slot rows out, the rows back."""
+    lay, n = layout, layout.ep
+    if n <= 1 or not cfg.n_experts:
+        return []
+    forwards = 2 if lay.recompute == "full" else 1
+    calls = rank_params(cfg, lay).layers * lay.microbatches  # MoE forwards per step
+    rows = routed_slots(cfg, lay, seq_len=seq_len) * cfg.dim
+    out_bytes = 2 if lay.precision == "bf16" else 4  # the normed input's dtype
+    back_bytes = 4 if lay.precision == "fp32" or (lay.precision == "amp" and
+                                                  cfg.style == "gpt2") else 2
+    return [_a2a(n, cfg.n_experts * 8, calls * forwards, where, "ep", "counts"),
+            _a2a(n, rows * out_bytes, calls * (forwards + 1), where, "ep", "dispatch"),
+            _a2a(n, rows * back_bytes, calls * (forwards + 1), where, "ep", "combine")]
+
+
+def moe_counts_ops(cfg: ModelConfig, layout: Layout, *, tp: Placement = FREE,
+                   cp: Placement = FREE) -> list[CommOp]:
+    """The balance loss's [E] int64 routed counts summed over the micro-batch's token group
+    (parallel/expert/groups.py, tag moe_counts): an all-reduce over tp under sp and one
+    over cp, per MoE training forward (full recomputation's rerun included); any ep."""
+    lay = layout
+    calls = rank_params(cfg, lay).layers * lay.microbatches * (2 if lay.recompute == "full"
+                                                               else 1)
+    groups = [("tp", lay.tp, tp)] if lay.sp else []
+    return [_a2a(size, cfg.n_experts * 8, calls, where, group, "moe_counts", "all_reduce")
+            for group, size, where in groups + [("cp", lay.cp, cp)]
+            if cfg.n_experts and size > 1]
 
 
 def context_parallel_ops(cfg: ModelConfig, layout: Layout, *, seq_len: int,
@@ -213,12 +268,14 @@ def context_parallel_ops(cfg: ModelConfig, layout: Layout, *, seq_len: int,
     return [_a2a(n, nbytes, calls * (forwards + 1), where) for nbytes in (qkv, out)]
 
 
-def _a2a(size: int, nbytes: float, calls: int, where: Placement) -> CommOp:
-    """All-to-all as the runtime's native backend runs it: pairwise, (n-1)/n of the input."""
-    one = cost("all_to_all", nbytes, size, where.link, algorithm="native")
-    return CommOp(group="cp", op="all_to_all", ranks=size, message_bytes=nbytes, calls=calls,
+def _a2a(size: int, nbytes: float, calls: int, where: Placement, group: str = "cp",
+         what: str = "", op: str = "all_to_all") -> CommOp:
+    """`op` (all-to-all: pairwise, (n-1)/n of the input) as the runtime's native backend
+    runs it and the ledger counts it."""
+    one = cost(op, nbytes, size, where.link, algorithm="native")
+    return CommOp(group=group, op=op, ranks=size, message_bytes=nbytes, calls=calls,
                   algorithm="native", bytes_sent=one.sent_bytes * calls,
-                  time_s=one.time_s * calls, overlap="none")
+                  time_s=one.time_s * calls, overlap="none", what=what)
 
 
 def cp_bytes_per_step(cfg: ModelConfig, layout: Layout, seq_len: int) -> float:
