@@ -59,10 +59,6 @@ def worker(args: dict) -> dict:
         cfg = build_config(args, ep, args["run_dir"])
         mesh = build_mesh(MeshShape(dp=info.world_size, ep=ep), rank=info.rank)
         trainers[ep] = Trainer(cfg, mesh, device)
-        # ep = dp = world: dp and ep share the WORLD Gloo group, and the first gradient
-        # all-reduce's size check (on the dp lane's thread) can race the backward's
-        # all-to-alls into a deadlock; one synchronous all-reduce settles the check first
-        mesh.comm(mesh.replica_dim).all_reduce(torch.zeros(1), "sum", tag="warm")
     times: dict[int, list[float]] = {ep: [] for ep in trainers}
     ep_bytes: dict[int, list[int]] = {ep: [] for ep in trainers}
     for i in range(args["warmup"] + args["steps"]):

@@ -148,14 +148,6 @@ def _ep_steps(rank: int, world: int, texts: list[str]) -> list[tuple[list, int]]
     for text in texts:
         cfg = config.loads(text)
         trainer = Trainer(cfg, make_mesh(cfg, rank, world), torch.device("cpu"))
-        # At ep = dp = world the dp and ep communicators share the WORLD Gloo group; the
-        # first gradient all-reduce's size check runs on the dp lane's thread while the
-        # main thread's backward all-to-alls go on, and the two can reach WORLD in
-        # opposite orders on the two ranks (a runtime race, reported). One synchronous
-        # all-reduce first settles the check, so every later call is issued in program
-        # order. Ledger rows tagged "warm" are not ep rows.
-        trainer.mesh.comm(trainer.mesh.replica_dim).all_reduce(torch.zeros(1), "sum",
-                                                               tag="warm")
         steps = []
         for _ in range(STEPS):
             first = len(trainer.mesh.ledger.records)
