@@ -119,7 +119,7 @@ class Watchdog:
             who = "every rank of the group entered it (a peer is slow, or waits elsewhere)"
         age = time.monotonic() - entry.start
         return (f"rank {self.rank}: collective timed out: {entry.describe()}, started "
-                f"{age:.1f} s ago ({why}); {who}")
+                f"{age:.1f} s ago; {who} (rank {self.rank}'s wait: {why})")
 
     def abort(self, why: str | None) -> None:
         """Diagnose, dump, tell the peers, end the process; never returns. `why`: this
@@ -135,8 +135,8 @@ class Watchdog:
                 if not self.store.check([PREFIX + "abort"]):
                     self.store.set(PREFIX + "abort", lines[0])
             report = self.store.get(PREFIX + "abort").decode() \
-                if self.store.check([PREFIX + "abort"]) else ""
-            if report and report not in lines:
+                if not lines and self.store.check([PREFIX + "abort"]) else ""
+            if report:
                 mine = f"this rank's oldest pending call: {entry.describe()}" if entry else \
                     "this rank had no collective pending"
                 lines.append(f"rank {self.rank}: exiting because a peer reported a hang: "
@@ -170,5 +170,7 @@ class Watchdog:
             while acks < self.world_size and time.monotonic() < deadline:
                 time.sleep(0.1)
                 acks = self.store.add(PREFIX + "acks", 0)
+            if self.rank == 0:  # the store's host under a plain env:// start: leave last
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
         except Exception:
             pass
