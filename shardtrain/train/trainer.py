@@ -155,7 +155,8 @@ class Trainer:
                 self.save()
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-            if self.is_main and (self.step % t.log_every == 0 or final or "eval_loss" in record):
+            if self.is_main and (self.step % t.log_every == 0 or final or "eval_loss" in record
+                                 or record["bad_step"]):
                 if not t.progress:
                     print(format_record(record), flush=True)
                 elif "eval_loss" in record:
