@@ -20,8 +20,8 @@ from shardtrain.comm.p2p import CommError, CommTimeout
 from shardtrain.cost.link import Link
 from shardtrain.mesh import Group, MeshShape, ParallelMesh
 
-__all__ = ["CommError", "CommFactory", "CommTimeout", "CommLedger", "CommRecord", "Communicator", "Handle",
-           "build_mesh"]
+__all__ = ["CommError", "CommFactory", "CommLedger", "CommRecord", "CommTimeout", "Communicator",
+           "Handle", "build_mesh"]
 
 
 @dataclass

@@ -14,7 +14,8 @@ collectives, the group's sequence number (1 for its first collective, 2 for the 
 Point-to-point messages carry no sequence number (two ranks of a group exchange them, not
 all): their entry names the peers instead. The recorder keeps the last `capacity` entries
 (the ring, what a dump shows), every entry not yet completed (what a timeout examines),
-and each group's sequence number (what a rank publishes, comm/watchdog.py).
+and each group's sequence number (what a rank publishes, with the call it waits in:
+comm/watchdog.py).
 
 One recorder per process: it hangs off the ledger every communicator of a run shares.
 On NCCL a call's wait is a stream wait that returns at once (dispatch.py), so an entry
@@ -82,14 +83,18 @@ class FlightRecorder:
         self.pending[id(entry)] = entry
         return entry
 
-    def complete(self, entry: Entry) -> None:
-        """The call's wait returned. With a backend work handle not yet completed (NCCL: a
-        stream wait) the entry stays pending until `poll` sees the work finish."""
-        if entry.work is not None and not entry.work.is_completed():
+    def complete(self, entry: Entry, *, streamed: bool = False) -> None:
+        """The call's wait returned. `streamed` (NCCL: the wait was a stream wait) with a
+        work handle not yet completed: the entry stays pending until `poll` sees the work
+        finish. On Gloo the host's wait is the answer (some Gloo works never report
+        completion to the query)."""
+        if streamed and entry.work is not None and not entry.work.is_completed():
             return
         entry.state, entry.end = "completed", time.monotonic()
         entry.work = None  # hold no backend object longer than needed
         self.pending.pop(id(entry), None)
+        if len(self.pending) > 2 * CAPACITY:  # no watchdog polls (a direct use on NCCL):
+            self.poll()  # finished works must not pile up with their tensors
 
     def poll(self) -> Entry | None:
         """Complete the pending entries whose work has finished; the oldest still pending."""
@@ -114,9 +119,13 @@ class FlightRecorder:
                         "end": round(e.end + shift, 6) if e.end else None})
         return out
 
-    def published(self) -> str:
-        """This rank's sequence numbers as the text it publishes (watchdog.py)."""
-        return json.dumps(dict(self.seqs), sort_keys=True)
+    def published(self, waiting: Entry | None = None) -> str:
+        """What this rank publishes (watchdog.py): its sequence numbers, and the call it has
+        been waiting in (`waiting`, if any), so a peer's diagnosis can follow a chain of
+        waits to the rank that holds everyone up."""
+        return json.dumps({"seqs": dict(self.seqs),
+                           "waiting": waiting.describe() if waiting is not None else ""},
+                          sort_keys=True)
 
 
 def group_key(name: str, ranks: list[int] | tuple[int, ...]) -> str:
@@ -132,7 +141,12 @@ def missing_ranks(entry: Entry, seqs: dict[int, dict[str, int] | None]) -> list[
     point-to-point entry's answer is its peers: which side stalls is not recorded."""
     if not entry.seq:
         return list(entry.peers)
-    return [r for r in entry.ranks if (seqs.get(r) or {}).get(entry.key, 0) < entry.seq]
+    return [r for r in entry.ranks if number(seqs.get(r), entry.key) < entry.seq]
+
+
+def number(seqs: dict[str, int] | None, key: str) -> int:
+    """A rank's sequence number for group `key` (0: none published)."""
+    return (seqs or {}).get(key, 0)
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:

@@ -36,7 +36,7 @@ import threading
 import time
 from pathlib import Path
 
-from shardtrain.comm.flight import Entry, FlightRecorder, missing_ranks
+from shardtrain.comm.flight import Entry, FlightRecorder, missing_ranks, number
 
 PREFIX = "shardtrain/flight/"
 EXIT_CODE = 1
@@ -74,45 +74,50 @@ class Watchdog:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
+            oldest = self.recorder.poll()
             try:
-                self.publish()
+                self.publish(oldest)
                 reported = self.store.check([PREFIX + "abort"])
             except Exception:  # the store's host is gone: the run is ending anyway
                 continue
-            oldest = self.recorder.poll()
             if reported:
                 self.abort(None)
             elif oldest is not None and time.monotonic() - oldest.start > self.timeout_s:
-                self.abort(f"its wait has lasted over comm.timeout_s={self.timeout_s:g} s")
+                self.abort(f"the call has lasted over comm.timeout_s={self.timeout_s:g} s")
 
-    def publish(self) -> None:
-        text = self.recorder.published()
+    def publish(self, oldest: Entry | None = None) -> None:
+        """Write this rank's numbers and, once it has waited a full interval in one call,
+        that call (flight.FlightRecorder.published), if they changed."""
+        if oldest is not None and time.monotonic() - oldest.start < self.interval:
+            oldest = None
+        text = self.recorder.published(oldest)
         if text != self._published:
             self.store.set(f"{PREFIX}seq/{self.rank}", text)
             self._published = text
 
-    def peer_seqs(self, ranks: tuple[int, ...]) -> dict[int, dict[str, int] | None]:
-        """Each rank's published sequence numbers (None: it never published); this rank's
-        own are its current ones."""
-        out: dict[int, dict[str, int] | None] = {}
+    def peer_states(self, ranks: tuple[int, ...]) -> dict[int, dict]:
+        """Each rank's published state ({"seqs": ..., "waiting": ...}; {} if it never
+        published); this rank's own sequence numbers are its current ones."""
+        out: dict[int, dict] = {}
         for r in ranks:
             key = f"{PREFIX}seq/{r}"
             if r == self.rank:
-                out[r] = dict(self.recorder.seqs)
-            elif self.store.check([key]):
-                out[r] = json.loads(self.store.get(key))
+                out[r] = {"seqs": dict(self.recorder.seqs), "waiting": ""}
             else:
-                out[r] = None
+                out[r] = json.loads(self.store.get(key)) if self.store.check([key]) else {}
         return out
 
     # ------------------------------------------------------------------ the way out
 
     def diagnose(self, entry: Entry, why: str) -> str:
         """One line: the stuck call, the ranks that never arrived and their numbers."""
-        seqs = self.peer_seqs(entry.ranks)
+        states = self.peer_states(entry.ranks)
+        seqs = {r: state.get("seqs") for r, state in states.items()}
         missing = [r for r in missing_ranks(entry, seqs) if r != self.rank]
-        numbers = ", ".join(f"rank {r}: #{(seqs.get(r) or {}).get(entry.key, 0)}"
-                            for r in missing)
+        numbers = ", ".join(
+            f"rank {r}: #{number(seqs[r], entry.key)}" + (
+                f", waiting in {states[r]['waiting']}" if states[r].get("waiting") else "")
+            for r in missing)
         who = (f"ranks that did not arrive: {missing} (their last {entry.group} collective: "
                f"{numbers})" if entry.seq else f"peers that did not answer: {missing}")
         if not missing:
@@ -128,8 +133,8 @@ class Watchdog:
             threading.Event().wait()  # another thread of this process is on its way out
         lines = []
         try:
-            self.publish()
             entry = self.recorder.poll()
+            self.publish(entry)
             if why is not None and entry is not None:
                 lines.append(self.diagnose(entry, why))
                 if not self.store.check([PREFIX + "abort"]):
