@@ -28,6 +28,9 @@ class FakeWork:
     def is_completed(self) -> bool:  # a query, as the flight recorder's watchdog polls it
         return bool(self.done)
 
+    def exception(self):
+        return None
+
 
 @pytest.fixture
 def group(tmp_path):

@@ -212,7 +212,7 @@ def run(comm, op: str, name: str, record: CommRecord, *, async_op: bool, agree: 
         if finish is not None:
             finish()
         record.time_s = time.perf_counter() - started
-        comm.ledger.flight.complete(entry, streamed=comm.streamed)
+        comm.ledger.flight.complete(entry)
 
     direct = name == "native" and async_op and not comm.lane.busy()
     if direct and (comm.streamed or not check_due(comm, op, peek=True)):
@@ -221,7 +221,7 @@ def run(comm, op: str, name: str, record: CommRecord, *, async_op: bool, agree: 
         entry.work = native()
         return Handle(work=entry.work, record=record, finish=finish, where=where,
                       timeout_s=comm.timeout_s, streamed=comm.streamed,
-                      done=lambda: comm.ledger.flight.complete(entry, streamed=comm.streamed))
+                      done=lambda: comm.ledger.flight.complete(entry))
     handle = Handle(future=comm.lane.run(job, async_op=async_op))
     if not async_op:
         handle.wait()

@@ -49,7 +49,8 @@ class Entry:
     start: float = field(default_factory=time.monotonic)
     end: float = 0.0
     state: str = "issued"  # issued | completed
-    work: Any = None  # the backend's work handle, where the call has one
+    streamed: bool = False  # NCCL: the host's wait was a stream wait (module doc)
+    work: Any = None  # NCCL: the backend's work handle, queried by `poll`
 
     def describe(self) -> str:
         what = f"{self.op} #{self.seq}" if self.seq else f"{self.op} (point-to-point)"
@@ -78,17 +79,18 @@ class FlightRecorder:
             seq = self.seqs[key] = self.seqs.get(key, 0) + 1
         entry = Entry(group=comm.name, key=key, op=op, seq=seq, ranks=tuple(comm.ranks),
                       peers=tuple(comm.ranks[p] for p in peers or ()), tag=tag, numel=numel,
-                      nbytes=nbytes, algorithm=algorithm)
+                      nbytes=nbytes, algorithm=algorithm,
+                      streamed=getattr(comm, "streamed", False))
         self.ring.append(entry)
         self.pending[id(entry)] = entry
         return entry
 
-    def complete(self, entry: Entry, *, streamed: bool = False) -> None:
-        """The call's wait returned. `streamed` (NCCL: the wait was a stream wait) with a
-        work handle not yet completed: the entry stays pending until `poll` sees the work
-        finish. On Gloo the host's wait is the answer (some Gloo works never report
-        completion to the query)."""
-        if streamed and entry.work is not None and not entry.work.is_completed():
+    def complete(self, entry: Entry) -> None:
+        """The call's wait returned. On NCCL (a stream wait) an entry with a work handle not
+        yet finished stays pending until `poll` sees the work finish. On Gloo the host's
+        wait is the answer: a Gloo work that failed (timed out) also reports completion to
+        the query, and some never report it at all."""
+        if entry.streamed and entry.work is not None and not _finished(entry.work):
             return
         entry.state, entry.end = "completed", time.monotonic()
         entry.work = None  # hold no backend object longer than needed
@@ -100,7 +102,9 @@ class FlightRecorder:
         """Complete the pending entries whose work has finished; the oldest still pending."""
         oldest = None
         for entry in list(self.pending.values()):
-            if entry.work is not None and entry.work.is_completed():
+            # Any backend: a work that says it finished well has (an async Gloo call may
+            # finish long before the host waits for it).
+            if entry.work is not None and _finished(entry.work):
                 entry.work = None
                 self.complete(entry)
             elif oldest is None or entry.start < oldest.start:
@@ -147,6 +151,11 @@ def missing_ranks(entry: Entry, seqs: dict[int, dict[str, int] | None]) -> list[
 def number(seqs: dict[str, int] | None, key: str) -> int:
     """A rank's sequence number for group `key` (0: none published)."""
     return (seqs or {}).get(key, 0)
+
+
+def _finished(work) -> bool:
+    """A backend work finished without error (a query: never waits)."""
+    return work.is_completed() and work.exception() is None
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:
