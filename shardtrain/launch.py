@@ -103,9 +103,10 @@ def start_watchdog(mesh, cfg, info: ProcessInfo):
     if info.world_size == 1:
         return None
     store = dist.distributed_c10d._get_default_store()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # the launcher's count
     return Watchdog(mesh.ledger.flight, store, rank=info.rank, world_size=info.world_size,
                     timeout_s=cfg.comm.timeout_s, run_dir=cfg.train.run_dir,
-                    interval=min(1.0, cfg.comm.timeout_s / 4)).start()
+                    interval=min(1.0, cfg.comm.timeout_s / 4), attempt=attempt).start()
 
 
 def run_worker(config_text: str) -> dict:

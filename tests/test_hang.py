@@ -83,7 +83,7 @@ def test_watchdog_diagnoses_from_the_store_and_writes_the_dump(tmp_path):
     text = dogs[0].diagnose(oldest, "test")
     assert "all_reduce #4 on group dp" in text and "did not arrive: [2]" in text
     assert "rank 2: #3, waiting in all_gather #1 on group tp" in text
-    assert json.loads(store.get(f"{PREFIX}seq/2"))["seqs"] == {"dp@0": 3, "tp@2": 1}
+    assert json.loads(store.get(f"{PREFIX}0/seq/2"))["seqs"] == {"dp@0": 3, "tp@2": 1}
     dogs[0]._dump([text])
     dump = json.loads((tmp_path / "flight" / "rank0.json").read_text())
     assert dump["diagnosis"] == [text] and dump["entries"][-1]["state"] == "issued"

@@ -1,4 +1,4 @@
-"""The non-finite step guard (train/faults.py over parallel/precision.py's skip rule): a NaN
+"""The non-finite step guard (train/guard.py over parallel/precision.py's skip rule): a NaN
 loss injected on one rank of a 2-process dp run skips that step on every rank (no weight or
 optimizer change), is logged in metrics.jsonl, and past train.max_bad_steps stops the run
 naming the step and the last good checkpoint."""
@@ -15,7 +15,7 @@ from dist import run_distributed
 from parity import make_mesh, tiny
 from shardtrain import config
 from shardtrain.config import ConfigError
-from shardtrain.train.faults import BadStepGuard, NonFiniteError
+from shardtrain.train.guard import BadStepGuard, NonFiniteError
 from shardtrain.train.trainer import Trainer
 
 

@@ -8,19 +8,20 @@ the ranks talk through the c10d store (the TCPStore torch.distributed was initia
 torchrun's agent's, or rank 0's), which needs no collective:
 
 - every rank publishes its per-group sequence numbers (comm/flight.py) under
-  `shardtrain/flight/seq/<rank>`. Not on every call: a store write is a round trip to the
-  store's host (measured in docs/faults.md: tens of microseconds, more than the rest of a
-  small collective's bookkeeping together), so this watchdog thread publishes them once per
-  `interval` (1 s, or a quarter of comm.timeout_s if that is shorter), when they changed. A
-  rank blocked in a collective for comm.timeout_s has published that collective's number
+  `shardtrain/flight/<attempt>/seq/<rank>`. Not on every call: the store is one server
+  for the whole job, which a write per collective per rank would load with thousands of
+  ranks times thousands of calls a second (figures in docs/faults.md). This watchdog thread
+  publishes them once per `interval` (1 s, or a quarter of comm.timeout_s if that is
+  shorter), when they changed, with the call it has waited in for a full interval, if any.
+  A rank blocked in a collective for comm.timeout_s has published that collective's number
   long before anyone reads it; a rank that never entered it has published an older one.
 - the first rank to give up (its wait raised, or its oldest pending call outlived
   comm.timeout_s: on NCCL, where waits do not block the host, the work is polled, never
   waited) reads its peers' numbers: the ranks below its own for that group never arrived
-  (`flight.missing_ranks`). It writes that diagnosis under `shardtrain/flight/abort`.
+  (`flight.missing_ranks`). It writes that diagnosis under `.../abort`.
 - every watchdog polls that key each `interval`: a rank that sees it (however it is stuck)
   adds its own view, and every rank dumps its ring to `<run_dir>/flight/rank<R>.json`,
-  prints the diagnosis on stderr, counts itself under `shardtrain/flight/acks`, waits up
+  prints the diagnosis on stderr, counts itself under `.../acks`, waits up
   to `linger` s for every rank to do the same (so that no launcher kills a peer before it
   could speak, and the store's host stays up), and ends the process with os._exit(1): a
   rank stuck in a backend call cannot unwind, and NCCL's own watchdog tears the process
@@ -51,8 +52,11 @@ class Watchdog:
 
     def __init__(self, recorder: FlightRecorder, store, *, rank: int, world_size: int,
                  timeout_s: float, run_dir: str | Path, interval: float = 1.0,
-                 linger: float = 5.0):
+                 linger: float = 5.0, attempt: int = 0):
+        """`attempt`: the launcher's restart count, which keeps each attempt's keys apart
+        (a restarted job must not read the last attempt's report)."""
         self.recorder, self.store, self.rank, self.world_size = recorder, store, rank, world_size
+        self.prefix = f"{PREFIX}{attempt}/"
         self.timeout_s, self.interval, self.linger = timeout_s, interval, linger
         self.path = Path(run_dir) / "flight" / f"rank{rank}.json"
         self._stop = threading.Event()
@@ -77,7 +81,7 @@ class Watchdog:
             oldest = self.recorder.poll()
             try:
                 self.publish(oldest)
-                reported = self.store.check([PREFIX + "abort"])
+                reported = self.store.check([self.prefix + "abort"])
             except Exception:  # the store's host is gone: the run is ending anyway
                 continue
             if reported:
@@ -92,7 +96,7 @@ class Watchdog:
             oldest = None
         text = self.recorder.published(oldest)
         if text != self._published:
-            self.store.set(f"{PREFIX}seq/{self.rank}", text)
+            self.store.set(f"{self.prefix}seq/{self.rank}", text)
             self._published = text
 
     def peer_states(self, ranks: tuple[int, ...]) -> dict[int, dict]:
@@ -100,7 +104,7 @@ class Watchdog:
         published); this rank's own sequence numbers are its current ones."""
         out: dict[int, dict] = {}
         for r in ranks:
-            key = f"{PREFIX}seq/{r}"
+            key = f"{self.prefix}seq/{r}"
             if r == self.rank:
                 out[r] = {"seqs": dict(self.recorder.seqs), "waiting": ""}
             else:
@@ -137,10 +141,10 @@ class Watchdog:
             self.publish(entry)
             if why is not None and entry is not None:
                 lines.append(self.diagnose(entry, why))
-                if not self.store.check([PREFIX + "abort"]):
-                    self.store.set(PREFIX + "abort", lines[0])
-            report = self.store.get(PREFIX + "abort").decode() \
-                if not lines and self.store.check([PREFIX + "abort"]) else ""
+                if not self.store.check([self.prefix + "abort"]):
+                    self.store.set(self.prefix + "abort", lines[0])
+            report = self.store.get(self.prefix + "abort").decode() \
+                if not lines and self.store.check([self.prefix + "abort"]) else ""
             if report:
                 mine = f"this rank's oldest pending call: {entry.describe()}" if entry else \
                     "this rank had no collective pending"
@@ -171,10 +175,10 @@ class Watchdog:
     def _linger(self) -> None:
         deadline = time.monotonic() + self.linger
         try:
-            acks = self.store.add(PREFIX + "acks", 1)
+            acks = self.store.add(self.prefix + "acks", 1)
             while acks < self.world_size and time.monotonic() < deadline:
                 time.sleep(0.1)
-                acks = self.store.add(PREFIX + "acks", 0)
+                acks = self.store.add(self.prefix + "acks", 0)
             if self.rank == 0:  # the store's host under a plain env:// start: leave last
                 time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
         except Exception:

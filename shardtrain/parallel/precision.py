@@ -79,7 +79,7 @@ class LossScaler:
 
     The one rule for non-finite steps: a step is skipped (`skipped`) when its gradient norm
     or its loss is not finite, and it is *bad* (`bad`: the trainer's guard counts those,
-    train/faults.py) when loss scaling does not explain it: any skipped step in fp32 and
+    train/guard.py) when loss scaling does not explain it: any skipped step in fp32 and
     bf16; in fp16 a non-finite loss (the forward's, unscaled: the scale stays put) or an
     overflow with the tolerance used up at the minimum scale (halving cannot help)."""
 

@@ -27,7 +27,7 @@ from shardtrain.model.generate import generate
 from shardtrain.parallel.parallelize import parallelize
 from shardtrain.cost.counts import model_flops_per_token
 from shardtrain.train import checkpoint as ckpt
-from shardtrain.train.faults import BadStepGuard, hang_here, nan_loss
+from shardtrain.train.guard import BadStepGuard, hang_here, nan_loss
 from shardtrain.train.finetune import (build_skeleton, export_hf, nf4_bytes, resolve_init_from,
                                        start_weights)
 from shardtrain.train.metrics import (MetricsWriter, clock, device_peak_flops, moe_metrics,
@@ -90,7 +90,7 @@ class Trainer:
         lr = lr_at(self.step, base_lr=t.lr, warmup=o.warmup_steps, total=t.steps,
                    min_ratio=o.min_lr_ratio)
         start = clock(self.device)
-        hang_here(t.inject_hang, self.mesh.rank, self.step + 1)  # test hooks (faults.py)
+        hang_here(t.inject_hang, self.mesh.rank, self.step + 1)  # test hooks (guard.py)
         self.parallel.zero_grad()
         with nan_loss(self.parallel.module, t.inject_nan, self.mesh.rank, self.step + 1):
             mean_loss = self.parallel.forward_backward(self.sampler.next_step())
