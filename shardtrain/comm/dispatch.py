@@ -187,7 +187,7 @@ def run(comm, op: str, name: str, record: CommRecord, *, async_op: bool, agree: 
 
     def issue():  # the flight recorder's entry, opened when the call starts (flight.py)
         return comm.ledger.flight.issue(comm, op, tag=record.tag, numel=record.numel,
-                                 nbytes=record.msg_bytes, algorithm=name)
+                                        nbytes=record.msg_bytes, algorithm=name)
 
     def check() -> None:
         if check_due(comm, op):  # metadata: over the CPU side channel
