@@ -19,6 +19,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from shardtrain.comm.p2p import CommTimeout
+from shardtrain.comm.watchdog import NCCL_GRACE_S, Watchdog
+
 
 @dataclass(frozen=True, kw_only=True)
 class ProcessInfo:
@@ -115,6 +118,18 @@ def launch_local(nproc: int, entrypoint, *args, max_restarts: int = 0) -> dict[i
     return elastic_launch(config, entrypoint)(*args)
 
 
+def start_watchdog(mesh, cfg, info: ProcessInfo):
+    """The hang watchdog over this process's flight recorder, talking to its peers through
+    torch.distributed's store (comm/watchdog.py); None on one process."""
+    if info.world_size == 1:
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # the launcher's count
+    return Watchdog(mesh.ledger.flight, store, rank=info.rank, world_size=info.world_size,
+                    timeout_s=cfg.comm.timeout_s, run_dir=cfg.train.run_dir,
+                    interval=min(1.0, cfg.comm.timeout_s / 4), attempt=attempt).start()
+
+
 def run_worker(config_text: str) -> dict:
     """One training process: join the group, build the mesh, train. `config_text` is the
     resolved config as TOML (it travels to workers by value, not through files or env)."""
@@ -122,7 +137,7 @@ def run_worker(config_text: str) -> dict:
     from shardtrain.comm import build_mesh
     from shardtrain.mesh import MeshShape
     from shardtrain.train.checkpoint import resume_after_restart
-    from shardtrain.train.faults import restart_count
+    from shardtrain.train.guard import restart_count
     from shardtrain.train.trainer import Trainer
 
     cfg = config_mod.loads(config_text)
@@ -135,21 +150,31 @@ def run_worker(config_text: str) -> dict:
     cfg.validate(info.world_size)
     device = pick_device(cfg.train.device, info)
     check_device(cfg, device)
-    init_distributed(info, device, cfg.comm.timeout_s)
+    # NCCL's own timeout is a backstop behind the hang watchdog's (comm/watchdog.py).
+    group_timeout = cfg.comm.timeout_s + (NCCL_GRACE_S if device.type == "cuda" else 0.0)
+    init_distributed(info, device, group_timeout)
     p = cfg.parallel
     shape = MeshShape(pp=p.pp, dp=p.resolved_dp(info.world_size), cp=p.cp, tp=p.tp, ep=p.ep)
     node_size = p.node_size or info.local_world_size
     if p.ps_servers:  # the servers take the last ranks: the workers' nodes may be uneven,
         node_size = math.gcd(node_size, shape.world_size)  # so count conservatively
     mesh = build_mesh(shape, rank=info.rank, node_size=node_size,
-                      algorithm=cfg.comm.algorithm, timeout_s=cfg.comm.timeout_s, device=device)
+                      algorithm=cfg.comm.algorithm, timeout_s=cfg.comm.timeout_s, device=device,
+                      group_timeout_s=group_timeout)
+    watchdog = start_watchdog(mesh, cfg, info)
     try:
         if not mesh.member:  # a parameter server's rank (parallel/ps/, train/ps_server.py)
             from shardtrain.train.ps_server import run_server
 
             return {"server": run_server(cfg, mesh)}
         result = Trainer(cfg, mesh, device).run()
+    except CommTimeout as e:
+        if watchdog is None:
+            raise
+        watchdog.abort(str(e).splitlines()[0])  # every rank exits, naming who hung
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
     if info.rank == 0:

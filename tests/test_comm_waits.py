@@ -18,12 +18,18 @@ from shardtrain.comm import CommLedger, Communicator
 
 
 class FakeWork:
-    def __init__(self, log: list):
-        self.log = log
+    def __init__(self, log: list, done: list):
+        self.log, self.done = log, done
 
     def wait(self, *args):
         self.log.append(args)
         return True
+
+    def is_completed(self) -> bool:  # a query, as the flight recorder's watchdog polls it
+        return bool(self.done)
+
+    def exception(self):
+        return None
 
 
 @pytest.fixture
@@ -34,7 +40,8 @@ def group(tmp_path):
     dist.destroy_process_group()
 
 
-def _communicator(group, monkeypatch, backend: str, log: list) -> Communicator:
+def _communicator(group, monkeypatch, backend: str, log: list,
+                  done: list | None = None) -> Communicator:
     monkeypatch.setattr(dist, "get_backend", lambda g=None: backend)
     # Two "ranks" so that calls are not the world-size-1 no-op; the fake does the work.
     comm = Communicator(group, name="dp", ranks=[0, 1], ledger=CommLedger(), check_sizes="off",
@@ -42,7 +49,7 @@ def _communicator(group, monkeypatch, backend: str, log: list) -> Communicator:
 
     def fake_all_reduce(t, op, group=None, async_op=False):
         t.mul_(2)  # stands for the sum over the two ranks
-        return FakeWork(log)
+        return FakeWork(log, [True] if done is None else done)
 
     monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
     return comm
@@ -50,7 +57,8 @@ def _communicator(group, monkeypatch, backend: str, log: list) -> Communicator:
 
 def test_nccl_waits_on_the_stream_and_starts_no_thread(group, monkeypatch):
     log: list = []
-    comm = _communicator(group, monkeypatch, "nccl", log)
+    done: list = []  # the GPU has not finished the collectives yet
+    comm = _communicator(group, monkeypatch, "nccl", log, done)
     assert comm.streamed
     x = torch.ones(4)
     handles = [comm.all_reduce(x, "avg", async_op=True) for _ in range(3)]
@@ -58,6 +66,13 @@ def test_nccl_waits_on_the_stream_and_starts_no_thread(group, monkeypatch):
     for h in handles:
         h.wait()
     assert log == [(), (), ()]  # stream waits: no timeout argument, the host never polls
+    # The flight recorder keeps them pending until the works say they finished (a query).
+    flight = comm.ledger.flight
+    assert [e.seq for e in flight.pending.values()] == [1, 2, 3]
+    assert flight.poll().seq == 1
+    done.append(True)
+    assert flight.poll() is None and not flight.pending
+    assert [e.state for e in flight.ring] == ["completed"] * 3
     assert torch.equal(x, torch.ones(4))  # avg divided after each wait
     comm.all_reduce(x, "sum")
     assert log[-1] == () and comm.lane._thread is None

@@ -64,7 +64,8 @@ def test_round_trip_through_toml():
     (["--parallel.sp", "true"], 2, "parallel.sp=true needs parallel.tp > 1"),
     (["--parallel.tp", "2", "--parallel.sp", "true", "--train.seq_len", "31"], 2,
      "train.seq_len=31 is not divisible by parallel.tp=2"),
-    (["--parallel.tp", "2", "--model.n_experts", "4"], 2, "tensor parallelism of mixture-of-experts"),
+    (["--parallel.tp", "2", "--model.n_experts", "4", "--parallel.ep", "2"], 2,
+     "parallel.ep=2 must divide dp x cp = 1"),
     (["--train.seq_len", "1000"], 1, "train.seq_len=1000 exceeds model.max_seq_len=64"),
     (["--model.vocab_size", "100"], 1, "model.vocab_size=100 is below 256"),
 ])

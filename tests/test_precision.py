@@ -14,7 +14,7 @@ from dist import run_distributed
 from parity import make_mesh, tiny, train_layout, train_layouts
 from shardtrain import config
 from shardtrain.config import ConfigError
-from shardtrain.parallel.precision import LossScaler, ScaleTooSmall
+from shardtrain.parallel.precision import LossScaler
 from shardtrain.parallel.strategy import SCALER_FILE
 from shardtrain.plan.memory import model_states
 from shardtrain.plan.traffic import bytes_per_step, data_parallel_ops
@@ -211,14 +211,17 @@ def test_loss_scaler_rules():
     assert [s.update(one) for _ in range(3)] == [False] * 3 and s.scale == 4.0  # grown x2
     state = s.state_dict()
     assert s.update(inf) and s.scale == 4.0  # growth refilled the tolerance
-    assert s.update(inf) and s.scale == 2.0
-    with pytest.raises(ScaleTooSmall, match="minimum"):
-        s.update(inf)
+    assert s.update(inf) and s.scale == 2.0 and not s.bad  # overflows scaling explains
+    assert s.update(inf) and s.bad and s.scale == 2.0  # at the minimum: a bad step
+    assert s.update(one, loss=torch.tensor(float("nan"))) and s.bad  # a NaN loss: bad...
+    assert s.scale == 2.0 and s.clean_steps == 0  # ... and the scale stays put
+    assert not s.update(one, loss=one) and not s.bad
     restored = LossScaler(dynamic=True)
     restored.load_state_dict(state)
     assert restored.state_dict() == state
     static = LossScaler(dynamic=False, initial=8.0)
-    assert static.scale == 1.0 and static.update(inf) and static.scale == 1.0
+    assert static.scale == 1.0 and static.update(inf) and static.scale == 1.0 and static.bad
+    assert static.update(one, loss=torch.tensor(float("inf"))) and static.bad
 
 
 def test_fp16_checkpoint_holds_the_scaler(tmp):

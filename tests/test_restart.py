@@ -1,4 +1,4 @@
-"""Automatic restart (`shardtrain train --max-restarts K`, train/faults.py): a 4-process run
+"""Automatic restart (`shardtrain train --max-restarts K`; `train.inject_kill`, train/guard.py): a 4-process run
 loses one rank to SIGKILL after step 3; the launcher restarts the job, which resumes from
 the step-2 checkpoint and finishes. Its final weights equal an uninterrupted run's bitwise
 (fp32, CPU), and metrics.jsonl holds each step once. Without restarts the same kill fails
@@ -27,9 +27,8 @@ ARGS = ["--config", "tiny", "--train.steps", "6", "--checkpoint.every", "2",
 
 def _train(tmp: Path, name: str, *extra: str, kill: str = "") -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("SHARDTRAIN_KILL_AT", None)
     if kill:
-        env["SHARDTRAIN_KILL_AT"] = kill
+        extra = (*extra, "--train.inject_kill", kill)
     return subprocess.run(
         [sys.executable, "-m", "shardtrain", "train", "--nproc", "4", *ARGS, *extra,
          "--train.run_dir", str(tmp / name), "--data.cache_dir", str(tmp / "cache")],

@@ -16,12 +16,12 @@ import torch
 from shardtrain.comm.communicator import Communicator
 from shardtrain.comm.dispatch import Handle
 from shardtrain.comm.ledger import CommLedger, CommRecord
-from shardtrain.comm.p2p import CommError
+from shardtrain.comm.p2p import CommError, CommTimeout
 from shardtrain.cost.link import Link
 from shardtrain.mesh import Group, MeshShape, ParallelMesh
 
-__all__ = ["CommError", "CommFactory", "CommLedger", "CommRecord", "Communicator", "Handle",
-           "build_mesh"]
+__all__ = ["CommError", "CommFactory", "CommLedger", "CommRecord", "CommTimeout", "Communicator",
+           "Handle", "build_mesh"]
 
 
 @dataclass
@@ -45,8 +45,11 @@ class CommFactory:
 
 def build_mesh(shape: MeshShape, *, rank: int = 0, node_size: int = 0, algorithm: str = "native",
                timeout_s: float = 300.0, device: torch.device | None = None,
-               link: Link | None = None) -> ParallelMesh:
-    """The mesh of `shape` for this rank, each dim's group with its Communicator."""
-    return ParallelMesh(shape, rank=rank, node_size=node_size, timeout_s=timeout_s,
+               link: Link | None = None, group_timeout_s: float | None = None) -> ParallelMesh:
+    """The mesh of `shape` for this rank, each dim's group with its Communicator.
+    `group_timeout_s`: the process groups' own timeout where it differs from the
+    communicators' (NCCL: a backstop behind the hang watchdog, comm/watchdog.py)."""
+    return ParallelMesh(shape, rank=rank, node_size=node_size,
+                        timeout_s=timeout_s if group_timeout_s is None else group_timeout_s,
                         device=device, link=link,
                         communicator=CommFactory(algorithm=algorithm, timeout_s=timeout_s))

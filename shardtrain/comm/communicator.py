@@ -17,10 +17,9 @@ sum followed by one division). fp32, bf16 and fp16 travel in their own dtype; ea
 reduction step computes in fp32 and rounds once (torch's CPU kernels; NCCL does the same).
 Inputs may be non-contiguous (the result is copied back) and of any element count. On
 Gloo every wait honours `timeout_s` (comm.timeout_s): a peer that never answers ends in a
-CommError naming the group, the op and the algorithm. On NCCL no wait blocks the host: the
-current CUDA stream waits, and the process group's own timeout (the same comm.timeout_s,
-given to init_process_group and new_group) and the NCCL watchdog catch a silent peer.
-"""
+CommTimeout naming the group, the op and the algorithm. On NCCL no wait blocks the host:
+the current CUDA stream waits. Either way the hang watchdog (watchdog.py, over the flight
+recorder's entries: flight.py) names the ranks that never arrived and ends every rank."""
 
 from __future__ import annotations
 
@@ -32,8 +31,9 @@ import torch.distributed as dist
 
 from shardtrain.comm.algorithms import IMPLEMENTATIONS
 from shardtrain.comm import rooted
-from shardtrain.comm.dispatch import (ALGORITHMS, CHECKS, PRICED, Handle, Lane, agreed_link,
+from shardtrain.comm.dispatch import (ALGORITHMS, CHECKS, PRICED, Handle, agreed_link,
                                       choose_for, on_device, run)
+from shardtrain.comm.lane import Lane
 from shardtrain.comm.ledger import CommLedger, CommRecord, add_record
 from shardtrain.comm.p2p import Team, flat_view, offsets, post_messages, then, wait_native
 from shardtrain.comm.peer import PeerOps
@@ -238,15 +238,13 @@ class Communicator(PeerOps):
 
     def send(self, tensor: torch.Tensor, dst: int, *, tag: str = "") -> None:
         self.record("send", tensor, "native", tag)
-        work = dist.isend(tensor.contiguous(), group=self.group, group_dst=dst)
-        wait_native(work, f"send to group rank {dst} on group {self.name}", self.timeout_s,
-                    streamed=self.streamed)
+        self._wait("send", [(dist.isend(tensor.contiguous(), group=self.group, group_dst=dst),
+                             f"send to group rank {dst} on group {self.name}")], [dst], tag)
 
     def recv(self, tensor: torch.Tensor, src: int, *, tag: str = "") -> None:
         self.record("recv", tensor, "native", tag)
-        work = dist.irecv(tensor, group=self.group, group_src=src)
-        wait_native(work, f"recv from group rank {src} on group {self.name}", self.timeout_s,
-                    streamed=self.streamed)
+        self._wait("recv", [(dist.irecv(tensor, group=self.group, group_src=src),
+                             f"recv from group rank {src} on group {self.name}")], [src], tag)
 
     def exchange(self, sends: list[tuple[int, torch.Tensor, str]],
                  recvs: list[tuple[int, torch.Tensor, str]]) -> None:
@@ -255,18 +253,24 @@ class Communicator(PeerOps):
         time needs this: with blocking send-then-receive it and a peer doing the same would
         wait for each other. Messages between two ranks match in posting order per tag (the
         tag also labels the ledger record), so different kinds of message cannot cross."""
-        for peer, tensor, tag in sends:
-            self.record("send", tensor, "native", tag)
-        for peer, tensor, tag in recvs:
-            self.record("recv", tensor, "native", tag)
-        for work, where in post_messages(self.group, self.name, sends, recvs):
-            wait_native(work, where, self.timeout_s, streamed=self.streamed)
+        for op, messages in (("send", sends), ("recv", recvs)):
+            for peer, tensor, tag in messages:
+                self.record(op, tensor, "native", tag)
+        self._wait("exchange", post_messages(self.group, self.name, sends, recvs),
+                   sorted({peer for peer, _, _ in sends + recvs}))
 
     def barrier(self) -> None:
         if self.size > 1:
-            work = dist.barrier(group=self.group, async_op=True)
-            wait_native(work, f"barrier on group {self.name}", self.timeout_s,
-                        streamed=self.streamed)
+            self._wait("barrier", [(dist.barrier(group=self.group, async_op=True),
+                                    f"barrier on group {self.name}")])
+
+    def _wait(self, op: str, works: list[tuple[dist.Work, str]], peers: list[int] | None = None,
+              tag: str = "") -> None:
+        """Wait for backend works, the call's flight entry open meanwhile (flight.py)."""
+        entry = self.ledger.flight.issue(self, op, tag=tag, peers=peers)
+        for work, where in works:
+            wait_native(work, where, self.timeout_s, streamed=self.streamed)
+        self.ledger.flight.complete(entry)
 
     def record(self, op: str, t: torch.Tensor, name: str, tag: str, *, root: int | None = None,
                 numel: int | None = None) -> CommRecord:

@@ -35,8 +35,6 @@ themselves.
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -187,6 +185,10 @@ def run(comm, op: str, name: str, record: CommRecord, *, async_op: bool, agree: 
     where = f"{op} on group {comm.name} (algorithm {name})"
     started = time.perf_counter()
 
+    def issue():  # the flight recorder's entry, opened when the call starts (flight.py)
+        return comm.ledger.flight.issue(comm, op, tag=record.tag, numel=record.numel,
+                                        nbytes=record.msg_bytes, algorithm=name)
+
     def check() -> None:
         if check_due(comm, op):  # metadata: over the CPU side channel
             check_agreement(comm.meta, where, comm.timeout_s, algorithm=name, **agree)
@@ -194,9 +196,11 @@ def run(comm, op: str, name: str, record: CommRecord, *, async_op: bool, agree: 
                 check_splits(comm.meta, where, comm.timeout_s, *splits)
 
     def job() -> None:
+        entry = issue()
         check()
         if name == "native":
-            wait_native(native(), where, comm.timeout_s, streamed=comm.streamed)
+            entry.work = native()
+            wait_native(entry.work, where, comm.timeout_s, streamed=comm.streamed)
         else:
             team = Team(comm.group, where, comm.timeout_s, tuple(comm.nodes),
                         tuple(range(comm.size)), comm.rank, comm.buffers, comm.device,
@@ -208,63 +212,20 @@ def run(comm, op: str, name: str, record: CommRecord, *, async_op: bool, agree: 
         if finish is not None:
             finish()
         record.time_s = time.perf_counter() - started
+        comm.ledger.flight.complete(entry)
 
     direct = name == "native" and async_op and not comm.lane.busy()
     if direct and (comm.streamed or not check_due(comm, op, peek=True)):
+        entry = issue()
         check()
-        return Handle(work=native(), record=record, finish=finish, where=where,
-                      timeout_s=comm.timeout_s, streamed=comm.streamed)
+        entry.work = native()
+        return Handle(work=entry.work, record=record, finish=finish, where=where,
+                      timeout_s=comm.timeout_s, streamed=comm.streamed,
+                      done=lambda: comm.ledger.flight.complete(entry))
     handle = Handle(future=comm.lane.run(job, async_op=async_op))
     if not async_op:
         handle.wait()
     return handle
-
-
-class Lane:
-    """One communicator's calls in issue order (module doc); `threaded=False` (NCCL) runs
-    every call inline."""
-
-    def __init__(self, name: str, *, threaded: bool = True):
-        self.name, self.threaded = name, threaded
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._queued = 0
-
-    def busy(self) -> bool:
-        with self._lock:
-            return self._queued > 0
-
-    def run(self, job: Callable[[], None], *, async_op: bool) -> Future:
-        future: Future = Future()
-        inline = not self.threaded or threading.current_thread() is self._thread
-        if inline or not (async_op or self.busy()):
-            _execute(job, future)
-            return future
-        with self._lock:
-            self._queued += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=f"comm-{self.name}",
-                                                daemon=True)
-                self._thread.start()
-        self._jobs.put((job, future))
-        return future
-
-    def _loop(self) -> None:
-        while True:
-            job, future = self._jobs.get()
-            _execute(job, future)
-            with self._lock:
-                self._queued -= 1
-
-
-def _execute(job: Callable[[], None], future: Future) -> None:
-    try:
-        job()
-    except BaseException as e:  # handed to whoever waits on the handle
-        future.set_exception(e)
-    else:
-        future.set_result(None)
 
 
 class Handle:
@@ -276,9 +237,11 @@ class Handle:
 
     def __init__(self, *, future: Future | None = None, work: dist.Work | None = None,
                  record: CommRecord | None = None, finish: Callable[[], None] | None = None,
-                 where: str = "", timeout_s: float = 300.0, streamed: bool = False):
+                 where: str = "", timeout_s: float = 300.0, streamed: bool = False,
+                 done: Callable[[], None] | None = None):
         self._future, self._work, self._record, self._finish = future, work, record, finish
         self._where, self._timeout_s, self._streamed = where, timeout_s, streamed
+        self._done_hook = done  # closes the call's flight recorder entry
         self._start = time.perf_counter()
         self._done = False
 
@@ -291,6 +254,8 @@ class Handle:
             return
         if self._work is not None:
             wait_native(self._work, self._where, self._timeout_s, streamed=self._streamed)
+        if self._done_hook is not None:
+            self._done_hook()
         if self._finish is not None:
             self._finish()
         if self._record is not None:

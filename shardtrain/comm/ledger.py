@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shardtrain.comm.flight import FlightRecorder
+
 
 @dataclass(kw_only=True, slots=True)
 class CommRecord:
@@ -36,10 +38,13 @@ class CommLedger:
     """The records of this rank's calls. The trainer closes an interval (`mark`) every step;
     once more than 2 x `keep` records are held, those of closed intervals beyond the newest
     `keep` are dropped, so a long run's ledger stays bounded (per-step totals live on in
-    metrics.jsonl). The open interval is never trimmed."""
+    metrics.jsonl). The open interval is never trimmed. `flight`: the flight recorder of
+    the same calls (the last few, with their state and sequence numbers: comm/flight.py),
+    shared the same way."""
 
     records: list[CommRecord] = field(default_factory=list)
     keep: int = 10_000
+    flight: FlightRecorder = field(default_factory=FlightRecorder)
     _mark: int = 0
 
     def add(self, record: CommRecord) -> None:

@@ -29,6 +29,11 @@ class CommError(RuntimeError):
     """A collective failed: a peer never answered, or a peer disagreed about the call."""
 
 
+class CommTimeout(CommError):
+    """A wait gave up: a peer never answered within comm.timeout_s (or its connection
+    broke). Under the launcher the hang watchdog (comm/watchdog.py) takes it from here."""
+
+
 @dataclass
 class Traffic:
     """What this rank moved in one collective call: the ledger record's figures."""
@@ -106,7 +111,7 @@ class Team:
             try:
                 work.wait(timeout)
             except RuntimeError as e:
-                raise CommError(
+                raise CommTimeout(
                     f"{self.where}: group rank {self.members[self.index]} gave up on {what} "
                     f"after {self.timeout_s:g} s ({str(e).splitlines()[0]}). Every rank of the "
                     "group must make the same collective calls in the same order with the same "
@@ -134,7 +139,7 @@ def wait_native(work: dist.Work, where: str, timeout_s: float, *, streamed: bool
     try:
         work.wait(timedelta(seconds=timeout_s))
     except RuntimeError as e:
-        raise CommError(f"{where}: no completion within comm.timeout_s={timeout_s:g} s "
+        raise CommTimeout(f"{where}: no completion within comm.timeout_s={timeout_s:g} s "
                         f"({str(e).splitlines()[0]}). Every rank of the group must make the "
                         "same collective calls in the same order with the same sizes; if a "
                         "peer is only slow, raise comm.timeout_s") from None

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from shardtrain.config.errors import ConfigError, positive
+from shardtrain.config.faults import check_faults
 from shardtrain.config.layout import (check_context_parallel, check_expert_parallel,
                                       check_pipeline, check_tensor_parallel)
 from shardtrain.config.lora import LoRAConfig, check_finetune_layout
@@ -167,6 +168,15 @@ class TrainConfig:
     sample_prompt: str = "def "
     slow_ranks: str = ""  # "1:1.5,3:2": those ranks' compute takes 1.5x, 2x (straggler studies)
     export_hf: str = ""  # a directory: the final model (LoRA merged) as a Hugging Face dir
+    # A step whose loss or gradient norm is not finite is skipped on every rank (no weight or
+    # optimizer change; fp16 overflows that loss scaling explains do not count); after
+    # max_bad_steps such steps in a row the next stops the run (0: stop at the first, as
+    # Megatron's NaN check does). docs/faults.md. Test hooks: "RANK:STEP:SECONDS" makes
+    # that rank sleep at the start of that step; "RANK:STEP" multiplies its loss by NaN.
+    max_bad_steps: int = 0
+    inject_hang: str = ""
+    inject_nan: str = ""
+    inject_kill: str = ""  # "RANK:STEP": SIGKILL after that step, first attempt (restart tests)
 
     def validate(self, dp: int, model: ModelConfig) -> None:
         positive("train", self, "steps", "global_batch", "micro_batch", "seq_len", "lr",
@@ -191,7 +201,7 @@ class LossScaleConfig:
     initial: float = 2.0**16
     growth_interval: int = 2000  # steps without overflow before the scale doubles
     hysteresis: int = 2  # overflows tolerated before the scale halves
-    min_scale: float = 1.0  # an overflow at this scale stops the run
+    min_scale: float = 1.0  # an overflow at this scale is a bad step (max_bad_steps)
 
     def validate(self) -> None:
         positive("loss_scale", self, "initial", "growth_interval", "hysteresis", "min_scale")
@@ -249,6 +259,7 @@ class Config:
         check_expert_parallel(self)
         check_pipeline(self)
         check_slow_ranks(self.train.slow_ranks, world_size)
+        check_faults(self.train, world_size)
         if self.parallel.zero and self.comm.compress != "none":
             raise ConfigError(f"comm.compress={self.comm.compress} compresses data-parallel "
                               f"all-reduces; parallel.zero={self.parallel.zero} reduce-scatters "

@@ -68,19 +68,20 @@ class PrecisionPolicy:
         return torch.autocast(device.type, dtype=self.compute_dtype)
 
 
-class ScaleTooSmall(RuntimeError):
-    """The dynamic loss scale reached its minimum and the gradients still overflow."""
-
-
 class LossScaler:
     """Dynamic loss scaling (Micikevicius et al. 2018, sec. 3.2; the defaults of Megatron-LM
     and DeepSpeed): start at `initial`; after `growth_interval` steps without overflow, x2;
     an overflow (gradients not finite) skips the step and uses up one of `hysteresis`
     tolerated overflows; once they are used up, each overflow halves the scale (never below
-    `min_scale`; an overflow at the minimum raises ScaleTooSmall) until a growth refills the
-    tolerance (Megatron's rule). A static scaler
+    `min_scale`) until a growth refills the tolerance (Megatron's rule). A static scaler
     (`dynamic=False`: fp32 and bf16) keeps scale 1 but still skips a non-finite step, so no
-    precision applies an inf to the weights."""
+    precision applies an inf to the weights.
+
+    The one rule for non-finite steps: a step is skipped (`skipped`) when its gradient norm
+    or its loss is not finite, and it is *bad* (`bad`: the trainer's guard counts those,
+    train/guard.py) when loss scaling does not explain it: any skipped step in fp32 and
+    bf16; in fp16 a non-finite loss (the forward's, unscaled: the scale stays put) or an
+    overflow with the tolerance used up at the minimum scale (halving cannot help)."""
 
     def __init__(self, *, dynamic: bool, initial: float = 2.0**16, growth_interval: int = 2000,
                  hysteresis: int = 2, min_scale: float = 1.0):
@@ -90,25 +91,23 @@ class LossScaler:
         self.clean_steps = 0  # steps without overflow since the last change of scale
         self.tolerance = hysteresis  # overflows left before the scale halves
         self.skipped = False  # the last step's verdict
+        self.bad = False  # ... and whether loss scaling explains it (class doc)
 
-    def update(self, grad_norm: torch.Tensor) -> bool:
+    def update(self, grad_norm: torch.Tensor, loss: torch.Tensor | None = None) -> bool:
         """After the gradients were unscaled and their norm taken over every group that holds
-        gradients (dp, tp, pp: the same value on every rank, so every rank decides alike):
-        True if this step must be skipped. Moves the scale."""
-        self.skipped = not bool(torch.isfinite(grad_norm))
-        if not self.dynamic:
+        gradients (dp, tp, pp: the same value on every rank), with the step's loss averaged
+        over the replicas (the same everywhere too), so every rank decides alike: True if
+        this step must be skipped. Moves the scale."""
+        finite_loss = loss is None or bool(torch.isfinite(loss).all())
+        self.skipped = not (finite_loss and bool(torch.isfinite(grad_norm)))
+        self.bad = self.skipped and not (self.dynamic and finite_loss)
+        if not self.dynamic or not finite_loss:
             return self.skipped
         if self.skipped:
             self.clean_steps = 0
             self.tolerance -= 1
             if self.tolerance <= 0:
-                if self.scale <= self.min_scale:
-                    raise ScaleTooSmall(
-                        f"fp16 loss scale reached its minimum ({self.min_scale:g}, "
-                        "loss_scale.min_scale) and the gradients still overflow: training "
-                        "cannot go on. Usual causes: a diverging run (learning rate too "
-                        "high, no warm-up, no gradient clipping), activations beyond fp16's "
-                        "range (65504; try train.precision=bf16), or NaN/inf in the data.")
+                self.bad = self.scale <= self.min_scale
                 self.scale = max(self.scale / 2, self.min_scale)
             return True
         self.clean_steps += 1

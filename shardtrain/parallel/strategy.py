@@ -12,8 +12,8 @@ A layout is two halves, composed rather than subclassed:
 
 `Strategy` joins them and is all the trainer sees: it never asks which layout it runs. It
 also owns the step's precision bookkeeping (precision.py): the loss scale each micro-batch's
-loss is multiplied by, the unscaling before clipping, and the skip of a step whose gradients
-are not finite -- the same for every layout.
+loss is multiplied by, the unscaling before clipping, and the skip of a step whose loss or
+gradients are not finite -- the same for every layout.
 """
 
 from __future__ import annotations
@@ -81,6 +81,8 @@ class Strategy:
     # and ssp workers): the loss is then this rank's own, as a per-step all-reduce would
     # make them wait for each other.
     average_loss: bool = True
+    # The last step's mean loss (replica-averaged): a non-finite one skips the step too.
+    last_loss: torch.Tensor | None = field(default=None, init=False)
 
     @property
     def module(self) -> nn.Module:
@@ -102,7 +104,10 @@ class Strategy:
         loss = self.pipeline.train(micro_batches, no_sync=self.update.no_sync,
                                    loss_scale=self.scaler.scale)
         self.update.finish()
-        return self.pipeline.average_over_replicas(loss) if self.average_loss else loss
+        if not self.average_loss:
+            return loss  # this rank's own: its verdict would not be its peers' (no skip on it)
+        self.last_loss = self.pipeline.average_over_replicas(loss)
+        return self.last_loss
 
     def forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean loss of one batch, forward only, the same on every stage."""
@@ -121,13 +126,19 @@ class Strategy:
         move the loss scale (precision.py). Returns the norm of the unscaled gradients."""
         self.loss_scale = self.scaler.scale  # the scale this step's backward used
         norm = self.update.clip_grad_norm(max_norm, unscale=1.0 / self.scaler.scale)
-        self.scaler.update(norm)
+        self.scaler.update(norm, self.last_loss)
+        self.last_loss = None
         return norm
 
     @property
     def skipped(self) -> bool:
-        """The last step's gradients were not finite: its update was not applied."""
+        """The last step's loss or gradients were not finite: its update was not applied."""
         return self.scaler.skipped
+
+    @property
+    def bad(self) -> bool:
+        """The last step was skipped for a reason loss scaling does not explain (precision.py)."""
+        return self.scaler.bad
 
     def step(self, lr: float) -> None:
         """The optimizer step, unless the gradients overflowed: then no weight and no

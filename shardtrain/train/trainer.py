@@ -27,7 +27,7 @@ from shardtrain.model.generate import generate
 from shardtrain.parallel.parallelize import parallelize
 from shardtrain.cost.counts import model_flops_per_token
 from shardtrain.train import checkpoint as ckpt
-from shardtrain.train.faults import kill_point
+from shardtrain.train.guard import BadStepGuard, hang_here, kill_here, nan_loss
 from shardtrain.train.finetune import (build_skeleton, export_hf, nf4_bytes, resolve_init_from,
                                        start_weights)
 from shardtrain.train.metrics import (MetricsWriter, clock, device_peak_flops, moe_metrics,
@@ -79,6 +79,7 @@ class Trainer:
         self.tokens_per_step = t.global_batch * t.seq_len
         self.flops_per_step = model_flops_per_token(cfg.model, t.seq_len) * self.tokens_per_step
         self.peak_flops = device_peak_flops(device, t.peak_flops, t.precision)  # None: unknown
+        self.guard = BadStepGuard(t.max_bad_steps, t.run_dir, t.precision)
         self.metrics = MetricsWriter(t.run_dir, enabled=self.is_main, tensorboard=t.tensorboard,
                                      resume=resume is not None, from_step=self.step)
 
@@ -89,10 +90,12 @@ class Trainer:
         lr = lr_at(self.step, base_lr=t.lr, warmup=o.warmup_steps, total=t.steps,
                    min_ratio=o.min_lr_ratio)
         start = clock(self.device)
+        hang_here(t.inject_hang, self.mesh.rank, self.step + 1)  # test hooks (guard.py)
         self.parallel.zero_grad()
-        mean_loss = self.parallel.forward_backward(self.sampler.next_step())
+        with nan_loss(self.parallel.module, t.inject_nan, self.mesh.rank, self.step + 1):
+            mean_loss = self.parallel.forward_backward(self.sampler.next_step())
         grad_norm = self.parallel.clip_grad_norm(o.grad_clip or float("inf"))
-        self.parallel.step(lr)  # not applied if the gradients overflowed (`skipped`)
+        self.parallel.step(lr)  # not applied if the loss or gradients were not finite
         elapsed = clock(self.device) - start
         self.step += 1
         moe = moe_metrics(self.parallel.module, [self.mesh.comm("pp"), self.mesh.comm(
@@ -105,7 +108,7 @@ class Trainer:
             "grad_norm": grad_norm.item(), "tokens": self.step * self.tokens_per_step,
             "tokens_per_s": self.tokens_per_step / elapsed, "step_time_s": elapsed,
             "mfu": mfu, "loss_scale": self.parallel.loss_scale,
-            "skipped": self.parallel.skipped,
+            "skipped": self.parallel.skipped, "bad_step": self.parallel.bad,
             "comm_bytes": comm["sent_bytes"], "comm_calls": comm["calls"],
             **self.memory_ledger(), **moe,
         }
@@ -146,13 +149,15 @@ class Trainer:
                 record["eval_loss"] = result.eval_loss = self.evaluate()
             self.metrics.write(record)
             result.history.append(record)
+            self.guard.check(record)  # too many non-finite steps: stop, naming the checkpoint
             every = self.cfg.checkpoint.every
             if (every and self.step % every == 0) or final:
                 self.save()
-            kill_point(self.mesh.rank, self.step)  # tests of recovery only (train/faults.py)
+            kill_here(t.inject_kill, self.mesh.rank, self.step)  # a test hook (guard.py)
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-            if self.is_main and (self.step % t.log_every == 0 or final or "eval_loss" in record):
+            if self.is_main and (self.step % t.log_every == 0 or final or "eval_loss" in record
+                                 or record["bad_step"]):
                 if not t.progress:
                     print(format_record(record), flush=True)
                 elif "eval_loss" in record:
@@ -242,7 +247,9 @@ def format_record(r: dict[str, Any]) -> str:
     line = (f"step {r['step']:>6}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  "
             f"grad_norm {r['grad_norm']:.3f}  tok/s {r['tokens_per_s']:.0f}  mfu "
             + ("n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"))
-    if r.get("skipped"):
+    if r.get("bad_step"):
+        line += "  skipped (loss or gradients not finite)"
+    elif r.get("skipped"):
         line += f"  skipped (gradients not finite at loss scale {r['loss_scale']:g})"
     if "eval_loss" in r:
         line += f"  eval_loss {r['eval_loss']:.4f}"
