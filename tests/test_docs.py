@@ -182,6 +182,7 @@ def check_train(args: list[str], world: int | None = None):
     parser.add_argument("--config", default="default")
     parser.add_argument("--nproc", type=int, default=0)
     parser.add_argument("--dry-run-world", type=int, default=0)
+    parser.add_argument("--max-restarts", type=int, default=0)
     known, overrides = parser.parse_known_args(args)
     cfg = config.load(known.config, overrides)
     cfg.validate(world or known.dry_run_world or known.nproc or 1)
