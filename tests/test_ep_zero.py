@@ -31,16 +31,20 @@ def _zero(stage: int, *more: str) -> tuple[str, ...]:
     return (*EP2, "--parallel.zero", str(stage), *more)
 
 
-# (label, reference overrides, layout overrides)
+# (label, reference overrides, layout overrides, edp size)
 ROWS = {
-    2: [("ep2 zero3 (edp 1)", B8, _zero(3))],
-    4: [("ep2 x dp2 zero1", B16, _zero(1, "--checkpoint.every", "2")),
-        ("ep2 x dp2 zero2", B16, _zero(2)),
-        ("ep2 x dp2 zero3, prefetch 2", B16, _zero(3, "--parallel.zero_prefetch", "2")),
+    2: [("ep2 zero3 (edp 1)", B8, _zero(3), 1)],
+    4: [("ep2 x dp2 zero1", B16, _zero(1, "--checkpoint.every", "2"), 2),
+        ("ep2 x dp2 zero2 offload cpu", B16, _zero(2, "--parallel.offload", "cpu"), 2),
+        ("ep2 x dp2 zero3, prefetch 2", B16, _zero(3, "--parallel.zero_prefetch", "2"), 2),
+        ("ep2 x dp2 zero3 adamw8bit", (*B16, "--optim.name", "adamw8bit"), _zero(3), 2),
         # hpZ's node-local copies are exact: nodes of 2 hold 2 dp ranks, 1 edp rank each
         ("ep2 x dp2 zero3 hpZ", B16, _zero(3, "--parallel.zero_hpz", "true",
-                                           "--parallel.node_size", "2"))],
+                                           "--parallel.node_size", "2"), 2),
+        ("ep2 x pp2 zero3 1f1b", B8, _zero(3, "--parallel.pp", "2"), 1)],
 }
+QUANTIZED = _zero(3, "--parallel.zero_quantized_weights", "true",
+                  "--parallel.zero_quantized_gradients", "true")  # qwZ + qgZ: close, not equal
 RESUMED = 0  # the 4-process row resumed from its step-2 checkpoint
 
 
@@ -82,7 +86,7 @@ def _records(trainer) -> dict:
     dense = [u for u in z.units if u.comm.comm is not edp]
     return {**_norms(trainer),
             "zero_ops": sorted({(r.op, r.group) for r in mesh.ledger.records
-                                if r.tag in ("grad", "param")}),
+                                if r.tag.split(":")[0] in ("grad", "param")}),
             "units": [(u.names[0], u.comm.comm.name, u.padded, u.shard_numel) for u in z.units],
             "expert_names": sorted(n for u in experts for n in u.names),
             "dense_shard": sum(u.shard_numel * mesh.comm(mesh.replica_dim).size for u in dense),
@@ -112,19 +116,20 @@ def _check_groups(run: dict, label: str, *, edp: int) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_zero_with_expert_parallelism_matches_single_process(tmp, references, world):
     rows = ROWS[world]
-    texts = [_text(tmp, f"w{world}-{i}", *ref, *layout) for i, (_, ref, layout) in enumerate(rows)]
-    if world == 4:  # ZeRO-1 resumed in the same layout from its own step-2 checkpoint
-        _, ref, layout = rows[RESUMED]
+    texts = [_text(tmp, f"w{world}-{i}", *ref, *layout)
+             for i, (_, ref, layout, _) in enumerate(rows)]
+    if world == 4:  # ZeRO-1 resumed in the same layout from its own step-2 checkpoint; ZeRO++
         step2 = tmp / f"w{world}-{RESUMED}" / "checkpoints" / "step_00000002"
-        texts.append(_text(tmp, "w4-resumed", *ref, *_zero(1), "--checkpoint.resume",
-                           str(step2)))
+        texts.append(_text(tmp, "w4-resumed", *rows[RESUMED][1], *_zero(1),
+                           "--checkpoint.resume", str(step2)))
+        texts.append(_text(tmp, "w4-quantized", *B16, *QUANTIZED))
     per_rank = run_distributed(train_layouts, world, texts, _records)
-    for i, (label, ref, _) in enumerate(rows):
+    for i, (label, ref, _, edp) in enumerate(rows):
         reference = references(ref)
         for rank, results in enumerate(per_rank):
             run = results[i]
             assert_parity(reference, run, f"{label} rank {rank}")
-            _check_groups(run, f"{label} rank {rank}", edp=world // 2)
+            _check_groups(run, f"{label} rank {rank}", edp=edp)
             if run["grad_norms"] is not None:  # rank 0: Adam hides a mis-scaled gradient
                 torch.testing.assert_close(torch.tensor(run["grad_norms"]),
                                            torch.tensor(reference["grad_norms"]), rtol=1e-5,
@@ -134,4 +139,10 @@ def test_zero_with_expert_parallelism_matches_single_process(tmp, references, wo
         reference = references(rows[RESUMED][1])
         resumed = {**reference, "losses": reference["losses"][2:]}
         for rank, results in enumerate(per_rank):
-            assert_parity(resumed, results[-1], f"ep2 x dp2 zero1 resumed at step 2, rank {rank}")
+            assert_parity(resumed, results[-2], f"ep2 x dp2 zero1 resumed at step 2, rank {rank}")
+            quantized = results[-1]
+            assert {("all_to_all", "edp"), ("all_gather", "edp")} <= set(quantized["zero_ops"])
+            losses, exact = torch.tensor(quantized["losses"]), torch.tensor(reference["losses"])
+            assert not torch.equal(losses, exact)  # int8 weights and gradients changed them ...
+            torch.testing.assert_close(losses, exact, rtol=1e-2, atol=0)  # ... a little
+        print(f"ep2 x dp2 zero3 qwZ + qgZ: losses {[round(x, 5) for x in per_rank[0][-1]['losses']]}")
