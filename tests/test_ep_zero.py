@@ -1,11 +1,12 @@
 """ZeRO composed with expert parallelism (zero/model.py, docs/zero.md "With expert
 parallelism"): the experts' flat units are sharded over the expert-data-parallel group
-(edp), the rest over dp; parity with the single-process MoE run (fp32, dropless, aux and z
-losses on: per-step losses, eval loss, final weights and the logged grad norms) for ep=2
-with ZeRO-3 on 2 processes, ep=2 x dp=2 with ZeRO-1, 2 and 3 (and hpZ) on 4, ZeRO-1
-resumed in the same layout from its own step-2 checkpoint; the ledger shows each group's
-reduce-scatters and gathers where they belong, and each rank's shards hold 1/dp of the
-dense units and 1/edp of the expert units."""
+(edp), the rest over dp. Parity with the single-process MoE run (fp32, dropless, balance and
+z losses on: per-step losses, eval loss, final weights and the logged grad norms, which a
+mis-scaled expert gradient or a miscounted norm would move) for ep=2 with ZeRO-3 on 2
+processes; on 4, ep=2 x dp=2 with ZeRO-1, ZeRO-2 (cpu offload), ZeRO-3 (prefetch 2, 8-bit
+AdamW, hpZ), ZeRO-1 resumed in the same layout from its own step-2 checkpoint, and
+ep=2 x pp=2 with ZeRO-3; qwZ + qgZ stay within 1%. Each rank's units hold the experts
+apart, sharded over edp, and the ledger shows their traffic there. One spawn per world."""
 
 from __future__ import annotations
 
