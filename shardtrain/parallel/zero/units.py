@@ -43,7 +43,7 @@ class FlatUnit:
     rank: int  # group rank: owner of elements [rank * shard_numel, (rank + 1) * shard_numel)
     flat: torch.Tensor  # [padded] the full parameters (ZeRO-3: storage freed at rest)
     shard: torch.Tensor  # [shard] this rank's slice of the parameters (param dtype)
-    grad_shard: torch.Tensor | None = None  # [shard] fp32, averaged over dp (ZeroReducer)
+    grad_shard: torch.Tensor | None = None  # [shard] fp32, reduced over comm (ZeroReducer)
     grad_flat: torch.Tensor | None = None  # [padded] ZeRO-1: the full gradients
     comm: UnitComm | None = None  # the collectives over the group sharding it (None: layout only)
     key: tuple[int, int] = (0, 0)  # forward order (unit_key)
