@@ -4,8 +4,9 @@ parallelism"): the experts' flat units are sharded over the expert-data-parallel
 z losses on: per-step losses, eval loss, final weights and the logged grad norms, which a
 mis-scaled expert gradient or a miscounted norm would move) for ep=2 with ZeRO-3 on 2
 processes; on 4, ep=2 x dp=2 with ZeRO-1, ZeRO-2 (cpu offload), ZeRO-3 (prefetch 2, 8-bit
-AdamW, hpZ), ZeRO-1 resumed in the same layout from its own step-2 checkpoint, and
-ep=2 x pp=2 with ZeRO-3; qwZ + qgZ stay within 1%. Each rank's units hold the experts
+AdamW, hpZ), ZeRO-1 resumed in the same layout from its own step-2 checkpoint,
+ep=2 x pp=2 and ep=2 x tp=2 (sp) with ZeRO-3, ep=2 x cp=2 with ZeRO-2 (the dense units over
+dp x cp); qwZ + qgZ stay within 1%. Each rank's units hold the experts
 apart, sharded over edp, and the ledger shows their traffic there. One spawn per world."""
 
 from __future__ import annotations
@@ -42,7 +43,11 @@ ROWS = {
         # hpZ's node-local copies are exact: nodes of 2 hold 2 dp ranks, 1 edp rank each
         ("ep2 x dp2 zero3 hpZ", B16, _zero(3, "--parallel.zero_hpz", "true",
                                            "--parallel.node_size", "2"), 2),
-        ("ep2 x pp2 zero3 1f1b", B8, _zero(3, "--parallel.pp", "2"), 1)],
+        ("ep2 x pp2 zero3 1f1b", B8, _zero(3, "--parallel.pp", "2"), 1),
+        # experts whole over tp, their gradient parts summed over tp under sp
+        ("ep2 x tp2 sp zero3", B8, _zero(3, "--parallel.tp", "2", "--parallel.sp", "true"), 1),
+        # ZeRO over dp x cp for the dense units, edp = dp x cp / ep for the experts
+        ("ep2 x cp2 zero2", B8, _zero(2, "--parallel.cp", "2"), 2)],
 }
 QUANTIZED = _zero(3, "--parallel.zero_quantized_weights", "true",
                   "--parallel.zero_quantized_gradients", "true")  # qwZ + qgZ: close, not equal
@@ -88,6 +93,7 @@ def _records(trainer) -> dict:
     return {**_norms(trainer),
             "zero_ops": sorted({(r.op, r.group) for r in mesh.ledger.records
                                 if r.tag.split(":")[0] in ("grad", "param")}),
+            "replica": mesh.replica_dim,
             "units": [(u.names[0], u.comm.comm.name, u.padded, u.shard_numel) for u in z.units],
             "expert_names": sorted(n for u in experts for n in u.names),
             "dense_shard": sum(u.shard_numel * mesh.comm(mesh.replica_dim).size for u in dense),
@@ -97,7 +103,7 @@ def _records(trainer) -> dict:
 
 def _check_groups(run: dict, label: str, *, edp: int) -> None:
     """Expert units hold exactly the experts, each after its block's dense unit, sharded
-    over edp; their gradients went over edp, the rest over dp."""
+    over edp; their gradients went over edp, the rest over the replica group."""
     names = [n for n, *_ in run["units"]]
     assert run["expert_names"] and all(".experts." in n for n in run["expert_names"]), label
     for i, (name, group, padded, shard) in enumerate(run["units"]):
@@ -106,10 +112,10 @@ def _check_groups(run: dict, label: str, *, edp: int) -> None:
             assert names[i - 1].startswith(block + "."), (label, names)
             assert group == "edp" and shard * edp == padded, (label, name)
         else:
-            assert group == "dp" and ".experts." not in name, (label, name)
+            assert group == run["replica"], (label, name)
     assert run["dense_shard"] == run["padded"][0] and run["expert_shard"] == run["padded"][1]
     ops = run["zero_ops"]
-    assert ("reduce_scatter", "dp") in ops, (label, ops)
+    assert ("reduce_scatter", run["replica"]) in ops, (label, ops)
     if edp > 1:  # a group of one moves nothing and records nothing
         assert ("reduce_scatter", "edp") in ops and ("all_gather", "edp") in ops, (label, ops)
 
