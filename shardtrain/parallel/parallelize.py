@@ -36,7 +36,8 @@ from shardtrain.parallel.data.ddp import DataParallel, ReplicatedUpdate
 from shardtrain.parallel.data.topk import SparseUpdates
 from shardtrain.parallel.expert.groups import apply_token_groups
 from shardtrain.parallel.expert.layers import apply_expert_parallel
-from shardtrain.parallel.expert.reduce import ExpertDataParallel, expert_parameters
+from shardtrain.parallel.expert.reduce import (ExpertDataParallel, expert_grad_scale,
+                                               expert_parameters)
 from shardtrain.parallel.pipeline.runtime import Pipeline
 from shardtrain.parallel.pipeline.stage import split_stages
 from shardtrain.parallel.pipeline.state import StageShards
@@ -105,15 +106,20 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
 def _update(module: torch.nn.Module, shards: StageShards, mesh: ParallelMesh, cfg: Config,
             policy: PrecisionPolicy, make_optimizer: MakeOptimizer) -> Update:
     """The update half the config asks for: a parameter server's worker, ZeRO over the
-    replica group (dp, or dp x cp), top-k update compression, or plain bucketed data
-    parallelism."""
+    replica group (dp, or dp x cp; the experts over edp), top-k update compression, or
+    plain bucketed data parallelism."""
     dp, c = mesh.comm(mesh.replica_dim), cfg.comm
     if cfg.parallel.ps_servers:
         return PSUpdate(module, mesh, cfg)
-    if cfg.parallel.zero:
+    if cfg.parallel.zero:  # experts sharded over edp, the rest over the replica group
         unit_comm = build_unit_comm(mesh, cfg.parallel, block=c.quant_block)  # ZeRO++
-        return ZeroModel(module, dp, shards, cfg, policy, unit_comm=unit_comm,
-                         file=rank_file(mesh.coords))
+        experts, expert_comm = set(), None
+        if mesh.shape.ep > 1:
+            experts = expert_parameters(module)
+            expert_comm = build_unit_comm(mesh, cfg.parallel, block=c.quant_block, dim="edp",
+                                          grad_scale=expert_grad_scale(mesh.shape.ep))
+        return ZeroModel(module, dp, shards, cfg, policy, unit_comm=unit_comm, experts=experts,
+                         expert_comm=expert_comm, file=rank_file(mesh.coords))
     if c.compress == "topk":
         return SparseUpdates(dp, make_optimizer(module), shards, ratio=c.topk_ratio,
                              error_feedback=c.error_feedback, warmup_steps=c.topk_warmup_steps,

@@ -6,20 +6,23 @@ the parameters stay views of that buffer (the trick of FSDP's FlatParameter, Zha
 every tensor autograd saved from it, valid again without touching the model.
 
 Forward runs through a fixed sequence of events (embedding, block 0, ..., block L-1, final
-norm + head), each a forward pre-hook: at event k unit(k) must be ready, units not needed
-by events k..k+prefetch are freed first, then the next `prefetch` units are all-gathered
-asynchronously while unit(k) computes (Rajbhandari et al. 2020, sec. 5.3; Ren et al. 2021
-call it prefetching). Backward visits the events in reverse. Event k's backward starts when
-the gradient of unit(k)'s output arrives -- a tensor hook on the input of event k + 1, or
-on the model's output for the last event -- and unit(k) is gathered there (it was freed
-after forward). The unit before it is prefetched there too, or, for a unit with a midpoint
-(a transformer block: its MLP, which backward visits first), once the gradient has passed
-the midpoint: a block's backward is most of the step's activation peak, and its MLP half
-then runs without the next unit's buffer (nor the collective filling it) alive, while its
-attention half still hides the gather. The engine frees a unit once its gradients are
-complete and reduce-scattered. Under activation checkpointing the recompute
-happens inside the block's backward, after its backward event, so it finds the unit
-gathered. Every rank issues the same gathers in the same order: the events are the same.
+norm + head), each a forward pre-hook: at event k its units must be ready, units not
+needed by events k..k+prefetch are freed first, then the next `prefetch` events' units are
+all-gathered asynchronously while event k computes (Rajbhandari et al. 2020, sec. 5.3; Ren
+et al. 2021 call it prefetching). An event has one unit, except a block under expert
+parallelism: its dense unit and its experts' unit (units.py), each gathered over its own
+group, together, since the experts run inside the block. Backward visits the events in
+reverse. Event k's backward starts when the gradient of its output arrives -- a tensor hook
+on the input of event k + 1, or on the model's output for the last event -- and its units
+are gathered there (they were freed after forward). The event before it is prefetched there
+too, or, for an event with a midpoint (a transformer block: its MLP, which backward visits
+first), once the gradient has passed the midpoint: a block's backward is most of the step's
+activation peak, and its MLP half then runs without the next unit's buffer (nor the
+collective filling it) alive, while its attention half still hides the gather. The engine
+frees a unit once its gradients are complete and reduce-scattered. Under activation
+checkpointing the recompute happens inside the block's backward, after its backward event,
+so it finds the units gathered. Every rank of a group issues the same gathers in the same
+order: the events are the same.
 
 Under pipeline parallelism (`StepGatherer`) a stage runs m forwards and m backwards per step,
 interleaved by the schedule: a unit is gathered at the first forward of its stage in the
@@ -33,14 +36,15 @@ import torch
 from torch import nn
 
 from shardtrain.comm import Handle
-from shardtrain.parallel.zero.units import FlatUnit, UnitComm
+from shardtrain.parallel.zero.units import FlatUnit
 
 
 class UnitGatherer:
-    """Gather and free units' parameters; every unit starts freed (its shard only)."""
+    """Gather and free units' parameters, each over its own group (`FlatUnit.comm`); every
+    unit starts freed (its shard only)."""
 
-    def __init__(self, units: list[FlatUnit], unit_comm: UnitComm):
-        self.units, self.unit_comm = units, unit_comm
+    def __init__(self, units: list[FlatUnit]):
+        self.units = units
         self.live: dict[FlatUnit, Handle | None] = {}  # gathered or gathering
         self.max_live = 0  # instrument: the most units held full at once
         for unit in units:
@@ -54,7 +58,7 @@ class UnitGatherer:
             return
         storage = unit.flat.untyped_storage()
         storage.resize_(unit.padded * unit.flat.element_size())
-        self.live[unit] = self.unit_comm.gather_params(unit, unit.flat, unit.shard, phase=phase)
+        self.live[unit] = unit.comm.gather_params(unit, unit.flat, unit.shard, phase=phase)
         self.max_live = max(self.max_live, len(self.live))
 
     def ready(self, unit: FlatUnit, phase: str) -> None:
@@ -82,8 +86,8 @@ class StepGatherer(UnitGatherer):
     (model.py). A forward-only run (evaluation, under no_grad) frees them after the stage's
     last chunk. Every rank of a dp group runs the same stage: the same gathers, in order."""
 
-    def __init__(self, units: list[FlatUnit], unit_comm: UnitComm, chunks: list[nn.Module]):
-        super().__init__(units, unit_comm)
+    def __init__(self, units: list[FlatUnit], chunks: list[nn.Module]):
+        super().__init__(units)
         for chunk in chunks:
             chunk.register_forward_pre_hook(lambda module, args: self.gather_all())
         chunks[-1].register_forward_hook(self._after_last_chunk)
@@ -100,16 +104,16 @@ class StepGatherer(UnitGatherer):
 
 
 class ParamGatherer(UnitGatherer):
-    def __init__(self, model: nn.Module, units: list[FlatUnit], unit_comm: UnitComm, *,
-                 prefetch: int, events: list[tuple[nn.Module, FlatUnit]],
+    def __init__(self, model: nn.Module, units: list[FlatUnit], *, prefetch: int,
+                 events: list[tuple[nn.Module, list[FlatUnit]]],
                  midpoints: dict[int, nn.Module]):
-        """`events`: (module whose forward pre-hook starts the event, unit it computes
+        """`events`: (module whose forward pre-hook starts the event, units it computes
         with), in forward order; the first module is the model itself. `midpoints`: event
-        index -> a module inside it whose input's gradient marks the middle of the unit's
+        index -> a module inside it whose input's gradient marks the middle of the event's
         backward, where the units before it are prefetched."""
-        super().__init__(units, unit_comm)
+        super().__init__(units)
         self.prefetch = prefetch
-        self.events = [unit for _, unit in events]
+        self.events = [event_units for _, event_units in events]
         self.midpoints = set(midpoints)
         for k, (module, _) in enumerate(events):
             module.register_forward_pre_hook(self._pre_forward_hook(k))
@@ -117,17 +121,36 @@ class ParamGatherer(UnitGatherer):
             module.register_forward_pre_hook(self._midpoint_hook(k))
         model.register_forward_hook(self._end_of_forward)
 
+    @classmethod
+    def for_model(cls, model: nn.Module, units: list[FlatUnit], *, prefetch: int
+                  ) -> ParamGatherer:
+        """The events of the whole transformer: the embedding's unit (the head's, when
+        tied), each block's units (its dense unit, and under expert parallelism its
+        experts' unit, gathered together: the experts run inside the block), the final
+        norm and head's; each block's midpoint is its MLP's norm."""
+        unit_of = {n: u for u in units for n in u.names}
+        events = [(model, [unit_of["tok_emb.weight"]])]
+        events += [(block, [u for u in units if u.key == (1, i)])
+                   for i, block in enumerate(model.layers)]
+        events.append((model.norm, [unit_of["norm.weight"]]))
+        midpoints = {1 + i: block.mlp_norm for i, block in enumerate(model.layers)}
+        return cls(model, units, prefetch=prefetch, events=events, midpoints=midpoints)
+
     # ------------------------------------------------------------------ hooks
+
+    def _units(self, first: int, end: int) -> list[FlatUnit]:
+        return [u for event_units in self.events[max(0, first):end] for u in event_units]
 
     def _pre_forward_hook(self, k: int):
         def hook(module: nn.Module, args: tuple) -> None:
-            upcoming = self.events[k:k + self.prefetch + 1]
+            upcoming = self._units(k, k + self.prefetch + 1)
             for unit in list(self.live):
                 if unit not in upcoming:
                     self.free(unit)
             for unit in upcoming:
                 self.start(unit, "forward")
-            self.ready(self.events[k], "forward")
+            for unit in self.events[k]:
+                self.ready(unit, "forward")
             if k > 0 and torch.is_grad_enabled():
                 _on_grad(args[0], lambda: self._pre_backward(k - 1))
         return hook
@@ -144,14 +167,17 @@ class ParamGatherer(UnitGatherer):
         return hook
 
     def _pre_backward(self, k: int) -> None:
-        self.start(self.events[k], "backward")
+        for unit in self.events[k]:
+            self.start(unit, "backward")
         if k not in self.midpoints:
             self._prefetch_backward(k)
-        self.ready(self.events[k], "backward")
+        for unit in self.events[k]:
+            self.ready(unit, "backward")
 
     def _prefetch_backward(self, k: int) -> None:
-        """Start gathering the `prefetch` units whose backward follows unit(k)'s."""
-        for unit in reversed(self.events[max(0, k - self.prefetch):k]):
+        """Start gathering the units of the `prefetch` events whose backward follows
+        event k's."""
+        for unit in reversed(self._units(k - self.prefetch, k)):
             self.start(unit, "backward")
 
 

@@ -38,12 +38,19 @@ Tensor parallelism composes: the units hold each tp rank's local tensors; clippi
 squared norm over dp and tp, and the gradient parts of blocks shared by several tp ranks are
 summed over tp on the shards (tensor/sharding.py). World size 1 runs the same code (the collectives
 degenerate to copies).
+Expert parallelism composes: each rank holds n_experts / ep experts, replicated only over
+the edp ranks (dp x cp / ep) holding the same ones, so, as DeepSpeed-MoE (Rajbhandari et al.
+2022) does, the experts get units of their own, sharded over edp (their gradients
+reduce-scattered, their ZeRO-3 parameters gathered, their state saved over that group),
+every other parameter's over the replica group. An expert unit's averaged gradient is then
+scaled by 1/ep (expert/reduce.py says why), and clipping sums each unit's squares over
+its own group before the ep sum (`clip_grad_norm`); docs/zero.md "With expert parallelism".
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
@@ -57,7 +64,7 @@ from shardtrain.parallel.zero.gather import ParamGatherer, StepGatherer, UnitGat
 from shardtrain.parallel.zero.offload import build_shard_optimizer
 from shardtrain.parallel.zero.optim import ShardOptimizer
 from shardtrain.parallel.zero.reducer import ZeroReducer
-from shardtrain.parallel.zero.units import UnitComm, build_units, partial_runs
+from shardtrain.parallel.zero.units import UnitComm, build_units, merge_units, partial_runs
 from shardtrain.quant.adam8bit import MIN_QUANTIZED_NUMEL
 from shardtrain.quant.blockwise import BLOCK as ADAM8BIT_BLOCK
 
@@ -69,16 +76,27 @@ class ZeroModel:
 
     def __init__(self, model: nn.Module, comm: Communicator, shards: StageShards, cfg: Config,
                  policy: PrecisionPolicy, *, unit_comm: UnitComm | None = None,
+                 experts: Collection[nn.Parameter] = (), expert_comm: UnitComm | None = None,
                  file: str = "optimizer.pt"):
+        """`comm`: the replica group, which shards every unit through `unit_comm` (built
+        over it when None), except the `experts` (expert parallelism): their units are
+        sharded over `expert_comm`'s group, edp."""
         p = cfg.parallel
         self.stage, self.comm, self.shards, self.cfg, self.file = p.zero, comm, shards, cfg, file
         dtype = policy.param_dtype
         align = cfg.comm.quant_block if p.zero_quantized_weights else 1  # qwZ blocks
         if cfg.optim.name == "adamw8bit":  # the 8-bit moments' blocks (zero/optim8bit.py)
             align = math.lcm(align, ADAM8BIT_BLOCK)
-        self.units = build_units(model, dp_size=comm.size, dp_rank=comm.rank, dtype=dtype,
-                                 tied=model.cfg.tie_embeddings, align=align)
         self.unit_comm = unit_comm or UnitComm(comm)
+        self.comms = [self.unit_comm] + ([expert_comm] if experts else [])
+
+        def build(c: UnitComm, **which) -> list:
+            return build_units(model, dp_size=c.comm.size, dp_rank=c.comm.rank, dtype=dtype,
+                               tied=model.cfg.tie_embeddings, align=align, comm=c, **which)
+
+        self.units = build(self.unit_comm, skip=experts)
+        if experts:  # their own units, sharded over edp (module docstring)
+            self.units = merge_units(self.units, build(expert_comm, only=experts))
         fp32 = dtype == policy.master_dtype  # the parameter shard is its own master
         masters = [u.shard if fp32 else u.shard.to(policy.master_dtype) for u in self.units]
         self.gatherer: UnitGatherer | None = None
@@ -91,20 +109,11 @@ class ZeroModel:
             if fp32:
                 masters = [u.shard for u in self.units]
         if self.stage == 3 and per_step:
-            self.gatherer = StepGatherer(self.units, self.unit_comm, model.chunks)
+            self.gatherer = StepGatherer(self.units, model.chunks)
         elif self.stage == 3:
-            unit_of = {n: u for u in self.units for n in u.names}
-            events = [(model, unit_of["tok_emb.weight"])]
-            events += [(block, unit_of[f"layers.{i}.attn_norm.weight"])
-                       for i, block in enumerate(model.layers)]
-            events.append((model.norm, unit_of["norm.weight"]))
-            midpoints = {1 + i: block.mlp_norm for i, block in enumerate(model.layers)}
-            self.gatherer = ParamGatherer(model, self.units, self.unit_comm,
-                                          prefetch=p.zero_prefetch, events=events,
-                                          midpoints=midpoints)
-        self.reducer = ZeroReducer(self.units, self.unit_comm, stage=self.stage,
-                                   gatherer=self.gatherer, reduce_dtype=policy.reduce_dtype,
-                                   per_step=per_step)
+            self.gatherer = ParamGatherer.for_model(model, self.units, prefetch=p.zero_prefetch)
+        self.reducer = ZeroReducer(self.units, stage=self.stage, gatherer=self.gatherer,
+                                   reduce_dtype=policy.reduce_dtype, per_step=per_step)
         aliased = fp32
         if p.zero_quantized_weights and self.stage < 3 and fp32:
             # qwZ's post-step gather writes dequantized values over this rank's slice of the
@@ -135,23 +144,28 @@ class ZeroModel:
         """The L2 norm of the full model's gradient, from the fp32 shards (first multiplied by
         `unscale`); scales them to at most `max_norm`. Squares are summed over this rank's
         shards, each weighted by `norm_share` (tensor/sharding.py: a block held by several tp
-        ranks counts once), then over dp, tp and pipeline stages (the last
-        stage's copy of a tied embedding is counted on the first)."""
+        or ep ranks counts once), then over each unit's group (the replica group; edp for
+        the experts), then over tp, ep and pipeline stages (the last stage's copy of a tied
+        embedding is counted on the first). A dense parameter's shards thus add up to its
+        whole square on every ep rank, each weighted 1/ep; an expert slice's over edp to
+        the slice's square, weighted 1, and the ep sum adds the slices."""
         if unscale != 1.0:
             torch._foreach_mul_([u.grad_shard for u in self.units], unscale)
         whole = self.shards.comm.size == 1 and self.shards.ep is None
         skip = self.shards.counted_elsewhere
-        total = torch.zeros((), device=self.units[0].grad_shard.device)
+        device = self.units[0].grad_shard.device
+        totals = {c.comm: torch.zeros((), device=device) for c in self.comms}  # per group
         for u in self.units:
-            g = u.grad_shard
+            g, total = u.grad_shard, totals[u.comm.comm]
             if whole and not skip:
                 total += g.square().sum()
                 continue
             for i, a, b in u.shard_runs(lambda i, u=u: u.names[i] not in skip):
                 share = self.shards.norm_share(u.names[i])
                 total += g[a:b].square().sum() * share
-        self.comm.all_reduce(total, "sum", tag="grad_norm")
-        total = self.shards.sum_norm_squared(total).sqrt()
+        for comm, total in totals.items():  # the same order on every rank
+            comm.all_reduce(total, "sum", tag="grad_norm")
+        total = self.shards.sum_norm_squared(sum(totals.values())).sqrt()
         if max_norm < float("inf"):
             scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
             for u in self.units:
@@ -167,8 +181,7 @@ class ZeroModel:
             return
         handles = []
         for u in self.units:  # the input must not alias the output: send a copy
-            handles.append(self.unit_comm.gather_params(u, u.flat, u.shard.clone(),
-                                                        phase="step"))
+            handles.append(u.comm.gather_params(u, u.flat, u.shard.clone(), phase="step"))
         for h in handles:
             h.wait()
 
@@ -176,20 +189,21 @@ class ZeroModel:
 
     @torch.no_grad()
     def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """This tp rank's parameters (fp32, from the master shards; collective over dp). An
-        offloaded master lives on the host: it travels from the device, as the group needs."""
+        """This tp (and ep) rank's parameters (fp32, from the master shards; collective over
+        each unit's group). An offloaded master lives on the host: it travels from the
+        device, as the group needs."""
         out = {}
         for k, u in enumerate(self.units):
             full = torch.empty(u.padded, device=u.shard.device)  # [padded] fp32
             master = self.optimizer.master(k).to(full.device, torch.float32)  # [shard]
-            self.comm.all_gather(full, master, tag="state")
+            u.comm.comm.all_gather(full, master, tag="state")
             for name, view in zip(u.names, u.param_views(full)):
                 out[name] = view.clone()
         return out
 
     @torch.no_grad()
     def load_local_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Set the parameters and master weights from this tp rank's tensors."""
+        """Set the parameters and master weights from this tp (and ep) rank's tensors."""
         for k, u in enumerate(self.units):
             full = torch.zeros(u.padded, device=u.shard.device)  # [padded] fp32
             for name, view in zip(u.names, u.param_views(full)):
@@ -208,7 +222,7 @@ class ZeroModel:
             params = nbytes(*(u.shard for u in self.units))
         else:
             params = nbytes(*(u.flat for u in self.units))
-        params += self.unit_comm.held_param_bytes
+        params += sum(c.held_param_bytes for c in self.comms)
         return {"params_bytes": params, "grads_bytes": self.reducer.grad_bytes,
                 **self.optimizer.memory()}
 

@@ -1,5 +1,7 @@
-"""ZeRO's gradients (Rajbhandari et al. 2020, sec. 5.1-5.2): what leaves each dp rank with
-its averaged fp32 gradient shard of every flat unit (units.py).
+"""ZeRO's gradients (Rajbhandari et al. 2020, sec. 5.1-5.2): what leaves each rank with its
+fp32 gradient shard of every flat unit (units.py), reduced over the unit's own group (the
+replica group; an expert unit's edp group, its average then scaled by the unit's
+`grad_scale`, expert/reduce.py says why).
 
 Stage 1: the parameters' .grad are views into full flat buffers; after the last micro-batch
 every unit is reduce-scattered at once. Stages 2 and 3: as soon as a unit's gradients are
@@ -23,19 +25,19 @@ import torch
 from shardtrain.parallel.ready import ReadyInOrder
 from shardtrain.parallel.strategy import nbytes
 from shardtrain.parallel.zero.gather import UnitGatherer
-from shardtrain.parallel.zero.units import FlatUnit, UnitComm
+from shardtrain.parallel.zero.units import FlatUnit
 
 
 class ZeroReducer:
     """The gradients of the units: .grad views (stage 1, and every stage with `per_step`)
-    or backward hooks (stages 2, 3) that leave each rank with its averaged fp32 gradient
-    shard of every unit. `per_step`: reduce once per step, after the last micro-batch (set
-    under pipeline parallelism)."""
+    or backward hooks (stages 2, 3) that leave each rank with its fp32 gradient shard of
+    every unit, reduced over the unit's group (`FlatUnit.comm`). `per_step`: reduce once per
+    step, after the last micro-batch (set under pipeline parallelism)."""
 
-    def __init__(self, units: list[FlatUnit], unit_comm: UnitComm, *, stage: int,
+    def __init__(self, units: list[FlatUnit], *, stage: int,
                  gatherer: UnitGatherer | None, reduce_dtype: torch.dtype = torch.float32,
                  per_step: bool = False):
-        self.units, self.unit_comm, self.stage, self.gatherer = units, unit_comm, stage, gatherer
+        self.units, self.stage, self.gatherer = units, stage, gatherer
         self.reduce_dtype = reduce_dtype
         self.per_step = per_step or stage == 1
         self.order = list(reversed(units))  # backward produces the last unit's grads first
@@ -74,15 +76,22 @@ class ZeroReducer:
 
     @torch.no_grad()
     def finish(self) -> None:
-        """After the last micro-batch: every unit's grad_shard is its dp-averaged shard."""
-        if not self.per_step:
+        """After the last micro-batch: every unit's grad_shard is its shard of the gradient
+        of the batch's mean loss: its group's average, times the group's `grad_scale`."""
+        if self.per_step:
+            self._reduce_all()
+        else:
             self._drain()
-            return
+        for u in self.units:
+            if u.comm.grad_scale != 1.0:
+                u.grad_shard.mul_(u.comm.grad_scale)
+
+    def _reduce_all(self) -> None:
         launched = []  # every unit at once, in order, then wait
         for u in self.order:
             out = torch.empty(u.shard_numel, dtype=self.reduce_dtype, device=u.flat.device)
             wire = u.grad_flat.to(self.reduce_dtype)  # [padded] (itself when already so)
-            launched.append((u, self.unit_comm.reduce_grads(u, out, wire), out))
+            launched.append((u, u.comm.reduce_grads(u, out, wire), out))
         for u, handle, out in launched:
             handle.wait()
             if self.stage == 1:
@@ -107,7 +116,7 @@ class ZeroReducer:
         if self.gatherer is not None:
             self.gatherer.free(u)  # its backward is done
         out = torch.empty(u.shard_numel, dtype=full.dtype, device=full.device)
-        handle = self.unit_comm.reduce_grads(u, out, full)
+        handle = u.comm.reduce_grads(u, out, full)
         self._inflight.append((u, handle, out, full))
         while len(self._inflight) > 1:
             self._complete(self._inflight.pop(0))

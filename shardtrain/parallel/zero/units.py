@@ -7,13 +7,21 @@ Like FSDP's FlatParameter (Zhao et al. 2023, sec. 3.2), a unit's parameters are 
 one flat buffer [padded], padded to a multiple of the dp size so that every rank owns an
 equal contiguous shard [padded / dp]: rank r owns elements [r * shard, (r + 1) * shard).
 
+A unit is sharded over the group of ranks that replicate its parameters, and knows it
+(`FlatUnit.comm`): the replica group (dp, or dp x cp) for every parameter of a dense model.
+Under expert parallelism the experts are replicated only over the expert-data-parallel
+group (edp: the ranks holding the same experts), so a block's experts form a unit of their
+own, sharded over edp, right after the block's other parameters (DeepSpeed-MoE,
+Rajbhandari et al. 2022, shards expert states over that group the same way).
+
 `UnitComm` is the one place a unit's parameters are all-gathered and its gradients
-reduce-scattered: ZeRO++ (Wang et al. 2023: int8 weights, hpZ's node-local secondary shard,
-int8 gradients over all-to-all) replaces it with a subclass.
+reduce-scattered, over one group: ZeRO++ (Wang et al. 2023: int8 weights, hpZ's node-local
+secondary shard, int8 gradients over all-to-all) replaces it with a subclass.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -30,13 +38,15 @@ class FlatUnit:
     names: list[str]
     params: list[nn.Parameter]
     offsets: list[int]  # of each parameter in the flat buffer
-    padded: int  # elements of the flat buffer, a multiple of the dp size
+    padded: int  # elements of the flat buffer, a multiple of the group size
     shard_numel: int
-    rank: int  # dp rank: owner of elements [rank * shard_numel, (rank + 1) * shard_numel)
+    rank: int  # group rank: owner of elements [rank * shard_numel, (rank + 1) * shard_numel)
     flat: torch.Tensor  # [padded] the full parameters (ZeRO-3: storage freed at rest)
     shard: torch.Tensor  # [shard] this rank's slice of the parameters (param dtype)
-    grad_shard: torch.Tensor | None = None  # [shard] fp32, averaged over dp (ZeroReducer)
+    grad_shard: torch.Tensor | None = None  # [shard] fp32, reduced over comm (ZeroReducer)
     grad_flat: torch.Tensor | None = None  # [padded] ZeRO-1: the full gradients
+    comm: UnitComm | None = None  # the collectives over the group sharding it (None: layout only)
+    key: tuple[int, int] = (0, 0)  # forward order (unit_key)
 
     @property
     def numel(self) -> int:
@@ -74,18 +84,32 @@ def unit_key(name: str, *, tied: bool) -> tuple[int, int]:
     return (2, 0)
 
 
+def merge_units(*groups: list[FlatUnit]) -> list[FlatUnit]:
+    """Units of several groups in one forward order; on equal keys (a block's dense and
+    expert units) the earlier group's unit first. Backward then completes the experts'
+    unit before the rest of their block (the router and attention come after in backward)."""
+    units = sorted((u for g in groups for u in g), key=lambda u: u.key)  # stable
+    for index, u in enumerate(units):
+        u.index = index
+    return units
+
+
 @torch.no_grad()
 def build_units(model: nn.Module, *, dp_size: int, dp_rank: int, dtype: torch.dtype,
-                tied: bool, align: int = 1) -> list[FlatUnit]:
-    """Group the model's parameters (tied ones once) into units in forward order; copy
-    their values into each unit's flat buffer (cast to `dtype`) and make every parameter a
-    view of it. `align`: each parameter starts, and each rank's shard is sized, at a multiple
-    of it (zero gaps between), so that blocks of `align` values counted from a shard's start
-    never straddle two parameters -- qwZ's quantization blocks: one scale for a norm's ~1.0
-    values and a matrix's ~0.02 would round the matrix away."""
+                tied: bool, align: int = 1, comm: UnitComm | None = None,
+                only: Collection[nn.Parameter] | None = None,
+                skip: Collection[nn.Parameter] = ()) -> list[FlatUnit]:
+    """Group the model's parameters (tied ones once; those in `only` if given, not those in
+    `skip`) into units in forward order, sharded over `comm`'s group of `dp_size` ranks
+    (this one `dp_rank`); copy their values into each unit's flat buffer (cast to `dtype`)
+    and make every parameter a view of it. `align`: each parameter starts, and each rank's
+    shard is sized, at a multiple of it (zero gaps between), so that blocks of `align`
+    values counted from a shard's start never straddle two parameters -- qwZ's quantization
+    blocks: one scale for a norm's ~1.0 values and a matrix's ~0.02 would round the matrix
+    away."""
     groups: dict[tuple[int, int], list[tuple[str, nn.Parameter]]] = {}
     for name, p in model.named_parameters():
-        if p.requires_grad:
+        if p.requires_grad and (only is None or p in only) and p not in skip:
             groups.setdefault(unit_key(name, tied=tied), []).append((name, p))
     units = []
     for index, key in enumerate(sorted(groups)):
@@ -100,7 +124,7 @@ def build_units(model: nn.Module, *, dp_size: int, dp_rank: int, dtype: torch.dt
         flat = torch.zeros(padded, dtype=dtype, device=device)
         unit = FlatUnit(index=index, names=[n for n, _ in named], params=[p for _, p in named],
                         offsets=offsets, padded=padded, shard_numel=padded // dp_size,
-                        rank=dp_rank, flat=flat, shard=flat[0:0])
+                        rank=dp_rank, flat=flat, shard=flat[0:0], comm=comm, key=key)
         for p, view in zip(unit.params, unit.param_views(flat)):
             view.copy_(p.detach())
             p.data = view
@@ -120,12 +144,14 @@ def partial_runs(unit: FlatUnit, placements: dict[str, Placement]
 
 class UnitComm:
     """The all-gather of a unit's parameters and the reduce-scatter of its gradients over
-    the dp group. `phase` says why a gather happens: "forward" or "backward" (ZeRO-3) or
+    its group. `phase` says why a gather happens: "forward" or "backward" (ZeRO-3) or
     "step" (ZeRO-1/2, after the optimizer step), so a variant can route them differently
-    (hpZ gathers backward from a node-local copy)."""
+    (hpZ gathers backward from a node-local copy). `grad_scale`: the factor the group's
+    average of a gradient still needs to be the gradient of the batch's mean loss (1, and
+    for the experts over edp expert/reduce.py `expert_grad_scale`)."""
 
-    def __init__(self, comm: Communicator):
-        self.comm = comm
+    def __init__(self, comm: Communicator, *, grad_scale: float = 1.0):
+        self.comm, self.grad_scale = comm, grad_scale
 
     def gather_params(self, unit: FlatUnit, full: torch.Tensor, shard: torch.Tensor, *,
                       phase: str, async_op: bool = True) -> Handle:

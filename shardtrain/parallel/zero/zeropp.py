@@ -86,13 +86,13 @@ def node_comm(mesh: ParallelMesh, dim: str = "dp") -> Communicator:
 
 class ZeroPlusPlusComm(UnitComm):
     """ZeRO's unit all-gathers and gradient reduce-scatters (zero_units.UnitComm) with the
-    ZeRO++ options: `quantize_weights` (qwZ), `node` (hpZ: the dp ranks on this node, see
-    node_comm) and `quantize_gradients` (qgZ); `block` values per int8 scale."""
+    ZeRO++ options: `quantize_weights` (qwZ), `node` (hpZ: the group's ranks on this node,
+    see node_comm) and `quantize_gradients` (qgZ); `block` values per int8 scale."""
 
     def __init__(self, comm: Communicator, *, quantize_weights: bool = False,
                  quantize_gradients: bool = False, node: Communicator | None = None,
-                 block: int = 256):
-        super().__init__(comm)
+                 block: int = 256, grad_scale: float = 1.0):
+        super().__init__(comm, grad_scale=grad_scale)
         self.node, self.block = node, block
         self.quantize_weights, self.quantize_gradients = quantize_weights, quantize_gradients
         self.secondary: dict[FlatUnit, torch.Tensor] = {}  # hpZ: this rank's node shard
@@ -131,14 +131,17 @@ class ZeroPlusPlusComm(UnitComm):
         return sum(t.numel() * t.element_size() for t in self.secondary.values())
 
 
-def build_unit_comm(mesh: ParallelMesh, parallel: ParallelConfig, *, block: int) -> UnitComm:
-    """The UnitComm the config asks for: ZeRO++'s when any of its options is on. Collective
-    with hpZ (creates the node groups)."""
-    dp = mesh.comm(mesh.replica_dim)
+def build_unit_comm(mesh: ParallelMesh, parallel: ParallelConfig, *, block: int,
+                    dim: str | None = None, grad_scale: float = 1.0) -> UnitComm:
+    """The UnitComm over the mesh's `dim` group (default: the replica group) the config
+    asks for: ZeRO++'s when any of its options is on (hpZ's node groups are those of
+    `dim`). Collective with hpZ (creates the node groups)."""
+    dim = dim or mesh.replica_dim
+    comm = mesh.comm(dim)
     if not (parallel.zero_quantized_weights or parallel.zero_hpz
             or parallel.zero_quantized_gradients):
-        return UnitComm(dp)
-    return ZeroPlusPlusComm(dp, quantize_weights=parallel.zero_quantized_weights,
+        return UnitComm(comm, grad_scale=grad_scale)
+    return ZeroPlusPlusComm(comm, quantize_weights=parallel.zero_quantized_weights,
                             quantize_gradients=parallel.zero_quantized_gradients,
-                            node=node_comm(mesh, mesh.replica_dim) if parallel.zero_hpz
-                            else None, block=block)
+                            node=node_comm(mesh, dim) if parallel.zero_hpz else None,
+                            block=block, grad_scale=grad_scale)
