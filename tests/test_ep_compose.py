@@ -2,7 +2,7 @@
 and without sequence parallelism), pipeline and context parallelism, and MoE under tp, sp
 and cp without ep; parity with the single-process MoE run (fp32, dropless, balance and z
 losses on: their token groups under cp and sp are expert/groups.py's), grad norms
-included. The five-dimensional row is in tests/test_ep_zero.py's neighbour below."""
+included; and the five-dimensional row on 8 processes. ZeRO with ep: tests/test_ep_zero.py."""
 
 from __future__ import annotations
 
@@ -56,12 +56,12 @@ def test_ep_composes(tmp_path, world):
 
 
 FIVE_D = ("--parallel.pp", "2", "--parallel.tp", "2", "--parallel.sp", "true",
-          "--parallel.cp", "2", "--parallel.ep", "2")
+          "--parallel.cp", "2", "--parallel.ep", "2", "--parallel.zero", "1")
 
 
 def test_five_dimensions(tmp_path):
-    """Eight processes, pp=2 x tp=2 (sp) x cp=2 x ep=2: every dimension but dp, which
-    would need 16 (ep is carved out of dp x cp = 2)."""
+    """Eight processes, pp=2 x tp=2 (sp) x cp=2 x ep=2 with ZeRO-1: every dimension but
+    dp, which would need 16 (ep is carved out of dp x cp = 2)."""
     reference = train_layout(0, 1, _text(tmp_path, "ref"), _ep_records)
     per_rank = run_distributed(train_layouts, 8, [_text(tmp_path, "5d", *FIVE_D)], _ep_records)
     for rank, (run,) in enumerate(per_rank):
