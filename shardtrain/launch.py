@@ -94,7 +94,9 @@ def _attempt_store(info: ProcessInfo, timeout_s: float) -> dist.Store | None:
     (the launcher's env:// store) on the first attempt. The launcher's store outlives a
     failed attempt, and the dead processes' keys (every group's Gloo addresses) would
     otherwise be read by the new ones, which then connect to ports no one listens on."""
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    from shardtrain.train.guard import restart_count
+
+    restarts = restart_count()
     if not restarts:
         return None
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the agent hosts it
@@ -123,8 +125,10 @@ def start_watchdog(mesh, cfg, info: ProcessInfo):
     torch.distributed's store (comm/watchdog.py); None on one process."""
     if info.world_size == 1:
         return None
+    from shardtrain.train.guard import restart_count
+
     store = dist.distributed_c10d._get_default_store()
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # the launcher's count
+    attempt = restart_count()
     return Watchdog(mesh.ledger.flight, store, rank=info.rank, world_size=info.world_size,
                     timeout_s=cfg.comm.timeout_s, run_dir=cfg.train.run_dir,
                     interval=min(1.0, cfg.comm.timeout_s / 4), attempt=attempt).start()
