@@ -1,8 +1,7 @@
 """Automatic restart (`shardtrain train --max-restarts K`; `train.inject_kill`, train/guard.py): a 4-process run
 loses one rank to SIGKILL after step 3; the launcher restarts the job, which resumes from
 the step-2 checkpoint and finishes. Its final weights equal an uninterrupted run's bitwise
-(fp32, CPU), and metrics.jsonl holds each step once. Without restarts the same kill fails
-the job. A crash in the middle of a checkpoint write leaves the previous checkpoint valid
+(fp32, CPU), and metrics.jsonl holds each step once. A crash in the middle of a checkpoint write leaves the previous checkpoint valid
 and `latest`."""
 
 from __future__ import annotations
@@ -53,8 +52,6 @@ def test_killed_rank_restarts_and_matches(tmp_path):
     steps = [json.loads(line)["step"] for line in
              (tmp_path / "restarted" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]
-    failed = _train(tmp_path, "no-restarts", kill="2:3")
-    assert failed.returncode != 0 and "a worker failed" in failed.stderr
 
 
 def test_crash_mid_save_keeps_latest(tmp_path, monkeypatch):
