@@ -15,8 +15,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 
 import pytest
@@ -24,7 +22,6 @@ import pytest
 from shardtrain import config
 from shardtrain.config import ModelConfig
 from shardtrain.cost import hardware
-from shardtrain.plan.cli import main
 from shardtrain.plan.layout import Layout, config_layout, trainer_refusal
 from shardtrain.plan import memory
 from shardtrain.plan.partition import rank_params
@@ -32,16 +29,10 @@ from shardtrain.plan.search import candidates
 from shardtrain.plan.traffic import (expert_parallel_ops, moe_counts_ops, routed_slots,
                                      step_ops)
 from tests.dist import run_distributed
+from tests.test_plan import run_cli
 
 MOE = ModelConfig(style="llama", vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                   max_seq_len=64, n_experts=4, moe_top_k=2)
-
-
-def run_cli(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, out.getvalue(), err.getvalue()
 
 
 # ---------------------------------------------------------------- partition and traffic
