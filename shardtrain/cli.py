@@ -182,6 +182,8 @@ def cmd_generate(argv: list[str]) -> int:
         tok_file = hf_tokenizer(path)
         tokenizer = BPETokenizer(tok_file) if tok_file else ByteTokenizer()
     else:
+        from shardtrain.train.export import load_checkpoint_model
+
         model, cfg = load_checkpoint_model(path)
         saved = path / ckpt.TOKENIZER_FILE
         tokenizer = BPETokenizer(saved) if saved.is_file() else load_tokenizer(cfg.data)
@@ -191,44 +193,35 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
-def load_checkpoint_model(path: Path):
-    """The plain model of a checkpoint directory (LoRA linears included) and its config."""
-    import torch
-
-    from shardtrain.train import checkpoint as ckpt
-    from shardtrain.train.finetune import build_skeleton
-
-    if not (path / "model.pt").is_file() or not (path / "config.toml").is_file():
-        raise ConfigError(f"--checkpoint {str(path)!r} is not a checkpoint directory (it must "
-                          "hold model.pt and config.toml) nor a Hugging Face directory (with "
-                          "config.json); pass a <run_dir>/checkpoints/step_* dir")
-    cfg = ckpt.checkpoint_config(path)
-    model = build_skeleton(cfg, device="cpu")
-    model.load_state_dict(torch.load(path / "model.pt", map_location="cpu", weights_only=True))
-    return model, cfg
-
-
 def cmd_export(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="shardtrain export", description="Write a checkpoint as a Hugging Face directory "
-        "(LoRA merged, NF4 dequantized), or its LoRA adapters alone.")
+        "(LoRA merged, NF4 dequantized; streamed, one module at a time), or its LoRA "
+        "adapters alone.")
     parser.add_argument("--checkpoint", required=True, help="a <run_dir>/checkpoints/step_* dir")
     parser.add_argument("--out", required=True, help="the directory to write")
+    parser.add_argument("--max-shard-mb", type=float, default=2048.0,
+                        help="largest safetensors file; a bigger model is split, with an index")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--adapters-only", action="store_true",
                         help="write adapters.safetensors + adapter_config.json only")
     args = parser.parse_args(argv)
-    from shardtrain.train import checkpoint as ckpt
-    from shardtrain.train.finetune import export_hf, save_adapters
+    import torch
+
+    from shardtrain.train.export import export_checkpoint, load_checkpoint_model
+    from shardtrain.train.finetune import save_adapters
 
     path = Path(args.checkpoint)
-    model, cfg = load_checkpoint_model(path)
+    if args.max_shard_mb <= 0:
+        raise ConfigError(f"--max-shard-mb {args.max_shard_mb}: must be > 0")
     if args.adapters_only:
+        model, cfg = load_checkpoint_model(path)
         if not cfg.lora.enabled:
             raise ConfigError(f"--adapters-only: {path} was trained without LoRA (lora.rank=0)")
         print(save_adapters(model, cfg, args.out))
         return 0
-    saved = path / ckpt.TOKENIZER_FILE
-    print(export_hf(model, cfg, args.out, tokenizer_file=saved if saved.is_file() else None))
+    print(export_checkpoint(path, args.out, dtype=getattr(torch, args.dtype),
+                            max_shard_bytes=int(args.max_shard_mb * 2**20)))
     return 0
 
 

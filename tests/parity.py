@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from shardtrain import config
+from shardtrain.ckpt.files import Reader
 from shardtrain.config import Config
 from shardtrain.comm import build_mesh
 from shardtrain.mesh import MeshShape, ParallelMesh
@@ -79,3 +80,10 @@ def assert_parity(reference: dict, result: dict, label: str) -> None:
     for name, w in reference["weights"].items():
         torch.testing.assert_close(result["weights"][name], w, rtol=WEIGHT_TOL, atol=WEIGHT_TOL,
                                    msg=lambda m: f"{label}: final weight {name} differs\n{m}")
+
+
+def checkpoint_tensors(path: Path, prefix: str = "model/") -> dict[str, torch.Tensor]:
+    """A checkpoint's full tensors under `prefix` ("model/": the weights by their
+    single-process names; "optim/": the optimizer state, "optim/<name>/<state>")."""
+    reader = Reader(path)
+    return {k[len(prefix):]: reader.tensor(k) for k in reader.keys(prefix)}

@@ -24,13 +24,15 @@ ALLOWED: dict[str, set[str]] = {
     "model": {"config"},
     "data": {"config"},
     "quant": set(),
+    "ckpt": {"config"},
     "comm": {"mesh", "cost", "config"},
-    "parallel": {"comm", "mesh", "model", "config", "cost", "quant"},
-    "train": {"parallel", "comm", "mesh", "model", "data", "config", "cost", "plan", "quant"},
+    "parallel": {"comm", "mesh", "model", "config", "cost", "quant", "ckpt"},
+    "train": {"parallel", "comm", "mesh", "model", "data", "config", "cost", "plan", "quant",
+              "ckpt"},
     "launch": {"train", "mesh", "comm", "config", "cost", "plan"},
     "bench": {"launch", "train", "comm", "mesh", "config", "cost", "plan"},
     "cli": {"launch", "train", "parallel", "comm", "mesh", "model", "data", "config", "cost",
-            "plan", "bench", "quant"},
+            "plan", "bench", "quant", "ckpt"},
     "__main__": {"cli"},
 }
 NO_TORCH = {"config", "cost", "plan"}

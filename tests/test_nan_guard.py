@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dist import run_distributed
-from parity import make_mesh, tiny
+from parity import checkpoint_tensors, make_mesh, tiny
 from shardtrain import config
 from shardtrain.config import ConfigError
 from shardtrain.train.guard import BadStepGuard, NonFiniteError
@@ -33,8 +33,7 @@ def _train(rank: int, world_size: int, text: str) -> dict:
 
 def _states(run_dir: Path, step: int) -> tuple[dict, dict]:
     ckpt = run_dir / "checkpoints" / f"step_{step:08d}"
-    load = lambda name: torch.load(ckpt / name, weights_only=True)  # noqa: E731
-    return load("model.pt"), load("optimizer.pt")
+    return checkpoint_tensors(ckpt, "model/"), checkpoint_tensors(ckpt, "optim/")
 
 
 def _equal(a, b) -> bool:

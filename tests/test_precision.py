@@ -15,7 +15,6 @@ from parity import make_mesh, tiny, train_layout, train_layouts
 from shardtrain import config
 from shardtrain.config import ConfigError
 from shardtrain.parallel.precision import LossScaler
-from shardtrain.parallel.strategy import SCALER_FILE
 from shardtrain.plan.memory import model_states
 from shardtrain.plan.traffic import bytes_per_step, data_parallel_ops
 from shardtrain.train.metrics import device_peak_flops
@@ -114,10 +113,12 @@ K = 3  # the step (1-based) whose gradient gets an inf
 
 
 def _state(trainer: Trainer) -> tuple[dict, dict]:
-    """(full weights, this rank's optimizer files): collectives, on every rank."""
-    files = trainer.parallel.optimizer_files(True)
-    return trainer.parallel.full_state_dict(), {k: v for k, v in files.items()
-                                                if k != SCALER_FILE}  # the scale does move
+    """(full weights, this rank's optimizer state as checkpoint pieces): collectives, on
+    every rank."""
+    pieces, extra = trainer.parallel.state_pieces()
+    optim = {(p.region.key, p.region.start): p.fetch().clone() for p in pieces
+             if p.region.key.startswith("optim/")}
+    return trainer.parallel.full_state_dict(), {**optim, "steps": extra["optim_steps"]}
 
 
 def _equal(a, b) -> bool:

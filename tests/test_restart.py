@@ -11,13 +11,16 @@ import json
 import os
 import subprocess
 import sys
+from unittest import mock
 from pathlib import Path
 
 import pytest
 import torch
 
+from shardtrain.ckpt.files import Piece, write_pieces
+from shardtrain.ckpt.regions import block_region
 from shardtrain.train import checkpoint as ckpt
-from tests.parity import tiny
+from tests.parity import checkpoint_tensors, tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--config", "tiny", "--train.steps", "6", "--checkpoint.every", "2",
@@ -35,9 +38,9 @@ def _train(tmp: Path, name: str, *extra: str, kill: str = "") -> subprocess.Comp
 
 
 def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    model_state, meta = ckpt.load_checkpoint(ckpt.list_checkpoints(run_dir / "checkpoints")[-1])
-    assert meta["step"] == 6
-    return model_state
+    latest = ckpt.list_checkpoints(run_dir / "checkpoints")[-1]
+    assert ckpt.read_meta(latest)["step"] == 6
+    return checkpoint_tensors(latest, "")  # weights and optimizer state
 
 
 def test_killed_rank_restarts_and_matches(tmp_path):
@@ -54,31 +57,33 @@ def test_killed_rank_restarts_and_matches(tmp_path):
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
-def test_crash_mid_save_keeps_latest(tmp_path, monkeypatch):
-    """A save that dies while writing its files leaves no checkpoint directory (they are
-    written in a temporary one, renamed into place last), so `latest` is still the
-    previous, loadable checkpoint."""
+def test_crash_mid_save_keeps_latest(tmp_path):
+    """A save that dies while a rank writes its shard, or while the main rank commits,
+    leaves no checkpoint directory (the files are staged, the manifest written last, the
+    directory renamed into place after it), so `latest` is still the previous, loadable
+    checkpoint; the same step then saves again over the stale staging directory."""
     cfg = tiny(tmp_path, "run")
 
-    def save(step: int, weights: torch.Tensor) -> None:
-        staged = ckpt.stage_files(cfg, step, {"optimizer.pt": {"step": step}})
-        ckpt.save_checkpoint(cfg, step=step, model_state={"w": weights}, staged=staged,
+    def save(step: int, fetch) -> None:
+        region = block_region("model/w", (4,), ((0, 4),))
+        write_pieces(ckpt.staging_dir(cfg, step), 0, [Piece(region, torch.float32, fetch)])
+        ckpt.save_checkpoint(cfg, step=step, staged=ckpt.staging_dir(cfg, step), world_size=1,
                              layout={"zero": 0, "dp": 1, "tp": 1}, sampler_state={"step": step})
 
-    save(2, torch.arange(4.0))
-    real_save = torch.save
+    def dying() -> torch.Tensor:
+        raise KeyboardInterrupt("killed mid-write")
 
-    def dying_save(obj, f, *a, **kw):
-        if str(f).endswith("model.pt"):
-            raise KeyboardInterrupt("killed mid-write")
-        return real_save(obj, f, *a, **kw)
-
-    monkeypatch.setattr(torch, "save", dying_save)
+    save(2, lambda: torch.arange(4.0))
     with pytest.raises(KeyboardInterrupt):
-        save(4, torch.zeros(4))
-    monkeypatch.undo()
+        save(4, dying)
+    with mock.patch.object(ckpt, "commit_manifest", side_effect=KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt):
+            save(6, lambda: torch.zeros(4))
     latest = ckpt.resolve_resume(dataclasses.replace(
         cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume="latest")))
     assert latest == ckpt.checkpoint_root(cfg.train.run_dir) / "step_00000002"
-    model_state, meta = ckpt.load_checkpoint(latest)
-    assert meta["step"] == 2 and torch.equal(model_state["w"], torch.arange(4.0))
+    assert ckpt.read_meta(latest)["step"] == 2
+    assert torch.equal(checkpoint_tensors(latest)["w"], torch.arange(4.0))
+    save(4, lambda: torch.ones(4))  # over the dead attempt's staged files
+    assert torch.equal(checkpoint_tensors(ckpt.list_checkpoints(
+        ckpt.checkpoint_root(cfg.train.run_dir))[-1])["w"], torch.ones(4))

@@ -206,7 +206,7 @@ def test_resume_in_another_layout_is_refused(runs, tmp):
                                      (TOPK, 1, "parallel.dp=2")):
         with pytest.raises(ConfigError, match=needle) as err:
             check_layout(path, tiny(tmp, "other", *overrides), world)
-        assert "per-rank state of comm.compress=topk" in str(err.value)
+        assert "per-rank optimizer state and residual of comm.compress=topk" in str(err.value)
     with pytest.raises(ConfigError, match="no comm.compress=topk"):
         check_layout(tmp / "sgd-dense" / "checkpoints" / "step_00000004",
                      tiny(tmp, "other", *TOPK), WORLD)

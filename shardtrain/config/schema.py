@@ -217,6 +217,9 @@ class CheckpointConfig:
     every: int = 0  # steps between checkpoints (0: only the final one)
     keep: int = 2
     resume: str = ""  # "", "latest" (newest in this run dir) or a checkpoint directory
+    # Write checkpoints in a background thread: each rank copies its state to host memory
+    # and the step loop goes on while the files are written and committed.
+    async_save: bool = False
 
     def validate(self) -> None:
         if self.every < 0 or self.keep < 1:

@@ -157,7 +157,8 @@ def assign(model: nn.Module, name: str, value: torch.Tensor) -> None:
         getattr(module, leaf).copy_(value)
 
 
-def _read(model: nn.Module, name: str) -> torch.Tensor:
+def read_weight(model: nn.Module, name: str) -> torch.Tensor:
+    """The weight `name` as an exported model has it (a LoRA layer's merged)."""
     module, leaf = _owner(model, name)
     if leaf == "weight" and hasattr(module, "export_weight"):
         return module.export_weight()
@@ -165,17 +166,21 @@ def _read(model: nn.Module, name: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def save_hf(model: nn.Module, path: str | os.PathLike, *, cfg: ModelConfig | None = None,
+def save_hf(model: nn.Module | None, path: str | os.PathLike, *, cfg: ModelConfig | None = None,
             dtype: torch.dtype = torch.float32, max_shard_bytes: int = 2 << 30,
             base_config: dict[str, Any] | None = None,
-            tokenizer_file: str | os.PathLike | None = None) -> Path:
+            tokenizer_file: str | os.PathLike | None = None,
+            read: Callable[[str], torch.Tensor] | None = None) -> Path:
     """Write `model` as a Hugging Face directory that `from_pretrained` loads: config.json
     (the fields of `base_config` kept, shape fields from the model), safetensors shards of
-    at most `max_shard_bytes` (one file when it fits, else an index), the tokenizer.json."""
+    at most `max_shard_bytes` (one file when it fits, else an index), the tokenizer.json.
+    `read(name)`: each weight by our name, instead of a model (a checkpoint streamed:
+    train/export.py); one output shard is held at a time."""
     from safetensors.torch import save_file
 
     path = Path(path)
     cfg = cfg or model.cfg
+    read = read or (lambda name: read_weight(model, name))
     config = hf_config_from_model(cfg, base_config, dtype=str(dtype).removeprefix("torch."))
     path.mkdir(parents=True, exist_ok=True)
     for old in [*path.glob("model*.safetensors"), path / INDEX_FILE]:
@@ -193,7 +198,7 @@ def save_hf(model: nn.Module, path: str | os.PathLike, *, cfg: ModelConfig | Non
             shard, size = {}, 0
 
     for m in tensor_maps(cfg):
-        tensor = m.to_hf([_read(model, n) for n in m.ours]).to("cpu", dtype).contiguous()
+        tensor = m.to_hf([read(n) for n in m.ours]).to("cpu", dtype).contiguous()
         nbytes = tensor.numel() * tensor.element_size()
         if shard and size + nbytes > max_shard_bytes:
             flush()

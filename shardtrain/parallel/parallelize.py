@@ -110,7 +110,7 @@ def _update(module: torch.nn.Module, shards: StageShards, mesh: ParallelMesh, cf
     plain bucketed data parallelism."""
     dp, c = mesh.comm(mesh.replica_dim), cfg.comm
     if cfg.parallel.ps_servers:
-        return PSUpdate(module, mesh, cfg)
+        return PSUpdate(module, mesh, cfg, shards)
     if cfg.parallel.zero:  # experts sharded over edp, the rest over the replica group
         unit_comm = build_unit_comm(mesh, cfg.parallel, block=c.quant_block)  # ZeRO++
         experts, expert_comm = set(), None
@@ -119,7 +119,7 @@ def _update(module: torch.nn.Module, shards: StageShards, mesh: ParallelMesh, cf
             expert_comm = build_unit_comm(mesh, cfg.parallel, block=c.quant_block, dim="edp",
                                           grad_scale=expert_grad_scale(mesh.shape.ep))
         return ZeroModel(module, dp, shards, cfg, policy, unit_comm=unit_comm, experts=experts,
-                         expert_comm=expert_comm, file=rank_file(mesh.coords))
+                         expert_comm=expert_comm)
     if c.compress == "topk":
         return SparseUpdates(dp, make_optimizer(module), shards, ratio=c.topk_ratio,
                              error_feedback=c.error_feedback, warmup_steps=c.topk_warmup_steps,

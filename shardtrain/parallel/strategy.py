@@ -26,13 +26,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from shardtrain.ckpt.files import Piece, Reader
 from shardtrain.parallel.precision import LossScaler, PrecisionPolicy
 
 if TYPE_CHECKING:
     from shardtrain.parallel.pipeline.runtime import Batch, Pipeline
     from shardtrain.parallel.pipeline.state import StageShards
-
-SCALER_FILE = "scaler.pt"
 
 
 class Update(Protocol):
@@ -63,8 +62,20 @@ class Update(Protocol):
 
     def load_local_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
 
+    def state_pieces(self) -> list[Piece]:
+        """This rank's model and optimizer tensors as checkpoint pieces (parallel/pieces.py:
+        layout-independent names and coordinates), read when written."""
+
+    def optim_steps(self) -> int:
+        """The optimizer steps taken (bias correction), kept with the pieces."""
+
+    def load_state(self, reader: Reader, steps: int) -> None:
+        """This rank's model and optimizer state from a checkpoint of any layout."""
+
     def optimizer_files(self, is_main: bool) -> dict[str, dict]:
-        """{checkpoint file name: state} this rank writes (a collective on every rank)."""
+        """{checkpoint file name: state}: state that is this rank's own, not pieces of the
+        single-process model's (top-k's residual, the parameter servers'); a collective on
+        every rank. Only the layout that wrote them reads them back."""
 
     def load_optimizer_files(self, load: Callable[[str], dict]) -> None: ...
 
@@ -157,18 +168,26 @@ class Strategy:
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.update.load_local_state_dict(self.shards.local_state_dict(state))
 
-    def optimizer_files(self, is_main: bool) -> dict[str, dict]:
-        files = self.update.optimizer_files(is_main)
-        if is_main and self.scaler.dynamic:  # the same on every rank: written once
-            files[SCALER_FILE] = self.scaler.state_dict()
-        return files
+    def state_pieces(self) -> tuple[list[Piece], dict[str, Any]]:
+        """(this rank's checkpoint pieces, the small state kept beside them: the optimizer's
+        step count and the loss scaler's, the same on every rank)."""
+        extra = {"optim_steps": self.update.optim_steps()}
+        if self.scaler.dynamic:
+            extra["scaler"] = self.scaler.state_dict()
+        return self.update.state_pieces(), extra
 
-    def load_optimizer_files(self, load: Callable[[str], dict], names: set[str]) -> None:
-        """`names`: the checkpoint's files. One written in another precision has no scaler
+    def load_state(self, reader: Reader) -> None:
+        """A checkpoint of any layout. One written in another precision has no scaler
         state: an fp16 run resumed from it starts at the initial scale."""
+        self.update.load_state(reader, int(reader.extra.get("optim_steps", 0)))
+        if self.scaler.dynamic and "scaler" in reader.extra:
+            self.scaler.load_state_dict(reader.extra["scaler"])
+
+    def optimizer_files(self, is_main: bool) -> dict[str, dict]:
+        return self.update.optimizer_files(is_main)
+
+    def load_optimizer_files(self, load: Callable[[str], dict]) -> None:
         self.update.load_optimizer_files(load)
-        if self.scaler.dynamic and SCALER_FILE in names:
-            self.scaler.load_state_dict(load(SCALER_FILE))
 
 
 def rank_file(coords: dict[str, int]) -> str:

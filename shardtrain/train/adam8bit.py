@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
+from shardtrain.quant.blockwise import Quantized, dequantize, quantize_
 from shardtrain.quant.adam8bit import adamw8bit_update, new_moments, state_bytes
 
 
@@ -48,6 +49,31 @@ class AdamW8bit(torch.optim.Optimizer):
             for key in ("m_codes", "v_codes"):
                 if key in state:
                     state[key] = state[key].to(torch.uint8)
+
+    def canonical_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """p's moments as fp32 tensors of its shape (checkpoints' layout-independent form)."""
+        state = self.state[p]
+        if "m_codes" not in state:
+            return {k: state[k].view_as(p) for k in ("exp_avg", "exp_avg_sq")}
+        return {k: dequantize(Quantized(state[f"{s}_codes"], state[f"{s}_absmax"], signed)
+                              ).view_as(p)
+                for k, s, signed in (("exp_avg", "m", True), ("exp_avg_sq", "v", False))}
+
+    @torch.no_grad()
+    def load_canonical(self, states: dict[int, dict[str, torch.Tensor]], steps: int) -> None:
+        """`states`: {index of the parameter in the groups' order: canonical_state's dict}."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, saved in states.items():
+            p = params[i]
+            state = self.state[p] = {"step": torch.tensor(float(steps)),
+                                     **new_moments(p.numel(), p.device)}
+            m, v = (saved[k].reshape(-1).float().to(p.device) for k in ("exp_avg", "exp_avg_sq"))
+            if "m_codes" not in state:
+                state["exp_avg"].copy_(m)
+                state["exp_avg_sq"].copy_(v)
+                continue
+            quantize_(Quantized(state["m_codes"], state["m_absmax"], True), m)
+            quantize_(Quantized(state["v_codes"], state["v_absmax"], False), v)
 
     def state_bytes(self) -> int:
         return sum(state_bytes(s) for s in self.state.values())

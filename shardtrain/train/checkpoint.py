@@ -1,18 +1,18 @@
-"""Checkpoints: atomic directories <run_dir>/checkpoints/step_NNNNNNNN, the last K kept.
+"""Checkpoints: directories <run_dir>/checkpoints/step_NNNNNNNN, the last K kept.
 
-A checkpoint is written into a hidden temporary directory beside its final place, then
-renamed, so a crash never leaves a half-written checkpoint where resume would find it.
-It holds the model and optimizer state, the data sampler's position, the step, the
-resolved config (whose [model] section is checked on resume) and, for a BPE run, a copy
-of the tokenizer, so `shardtrain generate` needs nothing but the checkpoint. The model state
-is full (unsharded) whatever the layout that wrote it. The optimizer state is full too
-(optimizer.pt) for the replicated layouts, which any layout without ZeRO can resume from;
-under ZeRO each rank writes its own shard (optimizer_pp{s}_dp{d}_tp{t}.pt), staged beside the
-checkpoint by every rank before the main rank renames it into place, and only the same
-layout (ZeRO stage, dp and tp sizes, recorded in meta.json) can resume from it. Under
-top-k update compression (comm.compress=topk) each dp rank's optimizer state and residual
-are its own: every rank writes its file the same way, and only the same layout with
-comm.compress=topk resumes from them.
+Sharded and layout-independent: every rank writes what it holds (its model and optimizer
+shards, as ckpt/files.py describes) into a hidden staging directory, the main rank merges
+their indexes into manifest.json and renames the directory into place, so a crash never
+leaves a half-written checkpoint where resume would find it (a directory without a
+manifest is not a checkpoint). Beside the shards: meta.json (the step, the data sampler's
+position -- a count of global batches, the same for any dp size -- and the layout that
+wrote it), the resolved config (whose [model] section is checked on resume) and, for a
+BPE run, a copy of the tokenizer, so `shardtrain generate` needs nothing but the checkpoint.
+
+Any checkpoint resumes in any layout (parallel/pieces.py), except state that is one rank's
+own: top-k update compression's optimizer state and residual (comm.compress=topk) and a
+parameter server's (ps_server*.pt): their files (`stage_files`) resume only in the layout
+that wrote them (`check_layout`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from shardtrain import config as config_mod
+from shardtrain.ckpt.files import MANIFEST, commit_manifest
 from shardtrain.config import Config, ConfigError
 
 _PREFIX = "step_"
@@ -37,36 +38,37 @@ def checkpoint_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def stage_files(cfg: Config, step: int, files: dict[str, Any]) -> Path:
-    """Write this rank's part of the step's checkpoint ({file name: state}) into the
-    staging directory that `save_checkpoint` moves into the checkpoint (every rank)."""
+def staging_dir(cfg: Config, step: int) -> Path:
+    """Where every rank writes its part of the step's checkpoint before it is committed."""
     staged = checkpoint_root(cfg.train.run_dir) / f".staged-{_PREFIX}{step:08d}"
     staged.mkdir(parents=True, exist_ok=True)
+    return staged
+
+
+def stage_files(cfg: Config, step: int, files: dict[str, Any]) -> Path:
+    """Write this rank's own state files ({file name: state}) into the staging directory."""
+    staged = staging_dir(cfg, step)
     for name, state in files.items():
         torch.save(state, staged / name)
     return staged
 
 
-def save_checkpoint(cfg: Config, *, step: int, model_state: dict[str, torch.Tensor],
-                    staged: Path, layout: dict[str, int], sampler_state: dict[str, Any],
+def save_checkpoint(cfg: Config, *, step: int, staged: Path, world_size: int,
+                    layout: dict[str, int], sampler_state: dict[str, Any],
                     tokenizer_file: Path | None = None) -> Path:
-    """On the main rank, once every rank has staged its files (`stage_files`). `layout`:
-    the ZeRO stage and the dp and tp sizes that wrote the optimizer state."""
+    """On the main rank, once every rank has staged its pieces and files: commit the
+    manifest, then move the directory into place. `layout`: the layout that wrote it."""
     root = checkpoint_root(cfg.train.run_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_PREFIX}{step:08d}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    torch.save(model_state, tmp / "model.pt")
-    for f in staged.iterdir():
-        os.replace(f, tmp / f.name)
-    staged.rmdir()
+    os.replace(staged, tmp)
     (tmp / "meta.json").write_text(json.dumps({"step": step, "sampler": sampler_state,
                                                "layout": layout}, indent=1))
     (tmp / "config.toml").write_text(config_mod.to_toml(cfg))
     if tokenizer_file is not None:
         shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
+    commit_manifest(tmp, world_size)  # last: only now is the directory a checkpoint
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -93,9 +95,9 @@ def resolve_resume(cfg: Config) -> Path | None:
                               f"{checkpoint_root(cfg.train.run_dir)}; train without resume first")
         return found[-1]
     path = Path(spec)
-    if not (path / "model.pt").is_file() or not (path / "meta.json").is_file():
+    if not (path / MANIFEST).is_file() or not (path / "meta.json").is_file():
         raise ConfigError(f"checkpoint.resume={spec!r} is not a checkpoint directory (it must "
-                          "hold model.pt and meta.json); give a step_* directory or 'latest'")
+                          f"hold {MANIFEST} and meta.json); give a step_* directory or 'latest'")
     return path
 
 
@@ -128,9 +130,10 @@ def check_compatible(path: Path, cfg: Config, world_size: int) -> None:
 
 
 def check_layout(path: Path, cfg: Config, world_size: int) -> None:
-    """ZeRO optimizer state is sharded and top-k's (comm.compress=topk: each dp rank's
-    optimizer state and residual) is per rank: only the layout that wrote it can read it
-    back (resharding is not implemented)."""
+    """State that is one rank's own resumes only in the layout that wrote it: top-k's
+    (comm.compress=topk: each dp rank's optimizer state and residual) needs the same
+    layout, a parameter server's servers on both sides (their count may change). Every
+    other checkpoint resumes in any layout."""
     meta = json.loads((path / "meta.json").read_text())
     p = cfg.parallel
     saved_ps = meta.get("layout", {}).pop("ps_servers", 0)
@@ -138,23 +141,22 @@ def check_layout(path: Path, cfg: Config, world_size: int) -> None:
         raise ConfigError(
             f"cannot resume from {path}: it was written with parallel.ps_servers={saved_ps} "
             f"and this run has parallel.ps_servers={p.ps_servers}; a parameter server's "
-            "optimizer state lives in its ps_server*.pt files, the other layouts' in "
-            "optimizer files: resume with parallel.ps_servers > 0 if and only if the "
-            "checkpoint had servers (their count may change)")
-    saved = {"zero": 0, "cp": 1, **meta.get("layout", {}),
+            "optimizer state lives in its ps_server*.pt files, the other layouts' in the "
+            "shards: resume with parallel.ps_servers > 0 if and only if the checkpoint had "
+            "servers (their count may change)")
+    saved = {"zero": 0, "cp": 1, "ep": 1, **meta.get("layout", {}),
              "topk": checkpoint_config(path).comm.compress == "topk"}
     wanted = {"zero": p.zero, "pp": p.pp, "dp": p.resolved_dp(world_size), "tp": p.tp,
-              "cp": p.cp, "topk": cfg.comm.compress == "topk"}
-    replicated = saved["zero"] == wanted["zero"] == 0 and not saved["topk"] and not wanted["topk"]
-    if replicated or saved == wanted:
+              "cp": p.cp, "ep": p.ep, "topk": cfg.comm.compress == "topk"}
+    if not saved["topk"] and not wanted["topk"] or saved == wanted:
         return
     saved_text, wanted_text = map(_describe, (saved, wanted))
     raise ConfigError(
         f"cannot resume from {path}: its optimizer state was written by {saved_text} and "
-        f"this run has {wanted_text}; resharding ZeRO optimizer state, or the per-rank state "
-        "of comm.compress=topk, to another layout is not supported. Resume with the "
-        "checkpoint's layout (the same parallel.zero, pp, dp, cp and tp, with --nproc to match, "
-        "and comm.compress=topk or not), or start a new run without checkpoint.resume")
+        f"this run has {wanted_text}; the per-rank optimizer state and residual of "
+        "comm.compress=topk resume only in the layout that wrote them. Resume with the "
+        "checkpoint's layout (the same parallel.zero, pp, dp, cp and tp, with --nproc to "
+        "match, and comm.compress=topk), or start a new run without checkpoint.resume")
 
 
 def _describe(layout: dict) -> str:
@@ -162,12 +164,11 @@ def _describe(layout: dict) -> str:
     return dims + (", comm.compress=topk" if layout["topk"] else ", no comm.compress=topk")
 
 
-def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(full model state, meta: step, sampler position and layout)."""
-    model_state = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
-    return model_state, json.loads((path / "meta.json").read_text())
+def read_meta(path: Path) -> dict[str, Any]:
+    """meta.json: the step, the sampler position and the layout that wrote the checkpoint."""
+    return json.loads((path / "meta.json").read_text())
 
 
 def load_state(path: Path, name: str) -> dict[str, Any]:
-    """One optimizer state file of the checkpoint (optimizer.pt or a rank's shard)."""
+    """One of a rank's own state files (top-k's optimizer file, a parameter server's)."""
     return torch.load(path / name, map_location="cpu", weights_only=True)

@@ -39,7 +39,7 @@ def run_server(cfg: Config, mesh: ParallelMesh) -> dict:
     index = rank - layout.workers
     start, resume = 0, ckpt.resolve_resume(cfg)
     if resume is not None:
-        start = ckpt.load_checkpoint(resume)[1]["step"]
+        start = ckpt.read_meta(resume)["step"]
     every = cfg.checkpoint.every
     saves = sum(1 for k in range(start + 1, t.steps + 1) if (every and k % every == 0)
                 or k == t.steps)

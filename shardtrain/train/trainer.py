@@ -26,6 +26,7 @@ from shardtrain.mesh import ParallelMesh
 from shardtrain.model.generate import generate
 from shardtrain.parallel.parallelize import parallelize
 from shardtrain.cost.counts import model_flops_per_token
+from shardtrain.ckpt.files import Reader
 from shardtrain.train import checkpoint as ckpt
 from shardtrain.train.guard import BadStepGuard, hang_here, kill_here, nan_loss
 from shardtrain.train.finetune import (build_skeleton, export_hf, nf4_bytes, resolve_init_from,
@@ -33,6 +34,7 @@ from shardtrain.train.finetune import (build_skeleton, export_hf, nf4_bytes, res
 from shardtrain.train.metrics import (MetricsWriter, clock, device_peak_flops, moe_metrics,
                                       peak_memory)
 from shardtrain.train.optim import build_optimizer, lr_at
+from shardtrain.train.saver import Saver
 from shardtrain.train.straggler import slow_down
 
 
@@ -70,16 +72,16 @@ class Trainer:
         resume = ckpt.resolve_resume(cfg)
         if resume is not None:
             ckpt.check_compatible(resume, cfg, mesh.world_size)
-            model_state, meta = ckpt.load_checkpoint(resume)
-            self.parallel.load_full_state_dict(model_state)
-            self.parallel.load_optimizer_files(lambda name: ckpt.load_state(resume, name),
-                                               names={f.name for f in resume.iterdir()})
+            meta = ckpt.read_meta(resume)
+            self.parallel.load_state(Reader(resume))  # from any layout (parallel/pieces.py)
+            self.parallel.load_optimizer_files(lambda name: ckpt.load_state(resume, name))
             self.step = meta["step"]
             self.sampler.load_state_dict(meta["sampler"])
         self.tokens_per_step = t.global_batch * t.seq_len
         self.flops_per_step = model_flops_per_token(cfg.model, t.seq_len) * self.tokens_per_step
         self.peak_flops = device_peak_flops(device, t.peak_flops, t.precision)  # None: unknown
         self.guard = BadStepGuard(t.max_bad_steps, t.run_dir, t.precision)
+        self.saver = Saver(cfg, mesh)
         self.metrics = MetricsWriter(t.run_dir, enabled=self.is_main, tensorboard=t.tensorboard,
                                      resume=resume is not None, from_step=self.step)
 
@@ -163,6 +165,7 @@ class Trainer:
                 elif "eval_loss" in record:
                     bar.write(format_record(record))
         bar.close()
+        self.saver.wait()  # an asynchronous save still writing
         self.metrics.close()
         # Each rank's own memory ledger (metrics.jsonl carries rank 0's).
         ledger = self.memory_ledger()
@@ -187,26 +190,12 @@ class Trainer:
         return path
 
     def save(self) -> None:
-        """The full model state (gathered over tp and, under ZeRO, dp), written by rank 0;
-        the optimizer state as the layout keeps it: full, written by rank 0, or one shard
-        per rank (ZeRO), each staged by its rank before rank 0 renames the checkpoint."""
-        model_state = self.parallel.full_state_dict()
-        staged = ckpt.stage_files(self.cfg, self.step, self.parallel.optimizer_files(self.is_main))
-        self._barrier()  # every rank's files are staged
-        if self.is_main:
-            p = self.cfg.parallel
-            ckpt.save_checkpoint(self.cfg, step=self.step, model_state=model_state,
-                                 staged=staged, sampler_state=self.sampler.state_dict(),
-                                 layout={"zero": p.zero, "pp": p.pp, "dp": self.dp.size,
-                                         "tp": p.tp, "cp": p.cp, "ps_servers": p.ps_servers},
-                                 tokenizer_file=getattr(self.data.tokenizer, "path", None))
-        self._barrier()  # every rank waits for rank 0's write
-
-    def _barrier(self) -> None:
-        """All ranks: a dp, a cp, a tp, then a pp barrier (pp x dp x cp x tp is the
-        world): a rank passes the last only once every rank has entered the first."""
-        for dim in ("dp", "cp", "tp", "pp"):
-            self.mesh.comm(dim).barrier()
+        """Checkpoint this step (train/saver.py: sharded, synchronous or not)."""
+        p = self.cfg.parallel
+        self.saver.save(self.step, self.parallel, sampler_state=self.sampler.state_dict(),
+                        layout={"zero": p.zero, "pp": p.pp, "dp": self.dp.size, "tp": p.tp,
+                                "cp": p.cp, "ep": p.ep, "ps_servers": p.ps_servers},
+                        tokenizer_file=getattr(self.data.tokenizer, "path", None))
 
     def memory_ledger(self) -> dict[str, int]:
         """Model-state bytes held by this rank (params, grads, optimizer, master) and the

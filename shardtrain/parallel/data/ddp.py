@@ -26,7 +26,10 @@ import torch
 from torch import nn
 
 from shardtrain.comm import Communicator, Handle
+from shardtrain.ckpt.files import Piece, Reader
 from shardtrain.comm.compress import make_compressor
+from shardtrain.parallel.pieces import (load_torch_optimizer, local_model_state, module_pieces,
+                                       optimizer_steps, torch_optimizer_pieces)
 from shardtrain.parallel.pipeline.state import StageShards
 from shardtrain.parallel.ready import ReadyInOrder
 from shardtrain.parallel.strategy import nbytes, optimizer_state_bytes
@@ -128,8 +131,8 @@ def _make_buckets(params: list[nn.Parameter], cap_bytes: float, group_size: int)
 class ReplicatedUpdate:
     """The update half of plain data parallelism: gradients all-reduced in buckets, summed
     over tensor-parallel shards, clipped over the whole model, one torch optimizer step.
-    The optimizer state is full (gathered over tp and pp) in one checkpoint file written by
-    the main rank, so any replicated layout resumes from it."""
+    Checkpoints hold the module's tensors and the optimizer's state as they are
+    (parallel/pieces.py)."""
 
     def __init__(self, reducer: DataParallel, optimizer: torch.optim.Optimizer,
                  shards: StageShards):
@@ -165,10 +168,18 @@ class ReplicatedUpdate:
     def load_local_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.shards.model.load_state_dict(state)
 
+    def state_pieces(self) -> list[Piece]:
+        return module_pieces(self.shards) + torch_optimizer_pieces(self.shards, self.optimizer)
+
+    def optim_steps(self) -> int:
+        return optimizer_steps(self.optimizer)
+
+    def load_state(self, reader: Reader, steps: int) -> None:
+        self.shards.model.load_state_dict(local_model_state(self.shards, reader))
+        load_torch_optimizer(self.shards, self.optimizer, reader, steps)
+
     def optimizer_files(self, is_main: bool) -> dict[str, dict]:
-        state = self.shards.full_optimizer_state_dict(self.optimizer)  # collective: every rank
-        return {"optimizer.pt": state} if is_main else {}
+        return {}  # all of it is in the pieces
 
     def load_optimizer_files(self, load: Callable[[str], dict]) -> None:
-        self.shards.load_full_optimizer_state_dict(self.optimizer, load("optimizer.pt"))
-
+        pass

@@ -50,8 +50,10 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
+from shardtrain.ckpt.files import Piece, Reader
 from shardtrain.comm import Communicator
 from shardtrain.comm.compress import TopKCompressor
+from shardtrain.parallel.pieces import local_model_state, module_pieces
 from shardtrain.parallel.pipeline.state import StageShards
 from shardtrain.parallel.strategy import nbytes, optimizer_state_bytes
 
@@ -113,6 +115,16 @@ class SparseUpdates:
 
     def load_local_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.shards.model.load_state_dict(state)
+
+    def state_pieces(self) -> list[Piece]:
+        """The model; the optimizer state and residual are this rank's own (its file)."""
+        return module_pieces(self.shards)
+
+    def optim_steps(self) -> int:
+        return self.steps
+
+    def load_state(self, reader: Reader, steps: int) -> None:
+        self.shards.model.load_state_dict(local_model_state(self.shards, reader))
 
     def optimizer_files(self, is_main: bool) -> dict[str, dict]:
         return {self.file: {"optimizer": self.optimizer.state_dict(),

@@ -17,8 +17,11 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from shardtrain.ckpt.files import Piece, Reader
 from shardtrain.config import Config
 from shardtrain.mesh import ParallelMesh
+from shardtrain.parallel.pieces import local_model_state, module_pieces
+from shardtrain.parallel.pipeline.state import StageShards
 from shardtrain.parallel.ps.codec import PushCodec
 from shardtrain.parallel.ps.groups import ps_comms
 from shardtrain.parallel.ps.layout import HEAD, STATE, PSLayout
@@ -46,10 +49,11 @@ def push_codec(cfg: Config, layout: PSLayout) -> PushCodec:
 
 
 class PSUpdate:
-    def __init__(self, module: torch.nn.Module, mesh: ParallelMesh, cfg: Config):
+    def __init__(self, module: torch.nn.Module, mesh: ParallelMesh, cfg: Config,
+                 shards: StageShards):
         """A worker's side of the run (collective with the servers' `ps_comms` call). Worker
         0 gives the servers their starting weights, unless they resume from a checkpoint."""
-        self.module, self.cfg = module, cfg
+        self.module, self.cfg, self.shards = module, cfg, shards
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         world, _ = ps_comms(mesh.rank, world_size, cfg.parallel.ps_servers, mesh.ledger,
                             timeout_s=cfg.comm.timeout_s)
@@ -84,6 +88,17 @@ class PSUpdate:
 
     def load_local_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.module.load_state_dict(state)
+
+    def state_pieces(self) -> list[Piece]:
+        """The model (every pulled partition in); the servers' state is in their files."""
+        self.worker.settle()
+        return module_pieces(self.shards)
+
+    def optim_steps(self) -> int:
+        return 0  # the servers count their own
+
+    def load_state(self, reader: Reader, steps: int) -> None:
+        self.module.load_state_dict(local_model_state(self.shards, reader))
 
     def optimizer_files(self, is_main: bool) -> dict[str, dict]:
         """Worker 0: every server's state, asked for with a header of clock -1."""

@@ -55,14 +55,16 @@ from collections.abc import Callable, Collection
 import torch
 from torch import nn
 
+from shardtrain.ckpt.files import Piece, Reader
 from shardtrain.comm import Communicator
 from shardtrain.config import Config
+from shardtrain.parallel.pieces import local_model_state, module_pieces, zero_load, zero_pieces
 from shardtrain.parallel.pipeline.state import StageShards
 from shardtrain.parallel.precision import PrecisionPolicy
 from shardtrain.parallel.strategy import nbytes
 from shardtrain.parallel.zero.gather import ParamGatherer, StepGatherer, UnitGatherer
 from shardtrain.parallel.zero.offload import build_shard_optimizer
-from shardtrain.parallel.zero.optim import ShardOptimizer
+from shardtrain.parallel.zero.optim import ShardOptimizer, moment_names
 from shardtrain.parallel.zero.reducer import ZeroReducer
 from shardtrain.parallel.zero.units import UnitComm, build_units, merge_units, partial_runs
 from shardtrain.quant.adam8bit import MIN_QUANTIZED_NUMEL
@@ -72,17 +74,19 @@ from shardtrain.quant.blockwise import BLOCK as ADAM8BIT_BLOCK
 class ZeroModel:
     """The update half of a ZeRO layout (strategy.py): the units, their gradients, the
     shard optimizer and the parameter updates of one model (or pipeline stage).
-    Checkpoints hold one optimizer file per rank (`file`): its master and moment shards."""
+    Checkpoints hold this rank's master and moment shards as they are (`state_pieces`)."""
 
     def __init__(self, model: nn.Module, comm: Communicator, shards: StageShards, cfg: Config,
                  policy: PrecisionPolicy, *, unit_comm: UnitComm | None = None,
-                 experts: Collection[nn.Parameter] = (), expert_comm: UnitComm | None = None,
-                 file: str = "optimizer.pt"):
+                 experts: Collection[nn.Parameter] = (), expert_comm: UnitComm | None = None):
         """`comm`: the replica group, which shards every unit through `unit_comm` (built
         over it when None), except the `experts` (expert parallelism): their units are
         sharded over `expert_comm`'s group, edp."""
         p = cfg.parallel
-        self.stage, self.comm, self.shards, self.cfg, self.file = p.zero, comm, shards, cfg, file
+        self.stage, self.comm, self.shards, self.cfg = p.zero, comm, shards, cfg
+        # The moments by their torch names (checkpoints' layout-independent form).
+        self.moment_names = ("exp_avg", "exp_avg_sq") if cfg.optim.name == "adamw8bit" \
+            else moment_names(cfg.optim)
         dtype = policy.param_dtype
         align = cfg.comm.quant_block if p.zero_quantized_weights else 1  # qwZ blocks
         if cfg.optim.name == "adamw8bit":  # the 8-bit moments' blocks (zero/optim8bit.py)
@@ -227,8 +231,28 @@ class ZeroModel:
                 **self.optimizer.memory()}
 
 
+    def state_pieces(self) -> list[Piece]:
+        """The module's tensors outside the units (buffers, frozen weights), the master
+        shards and the moment shards, as they are on this rank (parallel/pieces.py)."""
+        in_units = {n for u in self.units for n in u.names}
+        return module_pieces(self.shards, skip=in_units) + zero_pieces(
+            self.shards, self.units, self.optimizer.shard_state, self.moment_names)
+
+    def optim_steps(self) -> int:
+        return self.optimizer.steps
+
+    @torch.no_grad()
+    def load_state(self, reader: Reader, steps: int) -> None:
+        local = local_model_state(self.shards, reader)
+        in_units = {n for u in self.units for n in u.names}
+        self.shards.model.load_state_dict({k: v for k, v in local.items() if k not in in_units},
+                                          strict=False)
+        self.load_local_state_dict(local)
+        zero_load(self.shards, self.units, reader, self.moment_names, self.optimizer)
+        self.optimizer.steps = steps
+
     def optimizer_files(self, is_main: bool) -> dict[str, dict]:
-        return {self.file: self.optimizer.state_dict()}
+        return {}  # all of it is in the pieces
 
     def load_optimizer_files(self, load: Callable[[str], dict]) -> None:
-        self.optimizer.load_state_dict(load(self.file))
+        pass

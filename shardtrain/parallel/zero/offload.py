@@ -211,6 +211,18 @@ class HostOptimizer:
             else:
                 self._write_file(shard.path, whole)
 
+    def shard_state(self, k: int) -> dict[str, torch.Tensor]:
+        return dict(zip(self.states, self._read(self.shards[k]).unbind(0)))
+
+    @torch.no_grad()
+    def load_shard_state(self, k: int, state: dict[str, torch.Tensor]) -> None:
+        shard = self.shards[k]
+        whole = torch.stack([state[name].reshape(-1).float().cpu() for name in self.states])
+        if shard.host is not None:
+            shard.host.copy_(whole)
+        else:
+            self._write_file(shard.path, whole)
+
     def master(self, k: int) -> torch.Tensor:
         """Shard k's fp32 master weights [shard], a view of the state: writes go to it
         (nvme: the mapped file region; mapped while the tensor lives)."""

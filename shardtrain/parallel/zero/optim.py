@@ -35,6 +35,12 @@ class ShardOptimizer(Protocol):
 
     def load_state_dict(self, state: dict) -> None: ...
 
+    def shard_state(self, k: int) -> dict[str, torch.Tensor]:
+        """Shard k's state as fp32 [shard] tensors: "master" and the moments by their torch
+        names (8-bit moments dequantized): the layout-independent form checkpoints keep."""
+
+    def load_shard_state(self, k: int, state: dict[str, torch.Tensor]) -> None: ...
+
     def master(self, k: int) -> torch.Tensor:
         """Shard k's fp32 master weights [shard] (may be a copy)."""
 
@@ -113,6 +119,14 @@ class MemoryOptimizer:
             master.copy_(saved["master"])
             for name, t in zip(self.names, moments):
                 t.copy_(saved[name])
+
+    def shard_state(self, k: int) -> dict[str, torch.Tensor]:
+        return {"master": self.masters[k], **dict(zip(self.names, self.moments[k]))}
+
+    @torch.no_grad()
+    def load_shard_state(self, k: int, state: dict[str, torch.Tensor]) -> None:
+        for name, t in self.shard_state(k).items():
+            t.copy_(state[name])
 
     def master(self, k: int) -> torch.Tensor:
         return self.masters[k]

@@ -81,6 +81,26 @@ class Adam8bitShardOptimizer:
             for name in STATE_NAMES:
                 mine[name].copy_(saved[name])
 
+    def shard_state(self, k: int) -> dict[str, torch.Tensor]:
+        """Fresh fp32 tensors: the moments dequantized, the small parameters' own put in."""
+        state, idx, out = self.state[k], self.index[k], {"master": self.masters[k]}
+        for name, short, signed in (("exp_avg", "m", True), ("exp_avg_sq", "v", False)):
+            full = dequantize(Quantized(state[f"{short}_codes"], state[f"{short}_absmax"], signed))
+            full[idx] = state[f"{short}_small"]
+            out[name] = full
+        return out
+
+    @torch.no_grad()
+    def load_shard_state(self, k: int, saved: dict[str, torch.Tensor]) -> None:
+        """Quantized again: exact for moments this layout's blocks wrote (a block's absmax
+        is one of its values, and every value is a code times it)."""
+        state, idx = self.state[k], self.index[k]
+        self.masters[k].copy_(saved["master"])
+        for name, short, signed in (("exp_avg", "m", True), ("exp_avg_sq", "v", False)):
+            values = saved[name].to(self.masters[k].device, torch.float32)
+            quantize_(Quantized(state[f"{short}_codes"], state[f"{short}_absmax"], signed), values)
+            state[f"{short}_small"].copy_(values[idx])
+
     def master(self, k: int) -> torch.Tensor:
         return self.masters[k]
 

@@ -1,0 +1,199 @@
+"""A layout's state as checkpoint pieces, and its state read back from any checkpoint.
+
+Saving: each rank describes what it holds (ckpt/regions.py) -- the model's tensors by their
+single-process names (`model/<name>`) and the optimizer's per-element state
+(`optim/<name>/<state>`: exp_avg, exp_avg_sq, momentum_buffer, always fp32 and dequantized)
+-- and writes it as it is. A block of a tensor-parallel (or expert-parallel) split is a box
+of the full tensor; a ZeRO shard is a flat range of such a box. Copies of the same region
+(data-parallel replicas, tp ranks sharing a kv head, the pipeline's two copies of a tied
+embedding) are written once, by the lowest rank holding them: the ranks exchange their
+region lists over the mesh first (`writers`).
+
+Loading: every rank reads each full tensor it needs from the checkpoint (one at a time)
+and keeps its own slice, through the same paths a fresh run uses (`load_local_state_dict`),
+so a checkpoint resumes in any layout, precision or ZeRO stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+from shardtrain.ckpt.files import Piece, Reader
+from shardtrain.ckpt.regions import Region, block_region
+from shardtrain.comm import Communicator
+from shardtrain.parallel.pipeline.state import StageShards, all_gather_objects
+
+MASTER = "master"  # the shard optimizers' name for the fp32 weights (zero/optim.py)
+
+
+def model_key(name: str) -> str:
+    return f"model/{name}"
+
+
+def optim_key(name: str, state: str) -> str:
+    return f"optim/{name}/{state}"
+
+
+def box_of(shards: StageShards, name: str, local: torch.Size) -> tuple[tuple, tuple]:
+    """(full shape, box) of the block `name` this rank holds, of local shape `local`: sliced
+    over ep, then over tp (tensor/sharding.py)."""
+    levels = [place(name) for _, place in shards._levels()]  # innermost (tp) first
+    shape = tuple(local)
+    for place in levels:
+        if place.parts > 1:
+            shape = place.full_shape(shape)
+    box = tuple((0, n) for n in shape)
+    for place in reversed(levels):
+        if place.parts > 1:
+            start = box[place.dim][0] + place.index * place.block()
+            box = box[:place.dim] + ((start, place.block()),) + box[place.dim + 1:]
+    return shape, box
+
+
+def tensor_piece(shards: StageShards, key: str, name: str, t: torch.Tensor) -> Piece:
+    """A whole local tensor (this rank's block of `name`) as a piece."""
+    shape, box = box_of(shards, name, t.shape)
+    dtype = torch.float32 if t.is_floating_point() else t.dtype
+    return Piece(block_region(key, shape, box), dtype, lambda: t)
+
+
+def module_pieces(shards: StageShards, skip: Iterable[str] = ()) -> list[Piece]:
+    """The stage's state-dict tensors (tied aliases once, under their first name)."""
+    skip = set(skip) | set(shards.tied_to)
+    return [tensor_piece(shards, model_key(k), k, v)
+            for k, v in shards.model.state_dict().items() if k not in skip]
+
+
+def torch_optimizer_pieces(shards: StageShards, optimizer: torch.optim.Optimizer) -> list[Piece]:
+    """A torch optimizer's per-element state (8-bit moments dequantized)."""
+    name_of = {p: n for n, p in shards.named.items()}
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = canonical_state(optimizer, p)
+            out += [tensor_piece(shards, optim_key(name_of[p], k), name_of[p], v)
+                    for k, v in state.items()]
+    return out
+
+
+def canonical_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{state name: fp32 tensor of p's shape}: the moments, without the step count."""
+    state = optimizer.state.get(p, {})
+    if hasattr(optimizer, "canonical_state"):  # 8-bit moments (train/adam8bit.py)
+        return optimizer.canonical_state(p) if state else {}
+    return {k: v for k, v in state.items() if k != "step" and v.shape == p.shape}
+
+
+def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
+    steps = [int(s["step"]) for s in optimizer.state.values() if "step" in s]
+    return max(steps, default=0)
+
+
+def writers(pieces: list[Piece], comms: list[Communicator], rank: int) -> list[Piece]:
+    """The pieces this rank writes: of identical regions held by several ranks, the lowest
+    rank's. The region lists travel over each mesh dim in turn (after the last every rank
+    knows every rank's): plain tuples, as all_gather_objects reads them back safely."""
+    mine = {_plain(p.region): rank for p in pieces}
+    for comm in comms:
+        merged: dict = {}
+        for part in all_gather_objects(comm, mine):
+            for region, owner in part.items():
+                merged[region] = min(owner, merged.get(region, owner))
+        mine = merged
+    return [p for p in pieces if mine[_plain(p.region)] == rank]
+
+
+def _plain(r: Region) -> tuple:
+    return (r.key, r.shape, r.box, r.start, r.stop)
+
+
+# ---------------------------------------------------------------------- loading
+
+def local_tensor(shards: StageShards, reader: Reader, key: str, name: str,
+                 like: torch.Tensor) -> torch.Tensor:
+    """This rank's block of the checkpoint's full tensor `key` (placed as `name`)."""
+    full = reader.tensor(key)
+    if tuple(full.shape) != box_of(shards, name, like.shape)[0]:
+        raise ValueError(f"{reader.directory}: {key} has shape {tuple(full.shape)}, this "
+                         f"model's is {box_of(shards, name, like.shape)[0]}")
+    for _, place in reversed(shards._levels()):
+        full = place(name).shard(full)
+    return full.to(like.dtype)
+
+
+def local_model_state(shards: StageShards, reader: Reader) -> dict[str, torch.Tensor]:
+    """This rank's slices of the checkpoint's model tensors, by the stage's state-dict keys."""
+    return {k: local_tensor(shards, reader, model_key(shards.tied_to.get(k, k)), k, v)
+            for k, v in shards.model.state_dict().items()}
+
+
+def load_torch_optimizer(shards: StageShards, optimizer: torch.optim.Optimizer,
+                         reader: Reader, steps: int) -> None:
+    """Fill a torch optimizer's state from the checkpoint (none saved: left fresh)."""
+    name_of = {p: n for n, p in shards.named.items()}
+    states: dict[int, dict[str, torch.Tensor]] = {}
+    index = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = name_of[p]
+            keys = [k for k in reader.keys(f"optim/{name}/")]
+            if keys:
+                states[index] = {k.rsplit("/", 1)[1]: local_tensor(shards, reader, k, name, p)
+                                 for k in keys}
+            index += 1
+    if hasattr(optimizer, "load_canonical"):
+        optimizer.load_canonical(states, steps)
+        return
+    for state in states.values():
+        state["step"] = torch.tensor(float(steps))
+    optimizer.load_state_dict({"state": states,
+                               "param_groups": optimizer.state_dict()["param_groups"]})
+
+
+def zero_pieces(shards: StageShards, units: list, state_of: Callable[[int], dict],
+                names: Iterable[str]) -> list[Piece]:
+    """ZeRO's master and optimizer shards: per unit, each parameter's run in the shard is a
+    flat range of the parameter's block. `state_of(k)`: unit k's fp32 state (`shard_state`:
+    "master" and the moments `names`), computed once per unit when the pieces are written
+    (8-bit moments are dequantized then)."""
+    cache: dict[int, dict] = {}
+
+    def fetch(k: int, state: str, a: int, b: int) -> Callable[[], torch.Tensor]:
+        def get() -> torch.Tensor:
+            if k not in cache:
+                cache.clear()  # one unit's state at a time
+                cache[k] = state_of(k)
+            return cache[k][state][a:b]
+        return get
+
+    out = []
+    for k, u in enumerate(units):
+        lo = u.rank * u.shard_numel
+        for i, a, b in u.shard_runs(lambda i: True):
+            name, p = u.names[i], u.params[i]
+            shape, box = box_of(shards, name, p.shape)
+            start = a + lo - u.offsets[i]  # the run, relative to the parameter
+            for state in (MASTER, *names):
+                key = model_key(name) if state == MASTER else optim_key(name, state)
+                out.append(Piece(Region(key, shape, box, start, start + b - a), torch.float32,
+                                 fetch(k, state, a, b)))
+    return out
+
+
+def zero_load(shards: StageShards, units: list, reader: Reader, names: Iterable[str],
+              optimizer) -> None:
+    """Fill every unit's optimizer shard (`names`: its moment names) from the checkpoint;
+    the master weights came with the model (`load_local_state_dict`), first."""
+    for k, u in enumerate(units):
+        state = {MASTER: optimizer.master(k)}
+        for moment in names:
+            flat = torch.zeros(u.padded, device=u.shard.device)  # [padded] fp32
+            for name, view in zip(u.names, u.param_views(flat)):
+                key = optim_key(name, moment)
+                if reader.has(key):
+                    view.copy_(local_tensor(shards, reader, key, name, view))
+            state[moment] = flat[u.shard_slice()]
+        optimizer.load_shard_state(k, state)
+

@@ -1,0 +1,71 @@
+"""A sharded checkpoint as a model: loaded whole (`shardtrain generate`) or streamed out to a
+Hugging Face directory (`shardtrain export`).
+
+The export never holds the whole model: the model is built on the meta device (shapes
+only), and each weight the Hugging Face layout asks for is made by materialising just the
+module that owns it (an embedding, a linear; a LoRA linear with its base and adapters, or
+its NF4 codes) from the checkpoint's pieces, reading the exported value (LoRA merged, NF4
+dequantized), and releasing it; the writer holds one output file of at most
+`max_shard_bytes` at a time (model/hf.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardtrain.ckpt.files import MANIFEST, Reader
+from shardtrain.config import Config, ConfigError
+from shardtrain.model.hf import read_weight, save_hf, source_config
+from shardtrain.parallel.pieces import model_key
+from shardtrain.train import checkpoint as ckpt
+from shardtrain.train.finetune import build_skeleton
+
+
+def open_checkpoint(path: Path) -> tuple[Reader, Config]:
+    """The checkpoint's reader and config; a clear error if `path` is not a checkpoint."""
+    if not (path / MANIFEST).is_file() or not (path / "config.toml").is_file():
+        raise ConfigError(f"--checkpoint {str(path)!r} is not a checkpoint directory (it must "
+                          f"hold {MANIFEST} and config.toml) nor a Hugging Face directory (with "
+                          "config.json); pass a <run_dir>/checkpoints/step_* dir")
+    return Reader(path), ckpt.checkpoint_config(path)
+
+
+def load_into(module: nn.Module, reader: Reader, prefix: str = "") -> None:
+    """Set `module`'s state (its names under `prefix` in the single-process model)."""
+    module.load_state_dict({k: reader.tensor(model_key(prefix + k))
+                            for k in module.state_dict()})
+
+
+def load_checkpoint_model(path: Path) -> tuple[nn.Module, Config]:
+    """The plain model of a checkpoint directory (LoRA linears included) and its config."""
+    reader, cfg = open_checkpoint(path)
+    model = build_skeleton(cfg, device="cpu")
+    load_into(model, reader)
+    return model, cfg
+
+
+@torch.no_grad()
+def export_checkpoint(path: Path, out: str | Path, *, dtype: torch.dtype = torch.float32,
+                      max_shard_bytes: int = 2 << 30) -> Path:
+    """Write the checkpoint's model as a Hugging Face directory, streamed (module doc)."""
+    reader, cfg = open_checkpoint(path)
+    skeleton = build_skeleton(cfg)  # on the meta device
+
+    def read(name: str) -> torch.Tensor:
+        owner_name, _, leaf = name.rpartition(".")
+        owner = skeleton.get_submodule(owner_name)
+        owner.to_empty(device="cpu")
+        try:
+            load_into(owner, reader, f"{owner_name}.")
+            return read_weight(owner, leaf).clone()
+        finally:
+            owner.to("meta")  # released: the next weight's module takes its place
+
+    base = source_config(Path(cfg.model.init_from).expanduser()) if cfg.model.init_from else None
+    tokenizer = path / ckpt.TOKENIZER_FILE
+    return save_hf(None, out, cfg=cfg.model, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                   base_config=base, tokenizer_file=tokenizer if tokenizer.is_file() else None,
+                   read=read)

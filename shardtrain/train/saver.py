@@ -1,0 +1,93 @@
+"""Writing the trainer's checkpoints: synchronously, or in a background thread.
+
+Every rank writes the pieces of its state that no lower rank also holds
+(parallel/pieces.py `writers`) plus any state that is its own (top-k's, a parameter
+server's) into the step's staging directory; the main rank commits the checkpoint once
+all have (train/checkpoint.py). Nothing is gathered: a rank holds its own state plus one
+piece-sized buffer while it writes.
+
+Synchronously (the default), the ranks meet at a barrier once their files are staged and
+again once the main rank has committed. With `checkpoint.async_save` each rank copies its
+pieces to host memory (the one extra copy an asynchronous save needs: the step loop goes on
+changing the live tensors) and a thread writes them; the main rank's thread commits once
+every rank's index is in the staging directory. One save is in flight at a time: the next
+save, and the end of the run, wait for it (`wait`).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from shardtrain.ckpt.files import Piece, wait_for_indexes, write_pieces
+from shardtrain.config import Config
+from shardtrain.mesh import ParallelMesh
+from shardtrain.parallel.pieces import model_key, writers
+from shardtrain.parallel.strategy import Strategy
+from shardtrain.train import checkpoint as ckpt
+
+
+def snapshot(piece: Piece) -> Piece:
+    """The piece's values copied to host memory now."""
+    data = piece.fetch().detach().reshape(-1).to("cpu", piece.dtype, copy=True)
+    return replace(piece, fetch=lambda: data)
+
+
+class Saver:
+    def __init__(self, cfg: Config, mesh: ParallelMesh):
+        self.cfg, self.mesh = cfg, mesh
+        self.is_main = mesh.rank == 0
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(self, step: int, parallel: Strategy, *, sampler_state: dict[str, Any],
+             layout: dict[str, int], tokenizer_file: Path | None) -> None:
+        """Checkpoint `step` (a collective: every rank calls it)."""
+        self.wait()  # the previous asynchronous save first
+        pieces, extra = parallel.state_pieces()
+        pieces = writers(pieces, [self.mesh.comm(d) for d in ("dp", "cp", "tp", "pp")],
+                         self.mesh.rank)
+        aliases = {model_key(k): model_key(v) for k, v in parallel.shards.tied_to.items()}
+        staged = ckpt.stage_files(self.cfg, step, parallel.optimizer_files(self.is_main))
+        commit = partial(ckpt.save_checkpoint, self.cfg, step=step, staged=staged,
+                         world_size=self.mesh.world_size, sampler_state=sampler_state,
+                         layout=layout, tokenizer_file=tokenizer_file)
+        if not self.cfg.checkpoint.async_save:
+            write_pieces(staged, self.mesh.rank, pieces, extra, aliases)
+            self.barrier()  # every rank's files are staged
+            if self.is_main:
+                commit()
+            self.barrier()  # every rank waits for the main rank's commit
+            return
+        pieces = [snapshot(p) for p in pieces]
+
+        def write() -> None:
+            try:
+                write_pieces(staged, self.mesh.rank, pieces, extra, aliases)
+                if self.is_main:
+                    wait_for_indexes(staged, self.mesh.world_size, self.cfg.comm.timeout_s)
+                    commit()
+            except BaseException as e:  # raised by `wait`, on the training thread
+                self._error = e
+
+        self._thread = threading.Thread(target=write, name=f"checkpoint-{step}", daemon=True)
+        self._thread.start()
+
+    def barrier(self) -> None:
+        """All ranks: a dp, a cp, a tp, then a pp barrier (pp x dp x cp x tp is the
+        world): a rank passes the last only once every rank has entered the first."""
+        for dim in ("dp", "cp", "tp", "pp"):
+            self.mesh.comm(dim).barrier()
+
+    def wait(self) -> None:
+        """Until the asynchronous save in flight (if any) is written (and, on the main
+        rank, committed); its error, if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"the asynchronous checkpoint save failed: {error}") from error
