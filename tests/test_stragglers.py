@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 
-from shardtrain import config
 from shardtrain.config import ConfigError
 from shardtrain.train.pace import TAG, Pace, StragglerRule
 from shardtrain.train.report import report
