@@ -37,7 +37,10 @@ def parse_injection(field: str, text: str) -> Injection | None:
 
 def check_faults(train, world_size: int) -> None:
     """train.max_bad_steps >= 0; each injection names an existing rank, a step >= 1 and,
-    for a hang, a positive time."""
+    for a hang, a positive time; train.straggler_factor > 1 or 0."""
+    if train.straggler_factor != 0 and not train.straggler_factor > 1:  # NaN fails too
+        raise ConfigError(f"train.straggler_factor={train.straggler_factor:g} must be > 1 "
+                          "(how many times its peers' median compute), or 0 to name none")
     if train.max_bad_steps < 0:
         raise ConfigError(f"train.max_bad_steps={train.max_bad_steps} must be >= 0 (0: stop "
                           "at the first non-finite step)")

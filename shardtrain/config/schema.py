@@ -167,6 +167,8 @@ class TrainConfig:
     sample_tokens: int = 200  # generated after training; 0 disables
     sample_prompt: str = "def "
     slow_ranks: str = ""  # "1:1.5,3:2": those ranks' compute takes 1.5x, 2x (straggler studies)
+    straggler_factor: float = 1.5  # > 1: compute over this x its peers' median (0: off; pace.py)
+    straggler_patience: int = 3  # ... on this many logged steps in a row names a straggler
     export_hf: str = ""  # a directory: the final model (LoRA merged) as a Hugging Face dir
     # A step whose loss or gradient norm is not finite is skipped on every rank (no weight or
     # optimizer change; fp16 overflows that loss scaling explains do not count); after
@@ -180,7 +182,7 @@ class TrainConfig:
 
     def validate(self, dp: int, model: ModelConfig) -> None:
         positive("train", self, "steps", "global_batch", "micro_batch", "seq_len", "lr",
-                 "eval_batches", "log_every")
+                 "eval_batches", "log_every", "straggler_patience")
         if self.global_batch % (self.micro_batch * dp):
             raise ConfigError(
                 f"train.global_batch={self.global_batch} is not divisible by train.micro_batch="
@@ -217,9 +219,7 @@ class CheckpointConfig:
     every: int = 0  # steps between checkpoints (0: only the final one)
     keep: int = 2
     resume: str = ""  # "", "latest" (newest in this run dir) or a checkpoint directory
-    # Write checkpoints in a background thread: each rank copies its state to host memory
-    # and the step loop goes on while the files are written and committed.
-    async_save: bool = False
+    async_save: bool = False  # copy each rank's state to host, write it while training goes on
 
     def validate(self) -> None:
         if self.every < 0 or self.keep < 1:

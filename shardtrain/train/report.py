@@ -1,4 +1,5 @@
-"""`shardtrain report RUN_DIR`: the pipeline schedule of a run, as measured.
+"""`shardtrain report RUN_DIR`: the pipeline schedule of a run, as measured, and each
+rank's compute and wait seconds with the stragglers named (train/pace.py).
 
 A training run writes `<run_dir>/timeline_rank{R}.json` per rank (every layout runs the
 pipeline executor; with parallel.pp = 1 it is one stage): the actions of its last step
@@ -26,6 +27,7 @@ from typing import Any, TextIO
 from shardtrain.config import ConfigError
 from shardtrain.parallel.pipeline.schedules import COMPUTE, TRANSFERS
 from shardtrain.plan.timing import bubble_fraction
+from shardtrain.train.pace import busy_seconds, pace_table
 
 _HEADER = ("rank", "stage", "pp", "microbatches", "virtual_stages", "schedule", "step")
 _SHARED = ("pp", "microbatches", "virtual_stages", "schedule", "step")
@@ -79,10 +81,6 @@ def step_span(timelines: list[Timeline]) -> tuple[float, float]:
     """(first start, last end) over every action of every rank."""
     actions = [a for t in timelines for a in t["actions"]]
     return min(a["start"] for a in actions), max(a["end"] for a in actions)
-
-
-def busy_seconds(t: Timeline) -> float:
-    return sum(a["end"] - a["start"] for a in t["actions"] if a["op"] in COMPUTE)
 
 
 def measured_bubbles(timelines: list[Timeline]) -> dict[int, float]:
@@ -145,12 +143,16 @@ def plot_timeline(timelines: list[Timeline], path: Path, *, title: str) -> None:
     os.replace(tmp, path)
 
 
-def metrics_summary(path: Path) -> str | None:
-    """One line from metrics.jsonl: steps, final loss, mean tokens/s after the first step
-    (which pays for warm-up)."""
+def load_metrics(path: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's records ([] without the file)."""
     if not path.is_file():
-        return None
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def metrics_summary(records: list[dict[str, Any]]) -> str | None:
+    """One line from metrics.jsonl's records: steps, final loss, mean tokens/s after the
+    first step (which pays for warm-up)."""
     if not records:
         return None
     timed = records[1:] or records
@@ -180,9 +182,12 @@ def report(run_dir: Path, out: TextIO | None = None) -> Path:
     form = "(p-1)/(v m+p-1)" if v else "(p-1)/(m+p-1)"
     print(f"bubble fraction: measured {mean:.1%} (mean over ranks), formula {form} = "
           f"{formula:.1%}", file=out)
-    summary = metrics_summary(run_dir / "metrics.jsonl")
+    records = load_metrics(run_dir / "metrics.jsonl")
+    summary = metrics_summary(records)
     if summary:
         print(summary, file=out)
+    for line in pace_table(records):  # per-rank compute and wait, stragglers (pace.py)
+        print(line, file=out)
     png = run_dir / "timeline.png"
     plot_timeline(timelines, png, title=f"{layout}: bubble {mean:.1%} measured, "
                                         f"{formula:.1%} formula")

@@ -8,6 +8,9 @@ this thread: a backward costs about twice its forward, so forward + backward tak
 `factor` times their own time. Thread CPU time, not wall time, so that time spent waiting for
 communication inside the forward (a parameter-server worker waiting for its pulls) is not
 stretched as if it were compute.
+
+Finding a straggler that was not ordered -- each rank's compute and wait seconds, and the
+rule that names a rank persistently slower than its peers -- is train/pace.py's.
 """
 
 from __future__ import annotations

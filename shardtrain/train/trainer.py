@@ -34,6 +34,7 @@ from shardtrain.train.finetune import (build_skeleton, export_hf, nf4_bytes, res
 from shardtrain.train.metrics import (MetricsWriter, clock, device_peak_flops, moe_metrics,
                                       peak_memory)
 from shardtrain.train.optim import build_optimizer, lr_at
+from shardtrain.train.pace import Pace
 from shardtrain.train.saver import Saver
 from shardtrain.train.straggler import slow_down
 
@@ -82,6 +83,7 @@ class Trainer:
         self.peak_flops = device_peak_flops(device, t.peak_flops, t.precision)  # None: unknown
         self.guard = BadStepGuard(t.max_bad_steps, t.run_dir, t.precision)
         self.saver = Saver(cfg, mesh)
+        self.pace = Pace(cfg, mesh)  # compute and wait per rank, stragglers named (pace.py)
         self.metrics = MetricsWriter(t.run_dir, enabled=self.is_main, tensorboard=t.tensorboard,
                                      resume=resume is not None, from_step=self.step)
 
@@ -102,6 +104,7 @@ class Trainer:
         self.step += 1
         moe = moe_metrics(self.parallel.module, [self.mesh.comm("pp"), self.mesh.comm(
             self.mesh.replica_dim)], self.device) if self.cfg.model.n_experts else {}
+        pace = self.pace.measure(self.step, elapsed, self.parallel.timeline)  # logged: gathers
         comm = self.mesh.ledger.totals(self.mesh.ledger.mark())
         mfu = None if self.peak_flops is None else \
             self.flops_per_step / (elapsed * self.mesh.world_size * self.peak_flops)
@@ -112,7 +115,7 @@ class Trainer:
             "mfu": mfu, "loss_scale": self.parallel.loss_scale,
             "skipped": self.parallel.skipped, "bad_step": self.parallel.bad,
             "comm_bytes": comm["sent_bytes"], "comm_calls": comm["calls"],
-            **self.memory_ledger(), **moe,
+            **self.memory_ledger(), **moe, **pace,
         }
 
     @torch.no_grad()
