@@ -23,6 +23,7 @@ import torch
 from shardtrain.ckpt.files import Piece, Reader
 from shardtrain.ckpt.regions import Region, block_region
 from shardtrain.comm import Communicator
+from shardtrain.config import ConfigError
 from shardtrain.parallel.pipeline.state import StageShards, all_gather_objects
 
 MASTER = "master"  # the shard optimizers' name for the fp32 weights (zero/optim.py)
@@ -39,7 +40,7 @@ def optim_key(name: str, state: str) -> str:
 def box_of(shards: StageShards, name: str, local: torch.Size) -> tuple[tuple, tuple]:
     """(full shape, box) of the block `name` this rank holds, of local shape `local`: sliced
     over ep, then over tp (tensor/sharding.py)."""
-    levels = [place(name) for _, place in shards._levels()]  # innermost (tp) first
+    levels = [place(name) for _, place in shards.levels()]  # innermost (tp) first
     shape = tuple(local)
     for place in levels:
         if place.parts > 1:
@@ -114,13 +115,12 @@ def _plain(r: Region) -> tuple:
 def local_tensor(shards: StageShards, reader: Reader, key: str, name: str,
                  like: torch.Tensor) -> torch.Tensor:
     """This rank's block of the checkpoint's full tensor `key` (placed as `name`)."""
-    full = reader.tensor(key)
-    if tuple(full.shape) != box_of(shards, name, like.shape)[0]:
-        raise ValueError(f"{reader.directory}: {key} has shape {tuple(full.shape)}, this "
-                         f"model's is {box_of(shards, name, like.shape)[0]}")
-    for _, place in reversed(shards._levels()):
-        full = place(name).shard(full)
-    return full.to(like.dtype)
+    full, want = reader.tensor(key), box_of(shards, name, like.shape)[0]
+    if tuple(full.shape) != want:
+        raise ConfigError(f"{reader.directory}: {key} has shape {tuple(full.shape)} there and "
+                          f"{want} in this run's model (another lora.rank or targets?); resume "
+                          "with the checkpoint's settings")
+    return shards.shard_full(name, full).to(like.dtype)
 
 
 def local_model_state(shards: StageShards, reader: Reader) -> dict[str, torch.Tensor]:

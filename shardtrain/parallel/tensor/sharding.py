@@ -103,7 +103,7 @@ class TensorShards:
             share *= self.ep_placement(name).parts / self.ep.size
         return share
 
-    def _levels(self) -> list[tuple[Communicator, Callable[[str], Placement]]]:
+    def levels(self) -> list[tuple[Communicator, Callable[[str], Placement]]]:
         """The splits, innermost first: tp, then ep."""
         levels = [(self.comm, self.placement)]
         return levels + [(self.ep, self.ep_placement)] if self.ep is not None else levels
@@ -169,7 +169,7 @@ class TensorShards:
 
     def sum_norm_squared(self, total: torch.Tensor) -> torch.Tensor:
         """A squared norm summed over the ranks holding the other shards (in place)."""
-        for comm, _ in self._levels():
+        for comm, _ in self.levels():
             comm.all_reduce(total, "sum", tag="grad_norm")
         return total
 
@@ -183,15 +183,19 @@ class TensorShards:
         state = self.model.state_dict()
         if local is not None:  # tensors `local` lacks (frozen: LoRA's base) are the module's
             state = {k: local.get(k, local.get(self.tied_to.get(k), v)) for k, v in state.items()}
-        for comm, place in self._levels():
+        for comm, place in self.levels():
             state = self._gather({k: (v, place(k)) for k, v in state.items()}, comm)
         return state
 
     def local_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's slices of a full state dict."""
-        for _, place in reversed(self._levels()):
-            state = {k: place(k).shard(v) for k, v in state.items()}
-        return state
+        return {k: self.shard_full(k, v) for k, v in state.items()}
+
+    def shard_full(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's block of the full tensor `name` (sliced over ep, then tp)."""
+        for _, place in reversed(self.levels()):
+            full = place(name).shard(full)
+        return full
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(self.local_state_dict(state))
@@ -200,7 +204,7 @@ class TensorShards:
         """The optimizer's state dict with every per-element tensor made full."""
         state = optimizer.state_dict()
         flat = {(i, k): v for i, s in state["state"].items() for k, v in s.items()}
-        for comm, place in self._levels():
+        for comm, place in self.levels():
             places = self._optimizer_placements(optimizer, place)
             flat = self._gather({(i, k): (v, places[i] if v.ndim else REPLICATED)
                                  for (i, k), v in flat.items()}, comm)
@@ -209,7 +213,7 @@ class TensorShards:
 
     def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         local = state["state"]
-        for _, place in reversed(self._levels()):
+        for _, place in reversed(self.levels()):
             places = self._optimizer_placements(optimizer, place)
             local = {i: {k: places[i].shard(v) if v.ndim else v for k, v in s.items()}
                      for i, s in local.items()}
