@@ -111,12 +111,18 @@ def launch_local(nproc: int, entrypoint, *args, max_restarts: int = 0) -> dict[i
     pickled); return each rank's return value. When a worker fails, the launcher stops the
     others and starts them all again, up to `max_restarts` times (workers resume from the
     newest checkpoint: `run_worker`); after that a failing worker raises ChildFailedError."""
+    import multiprocessing
+
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # Workers fork from a server that imported torch and the trainer once (a spawned
+    # worker imports them itself: seconds each, on every start and restart), yet start
+    # clean: nothing but imports ran in the server, no thread, no CUDA.
+    multiprocessing.set_forkserver_preload(["torch", "shardtrain.train.trainer"])
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
                           run_id=f"shardtrain-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", max_restarts=max_restarts,
-                          monitor_interval=0.1)
+                          monitor_interval=0.1, start_method="forkserver")
     return elastic_launch(config, entrypoint)(*args)
 
 

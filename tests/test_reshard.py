@@ -16,7 +16,7 @@ from dist import run_distributed
 from parity import assert_parity, tiny, train_layout, train_layouts
 from shardtrain import config
 
-STEPS = ("--train.steps", "4", "--train.global_batch", "16", "--checkpoint.every", "2")
+STEPS = ("--train.steps", "4", "--train.global_batch", "8", "--checkpoint.every", "2")
 GPT2 = ("--model.style", "gpt2", "--model.n_kv_heads", "0", "--model.tie_embeddings", "true")
 Z = "--parallel.zero"
 # label: (model, layout A, world A, layout B, world B)
