@@ -45,6 +45,13 @@ def staging_dir(cfg: Config, step: int) -> Path:
     return staged
 
 
+def clear_staging(cfg: Config) -> None:
+    """Remove the staging and temporary directories a killed run left behind."""
+    root = checkpoint_root(cfg.train.run_dir)
+    for stale in [*root.glob(".staged-*"), *root.glob(".tmp-*")]:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 def stage_files(cfg: Config, step: int, files: dict[str, Any]) -> Path:
     """Write this rank's own state files ({file name: state}) into the staging directory."""
     staged = staging_dir(cfg, step)

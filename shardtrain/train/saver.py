@@ -12,6 +12,10 @@ pieces to host memory (the one extra copy an asynchronous save needs: the step l
 changing the live tensors) and a thread writes them; the main rank's thread commits once
 every rank's index is in the staging directory. One save is in flight at a time: the next
 save, and the end of the run, wait for it (`wait`).
+
+What a killed attempt left half-written is cleared when the next one starts, by the main
+rank: a stale index there would make an asynchronous commit take a file being rewritten.
+No rank can save before then, as no step completes without the main rank.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ class Saver:
     def __init__(self, cfg: Config, mesh: ParallelMesh):
         self.cfg, self.mesh = cfg, mesh
         self.is_main = mesh.rank == 0
+        if self.is_main:
+            ckpt.clear_staging(cfg)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
