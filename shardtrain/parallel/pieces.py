@@ -146,8 +146,8 @@ def load_torch_optimizer(shards: StageShards, optimizer: torch.optim.Optimizer,
     if hasattr(optimizer, "load_canonical"):
         optimizer.load_canonical(states, steps)
         return
-    for state in states.values():
-        state["step"] = torch.tensor(float(steps))
+    for state in states.values():  # torch keeps a (non-capturable) step count on the host
+        state["step"] = torch.tensor(float(steps), device="cpu")
     optimizer.load_state_dict({"state": states,
                                "param_groups": optimizer.state_dict()["param_groups"]})
 
