@@ -53,11 +53,13 @@ def box_of(shards: StageShards, name: str, local: torch.Size) -> tuple[tuple, tu
     return shape, box
 
 
-def tensor_piece(shards: StageShards, key: str, name: str, t: torch.Tensor) -> Piece:
-    """A whole local tensor (this rank's block of `name`) as a piece."""
+def tensor_piece(shards: StageShards, key: str, name: str, t: torch.Tensor,
+                 fetch: Callable[[], torch.Tensor] | None = None) -> Piece:
+    """A whole local tensor (this rank's block of `name`) as a piece; `fetch` makes it when
+    it is written, where `t` only gives its shape and dtype."""
     shape, box = box_of(shards, name, t.shape)
     dtype = torch.float32 if t.is_floating_point() else t.dtype
-    return Piece(block_region(key, shape, box), dtype, lambda: t)
+    return Piece(block_region(key, shape, box), dtype, fetch or (lambda: t))
 
 
 def module_pieces(shards: StageShards, skip: Iterable[str] = ()) -> list[Piece]:
@@ -68,23 +70,21 @@ def module_pieces(shards: StageShards, skip: Iterable[str] = ()) -> list[Piece]:
 
 
 def torch_optimizer_pieces(shards: StageShards, optimizer: torch.optim.Optimizer) -> list[Piece]:
-    """A torch optimizer's per-element state (8-bit moments dequantized)."""
+    """A torch optimizer's per-element state: its moments by their torch names (8-bit ones
+    dequantized one at a time, as they are written)."""
     name_of = {p: n for n, p in shards.named.items()}
     out = []
     for group in optimizer.param_groups:
         for p in group["params"]:
-            state = canonical_state(optimizer, p)
+            state = optimizer.state.get(p, {})
+            if hasattr(optimizer, "canonical_state"):  # 8-bit moments (train/adam8bit.py)
+                out += [tensor_piece(shards, optim_key(name_of[p], k), name_of[p], p,
+                                     lambda p=p, k=k: optimizer.canonical_state(p, k))
+                        for k in (("exp_avg", "exp_avg_sq") if state else ())]
+                continue
             out += [tensor_piece(shards, optim_key(name_of[p], k), name_of[p], v)
-                    for k, v in state.items()]
+                    for k, v in state.items() if k != "step" and v.shape == p.shape]
     return out
-
-
-def canonical_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, torch.Tensor]:
-    """{state name: fp32 tensor of p's shape}: the moments, without the step count."""
-    state = optimizer.state.get(p, {})
-    if hasattr(optimizer, "canonical_state"):  # 8-bit moments (train/adam8bit.py)
-        return optimizer.canonical_state(p) if state else {}
-    return {k: v for k, v in state.items() if k != "step" and v.shape == p.shape}
 
 
 def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:

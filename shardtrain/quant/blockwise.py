@@ -27,13 +27,18 @@ BLOCK = 256
 
 @functools.cache
 def dynamic_map(signed: bool) -> torch.Tensor:
-    """The 256 sorted levels of the dynamic map, in [-1, 1] (signed) or [0, 1]."""
-    levels = [0.0, 1.0]
+    """The 256 sorted levels of the dynamic map, in [-1, 1] (signed) or [0, 1].
+
+    The signed map has -1 as well as 1 (in place of its smallest negative level, -5.5e-7):
+    a block's largest magnitude then always lands on a level of magnitude 1, so quantizing
+    dequantized values gives back the same codes and scales (checkpoints store moments
+    dequantized, parallel/pieces.py)."""
+    levels = [0.0, 1.0] + ([-1.0] if signed else [])
     for k in range(7):  # decade 10^(k-6) .. 10^(k-7+1): k = 6 is [0.1, 1]
         n = 2 ** k if signed else 2 ** (k + 1)
         edges = torch.linspace(0.1, 1.0, n + 1, dtype=torch.float64)
         mids = ((edges[:-1] + edges[1:]) / 2 * 10.0 ** (k - 6)).tolist()
-        levels += mids + ([-x for x in mids] if signed else [])
+        levels += mids + ([-x for x in mids if k > 0] if signed else [])
     out = torch.tensor(sorted(levels), dtype=torch.float32)
     assert out.numel() == 256
     return out

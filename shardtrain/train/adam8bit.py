@@ -50,14 +50,15 @@ class AdamW8bit(torch.optim.Optimizer):
                 if key in state:
                     state[key] = state[key].to(torch.uint8)
 
-    def canonical_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        """p's moments as fp32 tensors of its shape (checkpoints' layout-independent form)."""
+    def canonical_state(self, p: torch.Tensor, name: str) -> torch.Tensor:
+        """p's moment `name` (exp_avg, exp_avg_sq) as an fp32 tensor of its shape, made
+        when asked (checkpoints' layout-independent form, written one tensor at a time)."""
         state = self.state[p]
         if "m_codes" not in state:
-            return {k: state[k].view_as(p) for k in ("exp_avg", "exp_avg_sq")}
-        return {k: dequantize(Quantized(state[f"{s}_codes"], state[f"{s}_absmax"], signed)
-                              ).view_as(p)
-                for k, s, signed in (("exp_avg", "m", True), ("exp_avg_sq", "v", False))}
+            return state[name].view_as(p)
+        short, signed = ("m", True) if name == "exp_avg" else ("v", False)
+        return dequantize(Quantized(state[f"{short}_codes"], state[f"{short}_absmax"],
+                                    signed)).view_as(p)
 
     @torch.no_grad()
     def load_canonical(self, states: dict[int, dict[str, torch.Tensor]], steps: int) -> None:
