@@ -159,11 +159,12 @@ def test_streamed_export_equals_the_loaded_model_export(tmp_path, lora):
     assert checkpoint_tensors(path).keys() >= {"tok_emb.weight"}
 
 
-@pytest.mark.parametrize("zero", ["0", "1"])
-def test_8bit_moments_resume_exactly(tmp_path, zero):
-    """A checkpoint keeps 8-bit moments dequantized; quantized again in the same blocks
-    they are the same codes, so the resumed run continues the uninterrupted one bitwise."""
-    args = ("--optim.name", "adamw8bit", "--parallel.zero", zero, *STEPS)
+@pytest.mark.parametrize("optim,zero", [("adamw", "0"), ("adamw8bit", "0"), ("adamw8bit", "1")])
+def test_resume_continues_bitwise(tmp_path, optim, zero):
+    """One process, the same layout: the resumed run continues the uninterrupted one
+    bitwise. A checkpoint keeps 8-bit moments dequantized; quantized again in the same
+    blocks they are the same codes."""
+    args = ("--optim.name", optim, "--parallel.zero", zero, *STEPS)
     cfg = tiny(tmp_path, "whole", *args)
     whole = Trainer(cfg, make_mesh(cfg, 0, 1), torch.device("cpu")).run().losses
     cfg = tiny(tmp_path, "resumed", *args, "--checkpoint.resume", str(_step(tmp_path / "whole", 2)))

@@ -148,11 +148,6 @@ def resume_losses(tmp, rank: int, world_size: int, name: str) -> tuple[list[floa
     return straight, losses + resumed.run().losses
 
 
-def test_resume_is_bitwise_single_process(tmp):
-    straight, split = resume_losses(tmp, 0, 1, "resume-w1")
-    assert straight == split
-
-
 def test_resume_is_bitwise_dp2(tmp):
     for straight, split in run_distributed(_resume_check, 2, tmp):
         assert straight == split
