@@ -160,10 +160,7 @@ class Reader:
     def has(self, key: str) -> bool:
         return self.aliases.get(key, key) in self.pieces
 
-    def shape(self, key: str) -> tuple[int, ...]:
-        return self.pieces[self.aliases.get(key, key)][0][0].shape
-
-    def tensor(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def tensor(self, key: str) -> torch.Tensor:
         """The full tensor `key` (an alias reads its target), assembled from its pieces."""
         key = self.aliases.get(key, key)
         if key not in self.pieces:
@@ -171,7 +168,7 @@ class Reader:
                               f"{key!r}; it was written for another model or optimizer")
         pieces = self.pieces[key]
         first = self._file(pieces[0][1]).get_tensor(pieces[0][2])
-        full = torch.empty(pieces[0][0].shape, dtype=dtype or first.dtype)
+        full = torch.empty(pieces[0][0].shape, dtype=first.dtype)
         covered = torch.zeros(full.shape, dtype=torch.bool)
         for region, file, name in pieces:
             place(full, region, self._file(file).get_tensor(name), covered)

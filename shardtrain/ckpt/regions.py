@@ -10,7 +10,7 @@ tensor are padding: written as they are, ignored when read.
 
 Any layout's pieces thus describe the same tensors by the same names and coordinates,
 and a checkpoint written by one layout reads into any other: `assemble` rebuilds a full
-tensor from the pieces that cover it, and `extract` cuts any region out of it.
+tensor from the pieces that cover it.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Region:
                 "start": self.start, "stop": self.stop}
 
     @staticmethod
-    def from_json(d: dict) -> "Region":
+    def from_json(d: dict) -> Region:
         return Region(d["key"], tuple(d["shape"]), tuple(tuple(b) for b in d["box"]),
                       d["start"], d["stop"])
 
@@ -85,12 +85,3 @@ def place(full: torch.Tensor, region: Region, data: torch.Tensor,
     if covered is not None:
         covered.view(-1)[where] = True
 
-
-def extract(full: torch.Tensor, region: Region) -> torch.Tensor:
-    """The region's values out of the whole tensor [region.numel] (padding: zeros)."""
-    if region.box == whole_box(region.shape) and region.start == 0:
-        return full.reshape(-1)[:region.stop].clone()
-    out = full.new_zeros(region.numel)
-    where, which = _full_indices(region, full.device)
-    out[which] = full.reshape(-1)[where]
-    return out

@@ -81,16 +81,12 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
     # materialised; the full model's names order the layout-independent state dicts.
     module, chunks = split_stages(model, cfg, stage=pp.rank)
     reference_keys = list(model.state_dict())
-    name_of = {p: n for n, p in model.named_parameters()}
-    reference_groups = [[name_of[p] for p in group["params"]]
-                        for group in make_optimizer(model).param_groups]
     module.to_empty(device=device)
     module.tie_weights()  # to_empty gives the tied modules a tensor each
     if split is not None:  # RoPE and learned positions: the global positions held here
         module.positions = split.positions(mesh.comm("cp").rank, device)
     shards = StageShards(module, tp, placements, pp=pp, reference_keys=reference_keys,
-                         reference_groups=reference_groups, tied=cfg.model.tie_embeddings,
-                         ep=ep, ep_placements=ep_placements)
+                         tied=cfg.model.tie_embeddings, ep=ep, ep_placements=ep_placements)
     shards.init_weights(cfg.train.seed)
     if load_weights is not None:
         load_weights(shards)

@@ -165,9 +165,6 @@ class Strategy:
         dp), whatever the layout."""
         return self.shards.full_state_dict(self.update.local_state_dict())
 
-    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.update.load_local_state_dict(self.shards.local_state_dict(state))
-
     def state_pieces(self) -> tuple[list[Piece], dict[str, Any]]:
         """(this rank's checkpoint pieces, the small state kept beside them: the optimizer's
         step count and the loss scaler's, the same on every rank)."""

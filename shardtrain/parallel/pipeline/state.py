@@ -1,10 +1,9 @@
 """What spans the pipeline stages: full state dicts, the tied-embedding gradient, the norm.
 
 `StageShards` is `TensorShards` (one stage's tensor-parallel slices) plus the pipeline
-group: full model and optimizer state dicts are gathered over tp, then over pp, and come
-out as the single-process model's (its keys; the optimizer's parameter indices in the order
-the single-process optimizer numbers them), so checkpoints stay layout-independent;
-loading keeps this stage's part. The gradient norm adds every stage's share, counting the
+group: the full model state dict (the end-of-run sample, `train.export_hf`) is gathered
+over tp, then over pp, and comes out as the single-process model's; checkpoints write
+each rank's part as it is (parallel/pieces.py). The gradient norm adds every stage's share, counting the
 tied embedding once; the tied embedding's two copies (first and last stage, stage.py) get
 the sum of their gradients. Without pipeline parallelism (pp = 1) every step degenerates to
 the tensor-parallel one.
@@ -25,22 +24,18 @@ TIED = "tok_emb.weight"
 
 class StageShards(TensorShards):
     def __init__(self, module: nn.Module, tp: Communicator, placements: dict[str, Placement],
-                 *, pp: Communicator, reference_keys: list[str],
-                 reference_groups: list[list[str]], tied: bool,
+                 *, pp: Communicator, reference_keys: list[str], tied: bool,
                  ep: Communicator | None = None, ep_placements: dict[str, Placement] | None = None):
-        """`reference_keys`: the full model's state-dict keys in order; `reference_groups`:
-        the parameter names of each of the single-process optimizer's groups, in order;
-        `tied`: the model ties its embedding and head; `ep`, `ep_placements`: the experts'
+        """`reference_keys`: the full model's state-dict keys in order; `tied`: the model ties its embedding and head; `ep`, `ep_placements`: the experts'
         split (tensor/sharding.py)."""
         super().__init__(module, tp, placements, ep=ep, ep_placements=ep_placements)
         self.pp = pp
-        self.reference_keys, self.reference_groups = reference_keys, reference_groups
+        self.reference_keys = reference_keys
         ends = pp.size > 1 and pp.rank in (0, pp.size - 1)
         self.tied_peer = (pp.size - 1 - pp.rank) if tied and ends else None
         # The last stage's copy of the tied embedding: the first stage counts it in the norm.
         self.counted_elsewhere = frozenset({TIED}) if tied and ends and pp.rank > 0 \
             else frozenset()
-        self._name_of = {p: n for n, p in self.named.items()}
 
     # ------------------------------------------------------------------ gradients
 
@@ -75,35 +70,6 @@ class StageShards(TensorShards):
         for part in all_gather_objects(self.pp, super().full_state_dict(local)):
             merged.update(part)
         return {k: merged[k] for k in self.reference_keys}
-
-    def local_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return super().local_state_dict({k: state[k] for k in self.model.state_dict()})
-
-    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        local = super().full_optimizer_state_dict(optimizer)
-        names = self._local_names(optimizer)
-        merged: dict[str, dict] = {}
-        for part in all_gather_objects(self.pp, {names[i]: s for i, s in local["state"].items()}):
-            merged.update(part)
-        index = {n: i for i, n in enumerate(n for group in self.reference_groups for n in group)}
-        groups = [{**group, "params": [index[n] for n in names_in]}
-                  for group, names_in in zip(local["param_groups"], self.reference_groups)]
-        return {"state": {index[n]: merged[n] for n in sorted(merged, key=index.get)},
-                "param_groups": groups}
-
-    def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        flat = [n for group in self.reference_groups for n in group]
-        by_name = {flat[i]: s for i, s in state["state"].items()}
-        names = self._local_names(optimizer)
-        groups, start = [], 0
-        for saved, group in zip(state["param_groups"], optimizer.param_groups):
-            groups.append({**saved, "params": list(range(start, start + len(group["params"])))})
-            start += len(group["params"])
-        local = {i: by_name[n] for i, n in enumerate(names) if n in by_name}
-        super().load_full_optimizer_state_dict(optimizer, {"state": local, "param_groups": groups})
-
-    def _local_names(self, optimizer: torch.optim.Optimizer) -> list[str]:
-        return [self._name_of[p] for g in optimizer.param_groups for p in g["params"]]
 
 
 def all_gather_objects(comm: Communicator, obj: object) -> list:

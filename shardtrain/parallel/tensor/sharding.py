@@ -187,42 +187,11 @@ class TensorShards:
             state = self._gather({k: (v, place(k)) for k, v in state.items()}, comm)
         return state
 
-    def local_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's slices of a full state dict."""
-        return {k: self.shard_full(k, v) for k, v in state.items()}
-
     def shard_full(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's block of the full tensor `name` (sliced over ep, then tp)."""
         for _, place in reversed(self.levels()):
             full = place(name).shard(full)
         return full
-
-    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(self.local_state_dict(state))
-
-    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        """The optimizer's state dict with every per-element tensor made full."""
-        state = optimizer.state_dict()
-        flat = {(i, k): v for i, s in state["state"].items() for k, v in s.items()}
-        for comm, place in self.levels():
-            places = self._optimizer_placements(optimizer, place)
-            flat = self._gather({(i, k): (v, places[i] if v.ndim else REPLICATED)
-                                 for (i, k), v in flat.items()}, comm)
-        per_param = {i: {k: flat[i, k] for k in s} for i, s in state["state"].items()}
-        return {**state, "state": per_param}
-
-    def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        local = state["state"]
-        for _, place in reversed(self.levels()):
-            places = self._optimizer_placements(optimizer, place)
-            local = {i: {k: places[i].shard(v) if v.ndim else v for k, v in s.items()}
-                     for i, s in local.items()}
-        optimizer.load_state_dict({**state, "state": local})
-
-    def _optimizer_placements(self, optimizer: torch.optim.Optimizer,
-                              place: Callable[[str], Placement]) -> list[Placement]:
-        name_of = {p: n for n, p in self.named.items()}
-        return [place(name_of[p]) for g in optimizer.param_groups for p in g["params"]]
 
     def _gather(self, items: dict, comm: Communicator) -> dict:
         """{key: (local tensor, placement)} -> {key: full tensor}: the sharded ones in one
