@@ -11,10 +11,9 @@ import json
 import random
 
 import pytest
-import torch
-
 from dist import run_distributed
 from parity import assert_parity, tiny, train_layout, train_layouts
+
 from shardtrain import config
 from shardtrain.train.trainer import Trainer
 
@@ -88,12 +87,7 @@ def references(tmp):
                           "step2": f"{cfg.train.run_dir}/checkpoints/step_00000002"}
         return cache[key]
 
-    # One thread, as the spawned workers run (dist.py): with two, this tiny model's kernels
-    # spend most of their time in thread hand-offs, 50x slower when the cores are busy.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield get
-    torch.set_num_threads(threads)
+    return get
 
 
 def _pipeline_figures(trainer: Trainer) -> dict:

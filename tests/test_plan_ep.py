@@ -29,6 +29,7 @@ from shardtrain.plan.search import candidates
 from shardtrain.plan.traffic import (expert_parallel_ops, moe_counts_ops, routed_slots,
                                      step_ops)
 from tests.dist import run_distributed
+from tests.parity import tiny_data
 from tests.test_plan import run_cli
 
 MOE = ModelConfig(style="llama", vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -162,7 +163,7 @@ def _ep_steps(rank: int, world: int, texts: list[str]) -> list[tuple[list, int]]
 
 def _tiny(tmp_path, name: str, *overrides: str):
     return config.load("tiny", ["--train.run_dir", str(tmp_path / name),
-                                "--data.cache_dir", str(tmp_path / "cache"),
+                                *tiny_data(tmp_path),
                                 "--model.n_experts", "4", "--model.moe_top_k", "2",
                                 "--parallel.ep", "2", "--train.steps", str(STEPS),
                                 *overrides])
