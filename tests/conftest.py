@@ -27,7 +27,6 @@ def tiny_text(tmp_path_factory) -> None:
     The copy yields the stdlib's documents exactly (checked here): the runs see the same
     tokens as with `data.source = "stdlib"`."""
     from parity import CACHE_ENV, SOURCE_ENV
-
     from shardtrain import config
     from shardtrain.data.sources import iter_documents, source_files
 

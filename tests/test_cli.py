@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from parity import tiny_data
 
+from parity import tiny_data
 from shardtrain.cli import main
 
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from parity import tiny_data
 
 ROOT = Path(__file__).resolve().parents[1]
