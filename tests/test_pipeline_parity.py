@@ -19,7 +19,7 @@ from shardtrain.train.trainer import Trainer
 
 STEPS = "3"
 # tiny has 2 layers: 8 make room for pp = 4 x v = 2 (the references use the same model).
-BASE = ("--model.n_layers", "8", "--train.peak_flops", "1e9")
+BASE = ("--model.n_layers", "8")
 GPT2 = ("--model.style", "gpt2", "--model.n_kv_heads", "0", "--model.tie_embeddings", "true")
 
 

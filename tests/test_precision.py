@@ -46,9 +46,7 @@ def tmp(tmp_path_factory):
 
 
 def _text(tmp, name: str, *overrides: str) -> str:
-    # peak_flops set: no matmul throughput measurement per trainer (MFU is not under test)
-    return config.to_toml(tiny(tmp, name, "--train.steps", STEPS, "--train.peak_flops", "1e12",
-                               *overrides))
+    return config.to_toml(tiny(tmp, name, "--train.steps", STEPS, *overrides))
 
 
 def _worst(ref: list[float], got: list[float]) -> float:
@@ -209,7 +207,6 @@ def _one_step(rank: int, world_size: int, tmp) -> dict:
     for zero in (0, 1, 2, 3):
         for reduce in ("fp32", "bf16"):
             cfg = tiny(tmp, f"ledger-z{zero}-{reduce}-r{rank}", "--train.global_batch", "8",
-                       "--train.peak_flops", "1e12",
                        "--train.micro_batch", "2", "--comm.bucket_mb", "0.1",
                        "--train.precision", "bf16", "--train.grad_reduce_dtype", reduce,
                        "--parallel.zero", str(zero))

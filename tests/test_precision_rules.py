@@ -39,8 +39,7 @@ def test_loss_scaler_rules():
 
 def test_fp16_checkpoint_holds_the_scaler(tmp_path):
     state = {"scale": 1024.0, "clean_steps": 1, "tolerance": 1}
-    cfg = tiny(tmp_path, "scaler", "--train.precision", "fp16", "--train.steps", "2",
-               "--train.peak_flops", "1e12")
+    cfg = tiny(tmp_path, "scaler", "--train.precision", "fp16", "--train.steps", "2")
     first = Trainer(cfg, make_mesh(cfg, 0, 1), torch.device("cpu"))
     first.train_step()
     first.parallel.scaler.load_state_dict(state)
