@@ -205,18 +205,23 @@ def classify(argv: tuple[str, ...], scratch: Path) -> tuple[str, str]:
     raise Failed(f"unknown subcommand {sub!r}")
 
 
-def run_one(argv: tuple[str, ...], cache: Path) -> None:
+def run_one(argv: tuple[str, ...], runs: Path) -> None:
+    """Run a cheap command. A train command (of the tiny preset: classify) gets the session's
+    text and token cache (parity.tiny_data; outside a session the stdlib and a cache under
+    `runs`) where it does not name its own."""
     from parity import tiny_data
     from shardtrain.cli import main
 
     args = shardtrain_argv(argv)
-    if args[:1] == ["train"]:  # every train run here is of the tiny preset (classify)
+    if args[:1] == ["train"]:
         given = {a.split("=")[0] for a in args}
-        data = dict(zip(*[iter(tiny_data(cache.parent))] * 2, strict=True))
+        data = tiny_data(runs)
+        overrides = dict(zip(data[::2], data[1::2], strict=True))
         if given & {"--data.source", "--data.max_bytes"}:  # the command's own text
-            del data["--data.source"]
-        args = [*args, *(x for field, value in data.items() if field not in given
-                         for x in (field, value))]
+            del overrides["--data.source"]
+        for field, value in overrides.items():
+            if field not in given:
+                args += [field, value]
     try:
         rc = main(args)
     except SystemExit as e:
@@ -227,7 +232,6 @@ def run_one(argv: tuple[str, ...], cache: Path) -> None:
 
 def runner(spec: Path, scratch: Path, out: Path) -> None:
     os.chdir(scratch)
-    cache = scratch / "runs" / "cache"
     results = {}
     for item in json.loads(spec.read_text()):
         argv = tuple(item["argv"])
@@ -239,7 +243,7 @@ def runner(spec: Path, scratch: Path, out: Path) -> None:
             try:
                 action, reason = classify(argv, scratch)
                 if action == "run":
-                    run_one(argv, cache)
+                    run_one(argv, scratch / "runs")
                 else:
                     status = "skipped"
             except Failed as e:
