@@ -7,6 +7,7 @@ config overrides and world size.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,13 +22,25 @@ from shardtrain.train.trainer import Trainer
 
 LOSS_RTOL = 1e-5
 WEIGHT_TOL = 1e-4
+# Set by tests/conftest.py for the session: a copy of the tiny preset's stdlib text, and
+# one token cache.
+SOURCE_ENV, CACHE_ENV = "SHARDTRAIN_TEST_SOURCE", "SHARDTRAIN_TEST_CACHE"
+
+
+def tiny_data(tmp: Path) -> list[str]:
+    """The data overrides of a test run: the session's text and token cache (conftest.py),
+    or outside a test session the stdlib and a cache under `tmp`."""
+    return ["--data.source", os.environ.get(SOURCE_ENV, "stdlib"),
+            "--data.cache_dir", os.environ.get(CACHE_ENV, str(tmp / "cache"))]
 
 
 def tiny(tmp: Path, name: str, *overrides: str) -> Config:
-    """The tiny preset with its run dir and token cache under `tmp`."""
-    return config.load("tiny", ["--train.run_dir", str(tmp / name),
-                                "--data.cache_dir", str(tmp / "cache"),
-                                "--train.progress", "false", *overrides])
+    """The tiny preset with its run dir under `tmp`, on the session's text (tiny_data).
+    `train.peak_flops` is set: no matmul throughput measurement (~0.3 s of a core) per
+    trainer for an MFU no test here reads (the CLI runs of test_cli.py measure it)."""
+    return config.load("tiny", ["--train.run_dir", str(tmp / name), *tiny_data(tmp),
+                                "--train.progress", "false", "--train.peak_flops", "1e12",
+                                *overrides])
 
 
 def make_mesh(cfg: Config, rank: int, world_size: int) -> ParallelMesh:

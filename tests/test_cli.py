@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from parity import tiny_data
 from shardtrain.cli import main
 
 
 def _args(tmp: Path, *extra: str) -> list[str]:
     return ["train", "--config", "tiny", "--train.run_dir", str(tmp / "run"),
-            "--data.cache_dir", str(tmp / "cache"), *extra]
+            *tiny_data(tmp), *extra]
 
 
 def _fails(capsys, argv: list[str], needle: str, tmp: Path) -> None:
@@ -78,7 +79,7 @@ def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
 def test_nproc_2_then_torchrun_resume_then_generate(tmp_path):
     """Our launcher trains 4 steps on 2 processes; torchrun resumes to 8; generate samples."""
     common = ["--config", "tiny", "--train.run_dir", str(tmp_path / "run"),
-              "--data.cache_dir", str(tmp_path / "cache"), "--train.steps", "8",
+              *tiny_data(tmp_path), "--train.steps", "8",
               "--checkpoint.every", "4", "--train.log_every", "1"]
     first = _run([sys.executable, "-m", "shardtrain", "train", "--nproc", "2", *common,
                   "--train.steps", "4"], tmp_path)

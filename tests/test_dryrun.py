@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parity import tiny
+from parity import tiny, tiny_data
 from shardtrain import config
 from shardtrain.cli import main
 from shardtrain.comm import CommFactory
@@ -35,7 +35,7 @@ TP2_PP2_DP16 = ("--parallel.tp", "2", "--parallel.pp", "2", "--train.global_batc
 
 def _cli(tmp: Path, name: str, world: int, *overrides: str) -> int:
     return main(["train", "--dry-run-world", str(world), "--config", "tiny",
-                 "--train.run_dir", str(tmp / name), "--data.cache_dir", str(tmp / "cache"),
+                 "--train.run_dir", str(tmp / name), *tiny_data(tmp),
                  *overrides])
 
 

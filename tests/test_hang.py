@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import torch.distributed as dist
 
 from dist import free_port
-from parity import tiny
+from parity import tiny, tiny_data
 from shardtrain.comm.flight import FlightRecorder, group_key, missing_ranks
 from shardtrain.comm.watchdog import PREFIX, Watchdog
 from shardtrain.data import load_dataset
@@ -94,7 +94,7 @@ def test_a_rank_that_sleeps_in_a_step_ends_every_rank_with_a_diagnosis(tmp_path)
     load_dataset(cfg.data, seq_len=cfg.train.seq_len)  # the token cache, built once here
     run_dir = tmp_path / "hang"
     args = [sys.executable, "-m", "shardtrain", "train", "--config", "tiny",
-            "--train.run_dir", str(run_dir), "--data.cache_dir", str(tmp_path / "cache"),
+            "--train.run_dir", str(run_dir), *tiny_data(tmp_path),
             "--train.steps", "6", "--comm.timeout_s", str(TIMEOUT_S),
             "--train.inject_hang", "2:3:600"]
     port = free_port()

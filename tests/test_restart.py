@@ -20,7 +20,7 @@ import torch
 from shardtrain.ckpt.files import Piece, write_pieces
 from shardtrain.ckpt.regions import block_region
 from shardtrain.train import checkpoint as ckpt
-from tests.parity import checkpoint_tensors, tiny
+from tests.parity import checkpoint_tensors, tiny, tiny_data
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--config", "tiny", "--train.steps", "6", "--checkpoint.every", "2",
@@ -33,7 +33,7 @@ def _train(tmp: Path, name: str, *extra: str, kill: str = "") -> subprocess.Comp
         extra = (*extra, "--train.inject_kill", kill)
     return subprocess.run(
         [sys.executable, "-m", "shardtrain", "train", "--nproc", "4", *ARGS, *extra,
-         "--train.run_dir", str(tmp / name), "--data.cache_dir", str(tmp / "cache")],
+         "--train.run_dir", str(tmp / name), *tiny_data(tmp)],
         env=env, cwd=tmp, capture_output=True, text=True, timeout=600)
 
 

@@ -25,7 +25,7 @@ from shardtrain.config import ConfigError
 from shardtrain.train.pace import TAG, Pace, StragglerRule
 from shardtrain.train.report import report
 from tests.dist import run_distributed
-from tests.parity import make_mesh, tiny
+from tests.parity import make_mesh, tiny, tiny_data
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--config", "tiny", "--train.steps", "8", "--train.log_every", "1",
@@ -38,7 +38,7 @@ def _train(tmp: Path, name: str, *extra: str) -> tuple[subprocess.CompletedProce
     run_dir = tmp / name
     proc = subprocess.run(
         [sys.executable, "-m", "shardtrain", "train", "--nproc", "4", *ARGS, *extra,
-         "--train.run_dir", str(run_dir), "--data.cache_dir", str(tmp / "cache")],
+         "--train.run_dir", str(run_dir), *tiny_data(tmp)],
         env=env, cwd=tmp, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, run_dir

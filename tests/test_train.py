@@ -58,7 +58,7 @@ def test_checkpoints_rotate_and_are_atomic(tmp_path):
 def test_bpe_tokenized_run(tmp_path, capsys):
     cfg = tiny(tmp_path, "bpe", "--train.steps", "3", "--data.tokenizer", "bpe",
                "--data.bpe_vocab_size", "512", "--model.vocab_size", "512",
-               "--data.max_bytes", "300000")
+               "--data.max_bytes", "300000", "--data.cache_dir", str(tmp_path / "cache"))
     trainer, result = _run(cfg)
     assert trainer.data.tokenizer.vocab_size <= 512 and len(result.losses) == 3
     assert trainer.sample("def ", 5).startswith("def")

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from parity import tiny_data
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "two_nodes.sh"
 ARGS = ["--config", "tiny", "--parallel.tp", "2", "--train.steps", "4",
@@ -45,7 +47,7 @@ def test_two_nodes_train_as_one(tmp_path):
     if reason:
         pytest.skip(reason)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cache = ["--data.cache_dir", str(tmp_path / "cache")]
+    cache = tiny_data(tmp_path)
     one = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
          "4", "-m", "shardtrain", "train", *ARGS, "--parallel.node_size", "2",

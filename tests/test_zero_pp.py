@@ -118,25 +118,20 @@ def _reference(model: tuple, micro: int) -> tuple[str, ...]:
 
 def test_zero_with_pipeline_matches_single_process(tmp, spawned):
     refs = reference_runs(lambda name, *o: config.to_toml(_cfg(tmp, name, *o)))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the spawned workers run (dist.py)
-    try:
-        for i, (label, model, layout) in enumerate(ROWS):
-            # micro-batches of 2 (m = 2) or 1 (m = 4) from tiny's global batch 8 over dp 2:
-            # the eval batches are micro-batch sized, so the reference uses the same size
-            micro = 8 // (2 * int(layout[layout.index("--parallel.microbatches") + 1]))
-            for rank, per_rank in enumerate(spawned):
-                assert_parity(refs(_reference(model, micro)), per_rank["rows"][i],
-                              f"{label} rank {rank}")
-            print(f"{label}: losses {[round(x, 5) for x in spawned[0]['rows'][i]['losses']]}")
-        for k, i in enumerate(RESUMED):
-            ref = refs(_reference(ROWS[i][1], 2))
-            last = {**ref, "losses": ref["losses"][2:]}
-            for rank, per_rank in enumerate(spawned):
-                assert_parity(last, per_rank["rows"][len(ROWS) + k],
-                              f"{ROWS[i][0]} resumed at step 2, rank {rank}")
-    finally:
-        torch.set_num_threads(threads)
+    for i, (label, model, layout) in enumerate(ROWS):
+        # micro-batches of 2 (m = 2) or 1 (m = 4) from tiny's global batch 8 over dp 2:
+        # the eval batches are micro-batch sized, so the reference uses the same size
+        micro = 8 // (2 * int(layout[layout.index("--parallel.microbatches") + 1]))
+        for rank, per_rank in enumerate(spawned):
+            assert_parity(refs(_reference(model, micro)), per_rank["rows"][i],
+                          f"{label} rank {rank}")
+        print(f"{label}: losses {[round(x, 5) for x in spawned[0]['rows'][i]['losses']]}")
+    for k, i in enumerate(RESUMED):
+        ref = refs(_reference(ROWS[i][1], 2))
+        last = {**ref, "losses": ref["losses"][2:]}
+        for rank, per_rank in enumerate(spawned):
+            assert_parity(last, per_rank["rows"][len(ROWS) + k],
+                          f"{ROWS[i][0]} resumed at step 2, rank {rank}")
 
 
 def test_zero_with_pipeline_ledger_equals_planner(spawned):
