@@ -207,8 +207,8 @@ def classify(argv: tuple[str, ...], scratch: Path) -> tuple[str, str]:
 
 def run_one(argv: tuple[str, ...], runs: Path) -> None:
     """Run a cheap command. A train command (of the tiny preset: classify) gets the session's
-    text and token cache (parity.tiny_data; outside a session the stdlib and a cache under
-    `runs`) where it does not name its own."""
+    token cache (parity.tiny_data; outside a session a cache under `runs`) where it does not
+    name its own."""
     from parity import tiny_data
     from shardtrain.cli import main
 
@@ -216,10 +216,7 @@ def run_one(argv: tuple[str, ...], runs: Path) -> None:
     if args[:1] == ["train"]:
         given = {a.split("=")[0] for a in args}
         data = tiny_data(runs)
-        overrides = dict(zip(data[::2], data[1::2], strict=True))
-        if given & {"--data.source", "--data.max_bytes"}:  # the command's own text
-            del overrides["--data.source"]
-        for field, value in overrides.items():
+        for field, value in zip(data[::2], data[1::2], strict=True):
             if field not in given:
                 args += [field, value]
     try:

@@ -22,16 +22,14 @@ from shardtrain.train.trainer import Trainer
 
 LOSS_RTOL = 1e-5
 WEIGHT_TOL = 1e-4
-# Set by tests/conftest.py for the session: a copy of the tiny preset's stdlib text, and
-# one token cache.
-SOURCE_ENV, CACHE_ENV = "SHARDTRAIN_TEST_SOURCE", "SHARDTRAIN_TEST_CACHE"
+# Set by tests/conftest.py for the session: one token cache for every tiny run.
+CACHE_ENV = "SHARDTRAIN_TEST_CACHE"
 
 
 def tiny_data(tmp: Path) -> list[str]:
-    """The data overrides of a test run: the session's text and token cache (conftest.py),
-    or outside a test session the stdlib and a cache under `tmp`."""
-    return ["--data.source", os.environ.get(SOURCE_ENV, "stdlib"),
-            "--data.cache_dir", os.environ.get(CACHE_ENV, str(tmp / "cache"))]
+    """The data overrides of a test run: the session's token cache (conftest.py), or
+    outside a test session a cache under `tmp`."""
+    return ["--data.cache_dir", os.environ.get(CACHE_ENV, str(tmp / "cache"))]
 
 
 def tiny(tmp: Path, name: str, *overrides: str) -> Config:
