@@ -3,6 +3,7 @@ memory ledger comes from Parallelized.memory)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import resource
 import sys
@@ -53,6 +54,13 @@ def device_peak_flops(device: torch.device, configured: float,
                       "metrics.jsonl; set train.peak_flops to the device's peak to get it",
                       stacklevel=2)
         return None
+    return _cpu_peak(torch.get_num_threads())
+
+
+@functools.cache
+def _cpu_peak(threads: int) -> float:
+    """Measured once per process and thread count: a trainer built again in the same
+    process (tests, restarts in place) would otherwise pay ~0.3 s of its cores each time."""
     return measure_matmul_flops()
 
 
