@@ -5,7 +5,9 @@ trains to step 4; A's losses and B's steps 3-4 must equal the single-process run
 harness tolerances), and B's final weights too. The rows are the issue's: dp=4 ZeRO-3 ->
 tp=2 x pp=2 (GPT-2 with tied embeddings, whose head lives on the last stage there);
 pp=2 x dp=2 ZeRO-1 -> dp=2 ZeRO-2; tp=2 x dp=2 -> one process; one process -> dp=4 ZeRO-1
-with cpu offload; dp=4 -> dp=2, the sampler's position carried over.
+with cpu offload; dp=4 -> dp=2, the sampler's position carried over; and two beyond them:
+context parallelism (cp=2 x dp=2 -> tp=2) and expert parallelism (a mixture of experts,
+ep=2 x dp=2 -> one process).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from shardtrain import config
 
 STEPS = ("--train.steps", "4", "--train.global_batch", "8", "--checkpoint.every", "2")
 GPT2 = ("--model.style", "gpt2", "--model.n_kv_heads", "0", "--model.tie_embeddings", "true")
+MOE = ("--model.n_experts", "4", "--model.moe_aux_loss_coef", "0.1",
+       "--model.moe_z_loss_coef", "0.01")
 Z = "--parallel.zero"
 # label: (model, layout A, world A, layout B, world B)
 ROWS = {
@@ -26,6 +30,8 @@ ROWS = {
     "tp2 x dp2 -> one process": ((), ("--parallel.tp", "2"), 4, (), 1),
     "one process -> dp4 zero1 offload": ((), (), 1, (Z, "1", "--parallel.offload", "cpu"), 4),
     "dp4 -> dp2": ((), (), 4, (), 2),
+    "cp2 x dp2 -> tp2": ((), ("--parallel.cp", "2"), 4, ("--parallel.tp", "2"), 2),
+    "ep2 x dp2 -> one process": (MOE, ("--parallel.ep", "2"), 4, (), 1),
 }
 
 
