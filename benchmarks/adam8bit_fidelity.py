@@ -92,7 +92,8 @@ class Replay:
             m32, v32 = self.moments(("fp32", name), g)
             self.state["fp32", name] = [m32, v32]
             ref = self.update(m32, v32)
-            ref_norm += ref.square().sum().item()
+            ref_sq = ref.square().sum().item()
+            ref_norm += ref_sq
             kind = name.split(".")[-2] if "." in name else name  # layers.0.mlp.w2.weight: w2
             for variant, (store_m, store_v) in VARIANTS.items():
                 m, v = self.moments((variant, name), g)
@@ -100,7 +101,7 @@ class Replay:
                 err[variant] += e
                 stats = self.kinds[variant, kind]
                 stats[0] += e
-                stats[1] += ref.square().sum().item()
+                stats[1] += ref_sq
                 tiny = torch.finfo(torch.float32).tiny  # a v stored as 0 counts, not as -inf
                 stats[2] += (v.sqrt().clamp_min(tiny) / v32.sqrt().clamp_min(tiny)).log().mean().item()
                 stats[3] += 1
