@@ -20,20 +20,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import tempfile
 from collections import defaultdict
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from shardtrain import config
-from shardtrain.comm import build_mesh
-from shardtrain.mesh import MeshShape
+from adam8bit_default_run import one_process_trainer
+
 from shardtrain.quant.adam8bit import MIN_QUANTIZED_NUMEL
 from shardtrain.quant.blockwise import Quantized, dequantize, quantize_
-from shardtrain.train.trainer import Trainer
 
 Store = Callable[[torch.Tensor], torch.Tensor]  # what a moment [n] reads back as next step
 
@@ -128,16 +124,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
     args, overrides = parser.parse_known_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
-        cfg = config.load("default", ["--train.run_dir", f"{tmp}/run", "--train.progress", "false",
-                                      "--train.sample_tokens", "0", "--train.eval_every", "0",
-                                      "--optim.name", "adamw", *overrides])
-        mesh = build_mesh(MeshShape(pp=1, dp=1, cp=1, tp=1, ep=1), rank=0, node_size=1,
-                          algorithm=cfg.comm.algorithm, timeout_s=cfg.comm.timeout_s)
-        trainer = Trainer(cfg, mesh, torch.device("cpu"))
+    with one_process_trainer(["--train.eval_every", "0", "--optim.name", "adamw",
+                              *overrides]) as trainer:
         names = {p: n for n, p in trainer.parallel.module.named_parameters()}
-        replay = Replay(cfg.optim.beta1, cfg.optim.beta2, cfg.optim.eps)
+        o = trainer.cfg.optim
+        replay = Replay(o.beta1, o.beta2, o.eps)
 
         def before_step(optimizer: torch.optim.Optimizer, *_) -> None:
             replay({names[p]: p.grad for group in optimizer.param_groups
@@ -146,9 +137,7 @@ def main() -> None:
         register_optimizer_step_pre_hook(before_step)
         for _ in range(args.steps):
             trainer.train_step()
-        dist.destroy_process_group()
     replay.report()
-
 
 if __name__ == "__main__":
     main()

@@ -119,11 +119,12 @@ class Trainer:
         }
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean loss over the held-out batches, split across data-parallel ranks."""
+    def evaluate(self, n_batches: int = 0) -> float:
+        """Mean loss over `n_batches` held-out batches (0: train.eval_batches), split across
+        data-parallel ranks."""
         t = self.cfg.train
         batches = eval_batches(self.data.eval, seq_len=t.seq_len, batch_size=t.micro_batch,
-                               n_batches=t.eval_batches)
+                               n_batches=n_batches or t.eval_batches)
         totals = torch.zeros(2, device=self.device)  # [loss sum, batch count]
         # Every dp rank runs as many forwards (ZeRO-3's forward gathers parameters
         # collectively): a rank out of batches repeats the first one and counts it 0 times.
