@@ -139,5 +139,6 @@ def main() -> None:
             trainer.train_step()
     replay.report()
 
+
 if __name__ == "__main__":
     main()
