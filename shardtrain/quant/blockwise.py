@@ -3,7 +3,7 @@ Zettlemoyer 2022, "8-bit Optimizers via Block-wise Quantization", sec. 2; Dettme
 
 Each block of 256 consecutive values is divided by its absolute maximum (kept in fp32) and
 rounded to the nearest of the 256 levels of the dynamic map (a nonzero value to the
-smallest level of its sign at least, `quantize_`): after an optional sign bit,
+smallest level of its sign at least, `_boundaries`): after an optional sign bit,
 the number of leading zero bits e gives the decade 10^-e of the value, the first one bit
 ends the exponent and the remaining bits are a linear fraction in [0.1, 1]. So the
 largest decade [0.1, 1] gets the most levels (64 per sign signed, 128 unsigned), each
@@ -46,16 +46,27 @@ def dynamic_map(signed: bool) -> torch.Tensor:
 
 
 @functools.cache
-def _boundaries(signed: bool) -> torch.Tensor:
-    """Midpoints between consecutive levels [255]: rounding to the nearest level."""
-    levels = dynamic_map(signed)
-    return (levels[1:] + levels[:-1]) / 2
-
-
-@functools.cache
 def _zero_code(signed: bool) -> int:
     """The code of 0.0."""
     return int(torch.searchsorted(dynamic_map(signed), 0.0))
+
+
+@functools.cache
+def _boundaries(signed: bool) -> torch.Tensor:
+    """The upper edge of each level's bucket but the last [255]: the midpoints between
+    consecutive levels (rounding to the nearest), except that 0's bucket holds 0 alone, so
+    a nonzero value takes at least the smallest level of its sign. A second moment stored
+    as 0 leaves the next step's v = (1 - beta2) g^2 of that step alone, and the update
+    m / sqrt(v) is unbounded where g is near 0 and m is not; it happens where a block's
+    gradients span more than 3.5 decades (v spans twice as many, past the map's 7). For
+    the first moment it keeps the sign (as bitsandbytes' kernel does)."""
+    levels = dynamic_map(signed)
+    bounds = (levels[1:] + levels[:-1]) / 2
+    zero = _zero_code(signed)
+    bounds[zero] = 0.0  # bucketize: bounds[i - 1] < x <= bounds[i] gives level i
+    if signed:  # the negative float nearest 0: every x < 0 is at most it
+        bounds[zero - 1] = torch.nextafter(torch.tensor(0.0), torch.tensor(-1.0))
+    return bounds
 
 
 @dataclass
@@ -87,17 +98,7 @@ def quantize_(q: Quantized, x: torch.Tensor) -> None:
     absmax = blocks.abs().amax(dim=1)  # [n_blocks]
     normed = blocks / absmax.clamp_min(torch.finfo(torch.float32).tiny)[:, None]
     bounds = _boundaries(q.signed).to(x.device)
-    codes = torch.bucketize(normed, bounds)  # [n_blocks, BLOCK] int64: the nearest level
-    # A nonzero value never rounds to 0: it takes the smallest level of its sign. A second
-    # moment stored as 0 leaves the next step's v = (1 - beta2) g^2 of that step alone,
-    # and the update m / sqrt(v) is unbounded where g is near 0 and m is not. It happens
-    # where a block's gradients span more than 3.5 decades (v spans twice as many, past the
-    # map's 7). For the first moment it keeps the sign (as bitsandbytes' kernel does).
-    zero = _zero_code(q.signed)
-    codes += ((codes == zero) & (normed > 0)).long()
-    if q.signed:
-        codes -= ((codes == zero) & (normed < 0)).long()
-    q.codes.copy_(codes.view(-1)[: x.numel()])
+    q.codes.copy_(torch.bucketize(normed, bounds).view(-1)[: x.numel()])
     q.absmax.copy_(absmax)
 
 
