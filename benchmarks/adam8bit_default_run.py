@@ -16,6 +16,7 @@ training loss of the last 50 steps, and each one's gap to AdamW's. A figure, nev
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -68,7 +69,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--optimizers", default="adamw,adamw8bit,bitsandbytes")
     args, overrides = parser.parse_known_args()
-    rows = {opt: measure(opt, overrides) for opt in args.optimizers.split(",")}
+    optimizers = args.optimizers.split(",")
+    unknown = set(optimizers) - {"adamw", "adamw8bit", "bitsandbytes"}
+    if unknown:
+        parser.error(f"--optimizers: {', '.join(sorted(unknown))} unknown; choose among "
+                     "adamw, adamw8bit, bitsandbytes")
+    if "bitsandbytes" in optimizers and importlib.util.find_spec("bitsandbytes") is None:
+        parser.error("--optimizers bitsandbytes needs the bitsandbytes package: "
+                     "pip install bitsandbytes, or leave it out of --optimizers")
+    rows = {opt: measure(opt, overrides) for opt in optimizers}
     base = rows.get("adamw")
     print(f"{'optimizer':>12}  {'eval loss':>17}  {'whole split':>17}  {'train, last 50':>17}")
     for opt, r in rows.items():
