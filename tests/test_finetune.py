@@ -1,7 +1,8 @@
 """Fine-tuning end to end: a `transformers` Llama directory fine-tuned with QLoRA and 8-bit
 AdamW by the trainer, exported, reloaded by `transformers` and sampled by `shardtrain
-generate`; parity rows for LoRA under dp=2 and ZeRO-2 and for adamw8bit under ZeRO-2; the
-memory ledger of an adapter run."""
+generate`; parity rows for LoRA under dp=2, ZeRO-2 and tp=2 (with and without sp), for
+QLoRA under dp=2 and ZeRO-2 and for adamw8bit under ZeRO-2; the memory ledger of an
+adapter run."""
 
 from __future__ import annotations
 
@@ -97,10 +98,13 @@ def test_fine_tune_config_errors(tmp, hf_dir):
 
 B8 = ("--train.global_batch", "8", "--train.steps", "4")
 LORA = ("--lora.rank", "4", "--lora.targets", "q,v,gate,down", "--train.lr", "1e-2")
+QLORA = (*LORA, "--lora.quantize_base", "nf4")
 ROWS = [("lora dp2", LORA, []),
         ("lora zero2 dp2", LORA, ["--parallel.zero", "2"]),
         ("lora tp2", LORA, ["--parallel.tp", "2"]),
         ("lora tp2 sp", LORA, ["--parallel.tp", "2", "--parallel.sp", "true"]),
+        ("qlora dp2", QLORA, []),
+        ("qlora zero2 dp2", QLORA, ["--parallel.zero", "2"]),
         ("adamw8bit zero2 dp2", ("--optim.name", "adamw8bit"), ["--parallel.zero", "2"])]
 
 
