@@ -22,6 +22,12 @@ from shardtrain.train.trainer import Trainer
 
 LOSS_RTOL = 1e-5
 WEIGHT_TOL = 1e-4
+# bf16 rounds each matmul's inputs to 8 bits of mantissa; layouts that cut the batch or the
+# model differently round different partial sums, so they may differ by a few bf16 ulps of
+# single activations, which the loss averages down. tp splits every matmul's inner
+# dimension in two (row-parallel partial sums are rounded to bf16 before they are summed),
+# hence the looser bound there. Relative loss deviation from the single-process bf16 run.
+BF16_LOSS_RTOL = {False: 1e-3, True: 5e-3}  # without tp, with tp
 # Set by tests/conftest.py for the session: one token cache for every tiny run.
 CACHE_ENV = "SHARDTRAIN_TEST_CACHE"
 

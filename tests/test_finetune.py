@@ -1,8 +1,8 @@
 """Fine-tuning end to end: a `transformers` Llama directory fine-tuned with QLoRA and 8-bit
 AdamW by the trainer, exported, reloaded by `transformers` and sampled by `shardtrain
-generate`; parity rows for LoRA under dp=2, ZeRO-2 and tp=2 (with and without sp), for
-QLoRA under dp=2 and ZeRO-2 and for adamw8bit under ZeRO-2; the memory ledger of an
-adapter run."""
+generate`; parity rows for LoRA under dp=2, ZeRO-2 and tp=2 (with and without sp; dp=2
+and tp=2 in bf16 too, tp within the bf16 bound of parity.py), for QLoRA under dp=2 and
+ZeRO-2 and for adamw8bit under ZeRO-2; the memory ledger of an adapter run."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from dist import run_distributed
-from parity import assert_parity, make_mesh, tiny, train_layout, train_layouts
+from parity import (BF16_LOSS_RTOL, assert_parity, make_mesh, tiny, train_layout,
+                    train_layouts)
 from shardtrain import cli, config
 from shardtrain.config import ConfigError
 from shardtrain.train.finetune import build_skeleton, resolve_init_from
@@ -99,10 +100,13 @@ def test_fine_tune_config_errors(tmp, hf_dir):
 B8 = ("--train.global_batch", "8", "--train.steps", "4")
 LORA = ("--lora.rank", "4", "--lora.targets", "q,v,gate,down", "--train.lr", "1e-2")
 QLORA = (*LORA, "--lora.quantize_base", "nf4")
+LORA16 = (*LORA, "--train.precision", "bf16")
 ROWS = [("lora dp2", LORA, []),
         ("lora zero2 dp2", LORA, ["--parallel.zero", "2"]),
         ("lora tp2", LORA, ["--parallel.tp", "2"]),
         ("lora tp2 sp", LORA, ["--parallel.tp", "2", "--parallel.sp", "true"]),
+        ("lora dp2 bf16", LORA16, []),
+        ("lora tp2 bf16", LORA16, ["--parallel.tp", "2"]),
         ("qlora dp2", QLORA, []),
         ("qlora zero2 dp2", QLORA, ["--parallel.zero", "2"]),
         ("adamw8bit zero2 dp2", ("--optim.name", "adamw8bit"), ["--parallel.zero", "2"])]
@@ -119,11 +123,16 @@ def test_lora_and_adamw8bit_parity_with_single_process(tmp, hf_dir):
     texts = [text(f"row{i}", *ref, *layout) for i, (_, ref, layout) in enumerate(ROWS)]
     per_rank = run_distributed(train_layouts, 2, texts, adapter_memory)
     refs: dict[tuple, dict] = {}
-    for i, (label, ref, _) in enumerate(ROWS):
+    for i, (label, ref, layout) in enumerate(ROWS):
         if ref not in refs:
             refs[ref] = train_layout(0, 1, text(f"ref{len(refs)}", *ref), adapter_memory)
         for rank, results in enumerate(per_rank):
-            assert_parity(refs[ref], results[i], f"{label} rank {rank}")
+            if ref == LORA16 and "--parallel.tp" in layout:  # bf16 split matmuls (parity.py)
+                got, want = results[i]["losses"], refs[ref]["losses"]
+                worst = max(abs(g - w) / w for g, w in zip(got, want))
+                assert worst <= BF16_LOSS_RTOL[True], f"{label} rank {rank}: {got} vs {want}"
+            else:
+                assert_parity(refs[ref], results[i], f"{label} rank {rank}")
         print(f"{label}: losses {[round(x, 5) for x in per_rank[0][i]['losses']]}")
     # The 2-process LoRA run's checkpoint exports, and transformers reloads it equal.
     step = sorted((tmp / "row0" / "checkpoints").glob("step_*"))[-1]

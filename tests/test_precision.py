@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dist import run_distributed
-from parity import make_mesh, tiny, train_layout, train_layouts
+from parity import BF16_LOSS_RTOL as BOUND, make_mesh, tiny, train_layout, train_layouts
 from shardtrain import config
 from shardtrain.plan.memory import model_states
 from shardtrain.plan.traffic import bytes_per_step, data_parallel_ops
@@ -22,12 +22,6 @@ STEPS = "8"
 B8 = ("--train.global_batch", "8", "--train.micro_batch", "2")
 B16 = ("--train.global_batch", "16", "--train.micro_batch", "2")
 # Worst relative per-step loss deviation from the single-process run of the same precision.
-# bf16 rounds each matmul's inputs to 8 bits of mantissa; layouts that cut the batch or the
-# model differently round different partial sums, so they may differ by a few bf16 ulps of
-# single activations, which the loss averages down. tp splits every matmul's inner
-# dimension in two (row-parallel partial sums are rounded to bf16 before they are summed),
-# hence the looser bound there.
-BOUND = {False: 1e-3, True: 5e-3}  # without tp, with tp
 LAYOUTS = {  # world size: (label, reference batch, overrides)
     2: [("dp2 accumulate", B8, []),
         ("zero1 dp2", B8, ["--parallel.zero", "1"]),
