@@ -21,7 +21,8 @@ from shardtrain.train.trainer import Trainer
 STEPS = "8"
 B8 = ("--train.global_batch", "8", "--train.micro_batch", "2")
 B16 = ("--train.global_batch", "16", "--train.micro_batch", "2")
-# Worst relative per-step loss deviation from the single-process run of the same precision.
+# BOUND (parity.py's BF16_LOSS_RTOL): the worst relative per-step loss deviation allowed
+# from the single-process run of the same precision, without tp and with it.
 LAYOUTS = {  # world size: (label, reference batch, overrides)
     2: [("dp2 accumulate", B8, []),
         ("zero1 dp2", B8, ["--parallel.zero", "1"]),
