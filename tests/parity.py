@@ -99,6 +99,11 @@ def assert_parity(reference: dict, result: dict, label: str) -> None:
                                    msg=lambda m: f"{label}: final weight {name} differs\n{m}")
 
 
+def worst_loss_deviation(reference: list[float], got: list[float]) -> float:
+    """The largest relative per-step loss difference (the bf16 rows' measure)."""
+    return max(abs(g - r) / abs(r) for r, g in zip(reference, got, strict=True))
+
+
 def checkpoint_tensors(path: Path, prefix: str = "model/") -> dict[str, torch.Tensor]:
     """A checkpoint's full tensors under `prefix` ("model/": the weights by their
     single-process names; "optim/": the optimizer state, "optim/<name>/<state>")."""

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from dist import run_distributed
-from parity import BF16_LOSS_RTOL as BOUND, make_mesh, tiny, train_layout, train_layouts
+from parity import (BF16_LOSS_RTOL as BOUND, make_mesh, tiny, train_layout, train_layouts,
+                    worst_loss_deviation)
 from shardtrain import config
 from shardtrain.plan.memory import model_states
 from shardtrain.plan.traffic import bytes_per_step, data_parallel_ops
@@ -42,10 +43,6 @@ def tmp(tmp_path_factory):
 
 def _text(tmp, name: str, *overrides: str) -> str:
     return config.to_toml(tiny(tmp, name, "--train.steps", STEPS, *overrides))
-
-
-def _worst(ref: list[float], got: list[float]) -> float:
-    return max(abs(g - r) / abs(r) for r, g in zip(ref, got, strict=True))
 
 
 def _parity_texts(tmp, world_size: int) -> list[str]:
@@ -85,7 +82,7 @@ def test_bf16_layouts_match_one_process(tmp, world2, refs, world_size):
                                                            "--train.precision", prec))
     print()
     for i, (label, ref, overrides) in enumerate(layouts):
-        worst = {prec: max(_worst(refs[ref, prec]["losses"], ranks[2 * i + j]["losses"])
+        worst = {prec: max(worst_loss_deviation(refs[ref, prec]["losses"], ranks[2 * i + j]["losses"])
                            for ranks in per_rank)
                  for j, prec in enumerate(("bf16", "fp32"))}
         bound = BOUND["--parallel.tp" in overrides]
@@ -95,7 +92,7 @@ def test_bf16_layouts_match_one_process(tmp, world2, refs, world_size):
         assert worst["fp32"] <= 1e-5, label  # the fp32 parity bound
     # bf16 computes: close to fp32, not equal to it.
     bf16, fp32 = refs[layouts[0][1], "bf16"]["losses"], refs[layouts[0][1], "fp32"]["losses"]
-    assert bf16 != fp32 and _worst(fp32, bf16) < 1e-2
+    assert bf16 != fp32 and worst_loss_deviation(fp32, bf16) < 1e-2
 
 
 # ---------------------------------------------------------------- fp16 and the loss scaler
