@@ -69,6 +69,14 @@ def _boundaries(signed: bool) -> torch.Tensor:
     return bounds
 
 
+@functools.cache
+def _table(levels: bool, signed: bool, device: torch.device) -> torch.Tensor:
+    """The map's levels [256] (levels=True) or `_boundaries` [255] on `device`, copied there
+    once: quantizing runs per tensor and per step, and a host-to-device copy on each call
+    would be a transfer from pageable memory that the host waits for."""
+    return (dynamic_map(signed) if levels else _boundaries(signed)).to(device)
+
+
 @dataclass
 class Quantized:
     """A flat fp32 tensor [n] as codes uint8 [n] and absmax fp32 [ceil(n / BLOCK)]."""
@@ -97,14 +105,14 @@ def quantize_(q: Quantized, x: torch.Tensor) -> None:
     blocks = _blocks(x.float())  # [n_blocks, BLOCK]
     absmax = blocks.abs().amax(dim=1)  # [n_blocks]
     normed = blocks / absmax.clamp_min(torch.finfo(torch.float32).tiny)[:, None]
-    bounds = _boundaries(q.signed).to(x.device)
+    bounds = _table(False, q.signed, x.device)
     q.codes.copy_(torch.bucketize(normed, bounds).view(-1)[: x.numel()])
     q.absmax.copy_(absmax)
 
 
 def dequantize(q: Quantized) -> torch.Tensor:
     """The fp32 values [n] that q stands for."""
-    levels = dynamic_map(q.signed).to(q.codes.device)
+    levels = _table(True, q.signed, q.codes.device)
     values = levels[q.codes.long()]  # [n]
     return (_blocks(values) * q.absmax[:, None]).view(-1)[: q.codes.numel()]
 

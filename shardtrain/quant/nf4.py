@@ -41,6 +41,13 @@ def nf4_levels() -> torch.Tensor:
     return (levels / levels.abs().max()).float()
 
 
+@functools.cache
+def _levels_on(device: torch.device) -> torch.Tensor:
+    """`nf4_levels` on `device`, copied there once: `dequantize` runs in every forward and
+    backward, and a host-to-device copy on each call is a transfer the host waits for."""
+    return nf4_levels().to(device)
+
+
 class NF4Weight(nn.Module):
     """A frozen weight of `shape` stored as NF4 (buffers, so they follow .to() and appear
     in the state dict: packed codes uint8 [n/2], the double-quantized block maxima as codes
@@ -72,7 +79,7 @@ class NF4Weight(nn.Module):
         blocks = weight.detach().float().reshape(-1, BLOCK).to(self.packed.device)  # [n/64, 64]
         absmax = blocks.abs().amax(dim=1)  # [n/64]
         normed = blocks / absmax.clamp_min(torch.finfo(torch.float32).tiny)[:, None]
-        levels = nf4_levels().to(normed.device)
+        levels = _levels_on(normed.device)
         codes = torch.bucketize(normed, (levels[1:] + levels[:-1]) / 2).to(torch.uint8)
         codes = codes.view(-1, 2)
         self.packed.copy_(codes[:, 0] << 4 | codes[:, 1])
@@ -89,7 +96,7 @@ class NF4Weight(nn.Module):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense weight [shape] in `dtype`."""
         codes = torch.stack((self.packed >> 4, self.packed & 0xF), dim=1).view(-1, BLOCK)
-        levels = nf4_levels().to(self.packed.device)
+        levels = _levels_on(self.packed.device)
         blocks = levels[codes.long()] * self.block_absmax()[:, None]  # [n/64, 64]
         return blocks.view(self.shape).to(dtype)
 
