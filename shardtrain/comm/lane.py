@@ -44,6 +44,9 @@ class Lane:
         while True:
             job, future = self._jobs.get()
             _execute(job, future)
+            # Unbound before the next get() blocks: the job's closure holds its tensors (a
+            # ZeRO unit's flat gradient), which would otherwise live until the next call.
+            del job, future
             with self._lock:
                 self._queued -= 1
 
