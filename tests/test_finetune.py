@@ -43,8 +43,8 @@ def hf_dir(tmp):
 def jsonl(tmp):
     import inspect
 
-    import shardtrain.train.trainer as source  # any text will do: Python source, as JSONL
-    lines = inspect.getsource(source).splitlines()
+    import argparse as source  # any text will do: Python source, as JSONL (the standard
+    lines = inspect.getsource(source).splitlines()  # library's: it does not change with ours)
     path = tmp / "data.jsonl"
     records = [json.dumps({"text": "\n".join(lines[i:i + 20])}) for i in range(0, len(lines), 20)]
     path.write_text("\n".join(records * 4) + "\n")
@@ -67,7 +67,7 @@ def test_qlora_adamw8bit_fine_tune_exports_to_transformers(tmp, hf_dir, jsonl, c
                     if p.requires_grad)
     assert ledger["grads_bytes"] == 4 * n_adapter and ledger["nf4_base_bytes"] > 0
     # The export: transformers loads it and agrees with the trained model.
-    model = trainer.plain_model()
+    model = trainer.parallel.module  # one process: the whole model (LoRA linears, NF4 bases)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp / "export").eval()
     tokens = torch.randint(0, 256, (1, 16))
     with torch.no_grad():

@@ -29,7 +29,8 @@ import torch
 from shardtrain.comm import Communicator
 from shardtrain.config import Config
 from shardtrain.mesh import ParallelMesh
-from shardtrain.model.transformer import Transformer
+from shardtrain.model.transformer import Transformer, init_rope
+from shardtrain.parallel.build import Fill, ModuleTarget, Values, filler, materialize
 from shardtrain.parallel.activation import checkpoint_attention_cores, checkpoint_blocks
 from shardtrain.parallel.context.apply import apply_context_parallel
 from shardtrain.parallel.data.ddp import DataParallel, ReplicatedUpdate
@@ -54,15 +55,15 @@ MakeOptimizer = Callable[[torch.nn.Module], torch.optim.Optimizer]
 
 def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
                 device: torch.device, make_optimizer: MakeOptimizer,
-                load_weights: Callable[[StageShards], None] | None = None) -> Strategy:
+                values: Callable[[StageShards], Values] | None = None) -> Strategy:
     """Apply the layout to `model`, built on the meta device (`build_model(seed=None)`), in
-    place: swap in tensor-parallel modules, materialise this rank's shards on `device` and
-    initialise them from `cfg.train.seed` (the slices of the single-process weights), then
+    place: swap in tensor-parallel modules, give this rank's share storage on `device`
+    (build.py: its stage, its slices, under ZeRO-3 only its shards) and fill it from
+    `values(shards)` (default: the seeded slices of the single-process weights;
+    train/finetune.py `start_values` adds model.init_from and QLoRA's bases), then
     checkpoint activations and hook data parallelism or ZeRO over the dp group.
     `make_optimizer` builds the torch optimizer of the replicated layout; ZeRO builds its
-    shard optimizer from `cfg.optim` (the same update, weight decay on matrices only).
-    `load_weights`: after the seeded initialisation and before the update half copies
-    anything, replaces this rank's weights (model.init_from: train/finetune.py)."""
+    shard optimizer from `cfg.optim` (the same update, weight decay on matrices only)."""
     tp, pp = mesh.comm("tp"), mesh.comm("pp")
     placements, loss = {}, cross_entropy
     if tp.size > 1:
@@ -81,41 +82,52 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
     # materialised; the full model's names order the layout-independent state dicts.
     module, chunks = split_stages(model, cfg, stage=pp.rank)
     reference_keys = list(model.state_dict())
-    module.to_empty(device=device)
-    module.tie_weights()  # to_empty gives the tied modules a tensor each
+    zero = bool(cfg.parallel.zero) and not cfg.parallel.ps_servers
+    module.tie_weights()  # on meta: the swapped-in tp modules share one tensor again
+    # ZeRO's trainable parameters get their storage from its units (build.py).
+    materialize(module, device, leave=lambda p: zero and p.requires_grad)
+    init_rope(module, cfg.model)
     if split is not None:  # RoPE and learned positions: the global positions held here
         module.positions = split.positions(mesh.comm("cp").rank, device)
     shards = StageShards(module, tp, placements, pp=pp, reference_keys=reference_keys,
                          tied=cfg.model.tie_embeddings, ep=ep, ep_placements=ep_placements)
-    shards.init_weights(cfg.train.seed)
-    if load_weights is not None:
-        load_weights(shards)
+    fill = filler(values(shards) if values is not None else
+                  lambda wants: shards.initial_values(cfg.train.seed, wants))
     policy = PrecisionPolicy.from_config(cfg)  # the one source of every dtype below
     pipeline = Pipeline(chunks, mesh, cfg, loss=loss, device=device, policy=policy,
                         split=split)
-    return Strategy(shards=shards, pipeline=pipeline,
-                    update=_update(module, shards, mesh, cfg, policy, make_optimizer),
+    if zero:
+        update = _zero(module, shards, mesh, cfg, policy, fill=fill, device=device)
+    else:  # the replicated layouts hold the whole stage: filled before they copy it
+        fill(ModuleTarget(module))
+        update = _update(module, shards, mesh, cfg, policy, make_optimizer)
+    return Strategy(shards=shards, pipeline=pipeline, update=update,
                     policy=policy, scaler=LossScaler.from_config(cfg),
                     average_loss=steps_together(cfg))
 
 
+def _zero(module: torch.nn.Module, shards: StageShards, mesh: ParallelMesh, cfg: Config,
+          policy: PrecisionPolicy, *, fill: Fill, device: torch.device) -> ZeroModel:
+    """ZeRO over the replica group (dp, or dp x cp), the experts over edp; its units are
+    built first and filled in place (build.py)."""
+    dp, c = mesh.comm(mesh.replica_dim), cfg.comm
+    unit_comm = build_unit_comm(mesh, cfg.parallel, block=c.quant_block)  # ZeRO++
+    experts, expert_comm = set(), None
+    if mesh.shape.ep > 1:
+        experts = expert_parameters(module)
+        expert_comm = build_unit_comm(mesh, cfg.parallel, block=c.quant_block, dim="edp",
+                                      grad_scale=expert_grad_scale(mesh.shape.ep))
+    return ZeroModel(module, dp, shards, cfg, policy, unit_comm=unit_comm, experts=experts,
+                     expert_comm=expert_comm, fill=fill, device=device)
+
+
 def _update(module: torch.nn.Module, shards: StageShards, mesh: ParallelMesh, cfg: Config,
             policy: PrecisionPolicy, make_optimizer: MakeOptimizer) -> Update:
-    """The update half the config asks for: a parameter server's worker, ZeRO over the
-    replica group (dp, or dp x cp; the experts over edp), top-k update compression, or
-    plain bucketed data parallelism."""
+    """The update half of a replicated layout: a parameter server's worker, top-k update
+    compression, or plain bucketed data parallelism."""
     dp, c = mesh.comm(mesh.replica_dim), cfg.comm
     if cfg.parallel.ps_servers:
         return PSUpdate(module, mesh, cfg, shards)
-    if cfg.parallel.zero:  # experts sharded over edp, the rest over the replica group
-        unit_comm = build_unit_comm(mesh, cfg.parallel, block=c.quant_block)  # ZeRO++
-        experts, expert_comm = set(), None
-        if mesh.shape.ep > 1:
-            experts = expert_parameters(module)
-            expert_comm = build_unit_comm(mesh, cfg.parallel, block=c.quant_block, dim="edp",
-                                          grad_scale=expert_grad_scale(mesh.shape.ep))
-        return ZeroModel(module, dp, shards, cfg, policy, unit_comm=unit_comm, experts=experts,
-                         expert_comm=expert_comm)
     if c.compress == "topk":
         return SparseUpdates(dp, make_optimizer(module), shards, ratio=c.topk_ratio,
                              error_feedback=c.error_feedback, warmup_steps=c.topk_warmup_steps,

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from shardtrain.config import Config, ConfigError, ModelConfig
-from shardtrain.model.hf import (hf_tokenizer, load_hf_weights, materialize, save_hf,
-                                 source_config)
+from shardtrain.model.hf import (assign, hf_tokenizer, holds, iter_hf_weights, load_hf_weights,
+                                 materialize, save_hf, source_config)
 from shardtrain.model.hf_names import model_config_from_hf
 from shardtrain.model.transformer import Transformer, init_tensor
+from shardtrain.parallel.build import Values
 from shardtrain.parallel.pipeline.state import StageShards
 from shardtrain.train.lora import adapter_state, apply_lora, lora_modules
 
@@ -75,29 +76,42 @@ def build_start_model(cfg: Config, *, device: torch.device | str = "cpu") -> Tra
     QLoRA base is quantized tensor by tensor and never exists dense in full."""
     model = build_skeleton(cfg, device=device)
     model.init_weights(cfg.train.seed)  # the adapters; the rest too unless init_from loads it
-    start_weights(cfg)(model)
+    with torch.no_grad():
+        if cfg.model.init_from:
+            load_hf_weights(model, Path(cfg.model.init_from).expanduser(), cfg=cfg.model)
+        for name, value in _nf4_values(cfg, model, lambda n: not cfg.model.init_from):
+            assign(model, name, value)
     return model
 
 
-def start_weights(cfg: Config) -> Callable[[nn.Module | StageShards], None]:
-    """What replaces the seeded initialisation of a model (or of a layout's shards,
-    parallelize's `load_weights`): model.init_from's weights, streamed; and the NF4 bases,
-    quantized from those weights or from the seeded dense ones."""
-    @torch.no_grad()
-    def load(target: nn.Module | StageShards) -> None:
-        shards = target if isinstance(target, StageShards) else None
-        model = target.model if shards is not None else target
-        if cfg.model.init_from:
-            slicer = None if shards is None else (lambda n, full: shards.placement(n).shard(full))
-            load_hf_weights(model, Path(cfg.model.init_from).expanduser(), cfg=cfg.model,
-                            shard=slicer)  # this tp rank's slice of each tensor
-            return
-        for name, module in lora_modules(model).items():
-            if module.nf4 is not None:
-                shape = (module.out_features, module.in_features)
-                module.load_weight(init_tensor(f"{name}.weight", shape, cfg.train.seed, cfg.model))
+def start_values(cfg: Config, shards: StageShards) -> Values:
+    """The value source of a layout's build (parallel/build.py): every tensor this rank
+    holds, as its local block, one at a time -- the seeded draw by name, or model.init_from's
+    weights streamed from its safetensors files (the adapters seeded), and QLoRA's NF4 bases
+    (quantized as they are written)."""
+    model, seed = shards.model, cfg.train.seed
 
-    return load
+    def values(wants: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+        if not cfg.model.init_from:
+            yield from shards.initial_values(seed, wants)
+            yield from _nf4_values(cfg, model, wants)
+            return
+        yield from shards.initial_values(
+            seed, lambda n: n.endswith((".lora_a", ".lora_b")) and wants(n))
+        for name, full in iter_hf_weights(Path(cfg.model.init_from).expanduser(), cfg.model):
+            if holds(model, name) and wants(name):  # this stage's, this shard's
+                yield name, shards.shard_full(name, full)
+
+    return values
+
+
+def _nf4_values(cfg: Config, model: nn.Module, wants: Callable[[str], bool]
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The seeded dense weights of the NF4 bases (buffers no parameter draw covers)."""
+    for name, module in lora_modules(model).items():
+        if module.nf4 is not None and wants(f"{name}.weight"):
+            shape = (module.out_features, module.in_features)
+            yield f"{name}.weight", init_tensor(f"{name}.weight", shape, cfg.train.seed, cfg.model)
 
 
 def export_hf(model: nn.Module, cfg: Config, out: str | Path,

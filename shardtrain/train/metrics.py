@@ -92,6 +92,23 @@ def peak_memory(device: torch.device) -> dict[str, int | None]:
             "peak_reserved_bytes": None}
 
 
+def reset_peak_memory(device: torch.device) -> int:
+    """Start a new peak for `peak_memory` and return the memory in use now: on a GPU the
+    allocator's counters; on Linux the process's high-water mark, reset through
+    /proc/self/clear_refs (elsewhere, or where that is refused, the peak stays the
+    process's since its start)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # 5: reset the peak resident set size to the current one
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+    except (OSError, StopIteration):
+        return 0
+
+
 def clock(device: torch.device) -> float:
     """time.perf_counter() once the device has finished the work queued so far (on CUDA the
     host runs ahead of the GPU: without the synchronisation a step time would be the time

@@ -23,18 +23,17 @@ from shardtrain.config.ps import parse_slow_ranks
 from shardtrain.data import TokenSampler, check_vocab, eval_batches, load_dataset
 from shardtrain.data.fsutil import write_atomic
 from shardtrain.mesh import ParallelMesh
-from shardtrain.model.generate import generate
 from shardtrain.parallel.parallelize import parallelize
 from shardtrain.cost.counts import model_flops_per_token
 from shardtrain.ckpt.files import Reader
 from shardtrain.train import checkpoint as ckpt
 from shardtrain.train.guard import BadStepGuard, hang_here, kill_here, nan_loss
-from shardtrain.train.finetune import (build_skeleton, export_hf, nf4_bytes, resolve_init_from,
-                                       start_weights)
+from shardtrain.train.finetune import build_skeleton, nf4_bytes, resolve_init_from, start_values
 from shardtrain.train.metrics import (MetricsWriter, clock, device_peak_flops, moe_metrics,
-                                      peak_memory)
+                                      peak_memory, reset_peak_memory)
 from shardtrain.train.optim import build_optimizer, lr_at
 from shardtrain.train.pace import Pace
+from shardtrain.train.sample import end_export, end_sample
 from shardtrain.train.saver import Saver
 from shardtrain.train.straggler import slow_down
 
@@ -61,9 +60,12 @@ class Trainer:
         self.data = load_dataset(cfg.data, seq_len=t.seq_len)
         check_vocab(self.data, cfg.model.vocab_size)
         self.model = build_skeleton(cfg)  # shapes only (LoRA applied): parallelize materialises
+        before = reset_peak_memory(device)  # the build's own peak (parallel/build.py)
         self.parallel = parallelize(self.model, mesh, cfg, device=device,
                                     make_optimizer=lambda m: build_optimizer(m, cfg.optim, t.lr),
-                                    load_weights=start_weights(cfg))
+                                    values=lambda shards: start_values(cfg, shards))
+        self.build_memory = {"build_base_bytes": before,
+                             "build_peak_bytes": peak_memory(device)["peak_mem_bytes"]}
         slow_down(self.parallel.module, parse_slow_ranks(t.slow_ranks).get(mesh.rank, 1.0))
         self.accum = t.accumulation_steps(self.dp.size)
         self.sampler = TokenSampler(self.data.train, seq_len=t.seq_len,
@@ -179,7 +181,7 @@ class Trainer:
         if t.sample_tokens:
             result.sample = self.sample(t.sample_prompt, t.sample_tokens)
         if t.export_hf:
-            self.export_hf(t.export_hf)
+            end_export(self, t.export_hf)
         return result
 
     def write_timeline(self) -> Path | None:
@@ -204,36 +206,13 @@ class Trainer:
     def memory_ledger(self) -> dict[str, int]:
         """Model-state bytes held by this rank (params, grads, optimizer, master) and the
         peak memory (allocated, and on a GPU reserved), and QLoRA's NF4 base bytes."""
-        return {**self.parallel.memory(), **peak_memory(self.device),
+        return {**self.parallel.memory(), **peak_memory(self.device), **self.build_memory,
                 "nf4_base_bytes": nf4_bytes(self.parallel.module)}
 
     def sample(self, prompt: str, n_tokens: int) -> str | None:
-        """Generated text on rank 0 (None elsewhere), from the plain model with the full
-        weights (gathered over tp: every rank calls this)."""
-        model = self.plain_model()
-        if model is None:
-            return None
-        tok = self.data.tokenizer
-        out = generate(model, tok.encode(prompt), n_tokens, seed=self.cfg.train.seed)
-        return tok.decode(out)
-
-    def plain_model(self) -> torch.nn.Module | None:
-        """On rank 0, the single-process model (LoRA linears included) with the full
-        weights; None elsewhere (every rank calls this: the state is gathered)."""
-        state = self.parallel.full_state_dict()
-        if not self.is_main:
-            return None
-        model = build_skeleton(self.cfg, device=self.device)
-        model.load_state_dict(state)
-        return model
-
-    def export_hf(self, out: str) -> None:
-        """train.export_hf: the final model (LoRA merged) as a Hugging Face directory."""
-        model = self.plain_model()
-        if model is not None:
-            path = export_hf(model, self.cfg, out,
-                             tokenizer_file=getattr(self.data.tokenizer, "path", None))
-            print(f"exported the model as a Hugging Face directory: {path}", flush=True)
+        """Generated text on rank 0 (None elsewhere), through the parallel model or from the
+        final checkpoint: never a gathered model (train/sample.py). Every rank calls it."""
+        return end_sample(self, prompt, n_tokens)
 
 
 def format_record(r: dict[str, Any]) -> str:

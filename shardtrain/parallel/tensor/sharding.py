@@ -16,7 +16,7 @@ tokens). A full tensor is sliced over ep first, then over tp; gathered over tp, 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +69,8 @@ def init_block(name: str, place: Placement, shape: torch.Size, seed: int,
         first = place.index * place.block()
         return torch.stack([init_expert(name, tuple(shape[1:]), seed, cfg, e)
                             for e in range(first, first + shape[0])])
+    if place.parts == 1:  # the whole tensor
+        return init_tensor(name, tuple(shape), seed, cfg)
     return place.shard(init_tensor(name, place.full_shape(shape), seed, cfg))
 
 
@@ -108,16 +110,16 @@ class TensorShards:
         levels = [(self.comm, self.placement)]
         return levels + [(self.ep, self.ep_placement)] if self.ep is not None else levels
 
-    @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
-        """Each shard is its slice of the full tensor a single process draws
-        (`init_tensor` by name), so every layout starts from the same weights."""
-        self.model.init_weights(seed)  # ties, RoPE tables and the replicated parameters
+    def initial_values(self, seed: int, wants: Callable[[str], bool] = lambda n: True
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, this rank's block) of each parameter's initial value (`init_tensor` by
+        name, so every layout starts from the single-process weights), for the names
+        `wants` keeps: one full tensor drawn at a time, then sliced (parallel/build.py)."""
         for name, p in self.named.items():
-            place = self.ep_placement(name) if name in self.ep_placements else \
-                self.placement(name)  # experts are whole over tp
-            if place.parts > 1:
-                p.copy_(init_block(name, place, p.shape, seed, self.model.cfg))
+            if wants(name):
+                place = self.ep_placement(name) if name in self.ep_placements else \
+                    self.placement(name)  # experts are whole over tp
+                yield name, init_block(name, place, p.shape, seed, self.model.cfg)
 
     # ------------------------------------------------------------------ gradients
 

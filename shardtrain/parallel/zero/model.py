@@ -58,6 +58,8 @@ from torch import nn
 from shardtrain.ckpt.files import Piece, Reader
 from shardtrain.comm import Communicator
 from shardtrain.config import Config
+from shardtrain.model.hf import assign
+from shardtrain.parallel.build import Fill
 from shardtrain.parallel.pieces import local_model_state, module_pieces, zero_load, zero_pieces
 from shardtrain.parallel.pipeline.state import StageShards
 from shardtrain.parallel.precision import PrecisionPolicy
@@ -78,10 +80,15 @@ class ZeroModel:
 
     def __init__(self, model: nn.Module, comm: Communicator, shards: StageShards, cfg: Config,
                  policy: PrecisionPolicy, *, unit_comm: UnitComm | None = None,
-                 experts: Collection[nn.Parameter] = (), expert_comm: UnitComm | None = None):
+                 experts: Collection[nn.Parameter] = (), expert_comm: UnitComm | None = None,
+                 fill: Fill | None = None, device: torch.device | None = None):
         """`comm`: the replica group, which shards every unit through `unit_comm` (built
         over it when None), except the `experts` (expert parallelism): their units are
-        sharded over `expert_comm`'s group, edp."""
+        sharded over `expert_comm`'s group, edp. `fill`: writes the initial values (seeded
+        or loaded: parallel/build.py) through `write` once the units exist, before the
+        master weights copy anything; the trainable parameters may then arrive on the meta
+        device, so a ZeRO-3 rank never holds more than its shards (and one tensor being
+        drawn). `device`: where the units live (default: the parameters')."""
         p = cfg.parallel
         self.stage, self.comm, self.shards, self.cfg = p.zero, comm, shards, cfg
         # The moments by their torch names (checkpoints' layout-independent form).
@@ -96,22 +103,21 @@ class ZeroModel:
 
         def build(c: UnitComm, **which) -> list:
             return build_units(model, dp_size=c.comm.size, dp_rank=c.comm.rank, dtype=dtype,
-                               tied=model.cfg.tie_embeddings, align=align, comm=c, **which)
+                               tied=model.cfg.tie_embeddings, align=align, comm=c,
+                               sharded=self.stage == 3, device=device, **which)
 
         self.units = build(self.unit_comm, skip=experts)
         if experts:  # their own units, sharded over edp (module docstring)
             self.units = merge_units(self.units, build(expert_comm, only=experts))
+        self._unit_of = {n: (u, i) for u in self.units for i, n in enumerate(u.names)}
+        if fill is not None:
+            fill(self)
         fp32 = dtype == policy.master_dtype  # the parameter shard is its own master
         masters = [u.shard if fp32 else u.shard.to(policy.master_dtype) for u in self.units]
         self.gatherer: UnitGatherer | None = None
         # Pipeline parallelism: gradients reduced (and ZeRO-3 parameters gathered) once per
         # step, not once per micro-batch (module docstring).
         per_step = shards.pp.size > 1
-        if self.stage == 3:
-            for u in self.units:  # the shard gets its own storage; the flat buffer goes
-                u.shard = u.shard.clone()
-            if fp32:
-                masters = [u.shard for u in self.units]
         if self.stage == 3 and per_step:
             self.gatherer = StepGatherer(self.units, model.chunks)
         elif self.stage == 3:
@@ -129,6 +135,23 @@ class ZeroModel:
                                                        < MIN_QUANTIZED_NUMEL)] for u in self.units])
         self._partial = [partial_runs(u, shards.placements) for u in self.units]
         self.no_sync, self.zero_grad = self.reducer.no_sync, self.reducer.zero_grad
+
+    # ------------------------------------------------------------------ initial values
+
+    def wants(self, name: str) -> bool:
+        """Whether this rank keeps any of parameter `name` (ZeRO-3: its shards overlap it),
+        so a value source can skip drawing or reading the others (parallel/build.py)."""
+        at = self._unit_of.get(name)
+        return at is None or at[0].holds(at[1])
+
+    def write(self, name: str, value: torch.Tensor) -> None:
+        """Parameter `name` (this tp/ep rank's local tensor) into its unit; a tensor outside
+        the units (frozen, NF4 bases, buffers) into the module."""
+        at = self._unit_of.get(name)
+        if at is None:
+            assign(self.shards.model, name, value)
+        else:
+            at[0].write(at[1], value)
 
     # ------------------------------------------------------------------ the step
 

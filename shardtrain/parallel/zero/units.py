@@ -47,6 +47,7 @@ class FlatUnit:
     grad_flat: torch.Tensor | None = None  # [padded] ZeRO-1: the full gradients
     comm: UnitComm | None = None  # the collectives over the group sharding it (None: layout only)
     key: tuple[int, int] = (0, 0)  # forward order (unit_key)
+    sharded: bool = False  # ZeRO-3: the flat buffer has storage only while gathered
 
     @property
     def numel(self) -> int:
@@ -74,6 +75,23 @@ class FlatUnit:
         """Each parameter's slice of a [padded] buffer, in its shape."""
         return [flat[o:o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
 
+    def holds(self, i: int) -> bool:
+        """Whether this rank keeps any of parameter i's values (sharded: its shard overlaps
+        them)."""
+        return not self.sharded or bool(self.shard_runs(lambda j: j == i))
+
+    @torch.no_grad()
+    def write(self, i: int, value: torch.Tensor) -> None:
+        """Set parameter i to `value` (its full local tensor, any device): into the flat
+        buffer, or (sharded) into the part of this rank's shard that covers it."""
+        if not self.sharded:
+            self.param_views(self.flat)[i].copy_(value)
+            return
+        off, flat = self.offsets[i], value.reshape(-1)
+        for _, a, b in self.shard_runs(lambda j: j == i):  # shard-relative [a, b)
+            start = self.rank * self.shard_numel + a - off
+            self.shard[a:b].copy_(flat[start:start + b - a])
+
 
 def unit_key(name: str, *, tied: bool) -> tuple[int, int]:
     """Forward-order key of the unit a parameter belongs to: embedding, blocks, final."""
@@ -98,11 +116,16 @@ def merge_units(*groups: list[FlatUnit]) -> list[FlatUnit]:
 def build_units(model: nn.Module, *, dp_size: int, dp_rank: int, dtype: torch.dtype,
                 tied: bool, align: int = 1, comm: UnitComm | None = None,
                 only: Collection[nn.Parameter] | None = None,
-                skip: Collection[nn.Parameter] = ()) -> list[FlatUnit]:
+                skip: Collection[nn.Parameter] = (), sharded: bool = False,
+                device: torch.device | None = None) -> list[FlatUnit]:
     """Group the model's parameters (tied ones once; those in `only` if given, not those in
     `skip`) into units in forward order, sharded over `comm`'s group of `dp_size` ranks
-    (this one `dp_rank`); copy their values into each unit's flat buffer (cast to `dtype`)
-    and make every parameter a view of it. `align`: each parameter starts, and each rank's
+    (this one `dp_rank`), and make every parameter a view of its unit's flat buffer.
+    `sharded` (ZeRO-3): only this rank's shard keeps storage; the flat buffer is emptied
+    until a gather (gather.py). Otherwise the flat buffer holds the whole unit. A parameter
+    that holds values has them copied in (its shard's part, when sharded); one still on the
+    meta device (parallel/build.py) is filled later through `FlatUnit.write`, so no rank
+    ever holds a unit's values twice. `align`: each parameter starts, and each rank's
     shard is sized, at a multiple of it (zero gaps between), so that blocks of `align`
     values counted from a shard's start never straddle two parameters -- qwZ's quantization
     blocks: one scale for a norm's ~1.0 values and a matrix's ~0.02 would round the matrix
@@ -120,15 +143,30 @@ def build_units(model: nn.Module, *, dp_size: int, dp_rank: int, dtype: torch.dt
             offsets.append(total)
             total += p.numel()
         padded = -(-total // (dp_size * align)) * dp_size * align
-        device = named[0][1].device
-        flat = torch.zeros(padded, dtype=dtype, device=device)
+        at = device or named[0][1].device
+        shard_numel = padded // dp_size
+        if sharded:  # the shard [padded / dp] its own; the flat buffer only while views are
+            # taken (a view needs the bytes to exist; on CPU its pages are never touched)
+            flat = torch.empty(padded, dtype=dtype, device=at)
+            shard = torch.zeros(shard_numel, dtype=dtype, device=at)
+        else:
+            flat = torch.zeros(padded, dtype=dtype, device=at)
+            shard = flat[dp_rank * shard_numel:(dp_rank + 1) * shard_numel]
         unit = FlatUnit(index=index, names=[n for n, _ in named], params=[p for _, p in named],
-                        offsets=offsets, padded=padded, shard_numel=padded // dp_size,
-                        rank=dp_rank, flat=flat, shard=flat[0:0], comm=comm, key=key)
-        for p, view in zip(unit.params, unit.param_views(flat)):
-            view.copy_(p.detach())
+                        offsets=offsets, padded=padded, shard_numel=shard_numel,
+                        rank=dp_rank, flat=flat, shard=shard, comm=comm, key=key,
+                        sharded=sharded)
+        for i, (p, view) in enumerate(zip(unit.params, unit.param_views(flat))):
+            if p.is_meta:  # onto the device, the same object (ties and references hold)
+                empty = torch.empty(0, dtype=dtype, device=at)
+                torch.utils.swap_tensors(p, nn.Parameter(empty, requires_grad=p.requires_grad))
+            else:
+                unit.write(i, p.detach())
+            # .data, not a swap: the parameter keeps a version counter of its own, so a
+            # gather into the flat buffer does not invalidate what autograd saved of it
             p.data = view
-        unit.shard = flat[unit.shard_slice()]
+        if sharded:
+            flat.untyped_storage().resize_(0)
         units.append(unit)
     return units
 
