@@ -78,6 +78,10 @@ class UnitGatherer:
         for unit in list(self.live):
             self.free(unit)
 
+    def backward_done(self, unit: FlatUnit) -> None:
+        """`unit`'s gradients are complete (reducer.py): its parameters are not needed."""
+        self.free(unit)
+
 
 class StepGatherer(UnitGatherer):
     """ZeRO-3 under pipeline parallelism: before a chunk's forward every unit of the stage
@@ -115,6 +119,10 @@ class ParamGatherer(UnitGatherer):
         self.prefetch = prefetch
         self.events = [event_units for _, event_units in events]
         self.midpoints = set(midpoints)
+        # The last event (the output head) starts backward holding its weight and that
+        # weight's whole gradient, a vocabulary-sized pair: the next event's prefetch
+        # waits until both are released (`backward_done`) rather than adding to them.
+        self.deferred = len(self.events) - 1
         for k, (module, _) in enumerate(events):
             module.register_forward_pre_hook(self._pre_forward_hook(k))
         for k, module in midpoints.items():
@@ -169,10 +177,15 @@ class ParamGatherer(UnitGatherer):
     def _pre_backward(self, k: int) -> None:
         for unit in self.events[k]:
             self.start(unit, "backward")
-        if k not in self.midpoints:
+        if k not in self.midpoints and k != self.deferred:
             self._prefetch_backward(k)
         for unit in self.events[k]:
             self.ready(unit, "backward")
+
+    def backward_done(self, unit: FlatUnit) -> None:
+        super().backward_done(unit)
+        if unit in self.events[self.deferred]:
+            self._prefetch_backward(self.deferred)
 
     def _prefetch_backward(self, k: int) -> None:
         """Start gathering the units of the `prefetch` events whose backward follows

@@ -105,21 +105,23 @@ class ZeroReducer:
     @torch.no_grad()
     def _launch(self, i: int) -> None:
         """Reduce-scatter unit order[i]'s full gradients (zeros for parameters that got
-        none) asynchronously and drop them. One earlier unit's reduce-scatter stays in
-        flight (it had this unit's backward to finish in): two units' full gradients at most."""
+        none) asynchronously and drop them. The earlier unit's reduce-scatter, which had
+        this unit's backward to finish in, is waited for first: one unit's flat gradient
+        exists at a time (a vocabulary-sized one is a model's largest tensor)."""
         u = self.order[i]
+        if self.gatherer is not None:  # its backward is done: free the parameters before
+            self.gatherer.backward_done(u)  # the flat gradient is allocated (a vocabulary-
+            # sized head would otherwise hold parameters, gradients and flat gradient at once)
+        while self._inflight:
+            self._complete(self._inflight.pop(0))
         full = torch.zeros(u.padded, dtype=self.reduce_dtype, device=u.flat.device)  # [padded]
         for p, view in zip(u.params, u.param_views(full)):
             if p.grad is not None:
                 view.copy_(p.grad)
                 p.grad = None
-        if self.gatherer is not None:
-            self.gatherer.free(u)  # its backward is done
         out = torch.empty(u.shard_numel, dtype=full.dtype, device=full.device)
         handle = u.comm.reduce_grads(u, out, full)
         self._inflight.append((u, handle, out, full))
-        while len(self._inflight) > 1:
-            self._complete(self._inflight.pop(0))
 
     def _complete(self, item) -> None:
         u, handle, out, _ = item
