@@ -77,13 +77,14 @@ def cmd_train(argv: list[str]) -> int:
         if args.nproc and args.nproc != info.local_world_size:
             raise ConfigError(f"--nproc {args.nproc} conflicts with the launcher's "
                               f"{info.local_world_size} processes per node; drop --nproc")
-        prepare_run(cfg, info.world_size, prepare_data=info.local_rank == 0)
+        prepare_run(cfg, info.world_size, prepare_data=info.local_rank == 0,
+                    local_ranks=info.local_world_size)
         run_worker(config_mod.to_toml(cfg))
         return 0
     nproc = args.nproc or 1
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc} must be >= 1")
-    prepare_run(cfg, nproc, prepare_data=True)
+    prepare_run(cfg, nproc, prepare_data=True, local_ranks=nproc)
     if nproc == 1 and not args.max_restarts:  # in this process; restarts need a launcher
         run_worker(config_mod.to_toml(cfg))
         return 0
@@ -106,19 +107,24 @@ def dry_run(cfg: Config, world_size: int, *, nproc: int) -> int:
         raise ConfigError("--dry-run-world runs one process standing for rank 0 of N: drop "
                           "--nproc and run it outside torchrun")
     check_dry_run(cfg, world_size)
-    prepare_run(cfg, world_size, prepare_data=True)
+    prepare_run(cfg, world_size, prepare_data=True, local_ranks=1)
     device = pick_device(cfg.train.device, ProcessInfo(world_size=world_size))
     check_device(cfg, device)
     run_dry(cfg, world_size, device)
     return 0
 
 
-def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool) -> None:
-    """Every check that can fail before training starts, and the token cache built once."""
+def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool, local_ranks: int = 1
+                ) -> None:
+    """Every check that can fail before training starts, and the token cache built once.
+    `local_ranks`: the ranks this machine runs (they share its memory on CPU)."""
     from shardtrain.data import check_source, check_vocab, load_dataset, load_tokenizer
     from shardtrain.parallel.ps.layout import check_servers
     from shardtrain.parallel.zero.offload import check_offload_space
+    import torch
+
     from shardtrain.train import checkpoint as ckpt
+    from shardtrain.train.fits import check_fits
 
     from shardtrain.train.finetune import resolve_init_from
 
@@ -130,6 +136,8 @@ def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool) -> None:
     check_writable(Path(cfg.train.run_dir))
     check_offload_space(cfg)
     check_servers(cfg)
+    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    check_fits(cfg, world_size, device_kind="cuda" if cuda else "cpu", local_ranks=local_ranks)
     resume = ckpt.resolve_resume(cfg)
     if resume is not None:
         ckpt.check_compatible(resume, cfg, world_size)

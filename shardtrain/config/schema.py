@@ -165,6 +165,10 @@ class TrainConfig:
     progress: bool = True
     tensorboard: bool = False
     sample_tokens: int = 200  # generated after training; 0 disables
+    # The end-of-run sample runs through the parallel model; where that needs one rank to
+    # hold the whole model (tp, pp, cp, ep), only up to this many parameters (train/sample.py).
+    sample_max_params: int = 2_000_000_000
+    memory_check: bool = True  # refuse a layout whose planned memory exceeds the device (fits.py)
     sample_prompt: str = "def "
     slow_ranks: str = ""  # "1:1.5,3:2": those ranks' compute takes 1.5x, 2x (straggler studies)
     straggler_factor: float = 1.5  # > 1: compute over this x its peers' median (0: off; pace.py)

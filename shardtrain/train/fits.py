@@ -1,0 +1,61 @@
+"""Will a rank's share fit? The planner's per-rank memory against the device, before building.
+
+A layout that cannot fit should fail in a second with the planner's figure, not after
+minutes of building with an out-of-memory kill (which on a CPU machine may take the
+user's other processes with it). The planner's estimate (plan/memory.py: model states,
+activations, buffers) is compared with what each rank can have: a GPU's memory, or on CPU
+the machine's memory shared by the ranks started on it. `train.memory_check = false`
+skips it (the estimate is an estimate: docs/planner.md says how close it comes).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from shardtrain.config import Config, ConfigError
+from shardtrain.plan.layout import PlanError, config_layout
+from shardtrain.plan.memory import memory_per_gpu
+
+TERMS = ("params", "grads", "optimizer", "master", "activations", "buffers")
+
+
+def rank_capacity(device_kind: str, local_ranks: int) -> tuple[int, str]:
+    """(bytes one rank can have, what they are): the smallest visible GPU's memory, or the
+    machine's physical memory over the ranks started on it."""
+    if device_kind == "cuda":
+        total = min(torch.cuda.get_device_properties(i).total_memory
+                    for i in range(torch.cuda.device_count()))
+        return total, "the GPU's memory"
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if local_ranks == 1:
+        return total, "this machine's memory"
+    return total // local_ranks, f"this machine's memory over its {local_ranks} ranks"
+
+
+def check_fits(cfg: Config, world_size: int, *, device_kind: str, local_ranks: int) -> None:
+    """ConfigError (exit 2) when the planned per-rank memory exceeds the rank's capacity,
+    naming the figure, the largest terms and the fixes. Layouts the planner does not
+    describe are not checked."""
+    if not cfg.train.memory_check:
+        return
+    try:
+        estimate = memory_per_gpu(cfg.model, config_layout(cfg, world_size),
+                                  seq_len=cfg.train.seq_len)
+    except PlanError:
+        return
+    capacity, what = rank_capacity(device_kind, local_ranks)
+    if estimate.total <= capacity:
+        return
+    terms = sorted(((getattr(estimate, t), t) for t in TERMS), reverse=True)[:3]
+    largest = ", ".join(f"{name} {gib(v)}" for v, name in terms)
+    raise ConfigError(
+        f"the planner puts each rank at {gib(estimate.total)} ({largest}), more than "
+        f"{what} ({gib(capacity)}); shard further (parallel.zero 3, more ranks, parallel.tp "
+        "or parallel.pp), shorten train.seq_len or train.micro_batch, or set "
+        "train.memory_check false to try anyway")
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
