@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -166,43 +168,48 @@ def stage_layers(module: torch.nn.Module) -> int:
     return len(found)
 
 
-def dry_run(cfg: Config, world_size: int, device: torch.device, *, steps: int = 2
-            ) -> dict[str, Any]:
-    """Build rank 0's Trainer on `device` (launch.pick_device's choice for a single local
-    rank) in a fake world of `world_size`, run `steps` steps (at most train.steps), and
-    return (and write) the report."""
+@contextmanager
+def rank0_trainer(cfg: Config, world_size: int, device: torch.device) -> Iterator[Any]:
+    """Rank 0's Trainer (built: its ledger holds the build's peak) in a fake world of
+    `world_size`, for the duration of the `with` block."""
     from shardtrain.mesh import MeshShape, ParallelMesh
-    from shardtrain.train.metrics import peak_memory
-    from shardtrain.train.trainer import Trainer, write_atomic
+    from shardtrain.train.trainer import Trainer
 
-    check_dry_run(cfg, world_size)
-    p, t = cfg.parallel, cfg.train
+    p = cfg.parallel
     shape = MeshShape(pp=p.pp, dp=p.resolved_dp(world_size), cp=p.cp, tp=p.tp, ep=p.ep)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     fake_world(world_size)
     try:
         mesh = ParallelMesh(shape, rank=0, node_size=p.node_size or world_size,
                             timeout_s=cfg.comm.timeout_s, device=device,
                             communicator=CommFactory(timeout_s=cfg.comm.timeout_s,
                                                      kind=ZeroFilledCommunicator))
-        trainer = Trainer(cfg, mesh, device)
-        built = peak_memory(device)["peak_mem_bytes"]  # the build: the whole stage, unsharded
-        if device.type == "cuda":  # so that the steps' peak is their own
-            torch.cuda.reset_peak_memory_stats(device)
+        yield Trainer(cfg, mesh, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def dry_run(cfg: Config, world_size: int, device: torch.device, *, steps: int = 2
+            ) -> dict[str, Any]:
+    """Build rank 0's Trainer on `device` (launch.pick_device's choice for a single local
+    rank) in a fake world of `world_size`, run `steps` steps (at most train.steps), and
+    return (and write) the report."""
+    from shardtrain.train.metrics import reset_peak_memory
+    from shardtrain.train.trainer import write_atomic
+
+    check_dry_run(cfg, world_size)
+    with rank0_trainer(cfg, world_size, device) as trainer:
+        reset_peak_memory(device)  # so that the steps' peak is their own
         saved, skipped = 0, 0
-        for _ in range(max(1, min(steps, t.steps))):
+        for _ in range(max(1, min(steps, cfg.train.steps))):
             with LiveSavedActivations(exclude=trainer.parallel.module) as meter:
                 skipped += bool(trainer.train_step()["skipped"])
             saved = max(saved, meter.peak)
         ledger = trainer.memory_ledger()
         layers = stage_layers(trainer.parallel.module)
-    finally:
-        dist.destroy_process_group()
-    report = build_report(cfg, world_size, {**ledger, "build_peak_bytes": built},
-                          saved=saved, layers=layers, steps=trainer.step, device=device)
+    report = build_report(cfg, world_size, ledger, saved=saved, layers=layers,
+                          steps=trainer.step, device=device)
     report["skipped_steps"] = skipped  # non-finite gradients: the optimizer state not built
-    write_atomic(Path(t.run_dir) / "dry_run.json", json.dumps(report, indent=1))
+    write_atomic(Path(cfg.train.run_dir) / "dry_run.json", json.dumps(report, indent=1))
     print(format_report(report), flush=True)
     return report
 
@@ -229,19 +236,28 @@ def build_report(cfg: Config, world_size: int, ledger: dict[str, Any], *, saved:
                      "offloaded": int(ledger.get("offloaded_bytes") or 0),
                      "peak_mem": ledger["peak_mem_bytes"],
                      "build_peak_mem": ledger["build_peak_bytes"],
+                     "build_growth": ledger["build_peak_bytes"] - ledger["build_base_bytes"],
                      "peak_reserved": ledger["peak_reserved_bytes"],
                      "saved_activations": saved},
+        "largest_tensor": largest_tensor_bytes(cfg),
         "planned_exact": None if exact is None else {**exact, "model_states": sum(exact.values())},
         "planned_exact_unavailable": why,
         "match": exact is not None and exact == measured,
         "planned_estimate": estimate,
         "stage_layers": {"runtime": layers,
                          "planner": layers_per_stage(cfg.model, layout)},
-        "peak_meaning": ("CUDA allocator peak of allocated bytes during the steps"
-                         if device.type == "cuda" else
-                         "process peak RSS since start (mostly the Python and torch runtime)"),
+        "peak_meaning": ("CUDA allocator peak of allocated bytes" if device.type == "cuda"
+                         else "process peak RSS, the Python and torch runtime included"),
         "not_shown": NOT_SHOWN,
     }
+
+
+def largest_tensor_bytes(cfg: Config) -> int:
+    """The largest full fp32 parameter of the single-process model: the most a sharded build
+    holds beyond the rank's share while it draws or reads one tensor (parallel/build.py)."""
+    from shardtrain.model.transformer import build_model
+
+    return 4 * max(p.numel() for p in build_model(cfg.model, seed=None).parameters())
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -258,8 +274,8 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append(f"{'buffers':<18}{'':>16}{'':>16}{e['buffers']:>18,.0f}")
     lines.append(f"{'peak':<18}{m['peak_mem']:>16,}{'':>16}{e['total']:>18,.0f}"
                  f"   ({r['peak_meaning']})")
-    lines.append(f"{'peak while built':<18}{m['build_peak_mem']:>16,}   (the stage is "
-                 "materialised whole before it is sharded)")
+    lines.append(f"{'peak while built':<18}{m['build_peak_mem']:>16,}   (of which the build "
+                 f"added {m['build_growth']:,}; the largest tensor is {r['largest_tensor']:,})")
     if x is None:
         lines.append(f"exact count unavailable: {r['planned_exact_unavailable']}")
     else:
