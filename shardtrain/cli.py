@@ -133,11 +133,11 @@ def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool, local_ranks
     check_source(cfg.data)
     if cfg.data.tokenizer not in ("byte", "bpe"):
         load_tokenizer(cfg.data)  # a tokenizer.json path: fails fast if missing or invalid
+    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    check_fits(cfg, world_size, device_kind="cuda" if cuda else "cpu", local_ranks=local_ranks)
     check_writable(Path(cfg.train.run_dir))
     check_offload_space(cfg)
     check_servers(cfg)
-    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
-    check_fits(cfg, world_size, device_kind="cuda" if cuda else "cpu", local_ranks=local_ranks)
     resume = ckpt.resolve_resume(cfg)
     if resume is not None:
         ckpt.check_compatible(resume, cfg, world_size)

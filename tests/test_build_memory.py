@@ -15,7 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from parity import tiny_data
+from shardtrain.cli import main
 
 MARGIN = 64 << 20  # allocator and interpreter slack of a build, bytes
 HERE = Path(__file__).parent
@@ -39,3 +42,18 @@ def test_build_holds_the_ranks_share_not_the_model(tmp_path):
               f"{bound / 2**20:.0f} MiB; the whole model {r['model'] / 2**20:.0f} MiB")
         assert r["growth"] <= bound, r
         assert bound < r["model"], r  # the bound would catch a whole-model build
+
+
+@pytest.mark.parametrize("args", [
+    [],  # one process holding all of Llama-3-8B: 120 GiB planned
+    ["--dry-run-world", "8", "--parallel.zero", "1"],  # rank 0 of 8 under ZeRO-1: 45 GiB
+])
+def test_a_layout_that_cannot_fit_is_refused_before_building(tmp_path, capsys, args):
+    run_dir = tmp_path / "run"
+    code = main(["train", "--config", "llama3-8b", "--train.seq_len", "64",
+                 "--train.micro_batch", "1", "--train.global_batch", "8",
+                 "--train.run_dir", str(run_dir), *args])
+    err = capsys.readouterr().err
+    assert code == 2 and "the planner puts each rank at" in err and "GiB" in err, err
+    assert "params" in err and "train.memory_check false" in err
+    assert not run_dir.exists()  # refused before anything was written
