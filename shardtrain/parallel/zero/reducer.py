@@ -107,7 +107,8 @@ class ZeroReducer:
         """Reduce-scatter unit order[i]'s full gradients (zeros for parameters that got
         none) asynchronously and drop them. The earlier unit's reduce-scatter, which had
         this unit's backward to finish in, is waited for first: one unit's flat gradient
-        exists at a time (a vocabulary-sized one is a model's largest tensor)."""
+        exists at a time (a vocabulary-sized one is a model's largest tensor), and it is
+        left in flight only if the next unit's is at least as large."""
         u = self.order[i]
         if self.gatherer is not None:  # its backward is done: free the parameters before
             self.gatherer.backward_done(u)  # the flat gradient is allocated (a vocabulary-
@@ -122,6 +123,11 @@ class ZeroReducer:
         out = torch.empty(u.shard_numel, dtype=full.dtype, device=full.device)
         handle = u.comm.reduce_grads(u, out, full)
         self._inflight.append((u, handle, out, full))
+        following = self.order[i + 1] if i + 1 < len(self.order) else None
+        if following is not None and u.padded > following.padded:
+            # In flight, this buffer would sit under the next unit's whole backward: kept
+            # only when no larger than that unit's own (the head's, vocabulary-sized, is not).
+            self._complete(self._inflight.pop())
 
     def _complete(self, item) -> None:
         u, handle, out, _ = item
