@@ -105,12 +105,15 @@ class ModelConfig:
 class DataConfig:
     """Where the text comes from and how it becomes tokens."""
 
-    source: str = "stdlib"  # "stdlib", a file, a directory, a glob, or a .jsonl file
-    text_field: str = "text"  # the field read from each JSONL record
+    # "stdlib", a text file, directory or glob, a .jsonl/.json/.csv/.parquet/.arrow file, a
+    # save_to_disk directory or a directory of Parquet/Arrow shards (data/sources.py)
+    source: str = "stdlib"
+    text_field: str = "text"  # the field (column) read from each record or row
     tokenizer: str = "byte"  # "byte", "bpe" (trained locally), or a path to a tokenizer.json
     bpe_vocab_size: int = 4096
     max_bytes: int = 0  # read at most this many bytes of text (0: all of it)
-    eval_fraction: float = 0.02  # tail of the token stream held out for eval loss
+    eval_fraction: float = 0.02  # tail of the token stream held out, without an eval_source
+    eval_source: str = ""  # a held-out set of its own, any source form ("": eval_fraction)
     cache_dir: str = "~/.cache/shardtrain"
 
     def validate(self) -> None:
@@ -119,6 +122,10 @@ class DataConfig:
         positive("data", self, "bpe_vocab_size")
         if self.max_bytes < 0:
             raise ConfigError("data.max_bytes must be >= 0 (0 reads everything)")
+
+    def source_list(self) -> list[str]:
+        """Every source the run reads (checked before launch)."""
+        return [self.source] + ([self.eval_source] if self.eval_source else [])
 
 
 @dataclass(kw_only=True)

@@ -10,6 +10,7 @@ the optimizer step, metrics, periodic eval and checkpoints.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -153,6 +154,8 @@ class Trainer:
             final = self.step == t.steps
             if (t.eval_every and self.step % t.eval_every == 0) or final:
                 record["eval_loss"] = result.eval_loss = self.evaluate()
+                # Perplexity: exp of the mean per-token loss (capped: exp overflows past ~709).
+                record["eval_perplexity"] = math.exp(min(record["eval_loss"], 700.0))
             self.metrics.write(record)
             result.history.append(record)
             self.guard.check(record)  # too many non-finite steps: stop, naming the checkpoint
@@ -246,4 +249,6 @@ def format_record(r: dict[str, Any]) -> str:
         line += f"  skipped (gradients not finite at loss scale {r['loss_scale']:g})"
     if "eval_loss" in r:
         line += f"  eval_loss {r['eval_loss']:.4f}"
+        if "eval_perplexity" in r:
+            line += f"  eval_ppl {r['eval_perplexity']:.2f}"
     return line
