@@ -7,6 +7,8 @@ dependencies (`pip install 'shardtrain[tokenizer-files]'`), imported only when s
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
 from collections.abc import Sequence
@@ -102,13 +104,15 @@ class TiktokenTokenizer:
 
     def __init__(self, path: Path, given: str) -> None:
         tiktoken = _optional("tiktoken", given)
-        from tiktoken.load import load_tiktoken_bpe
-
+        # Read here: tiktoken's own loader needs blobfile for local paths too.
         try:
-            ranks = load_tiktoken_bpe(str(path))
-        except Exception as e:  # binascii / ValueError on a malformed line
+            ranks = {base64.b64decode(token, validate=True): int(rank) for token, rank in
+                     (line.split() for line in path.read_text().splitlines() if line)}
+        except (ValueError, binascii.Error) as e:  # a malformed line
             raise ConfigError(f"data.tokenizer={given!r}: not a tiktoken BPE file ({e}); give "
                               "a file of 'base64-token rank' lines") from None
+        if not ranks:
+            raise ConfigError(f"data.tokenizer={given!r}: the tiktoken BPE file is empty")
         eos = max(ranks.values()) + 1
         self._enc = tiktoken.Encoding(name=path.stem, pat_str=_TIKTOKEN_PATTERN,
                                       mergeable_ranks=ranks, special_tokens={EOS_TEXT: eos})
