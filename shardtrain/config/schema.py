@@ -108,8 +108,13 @@ class DataConfig:
     # "stdlib", a text file, directory or glob, a .jsonl/.json/.csv/.parquet/.arrow file, a
     # save_to_disk directory or a directory of Parquet/Arrow shards (data/sources.py)
     source: str = "stdlib"
+    # A mixture instead of `source`: "PATH=WEIGHT, PATH=WEIGHT, ..." (any source forms),
+    # sampled by weight (data/mixture.py). A string: config values are scalars (config/parse.py).
+    sources: str = ""
     text_field: str = "text"  # the field (column) read from each record or row
-    tokenizer: str = "byte"  # "byte", "bpe" (trained locally), or a path to a tokenizer.json
+    # "byte", "bpe" (trained locally), or the path of a tokenizer.json, a Hugging Face tokenizer
+    # directory, a SentencePiece .model or a tiktoken .tiktoken file (data/tokenizer*.py)
+    tokenizer: str = "byte"
     bpe_vocab_size: int = 4096
     max_bytes: int = 0  # read at most this many bytes of text (0: all of it)
     eval_fraction: float = 0.02  # tail of the token stream held out, without an eval_source
@@ -122,10 +127,33 @@ class DataConfig:
         positive("data", self, "bpe_vocab_size")
         if self.max_bytes < 0:
             raise ConfigError("data.max_bytes must be >= 0 (0 reads everything)")
+        if self.sources and self.source != "stdlib":
+            raise ConfigError(f"data.source={self.source!r} and data.sources={self.sources!r} "
+                              "are both set; give one (data.sources for a mixture)")
+        self.mixture()
+
+    def mixture(self) -> list[tuple[str, float]]:
+        """The training sources with their weights: data.sources parsed, or data.source
+        alone with weight 1."""
+        if not self.sources:
+            return [(self.source, 1.0)]
+        out = []
+        for item in self.sources.split(","):
+            path, sep, weight = item.strip().rpartition("=")
+            try:
+                value = float(weight)
+            except ValueError:
+                value = -1.0
+            if not sep or not path or not value > 0:
+                raise ConfigError(f"data.sources={self.sources!r}: {item.strip()!r} is not "
+                                  "PATH=WEIGHT with a weight > 0; write e.g. "
+                                  "\"web.parquet=3, code=1\"")
+            out.append((path.strip(), value))
+        return out
 
     def source_list(self) -> list[str]:
         """Every source the run reads (checked before launch)."""
-        return [self.source] + ([self.eval_source] if self.eval_source else [])
+        return [p for p, _ in self.mixture()] + ([self.eval_source] if self.eval_source else [])
 
 
 @dataclass(kw_only=True)

@@ -144,7 +144,8 @@ def train_bpe(cfg: DataConfig) -> Path:
     """Train a byte-level BPE on the source once; the tokenizer.json path, keyed by the
     source fingerprint and vocabulary size under `data.cache_dir`."""
     # "eos": trained with its EOS token (tokenizers trained before it had none).
-    key = f"eos:{sources.fingerprint(cfg)}:{cfg.bpe_vocab_size}"
+    paths = [path for path, _ in cfg.mixture()]  # a mixture's tokenizer learns every source
+    key = f"eos:{'+'.join(sources.fingerprint(cfg, p) for p in paths)}:{cfg.bpe_vocab_size}"
     digest = hashlib.sha256(key.encode()).hexdigest()
     target = Path(os.path.expanduser(cfg.cache_dir)) / f"bpe-{digest[:16]}" / "tokenizer.json"
 
@@ -155,7 +156,8 @@ def train_bpe(cfg: DataConfig) -> Path:
         trainer = trainers.BpeTrainer(
             vocab_size=cfg.bpe_vocab_size, show_progress=False, special_tokens=[EOS_TEXT],
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # every byte stays encodable
-        tok.train_from_iterator(sources.iter_documents(cfg), trainer)
+        docs = (doc for p in paths for doc in sources.iter_documents(cfg, p))
+        tok.train_from_iterator(docs, trainer)
         tok.save(str(tmp))
 
     build_once(target, build)

@@ -69,7 +69,10 @@ class Trainer:
         self.accum = t.accumulation_steps(self.dp.size)
         self.sampler = TokenSampler(self.data.train, seq_len=t.seq_len,
                                     global_batch=t.global_batch, micro_batch=t.micro_batch,
-                                    dp_rank=self.dp.rank, dp_size=self.dp.size, seed=t.seed)
+                                    dp_rank=self.dp.rank, dp_size=self.dp.size, seed=t.seed,
+                                    weights=self.data.weights)
+        if self.is_main and (mix := self.sampler.describe(self.data.names, t.steps)):
+            print(mix, flush=True)  # a data.sources mixture as it will be sampled
         self.step = 0
         resume = ckpt.resolve_resume(cfg)
         if resume is not None:
