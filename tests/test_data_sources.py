@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 import datasets
+import numpy as np
 import pytest
 import torch
 
@@ -109,3 +110,19 @@ def test_jsonl_parquet_and_saved_train_identically_and_eval_source(tmp_path):
     assert bytes(ids).replace(b"\xff", b"\n").decode().split("\n")[:-1] == corpus(40, seed=1)
     assert trainer.data.train[-1] == 0xFF and len(trainer.data.train) == sum(
         len(d.encode()) + 1 for d in corpus(300))
+
+
+def test_parallel_tokenization_writes_the_same_stream(tmp_path, monkeypatch):
+    from shardtrain.data import load_dataset, tokenize
+
+    monkeypatch.setattr(tokenize, "BATCH_CHARS", 2000)  # ~10 batches: the workers start
+    src = write_forms(tmp_path / "forms", corpus(200))["parquet"]
+    streams = []
+    for n_proc in (1, 2):
+        cfg = DataConfig(source=str(src), text_field="body", tokenizer="bpe", bpe_vocab_size=300,
+                         num_proc=n_proc, cache_dir=str(tmp_path / f"cache{n_proc}"))
+        ds = load_dataset(cfg, seq_len=8)
+        streams.append(np.concatenate([ds.train, ds.eval]))
+    assert np.array_equal(streams[0], streams[1])
+    eos = ds.tokenizer.eos_id
+    assert (streams[0] == eos).sum() == 200 and streams[0][-1] == eos

@@ -120,6 +120,7 @@ class DataConfig:
     eval_fraction: float = 0.02  # tail of the token stream held out, without an eval_source
     eval_source: str = ""  # a held-out set of its own, any source form ("": eval_fraction)
     cache_dir: str = "~/.cache/shardtrain"
+    num_proc: int = 0  # processes tokenizing a corpus of more than one batch (0: the cores)
 
     def validate(self) -> None:
         if not 0.0 < self.eval_fraction < 0.5:
@@ -127,6 +128,8 @@ class DataConfig:
         positive("data", self, "bpe_vocab_size")
         if self.max_bytes < 0:
             raise ConfigError("data.max_bytes must be >= 0 (0 reads everything)")
+        if self.num_proc < 0:
+            raise ConfigError("data.num_proc must be >= 0 (0: the cores available)")
         if self.sources and self.source != "stdlib":
             raise ConfigError(f"data.source={self.source!r} and data.sources={self.sources!r} "
                               "are both set; give one (data.sources for a mixture)")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -12,12 +11,12 @@ import numpy as np
 from shardtrain.config import DataConfig
 from shardtrain.data import sources
 from shardtrain.data.fsutil import build_once
-from shardtrain.data.tokenizer import Tokenizer, encode_documents
+from shardtrain.data.tokenize import encode_stream
+from shardtrain.data.tokenizer import Tokenizer
 
 # Bumped when the layout changes (e.g. the document separator), so old caches are not reused.
 # 2: documents end with the tokenizer's EOS id (they ended with a newline).
 _FORMAT = 2
-_BATCH_CHARS = 1 << 22  # documents encoded per call: large enough for encode_batch to parallelise
 
 
 def cache_path(cfg: DataConfig, tokenizer: Tokenizer, source: str | None = None) -> Path:
@@ -36,9 +35,10 @@ def load_tokens(cfg: DataConfig, tokenizer: Tokenizer, source: str | None = None
 
     def build(tmp: Path) -> None:
         with open(tmp, "wb") as f:
-            for docs in _batches(sources.iter_documents(cfg, source)):
-                # Every document ends with EOS (data/tokenizer.py: encode_documents).
-                f.write(encode_documents(tokenizer, docs).astype(dtype).tobytes())
+            # Every document ends with EOS (data/tokenizer.py: encode_documents); written
+            # batch by batch, by data.num_proc processes (data/tokenize.py).
+            for ids in encode_stream(cfg, tokenizer, sources.iter_documents(cfg, source)):
+                f.write(ids.astype(dtype).tobytes())
 
     build_once(path, build)
     if path.stat().st_size == 0:  # mmap refuses empty files
@@ -48,16 +48,3 @@ def load_tokens(cfg: DataConfig, tokenizer: Tokenizer, source: str | None = None
 
 def _dtype(tokenizer: Tokenizer) -> np.dtype:
     return np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
-
-
-def _batches(docs: Iterable[str]) -> Iterator[list[str]]:
-    batch: list[str] = []
-    size = 0
-    for doc in docs:
-        batch.append(doc)
-        size += len(doc)
-        if size >= _BATCH_CHARS:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
