@@ -121,6 +121,7 @@ class DataConfig:
     eval_source: str = ""  # a held-out set of its own, any source form ("": eval_fraction)
     cache_dir: str = "~/.cache/shardtrain"
     num_proc: int = 0  # processes tokenizing a corpus of more than one batch (0: the cores)
+    streaming: bool = False  # read and tokenize the source as training goes (data/stream.py)
 
     def validate(self) -> None:
         if not 0.0 < self.eval_fraction < 0.5:
@@ -130,6 +131,10 @@ class DataConfig:
             raise ConfigError("data.max_bytes must be >= 0 (0 reads everything)")
         if self.num_proc < 0:
             raise ConfigError("data.num_proc must be >= 0 (0: the cores available)")
+        if self.streaming and (self.sources or not self.eval_source):
+            raise ConfigError("data.streaming=true reads one data.source in order: it needs "
+                              "data.eval_source for the eval set (a stream has no tail to hold "
+                              "out) and no data.sources mixture")
         if self.sources and self.source != "stdlib":
             raise ConfigError(f"data.source={self.source!r} and data.sources={self.sources!r} "
                               "are both set; give one (data.sources for a mixture)")

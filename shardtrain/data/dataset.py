@@ -14,7 +14,7 @@ from shardtrain.data.tokenizer import Tokenizer, load_tokenizer
 @dataclass(frozen=True)
 class Dataset:
     # [n_train] token ids (a read-only memmap view); a list of them, one per source, for a
-    # mixture (data.sources), sampled by `weights`
+    # mixture (data.sources), sampled by `weights`; empty under data.streaming
     train: np.ndarray | list[np.ndarray]
     eval: np.ndarray  # [n_eval] data.eval_source's stream, else the last eval_fraction
     tokenizer: Tokenizer
@@ -29,6 +29,9 @@ def load_dataset(cfg: DataConfig, *, seq_len: int = 1) -> Dataset:
     need = seq_len + 1  # a sequence's inputs plus its shifted targets
     trains, tails = [], []
     for source, _ in mixture:
+        if cfg.streaming:  # read as training goes (data/stream.py): nothing cached here
+            trains.append(np.zeros(0, dtype=np.int64))
+            continue
         tokens = load_tokens(cfg, tokenizer, source)
         n_eval = 0 if cfg.eval_source else int(len(tokens) * cfg.eval_fraction)
         train, held_out = tokens[:len(tokens) - n_eval], tokens[len(tokens) - n_eval:]

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from shardtrain import config as config_mod
 from shardtrain.config import Config
 from shardtrain.config.ps import parse_slow_ranks
-from shardtrain.data import TokenSampler, check_vocab, eval_batches, load_dataset
+from shardtrain.data import check_vocab, eval_batches, load_dataset, make_sampler
 from shardtrain.data.fsutil import write_atomic
 from shardtrain.mesh import ParallelMesh
 from shardtrain.model.generate import generate
@@ -67,10 +67,9 @@ class Trainer:
                                     load_weights=start_weights(cfg))
         slow_down(self.parallel.module, parse_slow_ranks(t.slow_ranks).get(mesh.rank, 1.0))
         self.accum = t.accumulation_steps(self.dp.size)
-        self.sampler = TokenSampler(self.data.train, seq_len=t.seq_len,
+        self.sampler = make_sampler(cfg.data, self.data, seq_len=t.seq_len,
                                     global_batch=t.global_batch, micro_batch=t.micro_batch,
-                                    dp_rank=self.dp.rank, dp_size=self.dp.size, seed=t.seed,
-                                    weights=self.data.weights)
+                                    dp_rank=self.dp.rank, dp_size=self.dp.size, seed=t.seed)
         if self.is_main and (mix := self.sampler.describe(self.data.names, t.steps)):
             print(mix, flush=True)  # a data.sources mixture as it will be sampled
         self.step = 0
