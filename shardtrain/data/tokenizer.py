@@ -109,8 +109,10 @@ class BPETokenizer:
         return self._tok.decode(ids)
 
     def encode_each(self, texts: Sequence[str]) -> list[list[int]]:
-        encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)  # parallel
-        return [e.ids for e in encodings]
+        # Parallel in Rust; the _fast variant (tokenizers >= 0.20) skips the character
+        # offsets nobody here reads: faster, and a batch's encodings take far less memory.
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [e.ids for e in encode(list(texts), add_special_tokens=False)]
 
     def encode_concat(self, texts: Sequence[str]) -> np.ndarray:
         return np.concatenate([np.asarray(ids, dtype=np.int64) for ids in self.encode_each(texts)]
