@@ -52,7 +52,9 @@ def write_corpus(path: Path, megabytes: int) -> None:
                 size += len(docs[-1].encode())
                 if size >= target:
                     break
-            out.write_table(pa.table({"text": docs}))
+            # Row groups of 1000 documents (a few MB), as writers of large corpora keep them:
+            # the reader decodes one row group at a time.
+            out.write_table(pa.table({"text": docs}), row_group_size=1000)
 
 
 def main() -> None:

@@ -131,6 +131,10 @@ def load_tokenizer(cfg: DataConfig) -> Tokenizer:
     path = Path(os.path.expanduser(cfg.tokenizer))
     if path.is_dir() or path.suffix in (".model", ".tiktoken"):
         return load_tokenizer_file(path, cfg.tokenizer)
+    if path.name == "tokenizer.json" and (path.parent / "tokenizer_config.json").is_file():
+        # A Hugging Face directory's tokenizer.json (model.init_from names it): its config
+        # says which tokens are EOS and BOS.
+        return load_tokenizer_file(path.parent, cfg.tokenizer)
     if not path.is_file():
         raise ConfigError(f"data.tokenizer={cfg.tokenizer!r}: no such file; give 'byte', 'bpe', "
                           "or the path of an existing tokenizer.json, Hugging Face tokenizer "
