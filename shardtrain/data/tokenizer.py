@@ -37,6 +37,9 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def encode_each(self, texts: Sequence[str]) -> list[list[int]]:
+        """Each text's ids."""
+
     def encode_concat(self, texts: Sequence[str]) -> np.ndarray:
         """Each text encoded on its own, the ids concatenated (1-D integer array)."""
 
@@ -50,7 +53,7 @@ def encode_documents(tokenizer: Tokenizer, docs: Sequence[str]) -> np.ndarray:
         return np.frombuffer(b"".join(d.encode("utf-8") + _BYTE_EOS for d in docs), np.uint8)
     pieces: list[np.ndarray] = []
     head = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    for ids in tokenizer.encode_each(docs):  # type: ignore[attr-defined]
+    for ids in tokenizer.encode_each(docs):
         pieces += [np.asarray(head, np.int64), np.asarray(ids, np.int64),
                    np.asarray([tokenizer.eos_id], np.int64)]
     return np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
@@ -76,6 +79,9 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         # EOS is dropped (it is a boundary, not text); a cut character decodes, replaced.
         return bytes(i for i in ids if i != 0xFF).decode("utf-8", errors="replace")
+
+    def encode_each(self, texts: Sequence[str]) -> list[list[int]]:
+        return [list(t.encode("utf-8")) for t in texts]
 
     def encode_concat(self, texts: Sequence[str]) -> np.ndarray:
         # Bytes do not interact across a boundary, so one join encodes them all at once.
