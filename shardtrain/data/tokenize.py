@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from itertools import chain, islice
-from multiprocessing import get_context
+from multiprocessing import current_process, get_context
 
 import numpy as np
 
@@ -40,7 +40,8 @@ def encode_stream(cfg: DataConfig, tokenizer: Tokenizer, docs: Iterable[str]
     batches = _batches(docs)
     head = list(islice(batches, 2))
     n_proc = processes(cfg)
-    if n_proc <= 1 or len(head) < 2:
+    # A daemonic process (some launchers start ranks so) may not start workers: encode here.
+    if n_proc <= 1 or len(head) < 2 or current_process().daemon:
         for batch in chain(head, batches):
             yield encode_documents(tokenizer, batch)
         return
