@@ -56,8 +56,10 @@ def test_bpe_train_reload_round_trip(tmp_path):
     assert load_tokenizer(cfg).name == tok.name  # reused, not retrained
     reloaded = load_tokenizer(data_cfg(tmp_path, src, tokenizer=str(saved[0])))
     assert reloaded.name == tok.name and reloaded.encode(text) == tok.encode(text)
-    ds = load_dataset(cfg, seq_len=4)  # documents encoded separately, each ending in a newline
-    assert tok.decode(np.concatenate([ds.train, ds.eval]).tolist()) == src.read_text() + "\n"
+    ds = load_dataset(cfg, seq_len=4)  # the document encoded, then the trained EOS token
+    stream = np.concatenate([ds.train, ds.eval]).tolist()
+    assert tok.decode(tok.encode("<|endoftext|>")) == "<|endoftext|>"  # text stays text
+    assert stream == tok.encode(src.read_text()) + [tok.eos_id] and tok.eos_id not in stream[:-1]
 
 
 def test_tokenizer_path_errors(tmp_path):
@@ -136,7 +138,8 @@ def test_cache_built_once_and_rebuilt_on_change(tmp_path, monkeypatch):
     ds = load_dataset(cfg, seq_len=8)
     stream = np.concatenate([ds.train, ds.eval])
     assert isinstance(ds.train, np.memmap) and stream.dtype == np.uint16
-    assert ds.tokenizer.decode(stream.tolist()) == "abc" * 200 + "\n" + "xyz" * 200 + "\n"
+    # Each document ends with the byte tokenizer's EOS, 0xFF: a byte UTF-8 never produces.
+    assert bytes(stream.tolist()) == b"abc" * 200 + b"\xff" + b"xyz" * 200 + b"\xff"
     assert len(ds.eval) == int(len(stream) * 0.1)
     path = cache_path(cfg, ds.tokenizer)
 
@@ -151,8 +154,8 @@ def test_cache_built_once_and_rebuilt_on_change(tmp_path, monkeypatch):
     write(src, "changed")
     changed = load_dataset(cfg, seq_len=8)
     assert cache_path(cfg, changed.tokenizer) != path
-    assert ds.tokenizer.decode(np.concatenate([changed.train, changed.eval]).tolist()) == \
-        "changed\n" + "xyz" * 200 + "\n"
+    assert bytes(np.concatenate([changed.train, changed.eval]).tolist()) == \
+        b"changed\xff" + b"xyz" * 200 + b"\xff"
 
 
 def test_build_once_under_concurrency(tmp_path):

@@ -8,6 +8,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from shardtrain.config.data import DataConfig
 from shardtrain.config.errors import ConfigError, positive
 from shardtrain.config.faults import check_faults
 from shardtrain.config.layout import (check_context_parallel, check_expert_parallel,
@@ -99,26 +100,6 @@ class ModelConfig:
             raise ConfigError(f"model.moe_impl='grouped' needs model.dim={self.dim} and the "
                               f"expert width {self.ffn_hidden} to be multiples of 8; change "
                               "them or set model.moe_impl='loop'")
-
-
-@dataclass(kw_only=True)
-class DataConfig:
-    """Where the text comes from and how it becomes tokens."""
-
-    source: str = "stdlib"  # "stdlib", a file, a directory, a glob, or a .jsonl file
-    text_field: str = "text"  # the field read from each JSONL record
-    tokenizer: str = "byte"  # "byte", "bpe" (trained locally), or a path to a tokenizer.json
-    bpe_vocab_size: int = 4096
-    max_bytes: int = 0  # read at most this many bytes of text (0: all of it)
-    eval_fraction: float = 0.02  # tail of the token stream held out for eval loss
-    cache_dir: str = "~/.cache/shardtrain"
-
-    def validate(self) -> None:
-        if not 0.0 < self.eval_fraction < 0.5:
-            raise ConfigError(f"data.eval_fraction={self.eval_fraction} must lie in (0, 0.5)")
-        positive("data", self, "bpe_vocab_size")
-        if self.max_bytes < 0:
-            raise ConfigError("data.max_bytes must be >= 0 (0 reads everything)")
 
 
 @dataclass(kw_only=True)

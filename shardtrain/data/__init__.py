@@ -1,9 +1,21 @@
-"""Data pipeline: text sources, tokenizers, a cached token stream, and the batch sampler."""
+"""Data pipeline: sources, tokenizers, a cached token stream, and the batch sampler.
 
-from shardtrain.data.dataset import Dataset, check_vocab, load_dataset
-from shardtrain.data.sampler import TokenSampler, eval_batches
-from shardtrain.data.sources import check_source
-from shardtrain.data.tokenizer import load_tokenizer
+The names below are imported on first use (PEP 562): a tokenization worker process
+(data/tokenize.py) imports this package and should not pay for torch, which only the
+sampler needs.
+"""
 
-__all__ = ["check_source", "check_vocab", "load_tokenizer", "load_dataset", "Dataset", "TokenSampler",
-           "eval_batches"]
+from importlib import import_module
+from typing import Any
+
+_HOMES = {"Dataset": "dataset", "check_vocab": "dataset", "load_dataset": "dataset",
+          "TokenSampler": "sampler", "eval_batches": "sampler", "check_source": "sources",
+          "load_tokenizer": "tokenizer", "make_sampler": "stream"}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'shardtrain.data' has no attribute {name!r}")
+    return getattr(import_module(f"shardtrain.data.{_HOMES[name]}"), name)

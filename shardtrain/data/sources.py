@@ -1,42 +1,127 @@
-"""Where the training text comes from: the stdlib, files, directories, globs or JSONL."""
+"""Where the training text comes from: the stdlib, text files, directories, globs, JSONL, or
+the tabular forms the `datasets` library reads (JSON, CSV, Parquet, Arrow, a `save_to_disk`
+directory, a directory of Parquet/Arrow shards). Everything is local: no hub at run time.
+
+A source resolves to `Part`s, runs of files of one kind read in order (data/readers.py
+reads them); the resolution is what the pre-launch check, the cache key and the reader share.
+"""
 
 from __future__ import annotations
 
-import codecs
 import glob
 import hashlib
 import json
 import os
 import sysconfig
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from shardtrain.config import ConfigError, DataConfig
+from shardtrain.data import readers
 
 _GLOB_CHARS = frozenset("*?[")
 _SNIFF_BYTES = 8192  # a NUL byte in a file's head marks it binary
-_FIX = "give 'stdlib', an existing text file, a directory of text files, or a matching glob"
+# File kinds by suffix; anything else is text when its head holds no NUL byte.
+_SUFFIX_KIND = {".jsonl": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "parquet",
+                ".arrow": "arrow"}
+_SHARD_KINDS = ("parquet", "arrow")
+SUPPORTED = ("'stdlib', a text file, a directory of text files, a glob, a .jsonl/.json/.csv/"
+             ".parquet/.arrow file, a directory written by datasets' save_to_disk, or a "
+             "directory of .parquet/.arrow shards")
+_FIX = f"give {SUPPORTED}"
 
 
-def source_files(cfg: DataConfig) -> list[Path]:
-    """The source's files, sorted; raises ConfigError when the path or glob matches none."""
-    if cfg.source == "stdlib":
-        return sorted(_stdlib_files(Path(sysconfig.get_paths()["stdlib"])))
-    path = Path(os.path.expanduser(cfg.source))
+@dataclass(frozen=True)
+class Part:
+    """Files of one kind, read in this order. kind: text, jsonl, json, csv, parquet, arrow,
+    or saved (then `paths` is the one save_to_disk directory)."""
+
+    kind: str
+    paths: tuple[Path, ...]
+
+
+def resolve(source: str) -> list[Part]:
+    """The source's parts; raises ConfigError naming the source when it matches nothing, is a
+    file of no supported format, or is not a local path (a hub dataset name)."""
+    if source == "stdlib":
+        return [Part("text", tuple(sorted(_stdlib_files(Path(sysconfig.get_paths()["stdlib"])))))]
+    path = Path(os.path.expanduser(source))
     if path.is_file():
-        return [path]  # named explicitly: taken as text whatever its content
+        kind = _file_kind(path)
+        if kind is None:
+            raise _error(source, f"{path} is a binary file of no supported format "
+                                 "(neither text nor .jsonl, .json, .csv, .parquet, .arrow)")
+        return [Part(kind, (path,))]
     if path.is_dir():
-        files = sorted(p for p in _walk(path) if _is_text(p))
-        if not files:
-            raise _error(cfg, "the directory holds no text files")
-        return files
-    if _GLOB_CHARS & set(cfg.source):
+        if _is_saved(path):
+            return [Part("saved", (path,))]
+        files = sorted(_walk(path))
+        shards = [p for p in files if _SUFFIX_KIND.get(p.suffix) in _SHARD_KINDS]
+        # A directory of Parquet/Arrow shards (a README or license beside them is not data);
+        # else a directory of text, where only .jsonl is read by record (as before: a
+        # project's .json or .csv files are text there, not tables).
+        parts = _group(shards) if shards else _group(files, text_dir=True)
+        if not parts:
+            raise _error(source, "the directory holds no text files")
+        return parts
+    if _GLOB_CHARS & set(source):
         matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True))
-        files = [p for p in matches if p.is_file() and _is_text(p)]
-        if not files:
-            raise _error(cfg, "the glob matches no text files")
-        return files
-    raise _error(cfg, "no such file or directory")
+        parts = _group([p for p in matches if p.is_file()])
+        if not parts:
+            raise _error(source, "the glob matches no text files")
+        return parts
+    if not path.is_absolute() and not source.startswith("."):
+        raise _error(source, "no such file or directory, and shardtrain has no hub access at "
+                             "run time: load the dataset where the hub is reachable, write it "
+                             "with Dataset.save_to_disk (or to_parquet), and give that local path")
+    raise _error(source, "no such file or directory")
+
+
+def source_files(source: str) -> list[Path]:
+    """Every file the source reads (a saved dataset: its directory's files), sorted per part."""
+    out: list[Path] = []
+    for part in resolve(source):
+        for p in part.paths:
+            out.extend(sorted(_walk(p)) if part.kind == "saved" else [p])
+    return out
+
+
+def check_source(cfg: DataConfig) -> None:
+    """Cheap pre-launch check: the source resolves, its columns hold `data.text_field`, and
+    it yields some text."""
+    for source in cfg.source_list():
+        if source == "stdlib":
+            continue
+        parts = resolve(source)
+        if any(True for _ in readers.read_parts(parts, cfg.text_field, limit=_SNIFF_BYTES)):
+            continue
+        raise _error(source, f"the {sum(len(p.paths) for p in parts)} file(s) hold no text "
+                             "(all empty)")
+
+
+def iter_documents(cfg: DataConfig, source: str | None = None) -> Iterator[str]:
+    """Non-empty documents of `source` (default data.source), at most `max_bytes` in all:
+    one per text file, one per JSONL record or table row."""
+    parts = resolve(cfg.source if source is None else source)
+    remaining = cfg.max_bytes
+    # 3 spare bytes complete a character cut at the limit, so the cut below is exact.
+    for text in readers.read_parts(parts, cfg.text_field, limit=remaining + 3 if remaining else 0):
+        if cfg.max_bytes:
+            raw = text.encode("utf-8")
+            if len(raw) >= remaining:
+                yield readers.decode(raw[:remaining])
+                return
+            remaining -= len(raw)
+        yield text
+
+
+def fingerprint(cfg: DataConfig, source: str | None = None) -> str:
+    """sha256 of the file list (path, size, mtime) + max_bytes + text_field: the cache key."""
+    files = source_files(cfg.source if source is None else source)
+    stats = [(str(p), (s := p.stat()).st_size, s.st_mtime_ns) for p in files]
+    blob = json.dumps([stats, cfg.max_bytes, cfg.text_field])
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def _stdlib_files(root: Path) -> Iterator[Path]:
@@ -49,76 +134,38 @@ def _stdlib_files(root: Path) -> Iterator[Path]:
                     if n.endswith(".py") and Path(folder, n).is_file())
 
 
-def check_source(cfg: DataConfig) -> None:
-    """Cheap pre-launch check that the source exists and holds some text."""
-    if cfg.source == "stdlib":
-        return
-    files = source_files(cfg)
-    for path in files:
-        if any(_read(path, cfg.text_field, limit=_SNIFF_BYTES)):
-            return
-    raise _error(cfg, f"the {len(files)} file(s) hold no text (all empty)")
-
-
-def iter_documents(cfg: DataConfig) -> Iterator[str]:
-    """Non-empty documents (one per text file or JSONL record), at most `max_bytes` in all."""
-    remaining = cfg.max_bytes
-    for path in source_files(cfg):
-        # 3 spare bytes complete a character cut at the limit, so the cut below is exact.
-        for text in _read(path, cfg.text_field, limit=remaining + 3 if remaining else 0):
-            if cfg.max_bytes:
-                raw = text.encode("utf-8")
-                if len(raw) >= remaining:
-                    yield _decode(raw[:remaining])
-                    return
-                remaining -= len(raw)
-            yield text
-
-
-def fingerprint(cfg: DataConfig) -> str:
-    """sha256 of the file list (path, size, mtime) + max_bytes + text_field: the cache key."""
-    stats = [(str(p), (s := p.stat()).st_size, s.st_mtime_ns) for p in source_files(cfg)]
-    blob = json.dumps([stats, cfg.max_bytes, cfg.text_field])
-    return hashlib.sha256(blob.encode()).hexdigest()
-
-
-def _read(path: Path, field: str, *, limit: int) -> Iterator[str]:
-    """The non-empty documents of one file; `limit` > 0 reads at most that many bytes of a
-    text file (JSONL is read record by record, so callers stop it early)."""
-    if path.suffix == ".jsonl":
-        yield from _read_jsonl(path, field)
-        return
+def _file_kind(path: Path) -> str | None:
+    """The reader for a file: by suffix, else text when its head holds no NUL byte, else
+    None (a binary file no reader understands)."""
+    if path.suffix in _SUFFIX_KIND:
+        return _SUFFIX_KIND[path.suffix]
     with open(path, "rb") as f:
-        raw = f.read(limit) if limit else f.read()
-    if text := _decode(raw):
-        yield text
+        head = f.read(_SNIFF_BYTES)
+    if head.startswith(b"PAR1"):  # Parquet's magic, whatever the file is called
+        return "parquet"
+    return None if b"\0" in head else "text"
 
 
-def _read_jsonl(path: Path, field: str) -> Iterator[str]:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{where}: invalid JSON ({e.msg}); fix the line or the "
-                                  "file given as data.source") from None
-            if not isinstance(record, dict) or field not in record:
-                raise ConfigError(f"{where}: the record has no field {field!r} (data.text_field); "
-                                  "set data.text_field to the field holding the text")
-            text = record[field]
-            if not isinstance(text, str):
-                raise ConfigError(f"{where}: field {field!r} (data.text_field) is "
-                                  f"{type(text).__name__}, not a string")
-            if text:
-                yield text
+def _group(files: list[Path], *, text_dir: bool = False) -> list[Part]:
+    """Consecutive files of one kind as one part; binary files of no known kind skipped (a
+    directory or glob may hold them beside the text)."""
+    parts: list[Part] = []
+    for path in files:
+        kind = _file_kind(path)
+        if text_dir and kind not in (None, "jsonl"):
+            kind = None if kind in _SHARD_KINDS else "text"
+        if kind is None:
+            continue
+        if parts and parts[-1].kind == kind:
+            parts[-1] = Part(kind, parts[-1].paths + (path,))
+        else:
+            parts.append(Part(kind, (path,)))
+    return parts
 
 
-def _decode(raw: bytes) -> str:
-    # final=False drops a multi-byte character cut in half by truncation.
-    return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(raw, final=False)
+def _is_saved(path: Path) -> bool:
+    """A directory written by Dataset.save_to_disk (or DatasetDict.save_to_disk)."""
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
 
 
 def _walk(root: Path) -> Iterator[Path]:
@@ -130,10 +177,5 @@ def _walk(root: Path) -> Iterator[Path]:
                 yield Path(dirpath) / name
 
 
-def _is_text(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return b"\0" not in f.read(_SNIFF_BYTES)
-
-
-def _error(cfg: DataConfig, problem: str) -> ConfigError:
-    return ConfigError(f"data.source={cfg.source!r}: {problem}; {_FIX}")
+def _error(source: str, problem: str) -> ConfigError:
+    return ConfigError(f"data.source={source!r}: {problem}; {_FIX}")

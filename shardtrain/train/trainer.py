@@ -10,6 +10,7 @@ the optimizer step, metrics, periodic eval and checkpoints.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from tqdm import tqdm
 from shardtrain import config as config_mod
 from shardtrain.config import Config
 from shardtrain.config.ps import parse_slow_ranks
-from shardtrain.data import TokenSampler, check_vocab, eval_batches, load_dataset
+from shardtrain.data import check_vocab, eval_batches, load_dataset, make_sampler
 from shardtrain.data.fsutil import write_atomic
 from shardtrain.mesh import ParallelMesh
 from shardtrain.parallel.parallelize import parallelize
@@ -68,9 +69,11 @@ class Trainer:
                              "build_peak_bytes": peak_memory(device)["peak_mem_bytes"]}
         slow_down(self.parallel.module, parse_slow_ranks(t.slow_ranks).get(mesh.rank, 1.0))
         self.accum = t.accumulation_steps(self.dp.size)
-        self.sampler = TokenSampler(self.data.train, seq_len=t.seq_len,
+        self.sampler = make_sampler(cfg.data, self.data, seq_len=t.seq_len,
                                     global_batch=t.global_batch, micro_batch=t.micro_batch,
                                     dp_rank=self.dp.rank, dp_size=self.dp.size, seed=t.seed)
+        if self.is_main and (mix := self.sampler.describe(self.data.names, t.steps)):
+            print(mix, flush=True)  # a data.sources mixture as it will be sampled
         self.step = 0
         resume = ckpt.resolve_resume(cfg)
         if resume is not None:
@@ -155,6 +158,8 @@ class Trainer:
             final = self.step == t.steps
             if (t.eval_every and self.step % t.eval_every == 0) or final:
                 record["eval_loss"] = result.eval_loss = self.evaluate()
+                # Perplexity: exp of the mean per-token loss (capped: exp overflows past ~709).
+                record["eval_perplexity"] = math.exp(min(record["eval_loss"], 700.0))
             self.metrics.write(record)
             result.history.append(record)
             self.guard.check(record)  # too many non-finite steps: stop, naming the checkpoint
@@ -225,4 +230,6 @@ def format_record(r: dict[str, Any]) -> str:
         line += f"  skipped (gradients not finite at loss scale {r['loss_scale']:g})"
     if "eval_loss" in r:
         line += f"  eval_loss {r['eval_loss']:.4f}"
+        if "eval_perplexity" in r:
+            line += f"  eval_ppl {r['eval_perplexity']:.2f}"
     return line

@@ -1,0 +1,71 @@
+"""The `[data]` section: sources (one, a mixture, a held-out set), the tokenizer, the token
+cache and streaming (shardtrain/data/, docs/data.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardtrain.config.errors import ConfigError, positive
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where the text comes from and how it becomes tokens."""
+
+    # "stdlib", a text file, directory or glob, a .jsonl/.json/.csv/.parquet/.arrow file, a
+    # save_to_disk directory or a directory of Parquet/Arrow shards (data/sources.py)
+    source: str = "stdlib"
+    # A mixture instead of `source`: "PATH=WEIGHT, PATH=WEIGHT, ..." (any source forms),
+    # sampled by weight (data/mixture.py). A string: config values are scalars (config/parse.py).
+    sources: str = ""
+    text_field: str = "text"  # the field (column) read from each record or row
+    # "byte", "bpe" (trained locally), or the path of a tokenizer.json, a Hugging Face tokenizer
+    # directory, a SentencePiece .model or a tiktoken .tiktoken file (data/tokenizer*.py)
+    tokenizer: str = "byte"
+    bpe_vocab_size: int = 4096
+    max_bytes: int = 0  # read at most this many bytes of text (0: all of it)
+    eval_fraction: float = 0.02  # tail of the token stream held out, without an eval_source
+    eval_source: str = ""  # a held-out set of its own, any source form ("": eval_fraction)
+    cache_dir: str = "~/.cache/shardtrain"
+    num_proc: int = 0  # processes tokenizing a corpus of more than one batch (0: the cores)
+    streaming: bool = False  # read and tokenize the source as training goes (data/stream.py)
+
+    def validate(self) -> None:
+        if not 0.0 < self.eval_fraction < 0.5:
+            raise ConfigError(f"data.eval_fraction={self.eval_fraction} must lie in (0, 0.5)")
+        positive("data", self, "bpe_vocab_size")
+        if self.max_bytes < 0:
+            raise ConfigError("data.max_bytes must be >= 0 (0 reads everything)")
+        if self.num_proc < 0:
+            raise ConfigError("data.num_proc must be >= 0 (0: the cores available)")
+        if self.streaming and (self.sources or not self.eval_source):
+            raise ConfigError("data.streaming=true reads one data.source in order: it needs "
+                              "data.eval_source for the eval set (a stream has no tail to hold "
+                              "out) and no data.sources mixture")
+        if self.sources and self.source != "stdlib":
+            raise ConfigError(f"data.source={self.source!r} and data.sources={self.sources!r} "
+                              "are both set; give one (data.sources for a mixture)")
+        self.mixture()
+
+    def mixture(self) -> list[tuple[str, float]]:
+        """The training sources with their weights: data.sources parsed, or data.source
+        alone with weight 1."""
+        if not self.sources:
+            return [(self.source, 1.0)]
+        out = []
+        for item in self.sources.split(","):
+            path, sep, weight = item.strip().rpartition("=")
+            try:
+                value = float(weight)
+            except ValueError:
+                value = -1.0
+            if not sep or not path or not value > 0:
+                raise ConfigError(f"data.sources={self.sources!r}: {item.strip()!r} is not "
+                                  "PATH=WEIGHT with a weight > 0; write e.g. "
+                                  "\"web.parquet=3, code=1\"")
+            out.append((path.strip(), value))
+        return out
+
+    def source_list(self) -> list[str]:
+        """Every source the run reads (checked before launch)."""
+        return [p for p, _ in self.mixture()] + ([self.eval_source] if self.eval_source else [])
