@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from shardtrain.config.errors import ConfigError, positive
 from shardtrain.config.faults import check_faults
+from shardtrain.config.families import check_families, check_window
 from shardtrain.config.layout import (check_context_parallel, check_expert_parallel,
                                       check_pipeline, check_tensor_parallel)
 from shardtrain.config.lora import LoRAConfig, check_finetune_layout
@@ -45,6 +46,18 @@ class ModelConfig:
     moe_drop_policy: Literal["probs", "position"] = "probs"
     moe_impl: Literal["grouped", "loop"] = "grouped"
     init_from: str = ""  # a Hugging Face directory: its weights, and its config.json's shape
+    # Hugging Face families (config/families.py): q/k/v biases (Qwen2), per-head q/k RMSNorm
+    # (Qwen3), head_size (0: dim / n_heads), RoPE scaling (llama3: Llama 3.1+; linear), an
+    # attention window (Mistral; 0: none) that train.seq_len must fit in.
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    head_size: int = 0
+    rope_scaling: Literal["none", "llama3", "linear"] = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    sliding_window: int = 0
 
     @property
     def kv_heads(self) -> int:
@@ -52,7 +65,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_size or self.dim // self.n_heads
 
     @property
     def ffn_hidden(self) -> int:
@@ -64,7 +77,7 @@ class ModelConfig:
 
     def validate(self) -> None:
         positive("model", self, "vocab_size", "dim", "n_layers", "n_heads", "max_seq_len")
-        if self.dim % self.n_heads:
+        if self.dim % self.n_heads and not self.head_size:
             raise ConfigError(
                 f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; "
                 "pick a head count that divides the width")
@@ -78,6 +91,7 @@ class ModelConfig:
                               "set it to 0")
         if self.style == "llama" and self.head_dim % 2:
             raise ConfigError(f"model.dim / model.n_heads = {self.head_dim} must be even for RoPE")
+        check_families(self)
         if self.n_experts < 0 or (self.n_experts and not 1 <= self.moe_top_k <= self.n_experts):
             raise ConfigError(f"model.moe_top_k={self.moe_top_k} must lie in 1..model.n_experts="
                               f"{self.n_experts}")
@@ -191,6 +205,7 @@ class TrainConfig:
         if self.seq_len > model.max_seq_len:
             raise ConfigError(f"train.seq_len={self.seq_len} exceeds model.max_seq_len="
                               f"{model.max_seq_len}; lower it or raise model.max_seq_len")
+        check_window(self.seq_len, model)
 
     def accumulation_steps(self, dp: int) -> int:
         return self.global_batch // (self.micro_batch * dp)

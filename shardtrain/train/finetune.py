@@ -26,7 +26,9 @@ from shardtrain.parallel.pipeline.state import StageShards
 from shardtrain.train.lora import adapter_state, apply_lora, lora_modules
 
 SHAPE_FIELDS = ("style", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-                "max_seq_len", "tie_embeddings", "norm_eps", "rope_theta")
+                "max_seq_len", "tie_embeddings", "norm_eps", "rope_theta", "qkv_bias", "qk_norm",
+                "head_size", "rope_scaling", "rope_factor", "rope_low_freq_factor",
+                "rope_high_freq_factor", "rope_original_max_len", "sliding_window")
 ADAPTER_FILE = "adapters.safetensors"
 
 
@@ -50,7 +52,7 @@ def resolve_init_from(cfg: Config) -> None:
                               f"({theirs!r}); drop model.{name}: model.init_from sets the shape")
         setattr(cfg.model, name, getattr(hf, name))
     if cfg.model.n_experts:
-        raise ConfigError("model.n_experts: a Hugging Face Llama or GPT-2 has no experts; "
+        raise ConfigError("model.n_experts: the Hugging Face families read have no experts; "
                           "drop it with model.init_from")
     tokenizer = hf_tokenizer(path)
     if tokenizer is not None and cfg.data.tokenizer == "byte":

@@ -1,0 +1,125 @@
+"""Today's open families through Hugging Face interop: tiny random Llama 3.2 (llama3 RoPE
+scaling, tied), Qwen2.5 (q/k/v biases, tied, theta 1e6), Qwen3 (per-head q/k RMSNorm,
+explicit head_dim, GQA) and Mistral (GQA, window 4096) load with the logits of
+`transformers` and export to directories `transformers` loads with the same logits; the
+planner counts their parameters exactly; refusals name the field and what is supported."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from shardtrain import cli  # noqa: E402
+from shardtrain.config import ConfigError, ModelConfig  # noqa: E402
+from shardtrain.cost.counts import param_counts  # noqa: E402
+from shardtrain.model.hf import load_hf, save_hf, source_config  # noqa: E402
+from shardtrain.model.transformer import build_model  # noqa: E402
+from shardtrain.plan.layout import Layout  # noqa: E402
+from shardtrain.plan.rank_states import rank0_tensors  # noqa: E402
+
+TOKENS = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6)
+FAMILIES = {
+    # max_position_embeddings beyond original_max_position_embeddings, and an
+    # original length short enough that all three llama3 bands occur for D = 16.
+    "llama3": (transformers.LlamaConfig, dict(
+        tie_word_embeddings=True, max_position_embeddings=128, rope_parameters=dict(
+            rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+            high_freq_factor=4.0, original_max_position_embeddings=32))),
+    "qwen2": (transformers.Qwen2Config, dict(
+        tie_word_embeddings=True, max_position_embeddings=128,
+        rope_parameters=dict(rope_type="default", rope_theta=1e6))),
+    "qwen3": (transformers.Qwen3Config, dict(
+        head_dim=24, tie_word_embeddings=False, max_position_embeddings=128,
+        rope_parameters=dict(rope_type="default", rope_theta=1e6))),
+    "mistral": (transformers.MistralConfig, dict(
+        sliding_window=4096, tie_word_embeddings=False, max_position_embeddings=8192,
+        rope_parameters=dict(rope_type="default", rope_theta=1e6))),
+}
+
+
+def tiny_family(path, family: str, **changes):
+    """A random tiny checkpoint of `family`, saved; every 1-D weight (biases, norms) moved
+    away from its init so a misplaced or unpermuted one shows in the logits."""
+    kind, extra = FAMILIES[family]
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(kind(**{**SHAPE, **extra, **changes}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "norm" in name else 0.0))
+    model.eval().save_pretrained(path)
+    return model
+
+
+def logits(model, ours: bool) -> torch.Tensor:
+    with torch.no_grad():
+        return model(TOKENS) if ours else model(TOKENS).logits
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_logits_match_both_ways_and_counts_are_exact(tmp_path, family):
+    ref = tiny_family(tmp_path / "hf", family)
+    ours = load_hf(tmp_path / "hf")
+    cfg = ours.cfg
+    assert (cfg.qkv_bias, cfg.qk_norm) == (family == "qwen2", family == "qwen3")
+    assert cfg.rope_scaling == ("llama3" if family == "llama3" else "none")
+    assert cfg.head_dim == (24 if family == "qwen3" else 16)
+    assert cfg.sliding_window == (4096 if family == "mistral" else 0)
+    torch.testing.assert_close(logits(ours, True), logits(ref, False), rtol=0, atol=1e-4)
+    save_hf(ours, tmp_path / "out", base_config=source_config(tmp_path / "hf"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(back) is type(ref)
+    torch.testing.assert_close(logits(back, False), logits(ref, False), rtol=0, atol=1e-4)
+    # A fresh export (no source config.json) picks the family from the pieces.
+    save_hf(ours, tmp_path / "fresh")
+    fresh = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fresh").eval()
+    assert type(fresh) is type(ref)
+    torch.testing.assert_close(logits(fresh, False), logits(ref, False), rtol=0, atol=1e-4)
+    # The planner's count is the built model's and transformers'.
+    built = build_model(cfg)
+    n = sum(p.numel() for p in built.parameters())
+    assert param_counts(cfg).total == n == sum(p.numel() for p in ref.parameters())
+    assert rank0_tensors(cfg, Layout()) == [(k, p.numel()) for k, p in built.named_parameters()]
+
+
+def test_linear_rope_scaling_matches(tmp_path):
+    ref = tiny_family(tmp_path / "hf", "llama3", rope_parameters=dict(
+        rope_type="linear", rope_theta=10000.0, factor=4.0))
+    ours = load_hf(tmp_path / "hf")
+    assert ours.cfg.rope_scaling == "linear" and ours.cfg.rope_factor == 4.0
+    torch.testing.assert_close(logits(ours, True), logits(ref, False), rtol=0, atol=1e-4)
+
+
+def _edit(path, **changes):
+    raw = json.loads((path / "config.json").read_text())
+    raw.update(changes)
+    (path / "config.json").write_text(json.dumps(raw))
+
+
+def test_refusals_name_the_field_and_the_supported_values(tmp_path, capsys):
+    hf = tmp_path / "hf"
+    tiny_family(hf, "mistral", sliding_window=32)
+    _edit(hf, model_type="gemma")
+    with pytest.raises(ConfigError, match=r"model_type='gemma' is not supported; .*llama, "
+                                          r"qwen2, qwen3, mistral, gpt2"):
+        load_hf(hf)
+    _edit(hf, model_type="mistral", rope_parameters={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ConfigError, match=r"rope_type='yarn' is not supported .*default, "
+                                          r"llama3, linear"):
+        load_hf(hf)
+    _edit(hf, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    with pytest.raises(ConfigError, match=r"model.qkv_bias and model.qk_norm"):
+        save_hf(build_model(ModelConfig(qkv_bias=True, qk_norm=True)), tmp_path / "x")
+    # A sequence beyond the window: exit 2 from the command line, nothing written.
+    run_dir = tmp_path / "run"
+    code = cli.main(["train", "--config", "finetune", "--model.init_from", str(hf),
+                     "--train.seq_len", "64", "--train.run_dir", str(run_dir)])
+    err = capsys.readouterr().err
+    assert code == 2 and "train.seq_len=64 exceeds model.sliding_window=32" in err
+    assert "train.seq_len <= 32" in err and not run_dir.exists()
