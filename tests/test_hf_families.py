@@ -123,3 +123,24 @@ def test_refusals_name_the_field_and_the_supported_values(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "train.seq_len=64 exceeds model.sliding_window=32" in err
     assert "train.seq_len <= 32" in err and not run_dir.exists()
+
+
+def test_lora_fine_tune_runs_on_each_family(tmp_path):
+    """`shardtrain train --config finetune --model.init_from DIR` on each family: the run
+    trains, and its export is the family's own class in transformers."""
+    from parity import tiny_data
+
+    for family in FAMILIES:
+        hf, run = tmp_path / family, tmp_path / f"{family}-run"
+        ref = tiny_family(hf, family)
+        assert cli.main(["train", "--config", "finetune", "--model.init_from", str(hf),
+                         "--train.run_dir", str(run), "--train.export_hf", str(run / "hf"),
+                         "--train.steps", "2", "--train.seq_len", "32", "--train.global_batch",
+                         "2", "--train.micro_batch", "2", "--train.eval_every", "0",
+                         "--train.eval_batches", "1", "--train.sample_tokens", "0",
+                         "--train.progress", "false", "--train.peak_flops", "1e12",
+                         "--data.max_bytes", "200000", *tiny_data(tmp_path)]) == 0
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2] and all(r["loss"] > 0 for r in rows)
+        back = transformers.AutoModelForCausalLM.from_pretrained(run / "hf")
+        assert type(back) is type(ref), family
