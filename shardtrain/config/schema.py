@@ -14,6 +14,7 @@ from shardtrain.config.families import check_families, check_window
 from shardtrain.config.layout import (check_context_parallel, check_expert_parallel,
                                       check_pipeline, check_tensor_parallel)
 from shardtrain.config.lora import LoRAConfig, check_finetune_layout
+from shardtrain.config.observe import check_observability
 from shardtrain.config.parallel import CommConfig, ParallelConfig
 from shardtrain.config.ps import check_parameter_server, check_slow_ranks
 
@@ -177,7 +178,16 @@ class TrainConfig:
     peak_flops: float = 0.0  # per device, for MFU; 0: from the device (measured on CPU)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: bool = True
-    tensorboard: bool = False
+    tensorboard: bool = False  # the same as listing tensorboard in train.tracker
+    # Experiment trackers, rank 0 only (train/tracking.py): none, or a comma-separated list
+    # among tensorboard, wandb, trackio; W&B's mode: auto is offline when W&B is unreachable.
+    tracker: str = "none"
+    tracker_project: str = "shardtrain"
+    wandb_mode: Literal["auto", "online", "offline"] = "auto"
+    # "A:B": a torch.profiler trace of steps A..B, one file per rank (train/profile.py);
+    # memory_snapshot: CUDA allocator history, dumped at the end and on out-of-memory.
+    profile_steps: str = ""
+    memory_snapshot: bool = False
     sample_tokens: int = 200  # generated after training; 0 disables
     sample_prompt: str = "def "
     slow_ranks: str = ""  # "1:1.5,3:2": those ranks' compute takes 1.5x, 2x (straggler studies)
@@ -206,6 +216,7 @@ class TrainConfig:
             raise ConfigError(f"train.seq_len={self.seq_len} exceeds model.max_seq_len="
                               f"{model.max_seq_len}; lower it or raise model.max_seq_len")
         check_window(self.seq_len, model)
+        check_observability(self)
 
     def accumulation_steps(self, dp: int) -> int:
         return self.global_batch // (self.micro_batch * dp)

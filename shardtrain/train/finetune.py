@@ -9,8 +9,6 @@ names both.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,19 +21,22 @@ from shardtrain.model.hf import (hf_tokenizer, load_hf_weights, materialize, sav
 from shardtrain.model.hf_names import model_config_from_hf
 from shardtrain.model.transformer import Transformer, init_tensor
 from shardtrain.parallel.pipeline.state import StageShards
-from shardtrain.train.lora import adapter_state, apply_lora, lora_modules
+from shardtrain.train.lora import apply_lora, lora_modules
+from shardtrain.train.peft_format import (load_peft_adapters, resolve_lora_init,
+                                          save_peft_adapters)
 
 SHAPE_FIELDS = ("style", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
                 "max_seq_len", "tie_embeddings", "norm_eps", "rope_theta", "qkv_bias", "qk_norm",
                 "head_size", "rope_scaling", "rope_factor", "rope_low_freq_factor",
                 "rope_high_freq_factor", "rope_original_max_len", "sliding_window")
-ADAPTER_FILE = "adapters.safetensors"
 
 
 def resolve_init_from(cfg: Config) -> None:
     """With model.init_from set: take the model shape from the directory's config.json
     (a field set to another value is an error naming both), and its tokenizer.json as
-    data.tokenizer unless one was chosen. Idempotent."""
+    data.tokenizer unless one was chosen; with lora.init_from, the LoRA shape from its
+    adapter_config.json. Idempotent."""
+    resolve_lora_init(cfg)
     if not cfg.model.init_from:
         return
     path = Path(cfg.model.init_from).expanduser()
@@ -89,15 +90,18 @@ def start_weights(cfg: Config) -> Callable[[nn.Module | StageShards], None]:
     def load(target: nn.Module | StageShards) -> None:
         shards = target if isinstance(target, StageShards) else None
         model = target.model if shards is not None else target
+        slicer = None if shards is None else (lambda n, full: shards.placement(n).shard(full))
         if cfg.model.init_from:
-            slicer = None if shards is None else (lambda n, full: shards.placement(n).shard(full))
             load_hf_weights(model, Path(cfg.model.init_from).expanduser(), cfg=cfg.model,
                             shard=slicer)  # this tp rank's slice of each tensor
-            return
-        for name, module in lora_modules(model).items():
-            if module.nf4 is not None:
-                shape = (module.out_features, module.in_features)
-                module.load_weight(init_tensor(f"{name}.weight", shape, cfg.train.seed, cfg.model))
+        else:
+            for name, module in lora_modules(model).items():
+                if module.nf4 is not None:
+                    shape = (module.out_features, module.in_features)
+                    module.load_weight(init_tensor(f"{name}.weight", shape, cfg.train.seed,
+                                                   cfg.model))
+        if cfg.lora.init_from:  # the adapters a peft run saved, in place of the drawn ones
+            load_peft_adapters(model, cfg, shard=slicer)
 
     return load
 
@@ -111,35 +115,9 @@ def export_hf(model: nn.Module, cfg: Config, out: str | Path,
 
 
 def save_adapters(model: nn.Module, cfg: Config, out: str | Path) -> Path:
-    """The adapters alone: adapters.safetensors (shardtrain's parameter names) and
-    adapter_config.json (rank, alpha, targets, the base directory)."""
-    from safetensors.torch import save_file
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.float().cpu() for k, v in adapter_state(model).items()},
-              str(out / ADAPTER_FILE), metadata={"format": "pt"})
-    meta = {**dataclasses.asdict(cfg.lora), "base_model": cfg.model.init_from}
-    (out / "adapter_config.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return out
-
-
-@torch.no_grad()
-def load_adapters(model: nn.Module, path: str | Path) -> None:
-    """Copy saved adapters into a model with the same LoRA targets."""
-    from safetensors.torch import load_file
-
-    file = Path(path) / ADAPTER_FILE
-    if not file.is_file():
-        raise ConfigError(f"{file}: missing; give a directory written by save_adapters")
-    saved = load_file(str(file))
-    params = dict(model.named_parameters())
-    missing = sorted(set(saved) ^ {n for n in params if n.endswith((".lora_a", ".lora_b"))})
-    if missing:
-        raise ConfigError(f"{file}: adapters do not match this model's LoRA targets "
-                          f"(e.g. {missing[:2]}); use the same lora.targets")
-    for name, value in saved.items():
-        params[name].copy_(value)
+    """The adapters alone, as a peft adapter directory (adapter_model.safetensors and
+    adapter_config.json) that `peft.PeftModel.from_pretrained(base, out)` loads."""
+    return save_peft_adapters(model, cfg, out)
 
 
 def nf4_bytes(model: nn.Module) -> int:
