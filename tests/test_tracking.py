@@ -104,3 +104,33 @@ def test_trackers_and_trace_of_a_two_rank_run(tmp_path, capfd):
 def test_bad_fields_are_refused(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         tiny(tmp_path, "bad", *overrides).validate(1)
+
+
+def test_trackio_receives_every_record_and_the_config(tmp_path):
+    trackio = pytest.importorskip("trackio", reason="the trackio package is not installed")
+    import sqlite3
+
+    from shardtrain.train.metrics import MetricsWriter
+    from shardtrain.train.tracking import open_trackers
+
+    project = f"shardtrain-test-{tmp_path.name}"
+    cfg = tiny(tmp_path, "run", "--train.tracker", "trackio", "--train.tracker_project", project)
+    records = [{"step": 1, "loss": 5.5, "lr": 1e-3, "mfu": None, "bad_step": False},
+               {"step": 2, "loss": 5.25, "lr": 2e-3, "mfu": 0.01, "bad_step": True}]
+    writer = MetricsWriter(cfg.train.run_dir, enabled=True, resume=False,
+                           trackers=open_trackers(cfg))
+    for record in records:
+        writer.write(record)
+    writer.close()
+    db = trackio.utils.TRACKIO_DIR / f"{project}.db"
+    try:
+        with sqlite3.connect(db) as con:
+            rows = con.execute("select step, metrics from metrics order by step").fetchall()
+            (saved,) = con.execute("select config from configs").fetchone()
+    finally:
+        for file in db.parent.glob(f"{project}.*"):
+            file.unlink()
+    assert [(s, json.loads(m)) for s, m in rows] == [
+        (1, {"loss": 5.5, "lr": 1e-3, "bad_step": 0.0}),
+        (2, {"loss": 5.25, "lr": 2e-3, "mfu": 0.01, "bad_step": 1.0})]
+    assert json.loads(saved)["train"]["tracker"] == "trackio"
