@@ -4,9 +4,12 @@ q/k/v biases (Qwen2) under tp=2 with sp and under pp=2 (tied head), per-head q/k
 with a head size other than dim / n_heads (Qwen3) under tp=2 (each rank normalises only
 its heads, so their gradients are summed over tp) and under ZeRO-3, and llama3 RoPE
 scaling under cp=2 ring and Ulysses attention (positions of a zig-zag chunk index the
-scaled tables). One spawn."""
+scaled tables); and a peft adapter continued under tp=2 (each rank loads its slice of A or
+B: train/peft_format.py). One spawn."""
 
 from __future__ import annotations
+
+import pytest
 
 from dist import run_distributed
 from parity import assert_parity, reference_runs, tiny, train_layouts
@@ -33,12 +36,35 @@ def _text(tmp, name: str, *overrides: str) -> str:
     return config.to_toml(tiny(tmp, name, "--train.steps", STEPS, *overrides))
 
 
+def peft_adapter(tmp_path) -> tuple[str, ...]:
+    """A tiny Llama with the tiny preset's shape and a peft adapter on it, trained one step
+    (B away from zero), saved: the overrides that continue it."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(7)
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    base.save_pretrained(tmp_path / "hf")
+    model = peft.get_peft_model(base, peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "o_proj", "up_proj"]))
+    tokens = torch.randint(0, 256, (2, 16))
+    model(tokens, labels=tokens).loss.backward()
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5).step()
+    model.save_pretrained(tmp_path / "peft")
+    return ("--model.init_from", str(tmp_path / "hf"), "--lora.init_from",
+            str(tmp_path / "peft"), "--train.lr", "1e-2")
+
+
 def test_family_pieces_parity_with_single_process(tmp_path):
     references = reference_runs(lambda name, *o: _text(tmp_path, name, *o))
+    rows = [*ROWS, ("peft adapter continued tp2", peft_adapter(tmp_path), ["--parallel.tp", "2"])]
     texts = [_text(tmp_path, f"row{i}", *model, *layout)
-             for i, (_, model, layout) in enumerate(ROWS)]
+             for i, (_, model, layout) in enumerate(rows)]
     per_rank = run_distributed(train_layouts, 2, texts)
-    for i, (label, model, _) in enumerate(ROWS):
+    for i, (label, model, _) in enumerate(rows):
         for rank, results in enumerate(per_rank):
             assert_parity(references(model), results[i], f"{label} rank {rank}")
         print(f"{label}: losses {[round(x, 5) for x in per_rank[0][i]['losses']]}")
