@@ -12,7 +12,8 @@ import pickle
 import pytest
 import torch
 
-from parity import make_mesh, tiny
+from parity import tiny
+from shardtrain.mesh import MeshShape, ParallelMesh
 from shardtrain.train.trainer import Trainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 def test_cuda_trace_and_memory_snapshot(tmp_path):
     cfg = tiny(tmp_path, "run", "--train.steps", "4", "--train.device", "cuda",
                "--train.profile_steps", "2:3", "--train.memory_snapshot", "true")
-    Trainer(cfg, make_mesh(cfg, 0, 1), torch.device("cuda", 0)).run()
+    Trainer(cfg, ParallelMesh(MeshShape()), torch.device("cuda")).run()
     profile = tmp_path / "run" / "profile"
     events = json.loads((profile / "trace_rank0.json").read_text())["traceEvents"]
     assert {"step 2", "step 3"} <= {e.get("name") for e in events}
