@@ -88,12 +88,17 @@ def test_family_logits_match_both_ways_and_counts_are_exact(tmp_path, family):
     assert rank0_tensors(cfg, Layout()) == [(k, p.numel()) for k, p in built.named_parameters()]
 
 
-def test_linear_rope_scaling_matches(tmp_path):
+@pytest.mark.parametrize("rope_type", ["linear", "dynamic"])
+def test_linear_and_dynamic_rope_scaling_match(tmp_path, rope_type):
     ref = tiny_family(tmp_path / "hf", "llama3", rope_parameters=dict(
-        rope_type="linear", rope_theta=10000.0, factor=4.0))
+        rope_type=rope_type, rope_theta=10000.0, factor=4.0))
     ours = load_hf(tmp_path / "hf")
-    assert ours.cfg.rope_scaling == "linear" and ours.cfg.rope_factor == 4.0
+    assert ours.cfg.rope_scaling == rope_type and ours.cfg.rope_factor == 4.0
     torch.testing.assert_close(logits(ours, True), logits(ref, False), rtol=0, atol=1e-4)
+    save_hf(ours, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert back.config.rope_parameters["rope_type"] == rope_type
+    torch.testing.assert_close(logits(back, False), logits(ref, False), rtol=0, atol=1e-4)
 
 
 def _edit(path, **changes):
@@ -111,7 +116,7 @@ def test_refusals_name_the_field_and_the_supported_values(tmp_path, capsys):
         load_hf(hf)
     _edit(hf, model_type="mistral", rope_parameters={"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ConfigError, match=r"rope_type='yarn' is not supported .*default, "
-                                          r"llama3, linear"):
+                                          r"llama3, linear, dynamic"):
         load_hf(hf)
     _edit(hf, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     with pytest.raises(ConfigError, match=r"model.qkv_bias and model.qk_norm"):

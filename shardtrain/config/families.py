@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from shardtrain.config.errors import ConfigError
 
-ROPE_SCALINGS = ("none", "llama3", "linear")
+ROPE_SCALINGS = ("none", "llama3", "linear", "dynamic")
 
 
 def check_families(model) -> None:
@@ -20,8 +20,8 @@ def check_families(model) -> None:
         raise ConfigError("model.head_size and model.sliding_window must be >= 0 (0: "
                           "dim / n_heads, and no window)")
     if model.rope_scaling not in ROPE_SCALINGS:
-        raise ConfigError(f"model.rope_scaling={model.rope_scaling!r} is not one of none, "
-                          "llama3, linear")
+        raise ConfigError(f"model.rope_scaling={model.rope_scaling!r} is not one of "
+                          f"{', '.join(ROPE_SCALINGS)}")
     if model.rope_scaling != "none" and model.rope_factor <= 0:
         raise ConfigError(f"model.rope_factor={model.rope_factor} must be positive")
     if model.rope_scaling == "llama3" and not (

@@ -19,7 +19,7 @@ from shardtrain.config import ConfigError, ModelConfig
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
-ROPE_TYPES = ("default", "llama3", "linear")
+ROPE_TYPES = ("default", "llama3", "linear", "dynamic")
 
 
 def refuse(file: Path, key: str, value: Any, why: str) -> ConfigError:
@@ -83,8 +83,8 @@ def _rope(raw: dict[str, Any], file: Path) -> tuple[float, dict[str, Any]]:
         return value
 
     scaling: dict[str, Any] = {}
-    if rope_type == "linear":
-        scaling = dict(rope_scaling="linear", rope_factor=float(number("factor")))
+    if rope_type in ("linear", "dynamic"):
+        scaling = dict(rope_scaling=rope_type, rope_factor=float(number("factor")))
     elif rope_type == "llama3":
         scaling = dict(rope_scaling="llama3", rope_factor=float(number("factor")),
                        rope_low_freq_factor=float(number("low_freq_factor", 1.0)),

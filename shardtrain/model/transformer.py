@@ -34,10 +34,12 @@ def scale_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """linear: every frequency / factor (position interpolation, Chen et al. 2023). llama3
     (Llama 3.1's release): wavelengths shorter than original_max_len / high_freq_factor kept,
     longer than original_max_len / low_freq_factor divided by factor, those between blended
-    linearly in original_max_len / wavelength."""
+    linearly in original_max_len / wavelength. dynamic (NTK-aware, as transformers runs it):
+    theta grows only for sequences beyond max_seq_len, which train.seq_len never is, so
+    the frequencies are the plain ones."""
     if cfg.rope_scaling == "linear":
         return inv_freq / cfg.rope_factor
-    if cfg.rope_scaling != "llama3":
+    if cfg.rope_scaling in ("none", "dynamic"):
         return inv_freq
     factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
     wavelen = 2 * math.pi / inv_freq
