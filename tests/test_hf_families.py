@@ -114,9 +114,9 @@ def test_refusals_name_the_field_and_the_supported_values(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"model_type='gemma' is not supported; .*llama, "
                                           r"qwen2, qwen3, mistral, gpt2"):
         load_hf(hf)
-    _edit(hf, model_type="mistral", rope_parameters={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(ConfigError, match=r"rope_type='yarn' is not supported .*default, "
-                                          r"llama3, linear, dynamic"):
+    _edit(hf, model_type="mistral", rope_parameters={"rope_type": "longrope", "factor": 4.0})
+    with pytest.raises(ConfigError, match=r"rope_type=.longrope. is not supported .*default, "
+                                          r"llama3, linear, dynamic, yarn"):
         load_hf(hf)
     _edit(hf, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     with pytest.raises(ConfigError, match=r"model.qkv_bias and model.qk_norm"):
@@ -149,3 +149,19 @@ def test_lora_fine_tune_runs_on_each_family(tmp_path):
         assert [r["step"] for r in rows] == [1, 2] and all(r["loss"] > 0 for r in rows)
         back = transformers.AutoModelForCausalLM.from_pretrained(run / "hf")
         assert type(back) is type(ref), family
+
+
+@pytest.mark.parametrize("extra", [{}, {"mscale": 1.0, "mscale_all_dim": 0.5}])
+def test_yarn_rope_scaling_matches(tmp_path, extra):
+    """YaRN as Qwen2.5 / Qwen3 long-context configs carry it: an original length short
+    enough that the ramp falls inside D = 16's pairs, the attention factor from the factor
+    or from mscale / mscale_all_dim."""
+    ref = tiny_family(tmp_path / "hf", "qwen3", rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32,
+        **extra))
+    ours = load_hf(tmp_path / "hf")
+    assert ours.cfg.rope_scaling == "yarn" and ours.cfg.rope_original_max_len == 32
+    torch.testing.assert_close(logits(ours, True), logits(ref, False), rtol=0, atol=1e-4)
+    save_hf(ours, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    torch.testing.assert_close(logits(back, False), logits(ref, False), rtol=0, atol=1e-4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from shardtrain.config.errors import ConfigError
 
-ROPE_SCALINGS = ("none", "llama3", "linear", "dynamic")
+ROPE_SCALINGS = ("none", "llama3", "linear", "dynamic", "yarn")
 
 
 def check_families(model) -> None:
@@ -24,6 +24,10 @@ def check_families(model) -> None:
                           f"{', '.join(ROPE_SCALINGS)}")
     if model.rope_scaling != "none" and model.rope_factor <= 0:
         raise ConfigError(f"model.rope_factor={model.rope_factor} must be positive")
+    if model.rope_attention_factor < 0 or (model.rope_scaling == "yarn"
+                                           and model.rope_original_max_len <= 0):
+        raise ConfigError("model.rope_scaling=yarn needs model.rope_original_max_len > 0 and "
+                          "model.rope_attention_factor >= 0 (0: 0.1 ln(factor) + 1)")
     if model.rope_scaling == "llama3" and not (
             0 < model.rope_low_freq_factor < model.rope_high_freq_factor
             and model.rope_original_max_len > 0):

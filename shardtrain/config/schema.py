@@ -48,16 +48,17 @@ class ModelConfig:
     moe_impl: Literal["grouped", "loop"] = "grouped"
     init_from: str = ""  # a Hugging Face directory: its weights, and its config.json's shape
     # Hugging Face families (config/families.py): q/k/v biases (Qwen2), per-head q/k RMSNorm
-    # (Qwen3), head_size (0: dim / n_heads), RoPE scaling (llama3: Llama 3.1+; linear; dynamic), an
+    # (Qwen3), head_size (0: dim / n_heads), RoPE scaling (llama3: Llama 3.1+; linear; dynamic; yarn), an
     # attention window (Mistral; 0: none) that train.seq_len must fit in.
     qkv_bias: bool = False
     qk_norm: bool = False
     head_size: int = 0
-    rope_scaling: Literal["none", "llama3", "linear", "dynamic"] = "none"
+    rope_scaling: Literal["none", "llama3", "linear", "dynamic", "yarn"] = "none"
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
+    rope_attention_factor: float = 0.0  # yarn's cos/sin scale; 0: 0.1 ln(factor) + 1
     sliding_window: int = 0
 
     @property

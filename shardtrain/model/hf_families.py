@@ -11,15 +11,17 @@ windowed attention is full causal attention.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 from shardtrain.config import ConfigError, ModelConfig
+from shardtrain.model.transformer import yarn_attention_factor
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
-ROPE_TYPES = ("default", "llama3", "linear", "dynamic")
+ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn")
 
 
 def refuse(file: Path, key: str, value: Any, why: str) -> ConfigError:
@@ -82,6 +84,8 @@ def _rope(raw: dict[str, Any], file: Path) -> tuple[float, dict[str, Any]]:
                               f"positive number (rope_type {rope_type!r} needs it)")
         return value
 
+    max_pos = raw.get("max_position_embeddings", 2048)
+    max_len = raw.get("original_max_position_embeddings", max_pos)  # transformers' default
     scaling: dict[str, Any] = {}
     if rope_type in ("linear", "dynamic"):
         scaling = dict(rope_scaling=rope_type, rope_factor=float(number("factor")))
@@ -89,8 +93,32 @@ def _rope(raw: dict[str, Any], file: Path) -> tuple[float, dict[str, Any]]:
         scaling = dict(rope_scaling="llama3", rope_factor=float(number("factor")),
                        rope_low_freq_factor=float(number("low_freq_factor", 1.0)),
                        rope_high_freq_factor=float(number("high_freq_factor", 4.0)),
-                       rope_original_max_len=int(number("original_max_position_embeddings")))
+                       rope_original_max_len=int(number("original_max_position_embeddings",
+                                                        max_len)))
+    elif rope_type == "yarn":
+        scaling = _yarn(rope, file, number, max_len, max_pos)
     return float(theta), scaling
+
+
+def _yarn(rope: dict[str, Any], file: Path, number, max_len: int, max_pos: int
+          ) -> dict[str, Any]:
+    """YaRN's fields as transformers reads them: factor (default max / original length),
+    attention_factor (default from factor, or mscale / mscale_all_dim); the ramp's bounds
+    are fixed at transformers' defaults."""
+    for key, plain in (("beta_fast", 32), ("beta_slow", 1), ("truncate", True)):
+        if rope.get(key) not in (None, plain):
+            raise refuse(file, key, rope[key], f"yarn with {key}={plain!r} only")
+    original = int(number("original_max_position_embeddings", max_len))
+    factor = float(number("factor", max_pos / original))
+
+    def mscale(m: float) -> float:
+        return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+    attention = rope.get("attention_factor")
+    if attention is None and rope.get("mscale") and rope.get("mscale_all_dim"):
+        attention = mscale(rope["mscale"]) / mscale(rope["mscale_all_dim"])
+    return dict(rope_scaling="yarn", rope_factor=factor, rope_original_max_len=original,
+                rope_attention_factor=float(attention or mscale(1.0)))
 
 
 def family_of(cfg: ModelConfig, base: dict[str, Any] | None) -> str:
@@ -117,6 +145,9 @@ def family_fields(cfg: ModelConfig, base: dict[str, Any] | None) -> dict[str, An
                             else cfg.rope_scaling, "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling != "none":
         rope["factor"] = cfg.rope_factor
+    if cfg.rope_scaling == "yarn":
+        rope.update(original_max_position_embeddings=cfg.rope_original_max_len,
+                    attention_factor=yarn_attention_factor(cfg))
     if cfg.rope_scaling == "llama3":
         rope.update(low_freq_factor=cfg.rope_low_freq_factor,
                     high_freq_factor=cfg.rope_high_freq_factor,

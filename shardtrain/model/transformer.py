@@ -27,7 +27,16 @@ def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64),
                          scale_frequencies(inv_freq, cfg))
-    return angles.cos().float(), angles.sin().float()
+    scale = yarn_attention_factor(cfg) if cfg.rope_scaling == "yarn" else 1.0
+    return (angles.cos() * scale).float(), (angles.sin() * scale).float()
+
+
+def yarn_attention_factor(cfg: ModelConfig) -> float:
+    """YaRN's scale of cos and sin (so of q.k by its square): 0.1 ln(factor) + 1 unless
+    the checkpoint states one (Peng et al. 2023, eq. 21)."""
+    if cfg.rope_attention_factor:
+        return cfg.rope_attention_factor
+    return 0.1 * math.log(cfg.rope_factor) + 1.0 if cfg.rope_factor > 1 else 1.0
 
 
 def scale_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -41,6 +50,8 @@ def scale_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
         return inv_freq / cfg.rope_factor
     if cfg.rope_scaling in ("none", "dynamic"):
         return inv_freq
+    if cfg.rope_scaling == "yarn":
+        return yarn_frequencies(inv_freq, cfg)
     factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     smooth = (cfg.rope_original_max_len / wavelen - low) / (high - low)  # 0 at low, 1 at high
@@ -49,6 +60,22 @@ def scale_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     between = (wavelen >= cfg.rope_original_max_len / high) & \
         (wavelen <= cfg.rope_original_max_len / low)
     return torch.where(between, blended, out)
+
+
+def yarn_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension"): pairs that turn
+    more than beta_fast = 32 times over the original context keep their frequency, those
+    turning fewer than beta_slow = 1 times are divided by the factor, a linear ramp in the
+    pair index between (bounds floored and ceiled, as transformers' truncate=True)."""
+    d, orig = cfg.head_dim, cfg.rope_original_max_len
+
+    def pair_of(rotations: float) -> float:  # the pair index turning `rotations` times
+        return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+    low, high = max(math.floor(pair_of(32)), 0), min(math.ceil(pair_of(1)), d - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / cfg.rope_factor * ramp + inv_freq * (1 - ramp)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,8 @@ from shardtrain.train.peft_format import (load_peft_adapters, resolve_lora_init,
 SHAPE_FIELDS = ("style", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
                 "max_seq_len", "tie_embeddings", "norm_eps", "rope_theta", "qkv_bias", "qk_norm",
                 "head_size", "rope_scaling", "rope_factor", "rope_low_freq_factor",
-                "rope_high_freq_factor", "rope_original_max_len", "sliding_window")
+                "rope_high_freq_factor", "rope_original_max_len", "rope_attention_factor",
+                "sliding_window")
 
 
 def resolve_init_from(cfg: Config) -> None:
