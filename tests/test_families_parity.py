@@ -2,9 +2,8 @@
 that touch them, against the single-process run (fp32 losses, eval loss, final weights):
 q/k/v biases (Qwen2) under tp=2 with sp and under pp=2 (tied head), per-head q/k norms
 with a head size other than dim / n_heads (Qwen3) under tp=2 (each rank normalises only
-its heads, so their gradients are summed over tp) and under ZeRO-3, and llama3 RoPE
-scaling under cp=2 ring and Ulysses attention (positions of a zig-zag chunk index the
-scaled tables); and a peft adapter continued under tp=2 (each rank loads its slice of A or
+its heads, so their gradients are summed over tp), and llama3 RoPE scaling under cp=2
+ring attention (positions of a zig-zag chunk index the scaled tables); and a peft adapter continued under tp=2 (each rank loads its slice of A or
 B: train/peft_format.py). One spawn."""
 
 from __future__ import annotations
@@ -26,10 +25,7 @@ LLAMA3 = ("--model.rope_scaling", "llama3", "--model.rope_factor", "8",
 ROWS = [("qkv biases tp2 sp", QWEN2, ["--parallel.tp", "2", "--parallel.sp", "true"]),
         ("qkv biases tied pp2", QWEN2, ["--parallel.pp", "2"]),
         ("q/k norms head_size 24 tp2", QWEN3, ["--parallel.tp", "2"]),
-        ("q/k norms head_size 24 dp2 zero3", QWEN3, ["--parallel.zero", "3"]),
-        ("llama3 rope scaling cp2 ring", LLAMA3, ["--parallel.cp", "2"]),
-        ("llama3 rope scaling cp2 ulysses", LLAMA3, ["--parallel.cp", "2",
-                                                     "--parallel.cp_mode", "ulysses"])]
+        ("llama3 rope scaling cp2 ring", LLAMA3, ["--parallel.cp", "2"])]
 
 
 def _text(tmp, name: str, *overrides: str) -> str:

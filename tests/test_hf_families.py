@@ -121,13 +121,19 @@ def test_refusals_name_the_field_and_the_supported_values(tmp_path, capsys):
     _edit(hf, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     with pytest.raises(ConfigError, match=r"model.qkv_bias and model.qk_norm"):
         save_hf(build_model(ModelConfig(qkv_bias=True, qk_norm=True)), tmp_path / "x")
-    # A sequence beyond the window: exit 2 from the command line, nothing written.
+    # From the command line: exit 2, the reason on stderr, nothing written.
     run_dir = tmp_path / "run"
-    code = cli.main(["train", "--config", "finetune", "--model.init_from", str(hf),
-                     "--train.seq_len", "64", "--train.run_dir", str(run_dir)])
-    err = capsys.readouterr().err
-    assert code == 2 and "train.seq_len=64 exceeds model.sliding_window=32" in err
-    assert "train.seq_len <= 32" in err and not run_dir.exists()
+    for edits, reason in [({}, "train.seq_len=64 exceeds model.sliding_window=32 (the model's "
+                               "attention window): shardtrain attends over the whole sequence"),
+                          ({"model_type": "gemma"}, "model_type='gemma' is not supported"),
+                          ({"rope_parameters": {"rope_type": "longrope"}},
+                           "rope_type='longrope' is not supported")]:
+        _edit(hf, **{"model_type": "mistral", "rope_parameters": {"rope_type": "default",
+                                                                  "rope_theta": 1e6}, **edits})
+        code = cli.main(["train", "--config", "finetune", "--model.init_from", str(hf),
+                         "--train.seq_len", "64", "--train.run_dir", str(run_dir)])
+        err = capsys.readouterr().err
+        assert code == 2 and reason in err and not run_dir.exists(), err
 
 
 def test_lora_fine_tune_runs_on_each_family(tmp_path):
