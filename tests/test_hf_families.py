@@ -138,8 +138,11 @@ def test_refusals_name_the_field_and_the_supported_values(tmp_path, capsys):
 
 def test_lora_fine_tune_runs_on_each_family(tmp_path):
     """`shardtrain train --config finetune --model.init_from DIR` on each family: the run
-    trains, and its export is the family's own class in transformers."""
+    trains, its export is the family's own class in transformers, and its checkpoint's
+    `export --adapters-only` loads in peft over the base with the export's logits."""
     from parity import tiny_data
+
+    peft = pytest.importorskip("peft")
 
     for family in FAMILIES:
         hf, run = tmp_path / family, tmp_path / f"{family}-run"
@@ -150,11 +153,19 @@ def test_lora_fine_tune_runs_on_each_family(tmp_path):
                          "2", "--train.micro_batch", "2", "--train.eval_every", "0",
                          "--train.eval_batches", "1", "--train.sample_tokens", "0",
                          "--train.progress", "false", "--train.peak_flops", "1e12",
-                         "--data.max_bytes", "200000", *tiny_data(tmp_path)]) == 0
+                         "--data.max_bytes", "200000", "--train.lr", "1e-2",
+                         "--optim.warmup_steps", "0", *tiny_data(tmp_path)]) == 0
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [1, 2] and all(r["loss"] > 0 for r in rows)
-        back = transformers.AutoModelForCausalLM.from_pretrained(run / "hf")
+        back = transformers.AutoModelForCausalLM.from_pretrained(run / "hf").eval()
         assert type(back) is type(ref), family
+        # The checkpoint's adapters in peft's format, over the base: the merged export.
+        step = sorted((run / "checkpoints").glob("step_*"))[-1]
+        assert cli.main(["export", "--checkpoint", str(step), "--out", str(run / "adapters"),
+                         "--adapters-only"]) == 0
+        adapted = peft.PeftModel.from_pretrained(ref, run / "adapters").eval()
+        torch.testing.assert_close(logits(adapted, False), logits(back, False), rtol=0,
+                                   atol=1e-4)
 
 
 @pytest.mark.parametrize("extra", [{}, {"mscale": 1.0, "mscale_all_dim": 0.5}])
