@@ -63,7 +63,8 @@ def test_trackers_and_trace_of_a_two_rank_run(tmp_path, capfd):
     run_distributed(train_layouts, 2, [config.to_toml(cfg)])
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     fields = set().union(*(scalars_of(r) for r in records))
-    assert {"loss", "lr", "grad_norm", "tokens", "comm_bytes", "eval_loss"} <= fields
+    assert {"loss", "lr", "grad_norm", "tokens", "comm_bytes", "eval_loss",
+            "rank_compute_s/0", "rank_compute_s/1"} <= fields
     # TensorBoard: one event file (rank 0's), every numeric field at every step.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -10,8 +10,9 @@ trainer opens them where it writes metrics.jsonl.
 - trackio: a local-first tracker (Hugging Face's), stored in its own directory
   (TRACKIO_DIR, default ~/.cache/huggingface/trackio); `trackio show` opens the dashboard.
 
-A record's numeric fields (bools as 0/1) are logged as scalars at the record's step; a
-field that is None (mfu with no peak FLOPs) is left out of that step.
+A record's numeric fields (bools as 0/1) are logged as scalars at the record's step, a list
+of numbers (rank_compute_s, one per rank) as key/0, key/1, ...; a field that is None (mfu
+with no peak FLOPs) is left out of that step.
 """
 
 from __future__ import annotations
@@ -34,9 +35,16 @@ class Tracker(Protocol):
 
 
 def scalars_of(record: dict[str, Any]) -> dict[str, float]:
-    """The loggable fields of a metrics record: numbers (bools as 0/1), step excluded."""
-    return {k: float(v) for k, v in record.items()
-            if k != "step" and isinstance(v, (int, float))}
+    """The loggable fields of a metrics record: numbers (bools as 0/1), step excluded, and
+    lists of numbers (per-rank figures: rank_compute_s) as key/0, key/1, ..."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if isinstance(value, (int, float)) and key != "step":
+            out[key] = float(value)
+        elif isinstance(value, list):
+            out.update({f"{key}/{i}": float(v) for i, v in enumerate(value)
+                        if isinstance(v, (int, float))})
+    return out
 
 
 class TensorBoardTracker:
