@@ -101,6 +101,17 @@ def test_linear_and_dynamic_rope_scaling_match(tmp_path, rope_type):
     torch.testing.assert_close(logits(back, False), logits(ref, False), rtol=0, atol=1e-4)
 
 
+def test_qwen_window_is_a_limit_only_where_a_layer_slides(tmp_path):
+    ref = tiny_family(tmp_path / "a", "qwen2", use_sliding_window=True, sliding_window=48,
+                      max_window_layers=1)  # layer 1 slides
+    assert load_hf(tmp_path / "a").cfg.sliding_window == 48
+    torch.testing.assert_close(logits(load_hf(tmp_path / "a"), True), logits(ref, False),
+                               rtol=0, atol=1e-4)
+    tiny_family(tmp_path / "b", "qwen2", use_sliding_window=True, sliding_window=48,
+                max_window_layers=2)  # no layer slides
+    assert load_hf(tmp_path / "b").cfg.sliding_window == 0
+
+
 def _edit(path, **changes):
     raw = json.loads((path / "config.json").read_text())
     raw.update(changes)

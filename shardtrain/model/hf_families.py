@@ -48,6 +48,9 @@ def family_config(raw: dict[str, Any], file: Path, get) -> ModelConfig:
         window = get("sliding_window", int, None) or 0
     elif family in ("qwen2", "qwen3") and get("use_sliding_window", bool, False):
         window = get("sliding_window", int, None) or 0
+        types = raw.get("layer_types")  # Qwen windows only layers >= max_window_layers
+        if isinstance(types, list) and "sliding_attention" not in types:
+            window = 0
     theta, scaling = _rope(raw, file)
     return ModelConfig(
         style="llama", vocab_size=get("vocab_size", int), dim=dim,
