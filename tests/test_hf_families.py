@@ -149,8 +149,9 @@ def test_refusals_name_the_field_and_the_supported_values(tmp_path, capsys):
 
 def test_lora_fine_tune_runs_on_each_family(tmp_path):
     """`shardtrain train --config finetune --model.init_from DIR` on each family: the run
-    trains, its export is the family's own class in transformers, and its checkpoint's
-    `export --adapters-only` loads in peft over the base with the export's logits."""
+    trains, its export is the family's own class in transformers, and its checkpoint exports
+    (streamed, `shardtrain export`) to the same logits, and with `--adapters-only` to
+    adapters that peft loads over the base with those logits too."""
     from parity import tiny_data
 
     peft = pytest.importorskip("peft")
@@ -174,6 +175,9 @@ def test_lora_fine_tune_runs_on_each_family(tmp_path):
         step = sorted((run / "checkpoints").glob("step_*"))[-1]
         assert cli.main(["export", "--checkpoint", str(step), "--out", str(run / "adapters"),
                          "--adapters-only"]) == 0
+        assert cli.main(["export", "--checkpoint", str(step), "--out", str(run / "merged")]) == 0
+        merged = transformers.AutoModelForCausalLM.from_pretrained(run / "merged").eval()
+        torch.testing.assert_close(logits(merged, False), logits(back, False), rtol=0, atol=1e-5)
         adapted = peft.PeftModel.from_pretrained(ref, run / "adapters").eval()
         torch.testing.assert_close(logits(adapted, False), logits(back, False), rtol=0,
                                    atol=1e-4)
