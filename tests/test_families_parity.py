@@ -2,9 +2,10 @@
 that touch them, against the single-process run (fp32 losses, eval loss, final weights):
 q/k/v biases (Qwen2) under tp=2 with sp and under pp=2 (tied head), per-head q/k norms
 with a head size other than dim / n_heads (Qwen3) under tp=2 (each rank normalises only
-its heads, so their gradients are summed over tp), and llama3 RoPE scaling under cp=2
-ring attention (positions of a zig-zag chunk index the scaled tables); and a peft adapter continued under tp=2 (each rank loads its slice of A or
-B: train/peft_format.py). One spawn."""
+its heads, so their gradients are summed over tp), llama3 RoPE scaling under cp=2 ring
+attention (positions of a zig-zag chunk index the scaled tables), and a Qwen3 checkpoint
+loaded sharded under tp=2 with a peft adapter continued on it (each rank takes its slice
+of the weights and of A or B: train/peft_format.py). One spawn."""
 
 from __future__ import annotations
 
@@ -33,16 +34,21 @@ def _text(tmp, name: str, *overrides: str) -> str:
 
 
 def peft_adapter(tmp_path) -> tuple[str, ...]:
-    """A tiny Llama with the tiny preset's shape and a peft adapter on it, trained one step
-    (B away from zero), saved: the overrides that continue it."""
+    """A tiny Qwen3 (q/k norms, head_dim 24) with the tiny preset's shape and a peft adapter
+    on it, trained one step (B away from zero), saved: the overrides that continue it, the
+    base loaded sharded."""
     import torch
 
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     torch.manual_seed(7)
-    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    base = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
         vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=64))
+    with torch.no_grad():  # q/k norm weights away from 1, so a misplaced one shows
+        for name, p in base.named_parameters():
+            if "q_norm" in name or "k_norm" in name:
+                p.uniform_(0.5, 1.5)
     base.save_pretrained(tmp_path / "hf")
     model = peft.get_peft_model(base, peft.LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "o_proj", "up_proj"]))
@@ -56,7 +62,8 @@ def peft_adapter(tmp_path) -> tuple[str, ...]:
 
 def test_family_pieces_parity_with_single_process(tmp_path):
     references = reference_runs(lambda name, *o: _text(tmp_path, name, *o))
-    rows = [*ROWS, ("peft adapter continued tp2", peft_adapter(tmp_path), ["--parallel.tp", "2"])]
+    rows = [*ROWS, ("Qwen3 loaded sharded, peft adapter continued, tp2",
+                      peft_adapter(tmp_path), ["--parallel.tp", "2"])]
     texts = [_text(tmp_path, f"row{i}", *model, *layout)
              for i, (_, model, layout) in enumerate(rows)]
     per_rank = run_distributed(train_layouts, 2, texts)
