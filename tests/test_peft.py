@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from parity import make_mesh, tiny
-from shardtrain import cli
 from shardtrain.config import ConfigError
 from shardtrain.train.finetune import build_start_model, export_hf, resolve_init_from, save_adapters
 from shardtrain.train.trainer import Trainer
