@@ -83,7 +83,8 @@ def test_trackers_and_trace_of_a_two_rank_run(tmp_path, capfd):
     logged, config_keys = read_wandb_run(history)
     assert [step for step, _ in logged] == [1, 2, 3, 4]
     logged = [items for _, items in logged]
-    assert fields <= set().union(*logged) and logged[-1]["loss"] == pytest.approx(records[-1]["loss"])
+    assert fields <= set().union(*logged)
+    assert logged[-1]["loss"] == pytest.approx(records[-1]["loss"])
     assert {"model", "train", "parallel", "lora"} <= config_keys
     # The profiler: a Chrome trace per rank, with a range for each of steps 2 and 3 only.
     for rank in (0, 1):

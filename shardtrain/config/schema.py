@@ -48,7 +48,7 @@ class ModelConfig:
     moe_impl: Literal["grouped", "loop"] = "grouped"
     init_from: str = ""  # a Hugging Face directory: its weights, and its config.json's shape
     # Hugging Face families (config/families.py): q/k/v biases (Qwen2), per-head q/k RMSNorm
-    # (Qwen3), head_size (0: dim / n_heads), RoPE scaling (llama3: Llama 3.1+; linear; dynamic; yarn), an
+    # (Qwen3), head_size (0: dim / n_heads), RoPE scaling (llama3, linear, dynamic, yarn), an
     # attention window (Mistral; 0: none) that train.seq_len must fit in.
     qkv_bias: bool = False
     qk_norm: bool = False

@@ -171,12 +171,13 @@ def tensor_maps(cfg: ModelConfig) -> list[TensorMap]:
                      _rope_rows(hf + "self_attn.k_proj.weight", me + "attn.wk.weight", cfg.kv_heads),
                      _plain(hf + "self_attn.v_proj.weight", me + "attn.wv.weight")]
             if cfg.qkv_bias:  # a q/k bias row moves with its weight row
-                maps += [_rope_rows(hf + "self_attn.q_proj.bias", me + "attn.wq.bias", cfg.n_heads),
-                         _rope_rows(hf + "self_attn.k_proj.bias", me + "attn.wk.bias", cfg.kv_heads),
-                         _plain(hf + "self_attn.v_proj.bias", me + "attn.wv.bias")]
+                a = hf + "self_attn."
+                maps += [_rope_rows(a + "q_proj.bias", me + "attn.wq.bias", cfg.n_heads),
+                         _rope_rows(a + "k_proj.bias", me + "attn.wk.bias", cfg.kv_heads),
+                         _plain(a + "v_proj.bias", me + "attn.wv.bias")]
             if cfg.qk_norm:  # the norm weight [D] is one head's channels: permuted alike
-                maps += [_rope_rows(hf + f"self_attn.{n}_norm.weight", me + f"attn.{n}_norm.weight", 1)
-                         for n in ("q", "k")]
+                maps += [_rope_rows(hf + f"self_attn.{n}_norm.weight",
+                                    me + f"attn.{n}_norm.weight", 1) for n in ("q", "k")]
             maps += [
                      _plain(hf + "self_attn.o_proj.weight", me + "attn.wo.weight"),
                      _plain(hf + "mlp.gate_proj.weight", me + "mlp.w1.weight"),

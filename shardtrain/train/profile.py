@@ -71,7 +71,8 @@ class StepProfiler:
     def dump_snapshot(self) -> None:
         if self.snapshot:
             self.dir.mkdir(parents=True, exist_ok=True)
-            torch.cuda.memory._dump_snapshot(str(self.dir / f"memory_snapshot_rank{self.rank}.pickle"))
+            file = self.dir / f"memory_snapshot_rank{self.rank}.pickle"
+            torch.cuda.memory._dump_snapshot(str(file))
 
     def close(self) -> None:
         """The end of the run: a trace still open is written (a run resumed past A, or
