@@ -82,6 +82,9 @@ def _rope(raw: dict[str, Any], file: Path) -> tuple[float, dict[str, Any]]:
 
     def number(key: str, default: Any = ...) -> float:
         value = rope.get(key, default)
+        if value is ...:
+            raise ConfigError(f"{file}: rope_parameters field {key!r} is missing (rope_type "
+                              f"{rope_type!r} needs it)")
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
             raise ConfigError(f"{file}: rope_parameters field {key!r}={value!r} must be a "
                               f"positive number (rope_type {rope_type!r} needs it)")
