@@ -197,3 +197,29 @@ def test_yarn_rope_scaling_matches(tmp_path, extra):
     save_hf(ours, tmp_path / "out")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     torch.testing.assert_close(logits(back, False), logits(ref, False), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("pieces", [{"qkv_bias": True}, {"qk_norm": True, "head_size": 24}])
+def test_planner_tensor_parallel_slices_are_the_runtimes(pieces):
+    """Rank 0's tensors at tp=2, built on the meta device by the runtime, are the planner's
+    (the biases split with their rows, the q/k norms whole)."""
+    import torch.distributed as dist
+
+    from shardtrain.comm import CommFactory
+    from shardtrain.cost.hardware import runtime_link
+    from shardtrain.mesh import MeshShape, ParallelMesh
+    from shardtrain.parallel.tensor.layers import apply_tensor_parallel
+    from shardtrain.train import dryrun
+
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, **pieces)
+    dryrun.fake_world(2)
+    try:
+        mesh = ParallelMesh(MeshShape(tp=2), rank=0, communicator=CommFactory(
+            kind=dryrun.ZeroFilledCommunicator), link=runtime_link("cpu", gpu_name="",
+                                                                    across_nodes=False))
+        model = build_model(cfg, seed=None)
+        apply_tensor_parallel(model, mesh.comm("tp"), sp=False)
+        built = [(n, p.numel()) for n, p in model.named_parameters()]
+    finally:
+        dist.destroy_process_group()
+    assert built == rank0_tensors(cfg, Layout(tp=2, precision="fp32"))
