@@ -42,8 +42,9 @@ def check_observability(train) -> None:
             raise ConfigError(f"train.tracker={train.tracker!r}: {name!r} is not a tracker; "
                               f"choose none or a comma-separated list among {', '.join(TRACKERS)}")
         if importlib.util.find_spec(TRACKERS[name]) is None:
-            raise ConfigError(f"train.tracker includes {name}, but the {TRACKERS[name]} "
-                              f"package is not installed: pip install 'shardtrain[{name}]'")
+            field = "train.tracker includes" if name in train.tracker else "train.tensorboard=true:"
+            raise ConfigError(f"{field} {name}, but the {TRACKERS[name]} package is not "
+                              f"installed: pip install 'shardtrain[{name}]'")
     if train.wandb_mode not in ("auto", "online", "offline"):
         raise ConfigError(f"train.wandb_mode={train.wandb_mode!r} is not one of auto, online, "
                           "offline")
