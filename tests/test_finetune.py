@@ -81,7 +81,7 @@ def test_qlora_adamw8bit_fine_tune_exports_to_transformers(tmp, hf_dir, jsonl, c
     assert cli.main(["export", "--checkpoint", str(step), "--out", str(tmp / "export2")]) == 0
     assert cli.main(["export", "--checkpoint", str(step), "--out", str(tmp / "adapters"),
                      "--adapters-only"]) == 0
-    assert (tmp / "adapters" / "adapters.safetensors").is_file()
+    assert (tmp / "adapters" / "adapter_model.safetensors").is_file()  # peft's format
 
 
 def test_fine_tune_config_errors(tmp, hf_dir):

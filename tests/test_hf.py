@@ -114,8 +114,8 @@ def test_bad_directories_name_the_file_and_field(tmp_path):
     _edit_config(hf, model_type="bert")
     with pytest.raises(ConfigError, match=r"config.json: model_type='bert' is not supported"):
         load_hf(hf)
-    _edit_config(hf, model_type="llama", rope_parameters={"rope_type": "llama3", "rope_theta": 1.0})
-    with pytest.raises(ConfigError, match="rope_type='llama3' is not supported"):
+    _edit_config(hf, model_type="llama", rope_parameters={"rope_type": "longrope", "rope_theta": 1.0})
+    with pytest.raises(ConfigError, match="rope_type='longrope' is not supported"):
         load_hf(hf)
     _edit_config(hf, rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
                  hidden_size="64")

@@ -10,8 +10,8 @@ from shardtrain.config import Config, ConfigError
 from shardtrain.config.lora import LoRAConfig
 from shardtrain.model.transformer import build_model
 from shardtrain.train import lora as lora_mod
-from shardtrain.train.finetune import (build_start_model, export_hf, load_adapters,
-                                       resolve_init_from, save_adapters)
+from shardtrain.train.finetune import (build_start_model, export_hf, resolve_init_from,
+                                       save_adapters)
 from shardtrain.quant.nf4 import NF4Weight, nf4_levels
 
 # Appendix E of Dettmers et al. 2023 (QLoRA), as published.
@@ -123,9 +123,9 @@ def test_lora_from_hf_exports_merged_and_adapters(tmp_path):
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     with torch.no_grad():
         torch.testing.assert_close(back(TOKENS).logits, model(TOKENS), rtol=0, atol=1e-5)
-    save_adapters(model, cfg, tmp_path / "adapters")
+    save_adapters(model, cfg, tmp_path / "adapters")  # peft's format (tests/test_peft.py)
+    cfg.lora.init_from = str(tmp_path / "adapters")
     fresh = build_start_model(cfg)
-    load_adapters(fresh, tmp_path / "adapters")
     with torch.no_grad():
         torch.testing.assert_close(fresh(TOKENS), model(TOKENS), rtol=0, atol=0)
     cfg.model.dim = 128

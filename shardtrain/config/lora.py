@@ -17,13 +17,17 @@ TARGET_MODULES = {"q": "attn.wq", "k": "attn.wk", "v": "attn.wv", "o": "attn.wo"
 class LoRAConfig:
     """rank r and alpha: the update is (alpha / r) B A. targets: comma-separated among
     q, k, v, o, gate, up, down. quantize_base: nf4 stores the frozen target weights in
-    4 bits (QLoRA)."""
+    4 bits (QLoRA). init_from: adapters to start from (peft's format)."""
 
     rank: int = 0
     alpha: float = 16.0
     targets: str = "q,k,v,o"
     dropout: float = 0.0
     quantize_base: Literal["none", "nf4"] = "none"
+    # A peft adapter directory (adapter_config.json + adapter_model.safetensors) to continue
+    # training: its r, lora_alpha and target_modules set rank, alpha and targets
+    # (train/peft_format.py); model.init_from is its base.
+    init_from: str = ""
 
     @property
     def enabled(self) -> bool:

@@ -11,9 +11,11 @@ from typing import Any, Literal
 from shardtrain.config.data import DataConfig
 from shardtrain.config.errors import ConfigError, positive
 from shardtrain.config.faults import check_faults
+from shardtrain.config.families import check_families, check_window
 from shardtrain.config.layout import (check_context_parallel, check_expert_parallel,
                                       check_pipeline, check_tensor_parallel)
 from shardtrain.config.lora import LoRAConfig, check_finetune_layout
+from shardtrain.config.observe import check_observability
 from shardtrain.config.parallel import CommConfig, ParallelConfig
 from shardtrain.config.ps import check_parameter_server, check_slow_ranks
 
@@ -46,6 +48,19 @@ class ModelConfig:
     moe_drop_policy: Literal["probs", "position"] = "probs"
     moe_impl: Literal["grouped", "loop"] = "grouped"
     init_from: str = ""  # a Hugging Face directory: its weights, and its config.json's shape
+    # Hugging Face families (config/families.py): q/k/v biases (Qwen2), per-head q/k RMSNorm
+    # (Qwen3), head_size (0: dim / n_heads), RoPE scaling (llama3, linear, dynamic, yarn), an
+    # attention window (Mistral; 0: none) that train.seq_len must fit in.
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    head_size: int = 0
+    rope_scaling: Literal["none", "llama3", "linear", "dynamic", "yarn"] = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    rope_attention_factor: float = 0.0  # yarn's cos/sin scale; 0: 0.1 ln(factor) + 1
+    sliding_window: int = 0
 
     @property
     def kv_heads(self) -> int:
@@ -53,7 +68,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_size or self.dim // self.n_heads
 
     @property
     def ffn_hidden(self) -> int:
@@ -65,7 +80,7 @@ class ModelConfig:
 
     def validate(self) -> None:
         positive("model", self, "vocab_size", "dim", "n_layers", "n_heads", "max_seq_len")
-        if self.dim % self.n_heads:
+        if self.dim % self.n_heads and not self.head_size:
             raise ConfigError(
                 f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; "
                 "pick a head count that divides the width")
@@ -79,6 +94,7 @@ class ModelConfig:
                               "set it to 0")
         if self.style == "llama" and self.head_dim % 2:
             raise ConfigError(f"model.dim / model.n_heads = {self.head_dim} must be even for RoPE")
+        check_families(self)
         if self.n_experts < 0 or (self.n_experts and not 1 <= self.moe_top_k <= self.n_experts):
             raise ConfigError(f"model.moe_top_k={self.moe_top_k} must lie in 1..model.n_experts="
                               f"{self.n_experts}")
@@ -144,7 +160,16 @@ class TrainConfig:
     peak_flops: float = 0.0  # per device, for MFU; 0: from the device (measured on CPU)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: bool = True
-    tensorboard: bool = False
+    tensorboard: bool = False  # the same as listing tensorboard in train.tracker
+    # Experiment trackers, rank 0 only (train/tracking.py): none, or a comma-separated list
+    # among tensorboard, wandb, trackio; W&B's mode: auto is offline when W&B is unreachable.
+    tracker: str = "none"
+    tracker_project: str = "shardtrain"
+    wandb_mode: Literal["auto", "online", "offline"] = "auto"
+    # "A:B": a torch.profiler trace of steps A..B, one file per rank (train/profile.py);
+    # memory_snapshot: CUDA allocator history, dumped at the end and on out-of-memory.
+    profile_steps: str = ""
+    memory_snapshot: bool = False
     sample_tokens: int = 200  # generated after training; 0 disables
     # The end-of-run sample runs through the parallel model; where that needs one rank to
     # hold the whole model (tp, pp, cp, ep), only up to this many parameters (train/sample.py).
@@ -176,6 +201,8 @@ class TrainConfig:
         if self.seq_len > model.max_seq_len:
             raise ConfigError(f"train.seq_len={self.seq_len} exceeds model.max_seq_len="
                               f"{model.max_seq_len}; lower it or raise model.max_seq_len")
+        check_window(self.seq_len, model)
+        check_observability(self)
 
     def accumulation_steps(self, dp: int) -> int:
         return self.global_batch // (self.micro_batch * dp)

@@ -37,7 +37,9 @@ def attention_params(cfg: ModelConfig) -> int:
     h, q, kv = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     weights = h * q + 2 * h * kv + q * h
     biases = q + 2 * kv + h if cfg.style == "gpt2" else 0
-    return weights + biases
+    biases += q + 2 * kv if cfg.qkv_bias else 0  # Qwen2: q, k, v only
+    norms = 2 * cfg.head_dim if cfg.qk_norm else 0  # Qwen3: one [D] weight each for q and k
+    return weights + biases + norms
 
 
 def norm_params(cfg: ModelConfig) -> int:

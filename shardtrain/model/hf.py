@@ -61,7 +61,7 @@ def hf_tokenizer(path: str | os.PathLike) -> Path | None:
 
 def load_hf(path: str | os.PathLike, *, device: str | torch.device = "cpu",
             dtype: torch.dtype = torch.float32) -> Transformer:
-    """A Transformer with the weights of a Hugging Face Llama or GPT-2 directory."""
+    """A Transformer with the weights of a Hugging Face directory (hf_names.SUPPORTED)."""
     path = Path(path)
     cfg = model_config_from_hf(path)
     with torch.device("meta"):

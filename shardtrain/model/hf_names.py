@@ -1,4 +1,5 @@
-"""Hugging Face <-> shardtrain: config.json fields and tensor names, for Llama and GPT-2.
+"""Hugging Face <-> shardtrain: config.json fields and tensor names, for the llama-style
+families (Llama, Qwen2, Qwen3, Mistral: their config.json in hf_families.py) and GPT-2.
 
 `model_config_from_hf` reads a Hugging Face config.json into a `ModelConfig` (errors name
 the file and the field); `hf_config_from_model` writes one back. `tensor_maps` lists, for
@@ -10,6 +11,7 @@ parameters it holds and the two conversions between them:
   as the original Llama release did. Attention scores are invariant to one permutation of
   the channels applied to q and k alike, so the rows of each head are permuted on the way
   in and back on the way out; pair i keeps its frequency theta^(-2i/D) in both layouts.
+  A q/k bias (Qwen2) is permuted with its rows, a q/k norm weight [D] (Qwen3) as one head.
 - GPT-2 stores its linears as Conv1D, weight [in, out] (the transpose of nn.Linear), and
   fuses q, k, v into one c_attn tensor [C, 3C].
 """
@@ -25,8 +27,9 @@ from typing import Any
 import torch
 
 from shardtrain.config import ConfigError, ModelConfig
+from shardtrain.model.hf_families import FAMILIES, family_config, family_fields, refuse
 
-SUPPORTED = ("llama", "gpt2")
+SUPPORTED = (*FAMILIES, "gpt2")
 # Non-persistent buffers some older checkpoints carry; they hold nothing to load.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
@@ -62,22 +65,19 @@ def _get(raw: dict[str, Any], file: Path, key: str, kind: type, default: Any = .
     return value
 
 
-def _refuse(file: Path, key: str, value: Any, why: str) -> ConfigError:
-    return ConfigError(f"{file}: {key}={value!r} is not supported ({why})")
-
-
 def model_config_from_hf(path: Path) -> ModelConfig:
-    """The ModelConfig of a Hugging Face Llama or GPT-2 directory."""
+    """The ModelConfig of a Hugging Face directory of one of the SUPPORTED families."""
     raw = read_config_json(path)
     file = path / "config.json"
     arch = raw.get("model_type")
-    if arch == "llama":
-        cfg = _llama_config(raw, file)
+    if arch in FAMILIES:
+        cfg = family_config(raw, file, lambda key, kind, default=...: _get(raw, file, key, kind,
+                                                                           default))
     elif arch == "gpt2":
         cfg = _gpt2_config(raw, file)
     else:
         raise ConfigError(f"{file}: model_type={arch!r} is not supported; shardtrain reads "
-                          f"{' and '.join(SUPPORTED)} checkpoints")
+                          f"model_type {', '.join(SUPPORTED)}")
     try:
         cfg.validate()
     except ConfigError as e:
@@ -85,48 +85,17 @@ def model_config_from_hf(path: Path) -> ModelConfig:
     return cfg
 
 
-def _llama_config(raw: dict[str, Any], file: Path) -> ModelConfig:
-    g = lambda key, kind, default=...: _get(raw, file, key, kind, default)  # noqa: E731
-    dim, heads = g("hidden_size", int), g("num_attention_heads", int)
-    if g("hidden_act", str, "silu") != "silu":
-        raise _refuse(file, "hidden_act", raw["hidden_act"], "Llama blocks use SwiGLU (silu)")
-    for key in ("attention_bias", "mlp_bias"):
-        if g(key, bool, False):
-            raise _refuse(file, key, True, "shardtrain's Llama blocks have no biases")
-    head_dim = g("head_dim", int, None)
-    if head_dim is not None and head_dim * heads != dim:
-        raise _refuse(file, "head_dim", head_dim, f"shardtrain needs head_dim = hidden_size / "
-                      f"num_attention_heads = {dim // heads}")
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    if not isinstance(rope, dict):
-        raise ConfigError(f"{file}: field 'rope_parameters' must be a JSON object")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise _refuse(file, "rope_type", rope_type, "only plain RoPE (rope_type 'default') "
-                      "is implemented; scaled RoPE variants are not")
-    theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
-        raise ConfigError(f"{file}: field 'rope_theta'={theta!r} must be a positive number")
-    return ModelConfig(
-        style="llama", vocab_size=g("vocab_size", int), dim=dim,
-        n_layers=g("num_hidden_layers", int), n_heads=heads,
-        n_kv_heads=g("num_key_value_heads", int, heads), ffn_dim=g("intermediate_size", int),
-        max_seq_len=g("max_position_embeddings", int, 2048),
-        tie_embeddings=g("tie_word_embeddings", bool, False),
-        norm_eps=g("rms_norm_eps", float, 1e-6), rope_theta=float(theta))
-
-
 def _gpt2_config(raw: dict[str, Any], file: Path) -> ModelConfig:
     g = lambda key, kind, default=...: _get(raw, file, key, kind, default)  # noqa: E731
     act = g("activation_function", str, "gelu_new")
     if act not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise _refuse(file, "activation_function", act, "shardtrain's GPT-2 MLP uses the tanh "
+        raise refuse(file, "activation_function", act, "shardtrain's GPT-2 MLP uses the tanh "
                       "approximation of GELU (gelu_new)")
     if g("scale_attn_by_inverse_layer_idx", bool, False):
-        raise _refuse(file, "scale_attn_by_inverse_layer_idx", True, "attention scores are "
+        raise refuse(file, "scale_attn_by_inverse_layer_idx", True, "attention scores are "
                       "scaled by 1/sqrt(head_dim) only")
     if not g("scale_attn_weights", bool, True):
-        raise _refuse(file, "scale_attn_weights", False, "attention scores are scaled by "
+        raise refuse(file, "scale_attn_weights", False, "attention scores are scaled by "
                       "1/sqrt(head_dim)")
     dim = g("n_embd", int)
     return ModelConfig(
@@ -144,15 +113,9 @@ def hf_config_from_model(cfg: ModelConfig, base: dict[str, Any] | None = None,
     out = dict(base or {})
     if cfg.n_experts:
         raise ConfigError("model.n_experts > 0: a mixture-of-experts model has no Hugging "
-                          "Face Llama or GPT-2 layout to export to")
+                          f"Face layout ({', '.join(SUPPORTED)}) to export to")
     if cfg.style == "llama":
-        out.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
-                   hidden_size=cfg.dim, intermediate_size=cfg.ffn_hidden,
-                   num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-                   num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-                   max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-                   rope_theta=cfg.rope_theta, attention_bias=False, mlp_bias=False,
-                   rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta})
+        out.update(family_fields(cfg, base))
         out.pop("rope_scaling", None)
     else:
         out.update(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_embd=cfg.dim,
@@ -206,7 +169,16 @@ def tensor_maps(cfg: ModelConfig) -> list[TensorMap]:
             hf, me = f"model.layers.{i}.", f"layers.{i}."
             maps += [_rope_rows(hf + "self_attn.q_proj.weight", me + "attn.wq.weight", cfg.n_heads),
                      _rope_rows(hf + "self_attn.k_proj.weight", me + "attn.wk.weight", cfg.kv_heads),
-                     _plain(hf + "self_attn.v_proj.weight", me + "attn.wv.weight"),
+                     _plain(hf + "self_attn.v_proj.weight", me + "attn.wv.weight")]
+            if cfg.qkv_bias:  # a q/k bias row moves with its weight row
+                a = hf + "self_attn."
+                maps += [_rope_rows(a + "q_proj.bias", me + "attn.wq.bias", cfg.n_heads),
+                         _rope_rows(a + "k_proj.bias", me + "attn.wk.bias", cfg.kv_heads),
+                         _plain(a + "v_proj.bias", me + "attn.wv.bias")]
+            if cfg.qk_norm:  # the norm weight [D] is one head's channels: permuted alike
+                maps += [_rope_rows(hf + f"self_attn.{n}_norm.weight",
+                                    me + f"attn.{n}_norm.weight", 1) for n in ("q", "k")]
+            maps += [
                      _plain(hf + "self_attn.o_proj.weight", me + "attn.wo.weight"),
                      _plain(hf + "mlp.gate_proj.weight", me + "mlp.w1.weight"),
                      _plain(hf + "mlp.up_proj.weight", me + "mlp.w3.weight"),

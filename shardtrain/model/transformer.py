@@ -20,11 +20,62 @@ from shardtrain.config import ModelConfig
 from shardtrain.model.moe import MoE
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [S, D/2] for rotary position embeddings (Su et al. 2021)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
-    return angles.cos().float(), angles.sin().float()
+def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [S, D/2] for rotary position embeddings (Su et al. 2021), pair i
+    turning at theta^(-2i/D) per position, scaled as `cfg.rope_scaling` says."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64),
+                         scale_frequencies(inv_freq, cfg))
+    scale = yarn_attention_factor(cfg) if cfg.rope_scaling == "yarn" else 1.0
+    return (angles.cos() * scale).float(), (angles.sin() * scale).float()
+
+
+def yarn_attention_factor(cfg: ModelConfig) -> float:
+    """YaRN's scale of cos and sin (so of q.k by its square): 0.1 ln(factor) + 1 unless
+    the checkpoint states one (Peng et al. 2023, eq. 21)."""
+    if cfg.rope_attention_factor:
+        return cfg.rope_attention_factor
+    return 0.1 * math.log(cfg.rope_factor) + 1.0 if cfg.rope_factor > 1 else 1.0
+
+
+def scale_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """linear: every frequency / factor (position interpolation, Chen et al. 2023). llama3
+    (Llama 3.1's release): wavelengths shorter than original_max_len / high_freq_factor kept,
+    longer than original_max_len / low_freq_factor divided by factor, those between blended
+    linearly in original_max_len / wavelength. dynamic (NTK-aware, as transformers runs it):
+    theta grows only for sequences beyond max_seq_len, which train.seq_len never is, so
+    the frequencies are the plain ones."""
+    if cfg.rope_scaling == "linear":
+        return inv_freq / cfg.rope_factor
+    if cfg.rope_scaling in ("none", "dynamic"):
+        return inv_freq
+    if cfg.rope_scaling == "yarn":
+        return yarn_frequencies(inv_freq, cfg)
+    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (cfg.rope_original_max_len / wavelen - low) / (high - low)  # 0 at low, 1 at high
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > cfg.rope_original_max_len / low, inv_freq / factor, inv_freq)
+    between = (wavelen >= cfg.rope_original_max_len / high) & \
+        (wavelen <= cfg.rope_original_max_len / low)
+    return torch.where(between, blended, out)
+
+
+def yarn_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension"): pairs that turn
+    more than beta_fast = 32 times over the original context keep their frequency, those
+    turning fewer than beta_slow = 1 times are divided by the factor, a linear ramp in the
+    pair index between (bounds floored and ceiled, as transformers' truncate=True)."""
+    d, orig = cfg.head_dim, cfg.rope_original_max_len
+
+    def pair_of(rotations: float) -> float:  # the pair index turning `rotations` times
+        return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+    low, high = max(math.floor(pair_of(32)), 0), min(math.ceil(pair_of(1)), d - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / cfg.rope_factor * ramp + inv_freq * (1 - ramp)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -53,11 +104,16 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         bias = cfg.style == "gpt2"
+        qkv_bias = bias or cfg.qkv_bias  # Qwen2: biases on q, k, v, none on o
         self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=bias)
-        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=bias)
-        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=bias)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=bias)
+        # Qwen3: RMSNorm over each head's D channels of q and k, before RoPE; one weight [D]
+        # shared by every head, so a layout that splits heads keeps it whole.
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.core: AttentionCore = sdpa_core
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -65,6 +121,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)  # [B, S, H, D]
         k = self.wk(x).view(b, s, -1, self.head_dim)  # [B, S, G, D]
         v = self.wv(x).view(b, s, -1, self.head_dim)  # [B, S, G, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H|G, S, D]
@@ -126,7 +184,7 @@ class Transformer(nn.Module):
         # (context parallelism sets them: parallel/context/); None: the first S positions.
         self.positions: torch.Tensor | None = None
         if cfg.style == "llama":
-            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+            cos, sin = rope_tables(cfg)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -183,7 +241,7 @@ def init_parameters(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
 def init_rope(module: nn.Module, cfg: ModelConfig) -> None:
     """The RoPE tables, where the module has them."""
     if hasattr(module, "rope_cos"):
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg)
         module.rope_cos = cos.to(module.rope_cos.device)
         module.rope_sin = sin.to(module.rope_sin.device)
 

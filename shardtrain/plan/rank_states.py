@@ -45,9 +45,14 @@ def block_tensors(cfg: ModelConfig, index: int, t: int) -> list[tuple[str, int]]
     norm = [("weight", h), ("bias", h)] if gpt2 else [("weight", h)]
     col = lambda rows: [("weight", rows * h)] + ([("bias", rows)] if gpt2 else [])  # noqa: E731
     row = lambda cols: [("weight", h * cols)] + ([("bias", h)] if gpt2 else [])  # noqa: E731
-    linears = [("attn_norm", norm), ("attn.wq", col(-(-q // t))), ("attn.wk", col(kv)),
-               ("attn.wv", col(kv)), ("attn.wo", row(-(-q // t))), ("mlp_norm", norm),
-               ("mlp.w1", col(-(-f // t)))]
+    qkv = lambda rows: [("weight", rows * h)] + (  # noqa: E731
+        [("bias", rows)] if gpt2 or cfg.qkv_bias else [])
+    linears = [("attn_norm", norm), ("attn.wq", qkv(-(-q // t))), ("attn.wk", qkv(kv)),
+               ("attn.wv", qkv(kv)), ("attn.wo", row(-(-q // t)))]
+    if cfg.qk_norm:  # Qwen3: whole on every tp rank
+        linears += [("attn.q_norm", [("weight", cfg.head_dim)]),
+                    ("attn.k_norm", [("weight", cfg.head_dim)])]
+    linears += [("mlp_norm", norm), ("mlp.w1", col(-(-f // t)))]
     linears += [("mlp.w2", row(-(-f // t)))] if gpt2 else \
         [("mlp.w3", col(-(-f // t))), ("mlp.w2", row(-(-f // t)))]
     return [(f"layers.{index}.{m}.{p}", n) for m, parts in linears for p, n in parts]

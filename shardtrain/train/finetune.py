@@ -9,8 +9,6 @@ names both.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,17 +22,23 @@ from shardtrain.model.hf_names import model_config_from_hf
 from shardtrain.model.transformer import Transformer, init_tensor
 from shardtrain.parallel.build import Values
 from shardtrain.parallel.pipeline.state import StageShards
-from shardtrain.train.lora import adapter_state, apply_lora, lora_modules
+from shardtrain.train.lora import apply_lora, lora_modules
+from shardtrain.train.peft_format import (peft_adapter_values, resolve_lora_init,
+                                          save_peft_adapters)
 
 SHAPE_FIELDS = ("style", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-                "max_seq_len", "tie_embeddings", "norm_eps", "rope_theta")
-ADAPTER_FILE = "adapters.safetensors"
+                "max_seq_len", "tie_embeddings", "norm_eps", "rope_theta", "qkv_bias", "qk_norm",
+                "head_size", "rope_scaling", "rope_factor", "rope_low_freq_factor",
+                "rope_high_freq_factor", "rope_original_max_len", "rope_attention_factor",
+                "sliding_window")
 
 
 def resolve_init_from(cfg: Config) -> None:
     """With model.init_from set: take the model shape from the directory's config.json
     (a field set to another value is an error naming both), and its tokenizer.json as
-    data.tokenizer unless one was chosen. Idempotent."""
+    data.tokenizer unless one was chosen; with lora.init_from, the LoRA shape from its
+    adapter_config.json. Idempotent."""
+    resolve_lora_init(cfg)
     if not cfg.model.init_from:
         return
     path = Path(cfg.model.init_from).expanduser()
@@ -51,7 +55,7 @@ def resolve_init_from(cfg: Config) -> None:
                               f"({theirs!r}); drop model.{name}: model.init_from sets the shape")
         setattr(cfg.model, name, getattr(hf, name))
     if cfg.model.n_experts:
-        raise ConfigError("model.n_experts: a Hugging Face Llama or GPT-2 has no experts; "
+        raise ConfigError("model.n_experts: the Hugging Face families read have no experts; "
                           "drop it with model.init_from")
     tokenizer = hf_tokenizer(path)
     if tokenizer is not None and cfg.data.tokenizer == "byte":
@@ -81,15 +85,37 @@ def build_start_model(cfg: Config, *, device: torch.device | str = "cpu") -> Tra
             load_hf_weights(model, Path(cfg.model.init_from).expanduser(), cfg=cfg.model)
         for name, value in _nf4_values(cfg, model, lambda n: not cfg.model.init_from):
             assign(model, name, value)
+        if cfg.lora.init_from:  # the adapters a peft run saved, in place of the drawn ones
+            for name, value in peft_adapter_values(model, cfg):
+                assign(model, name, value)
     return model
 
 
 def start_values(cfg: Config, shards: StageShards) -> Values:
     """The value source of a layout's build (parallel/build.py): every tensor this rank
     holds, as its local block, one at a time -- the seeded draw by name, or model.init_from's
-    weights streamed from its safetensors files (the adapters seeded), and QLoRA's NF4 bases
-    (quantized as they are written)."""
+    weights streamed from its safetensors files; the adapters seeded, or lora.init_from's
+    (a peft directory); and QLoRA's NF4 bases (quantized as they are written)."""
     model, seed = shards.model, cfg.train.seed
+    hf, peft = bool(cfg.model.init_from), bool(cfg.lora.init_from)
+
+    def values(wants: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+        def drawn(name: str) -> bool:  # what no file provides
+            adapter = name.endswith((".lora_a", ".lora_b"))
+            return wants(name) and not (peft if adapter else hf)
+
+        yield from shards.initial_values(seed, drawn)
+        if not hf:
+            yield from _nf4_values(cfg, model, wants)
+        else:
+            for name, full in iter_hf_weights(Path(cfg.model.init_from).expanduser(), cfg.model):
+                if holds(model, name) and wants(name):  # this stage's, this shard's
+                    yield name, shards.shard_full(name, full)
+        if peft:
+            yield from ((n, v) for n, v in peft_adapter_values(model, cfg, shard=shards.shard_full)
+                        if wants(n))
+
+    return values
 
     def values(wants: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
         if not cfg.model.init_from:
@@ -123,35 +149,9 @@ def export_hf(model: nn.Module, cfg: Config, out: str | Path,
 
 
 def save_adapters(model: nn.Module, cfg: Config, out: str | Path) -> Path:
-    """The adapters alone: adapters.safetensors (shardtrain's parameter names) and
-    adapter_config.json (rank, alpha, targets, the base directory)."""
-    from safetensors.torch import save_file
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.float().cpu() for k, v in adapter_state(model).items()},
-              str(out / ADAPTER_FILE), metadata={"format": "pt"})
-    meta = {**dataclasses.asdict(cfg.lora), "base_model": cfg.model.init_from}
-    (out / "adapter_config.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return out
-
-
-@torch.no_grad()
-def load_adapters(model: nn.Module, path: str | Path) -> None:
-    """Copy saved adapters into a model with the same LoRA targets."""
-    from safetensors.torch import load_file
-
-    file = Path(path) / ADAPTER_FILE
-    if not file.is_file():
-        raise ConfigError(f"{file}: missing; give a directory written by save_adapters")
-    saved = load_file(str(file))
-    params = dict(model.named_parameters())
-    missing = sorted(set(saved) ^ {n for n in params if n.endswith((".lora_a", ".lora_b"))})
-    if missing:
-        raise ConfigError(f"{file}: adapters do not match this model's LoRA targets "
-                          f"(e.g. {missing[:2]}); use the same lora.targets")
-    for name, value in saved.items():
-        params[name].copy_(value)
+    """The adapters alone, as a peft adapter directory (adapter_model.safetensors and
+    adapter_config.json) that `peft.PeftModel.from_pretrained(base, out)` loads."""
+    return save_peft_adapters(model, cfg, out)
 
 
 def nf4_bytes(model: nn.Module) -> int:

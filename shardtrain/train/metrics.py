@@ -9,6 +9,7 @@ import resource
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 
 from shardtrain.data.fsutil import write_atomic
 from shardtrain.model.moe import moe_stats
+from shardtrain.train.tracking import Tracker, scalars_of
 
 # Dense peak FLOP/s per GPU by the precision of its matmuls (vendor datasheets, SXM parts
 # unless named; without sparsity), matched in order against the device name.
@@ -121,13 +123,14 @@ def clock(device: torch.device) -> float:
 class MetricsWriter:
     """Appends one JSON object per optimizer step to <run_dir>/metrics.jsonl (rank 0)."""
 
-    def __init__(self, run_dir: str | Path, *, enabled: bool, tensorboard: bool, resume: bool,
-                 from_step: int = 0):
+    def __init__(self, run_dir: str | Path, *, enabled: bool, resume: bool, from_step: int = 0,
+                 trackers: Sequence[Tracker] = ()):
         """`resume`: keep the records of the steps up to `from_step` (the checkpoint's), drop
-        later ones (an interrupted attempt's, redone now); else start the file afresh."""
+        later ones (an interrupted attempt's, redone now); else start the file afresh.
+        `trackers` (train/tracking.py) receive every record too."""
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
-        self._tb = None
+        self.trackers = list(trackers)
         if not enabled:
             return
         if not resume:
@@ -136,23 +139,18 @@ class MetricsWriter:
             kept = [line for line in self.path.read_text().splitlines()
                     if json.loads(line).get("step", 0) <= from_step]
             write_atomic(self.path, "".join(line + "\n" for line in kept))
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # optional extra
-            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(key, value, record["step"])
+        for tracker in self.trackers:
+            tracker.log(record["step"], scalars_of(record))
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def moe_metrics(module: torch.nn.Module, comms: list, device: torch.device) -> dict[str, float]:

@@ -30,6 +30,8 @@ from shardtrain.ckpt.files import Reader
 from shardtrain.train import checkpoint as ckpt
 from shardtrain.train.guard import BadStepGuard, hang_here, kill_here, nan_loss
 from shardtrain.train.finetune import build_skeleton, nf4_bytes, resolve_init_from, start_values
+from shardtrain.train.profile import StepProfiler
+from shardtrain.train.tracking import open_trackers
 from shardtrain.train.metrics import (MetricsWriter, clock, device_peak_flops, moe_metrics,
                                       peak_memory, reset_peak_memory)
 from shardtrain.train.optim import build_optimizer, lr_at
@@ -89,8 +91,10 @@ class Trainer:
         self.guard = BadStepGuard(t.max_bad_steps, t.run_dir, t.precision)
         self.saver = Saver(cfg, mesh)
         self.pace = Pace(cfg, mesh)  # compute and wait per rank, stragglers named (pace.py)
-        self.metrics = MetricsWriter(t.run_dir, enabled=self.is_main, tensorboard=t.tensorboard,
-                                     resume=resume is not None, from_step=self.step)
+        self.metrics = MetricsWriter(t.run_dir, enabled=self.is_main, resume=resume is not None,
+                                     from_step=self.step,
+                                     trackers=open_trackers(cfg) if self.is_main else ())
+        self.profiler = StepProfiler(t, mesh.rank, device)  # train.profile_steps (profile.py)
 
     # ------------------------------------------------------------------ one step
 
@@ -154,7 +158,8 @@ class Trainer:
         bar = tqdm(total=t.steps, initial=self.step, disable=not (self.is_main and t.progress),
                    unit="step", dynamic_ncols=True)
         while self.step < t.steps:
-            record = self.train_step()
+            with self.profiler.step(self.step + 1):
+                record = self.train_step()
             final = self.step == t.steps
             if (t.eval_every and self.step % t.eval_every == 0) or final:
                 record["eval_loss"] = result.eval_loss = self.evaluate()
@@ -178,6 +183,7 @@ class Trainer:
         bar.close()
         self.saver.wait()  # an asynchronous save still writing
         self.metrics.close()
+        self.profiler.close()
         # Each rank's own memory ledger (metrics.jsonl carries rank 0's).
         ledger = self.memory_ledger()
         write_atomic(Path(t.run_dir) / f"memory_rank{self.mesh.rank}.json",

@@ -215,7 +215,10 @@ def apply_tensor_parallel(model: Transformer, comm: Communicator, *, sp: bool
                                            partial))
                 setattr(module, name, new)
     for module_name, module in model.named_modules():
-        if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        if module_name.endswith((".q_norm", ".k_norm")):  # Qwen3's per-head norms: whole,
+            # but each rank normalises only its own heads: the gradients are summed over tp
+            places[f"{module_name}.weight"] = Placement(partial=True)
+        elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             for pname, p in module.named_parameters():
                 replicate(f"{module_name}.{pname}", p)
 

@@ -1,0 +1,45 @@
+"""Checks of the model fields that today's Hugging Face families add (Qwen2's q/k/v biases,
+Qwen3's q/k norms and head size, Llama 3's RoPE scaling, Mistral's window)."""
+
+from __future__ import annotations
+
+from shardtrain.config.errors import ConfigError
+
+ROPE_SCALINGS = ("none", "llama3", "linear", "dynamic", "yarn")
+
+
+def check_families(model) -> None:
+    """model: ModelConfig (not imported: schema.py imports this module)."""
+    pieces = [n for n in ("qkv_bias", "qk_norm") if getattr(model, n)]
+    if model.rope_scaling != "none":
+        pieces.append("rope_scaling")
+    if model.style != "llama" and pieces:
+        raise ConfigError(f"model.{pieces[0]} belongs to the llama style (Llama, Qwen, "
+                          f"Mistral); model.style={model.style!r} has none: drop it")
+    if model.head_size < 0 or model.sliding_window < 0:
+        raise ConfigError("model.head_size and model.sliding_window must be >= 0 (0: "
+                          "dim / n_heads, and no window)")
+    if model.rope_scaling not in ROPE_SCALINGS:
+        raise ConfigError(f"model.rope_scaling={model.rope_scaling!r} is not one of "
+                          f"{', '.join(ROPE_SCALINGS)}")
+    if model.rope_scaling != "none" and model.rope_factor <= 0:
+        raise ConfigError(f"model.rope_factor={model.rope_factor} must be positive")
+    if model.rope_attention_factor < 0 or (model.rope_scaling == "yarn"
+                                           and model.rope_original_max_len <= 0):
+        raise ConfigError("model.rope_scaling=yarn needs model.rope_original_max_len > 0 and "
+                          "model.rope_attention_factor >= 0 (0: 0.1 ln(factor) + 1)")
+    if model.rope_scaling == "llama3" and not (
+            0 < model.rope_low_freq_factor < model.rope_high_freq_factor
+            and model.rope_original_max_len > 0):
+        raise ConfigError("model.rope_scaling=llama3 needs 0 < model.rope_low_freq_factor "
+                          "< model.rope_high_freq_factor and model.rope_original_max_len > 0")
+
+
+def check_window(seq_len: int, model) -> None:
+    """Mistral's attention window: full causal attention over train.seq_len tokens equals the
+    windowed attention only when the sequence fits in the window."""
+    if model.sliding_window and seq_len > model.sliding_window:
+        raise ConfigError(f"train.seq_len={seq_len} exceeds model.sliding_window="
+                          f"{model.sliding_window} (the model's attention window): shardtrain "
+                          "attends over the whole sequence, which equals windowed attention "
+                          f"only when it fits; set train.seq_len <= {model.sliding_window}")
