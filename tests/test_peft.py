@@ -81,10 +81,12 @@ def test_peft_adapter_loads_and_continues_training(tmp_path):
     torch.testing.assert_close(logits(build_start_model(cfg)), logits(adapted), rtol=0,
                                atol=1e-4)
     trainer = Trainer(cfg, make_mesh(cfg, 0, 1), torch.device("cpu"))
-    start = {n: p.detach().clone() for n, p in trainer.plain_model().named_parameters()}
+    model = trainer.parallel.module  # one process: the whole model, built by the layout
+    torch.testing.assert_close(logits(model), logits(adapted), rtol=0, atol=1e-4)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
     result = trainer.run()
     assert len(result.losses) == 3 and all(x == x for x in result.losses)
-    after = dict(trainer.plain_model().named_parameters())
+    after = dict(model.named_parameters())
     moved = [n for n in start if not torch.equal(start[n], after[n].detach())]
     assert moved and all("lora_" in n for n in moved)  # the adapters train, the base stays
     # An adapter peft cannot describe plainly is refused, naming the field.
