@@ -7,6 +7,7 @@ the next, and a bad offload dir is refused before launch."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -19,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from dist import run_distributed
-from parity import assert_parity, make_mesh, tiny, train_layout, train_layouts
+from parity import assert_parity, make_mesh, tiny, tiny_data, train_layout, train_layouts
 from shardtrain import config
-from shardtrain.cli import prepare_run
+from shardtrain.cli import main, prepare_run
 from shardtrain.config import ConfigError, OptimConfig
 from shardtrain.parallel.zero import offload_files
 from shardtrain.parallel.zero.offload import HostOptimizer, check_offload_dir
@@ -205,6 +206,27 @@ def _check_ledger(row: Row, got: dict, on_device: dict, label: str) -> None:
             assert torch.equal(got["weights"][name], w), f"{label}: {name} differs from zero3"
     if row.label == "zero3":  # on the device the shards are held, and counted
         assert ledger["params_bytes"] == sum(got["shard_storage"]) > 0, label
+
+
+def test_dry_run_counts_offloaded_parameters_exactly(tmp_path, capsys):
+    """The dry run (rank 0 of 48, ZeRO-3 nvme, units padded to 48): the exact comparison
+    covers offload; no parameter bytes on the device, the offloaded bytes the planner's
+    (padding included), and the state files gone with the run."""
+    offload_dir = tmp_path / "offload"
+    offload_dir.mkdir()
+    overrides = ["--model.style", "gpt2", "--model.n_kv_heads", "0", "--parallel.zero", "3",
+                 "--train.global_batch", "96", "--parallel.offload", "nvme",
+                 "--parallel.offload_dir", str(offload_dir)]
+    assert main(["train", "--dry-run-world", "48", "--config", "tiny", "--train.run_dir",
+                 str(tmp_path / "dry"), *tiny_data(tmp_path), *overrides]) == 0
+    assert "measured == planned exact" in capsys.readouterr().out
+    report = json.loads((tmp_path / "dry" / "dry_run.json").read_text())
+    cfg = tiny(tmp_path, "dry", *overrides)
+    planned = rank0_states(cfg.model, config_layout(cfg, 48))
+    measured = report["measured"]
+    assert report["match"] is True and measured["params"] == planned.params == 0
+    assert measured["offloaded"] == planned.offloaded == 3 * measured["grads"] > 0
+    assert not any(offload_dir.iterdir())
 
 
 def test_stale_folders_of_dead_processes_are_removed_before_the_space_check(tmp_path,
