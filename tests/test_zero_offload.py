@@ -2,12 +2,12 @@
 bit for bit, its files are written atomically and removed, stages 1-3 with either offload
 reproduce the single-process run on 2 ranks and resume bitwise from a checkpoint, ZeRO-3
 keeps no parameter shard on the device (ledger and planner agree to the byte, and the run
-equals the on-device ZeRO-3 one bitwise), the folders of a killed attempt are removed by
-the next, and a bad offload dir is refused before launch."""
+equals the on-device ZeRO-3 one bitwise), the folder of a killed attempt is removed by the
+next, and a bad offload dir is refused before launch. One-process checks of the parameter
+offload: test_zero_infinity.py."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -20,12 +20,11 @@ import torch
 import torch.distributed as dist
 
 from dist import run_distributed
-from parity import assert_parity, make_mesh, tiny, tiny_data, train_layout, train_layouts
+from parity import assert_parity, make_mesh, tiny, train_layout, train_layouts
 from shardtrain import config
-from shardtrain.cli import main, prepare_run
+from shardtrain.cli import prepare_run
 from shardtrain.config import ConfigError, OptimConfig
-from shardtrain.parallel.zero import offload_files
-from shardtrain.parallel.zero.offload import HostOptimizer, check_offload_dir
+from shardtrain.parallel.zero.offload import HostOptimizer
 from shardtrain.plan.layout import config_layout
 from shardtrain.plan.rank_states import rank0_states
 from shardtrain.train.trainer import Trainer
@@ -206,57 +205,6 @@ def _check_ledger(row: Row, got: dict, on_device: dict, label: str) -> None:
             assert torch.equal(got["weights"][name], w), f"{label}: {name} differs from zero3"
     if row.label == "zero3":  # on the device the shards are held, and counted
         assert ledger["params_bytes"] == sum(got["shard_storage"]) > 0, label
-
-
-def test_dry_run_counts_offloaded_parameters_exactly(tmp_path, capsys):
-    """The dry run (rank 0 of 48, ZeRO-3 nvme, units padded to 48): the exact comparison
-    covers offload; no parameter bytes on the device, the offloaded bytes the planner's
-    (padding included), and the state files gone with the run."""
-    offload_dir = tmp_path / "offload"
-    offload_dir.mkdir()
-    overrides = ["--model.style", "gpt2", "--model.n_kv_heads", "0", "--parallel.zero", "3",
-                 "--train.global_batch", "96", "--parallel.offload", "nvme",
-                 "--parallel.offload_dir", str(offload_dir)]
-    assert main(["train", "--dry-run-world", "48", "--config", "tiny", "--train.run_dir",
-                 str(tmp_path / "dry"), *tiny_data(tmp_path), *overrides]) == 0
-    assert "measured == planned exact" in capsys.readouterr().out
-    report = json.loads((tmp_path / "dry" / "dry_run.json").read_text())
-    cfg = tiny(tmp_path, "dry", *overrides)
-    planned = rank0_states(cfg.model, config_layout(cfg, 48))
-    measured = report["measured"]
-    assert report["match"] is True and measured["params"] == planned.params == 0
-    assert measured["offloaded"] == planned.offloaded == 3 * measured["grads"] > 0
-    assert not any(offload_dir.iterdir())
-
-
-def test_stale_folders_of_dead_processes_are_removed_before_the_space_check(tmp_path,
-                                                                            monkeypatch):
-    """Only this host's folders whose process is gone (exited, or a zombie not reaped yet)
-    go, and before the free space is measured; live ones, other hosts' and anything else
-    stay (several ranks and jobs share the directory)."""
-    host = socket.gethostname()
-    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
-    os.waitid(os.P_PID, zombie.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
-    names = {"dead": f"shardtrain-{host}-pid{_dead_pid()}-rank0-a1b2",
-             "zombie": f"shardtrain-{host}-pid{zombie.pid}-rank3-c3d4",
-             "live": f"shardtrain-{host}-pid{os.getpid()}-rank0-e5f6",
-             "other host": f"shardtrain-not{host}-pid{_dead_pid()}-rank0-g7h8",
-             "unrelated": "shardtrain-rank0-abcd1234"}
-    for name in names.values():
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "unit0000.fp32").write_bytes(bytes(16))
-    usage = shutil.disk_usage(tmp_path)
-
-    def disk_usage(path):  # the space check runs after the stale folders are gone
-        assert not (tmp_path / names["dead"]).exists(), "space measured before the clean-up"
-        return usage
-
-    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
-    check_offload_dir(str(tmp_path), 1)
-    zombie.wait()
-    left = {p.name for p in tmp_path.iterdir()}
-    assert left == {names[k] for k in ("live", "other host", "unrelated")}
-    assert offload_files.remove_stale_folders(tmp_path) == []  # nothing more to remove
 
 
 # ---------------------------------------------------------------- bad input, before launch
