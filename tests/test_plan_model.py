@@ -74,8 +74,22 @@ def test_offload_moves_states_off_the_gpu():
     on = memory_per_gpu(LLAMA, Layout(**lay, zero=3), seq_len=1024)
     cpu = memory_per_gpu(LLAMA, Layout(**lay, zero=3, offload="cpu"), seq_len=1024)
     nvme = memory_per_gpu(LLAMA, Layout(**lay, zero=3, offload="nvme"), seq_len=1024)
-    assert cpu.master == cpu.optimizer == 0 and cpu.offloaded == on.master + on.optimizer
-    assert nvme.params == 0 and nvme.offloaded == cpu.offloaded + on.params
+    # ZeRO-Infinity: under ZeRO-3 both tiers take the parameter shards too (bf16
+    # convention: the 16-bit shard beside the fp32 master); cpu and nvme differ in where.
+    assert cpu.master == cpu.optimizer == cpu.params == 0
+    assert cpu.offloaded == on.master + on.optimizer + on.params == nvme.offloaded
+    assert nvme.params == 0 and nvme.grads == on.grads
+    # fp32 parameters are their own master: offloaded they are the 4 bytes of the master,
+    # beside the 8 of the moments. ZeRO-2 keeps its full parameters on the device, and the
+    # host holds the fp32 master copy the step updates.
+    fp32 = dict(lay, precision="amp")
+    on32 = memory_per_gpu(LLAMA, Layout(**fp32, zero=3), seq_len=1024)
+    off32 = memory_per_gpu(LLAMA, Layout(**fp32, zero=3, offload="nvme"), seq_len=1024)
+    assert off32.params == 0 and off32.offloaded == pytest.approx(3 * on32.params)
+    z2 = memory_per_gpu(LLAMA, Layout(**fp32, zero=2), seq_len=1024)
+    z2_cpu = memory_per_gpu(LLAMA, Layout(**fp32, zero=2, offload="cpu"), seq_len=1024)
+    assert z2_cpu.params == z2.params and z2_cpu.optimizer == 0
+    assert z2_cpu.offloaded == pytest.approx(z2.optimizer * 1.5)  # 4 + 8 per shard element
 
 
 def test_dp_and_zero_bytes_per_rank():

@@ -1,15 +1,23 @@
 """ZeRO-Offload (cpu) and ZeRO-Infinity's NVMe tier: the host optimizer equals torch.optim
 bit for bit, its files are written atomically and removed, stages 1-3 with either offload
-reproduce the single-process run on 2 ranks and resume bitwise from a checkpoint, and a bad
-offload dir is refused before launch."""
+reproduce the single-process run on 2 ranks and resume bitwise from a checkpoint, ZeRO-3
+keeps no parameter shard on the device (ledger and planner agree to the byte, and the run
+equals the on-device ZeRO-3 one bitwise), the folder of a killed attempt is removed by the
+next, and a bad offload dir is refused before launch. One-process checks of the parameter
+offload: test_zero_infinity.py."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket
+import subprocess
+import sys
 from collections import namedtuple
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dist import run_distributed
 from parity import assert_parity, make_mesh, tiny, train_layout, train_layouts
@@ -17,6 +25,8 @@ from shardtrain import config
 from shardtrain.cli import prepare_run
 from shardtrain.config import ConfigError, OptimConfig
 from shardtrain.parallel.zero.offload import HostOptimizer
+from shardtrain.plan.layout import config_layout
+from shardtrain.plan.rank_states import rank0_states
 from shardtrain.train.trainer import Trainer
 
 SHAPES = [(5, 7), (7,), (3, 4), (11,)]  # matrices are decayed, vectors not
@@ -42,11 +52,15 @@ def test_host_optimizer_equals_torch_optim(tmp_path, offload, name, momentum):
                  else torch.optim.SGD(groups, lr=1e-2, momentum=momentum))
     flat = torch.cat([t.reshape(-1) for t in init])
     # Windows of 7 elements: the nvme step streams each shard in pieces.
-    host = HostOptimizer([flat[:CUT], flat[CUT:]], _decay_runs(), optim, offload=offload,
-                         directory=str(tmp_path), stream_numel=7)
+    make = lambda: HostOptimizer([flat[:CUT], flat[CUT:]], _decay_runs(), optim,  # noqa: E731
+                                 offload=offload, directory=str(tmp_path), stream_numel=7)
+    host, offloaded = make(), make()  # offloaded: ZeRO-3's, no device parameters to write
     params = [flat[:CUT].clone(), flat[CUT:].clone()]
-    if offload == "nvme":
-        files = sorted(p.name for p in tmp_path.glob("shardtrain-rank0-*/*"))
+    if offload == "nvme":  # one folder per optimizer, named by this host and process
+        folders = list(tmp_path.glob(f"shardtrain-{socket.gethostname()}-pid{os.getpid()}"
+                                     "-rank0-*"))
+        assert len(folders) == 2 and len(list(tmp_path.iterdir())) == 2
+        files = sorted(p.name for p in folders[0].iterdir())
         assert files == ["unit0000.fp32", "unit0001.fp32"]  # no temporary names left
     for _ in range(5):
         grads = [torch.randn(s) for s in SHAPES]
@@ -55,9 +69,16 @@ def test_host_optimizer_equals_torch_optim(tmp_path, offload, name, momentum):
         torch_opt.step()
         flat_grad = torch.cat([g.reshape(-1) for g in grads])
         host.step([flat_grad[:CUT], flat_grad[CUT:]], params, lr=1e-2)
+        offloaded.step([flat_grad[:CUT], flat_grad[CUT:]], None, lr=1e-2)
     want = torch.cat([p.detach().reshape(-1) for p in ref])
     assert torch.equal(torch.cat(params), want)
     assert torch.equal(torch.cat([host.master(0), host.master(1)]), want)
+    # The parameters a ZeRO-3 gather stages (fetch) are the updated masters, exactly.
+    staged = [torch.full((CUT,), float("nan")), torch.full((flat.numel() - CUT,), float("nan"))]
+    for k, out in enumerate(staged):
+        offloaded.fetch(k, out)
+    assert torch.equal(torch.cat(staged), want)
+    offloaded.close()
     n_states = 1 + (2 if name == "adamw" else int(momentum > 0))
     assert host.memory() == {"master_bytes": 0, "optimizer_bytes": 0,
                              "offloaded_bytes": 4 * n_states * flat.numel()}
@@ -90,7 +111,20 @@ def _rows(offload_dir: str) -> list[Row]:
     rows.append(Row("zero2 nvme offload sgd", ["--parallel.zero", "2", "--parallel.offload",
                                                "nvme", "--parallel.offload_dir", offload_dir,
                                                "--optim.name", "sgd"]))
+    rows.append(Row("zero3", ["--parallel.zero", "3"]))  # on the device: the offload rows' twin
     return rows
+
+
+def _ledger(trainer: Trainer) -> dict:
+    """Worker: the ledger after the run, the planner's exact figures for this rank (adamw),
+    and the device storage each ZeRO-3 unit's parameter shard holds (staging: none at rest)."""
+    cfg, update = trainer.cfg, trainer.parallel.update
+    out = {"ledger": trainer.memory_ledger(), "planned": None, "shard_storage": None}
+    if cfg.optim.name == "adamw":
+        out["planned"] = rank0_states(cfg.model, config_layout(cfg, dist.get_world_size()))
+    if cfg.parallel.zero == 3:
+        out["shard_storage"] = [u.shard.untyped_storage().nbytes() for u in update.units]
+    return out
 
 
 def _cfg(tmp, name, overrides):
@@ -101,7 +135,7 @@ def _parity_and_resume(rank: int, world_size: int, texts: list[str], split_text:
                        resumed_text: str) -> tuple[list[dict], list[float]]:
     """Worker: every row; then 3 steps of the split config, a checkpoint, and a resume to the
     end (the offloaded optimizer state goes through the checkpoint)."""
-    results = train_layouts(rank, world_size, texts)
+    results = train_layouts(rank, world_size, texts, _ledger)
     split_cfg = config.loads(split_text)
     first = Trainer(split_cfg, make_mesh(split_cfg, rank, world_size), torch.device("cpu"))
     losses = [first.train_step()["loss"] for _ in range(3)]
@@ -111,9 +145,20 @@ def _parity_and_resume(rank: int, world_size: int, texts: list[str], split_text:
     return results, losses + resumed.run().losses
 
 
+def _dead_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
 def test_offload_parity_with_single_process_and_resume(tmp_path):
     offload_dir = tmp_path / "offload"
     offload_dir.mkdir()
+    # A killed attempt's folder: the first optimizer of the next attempt removes it.
+    stale = offload_dir / f"shardtrain-{socket.gethostname()}-pid{_dead_pid()}-rank1-x8k2"
+    stale.mkdir()
+    (stale / "unit0000.fp32").write_bytes(bytes(64))
     rows = _rows(str(offload_dir))
     texts = [config.to_toml(_cfg(tmp_path, f"row{i}", r.overrides)) for i, r in enumerate(rows)]
     split = rows[5]  # zero3 nvme offload
@@ -134,8 +179,32 @@ def test_offload_parity_with_single_process_and_resume(tmp_path):
         for rank, results in enumerate(per_rank):
             assert_parity(references[key], results[i], f"{row.label} rank {rank}")
         print(f"{row.label}: losses {[round(x, 5) for x in per_rank[0][i]['losses']]}")
-    # Every optimizer's files went with it.
+    on_device = rows.index(Row("zero3", ["--parallel.zero", "3"]))
+    for i, row in enumerate(rows):
+        for rank, results in enumerate(per_rank):
+            _check_ledger(row, results[i], results[on_device], f"{row.label} rank {rank}")
+    # Every optimizer's files went with it, and the killed attempt's did too.
     assert not any(offload_dir.iterdir())
+
+
+def _check_ledger(row: Row, got: dict, on_device: dict, label: str) -> None:
+    """The planner's exact states are the ledger's, offloaded bytes included; offloaded
+    ZeRO-3 holds no parameter bytes on the device and trains bitwise as on the device."""
+    ledger = got["ledger"]
+    if got["planned"] is not None:
+        planned = {k: int(getattr(got["planned"], k)) for k in
+                   ("params", "grads", "master", "optimizer", "offloaded")}
+        held = {k: ledger[f"{k}_bytes"] for k in ("params", "grads", "master", "optimizer",
+                                                  "offloaded")}
+        assert held == planned, f"{label}: ledger {held} != planner {planned}"
+    if row.label.startswith("zero3 ") and "offload" in row.label:
+        assert ledger["params_bytes"] == 0 and set(got["shard_storage"]) == {0}, label
+        assert ledger["offloaded_bytes"] == 3 * on_device["ledger"]["params_bytes"], label
+        assert got["losses"] == on_device["losses"], f"{label}: losses differ from zero3"
+        for name, w in on_device["weights"].items():
+            assert torch.equal(got["weights"][name], w), f"{label}: {name} differs from zero3"
+    if row.label == "zero3":  # on the device the shards are held, and counted
+        assert ledger["params_bytes"] == sum(got["shard_storage"]) > 0, label
 
 
 # ---------------------------------------------------------------- bad input, before launch

@@ -9,9 +9,13 @@ Model states per parameter (Rajbhandari et al. 2020, FORMULAS.md), N_d = dp x cp
   weights, fp32 gradients, compute under autocast: the fp32 bytes, 4 + 4 + 0 + 8. The
   published figures (the paper's and Megatron's bf16 row) keep the `bf16` convention.
 - ZeRO-1 shards master + optimizer over N_d, ZeRO-2 the gradients too, ZeRO-3 also the
-  parameters. Offload moves the sharded master + optimizer off the GPU (cpu: to host
-  memory; nvme: to NVMe, with the parameter shards too, as ZeRO-Infinity does); they are
-  reported under `offloaded`, not in `total`.
+  parameters. Offload (cpu: to host memory, nvme: to NVMe; the same bytes, in different
+  places) moves the sharded optimizer state and an fp32 master shard off the GPU (4 bytes
+  per sharded parameter: where the parameters are their own fp32 master, the host keeps
+  the copy the step updates), and under ZeRO-3 the parameter shards too, as ZeRO-Infinity
+  does: fp32 ones are that master (no extra bytes), a 16-bit one (the bf16 convention) is
+  kept beside it. ZeRO-1 and 2 keep their full parameters on the device by definition.
+  All of it is reported under `offloaded`, not in `total` (`offload_states`).
 Activations, per layer and micro-batch: under the `bf16` convention the published forms
 of Korthikanti et al. 2022 (Megatron-LM's kernels: 16-bit values, stored attention
 probabilities, 1-byte dropout masks; `activation_bytes_per_layer`); under `fp32` and
@@ -47,6 +51,7 @@ class ModelStates:
     grads: float
     master: float
     optimizer: float
+    offloaded: float = 0.0  # off the device: host memory or NVMe (not in total)
 
     @property
     def total(self) -> float:
@@ -55,7 +60,23 @@ class ModelStates:
     def __add__(self, other: ModelStates) -> ModelStates:
         return ModelStates(params=self.params + other.params, grads=self.grads + other.grads,
                            master=self.master + other.master,
-                           optimizer=self.optimizer + other.optimizer)
+                           optimizer=self.optimizer + other.optimizer,
+                           offloaded=self.offloaded + other.offloaded)
+
+
+def offload_states(states: ModelStates, *, shard_params: float, zero: int) -> ModelStates:
+    """`states` with parallel.offload (cpu or nvme) on (module docstring): the optimizer
+    state and an fp32 master shard of `shard_params` elements move to `offloaded`, and
+    under ZeRO-3 the parameter shards do too. The runtime's ledger to the byte
+    (parallel/zero/offload.py HostOptimizer.memory, zero/model.py ZeroModel.memory)."""
+    master = states.master or 4 * shard_params  # fp32 parameters: the host's master copy
+    offloaded = master + states.optimizer
+    params = states.params
+    if zero == 3:
+        offloaded += states.params if states.master else 0  # a 16-bit copy beside the master
+        params = 0
+    return ModelStates(params=params, grads=states.grads, master=0, optimizer=0,
+                       offloaded=states.offloaded + offloaded)
 
 
 # bytes per parameter: (params, grads, master, optimizer)
@@ -162,15 +183,11 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
     states = (model_states(ranks.dense, nd=lay.replicas, zero=lay.zero, precision=lay.precision)
               + model_states(ranks.expert, nd=lay.replicas // lay.ep, zero=lay.zero,
                              precision=lay.precision))
-    offloaded = 0.0
     if lay.ps_servers:  # the optimizer lives on the parameter servers
         states = ModelStates(params=states.params, grads=states.grads, master=0, optimizer=0)
-    if lay.offload != "none":
-        offloaded = states.master + states.optimizer
-        states = ModelStates(params=states.params, grads=states.grads, master=0, optimizer=0)
-    if lay.offload == "nvme":
-        offloaded += states.params
-        states = ModelStates(params=0, grads=states.grads, master=0, optimizer=0)
+    if lay.offload != "none":  # each rank's shard: the dense over N_d, experts over N_d / ep
+        shard = ranks.dense / lay.replicas + ranks.expert / (lay.replicas // lay.ep)
+        states = offload_states(states, shard_params=shard, zero=lay.zero)
     value_bytes = 4 if lay.precision == "fp32" else 2
     s = seq_len // lay.cp
     per_layer = layer_activation_bytes(cfg, lay, seq_len=seq_len)
@@ -191,4 +208,5 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
         buffers += 2 * boundary / (lay.tp if lay.sp else 1)
     return MemoryBreakdown(params=states.params, grads=states.grads, optimizer=states.optimizer,
                            master=states.master, activations=activations,
-                           activations_per_layer=per_layer, buffers=buffers, offloaded=offloaded)
+                           activations_per_layer=per_layer, buffers=buffers,
+                           offloaded=states.offloaded)

@@ -15,8 +15,12 @@ runtime's padding to them, so the planner reproduces the runtime's ledger to the
   its parts (the vocabulary to a multiple of t; kv heads fewer than t are shared by t / kv
   ranks, each holding one head); norms, position table and row-parallel biases whole.
 
-Covered: dense models (no experts, no LoRA), AdamW, no offload, parameter server or
-ZeRO++ weight quantization; anything else raises PlanError naming what is not covered.
+- Offload (cpu or nvme, parallel/zero/offload.py): the ZeRO states above, then
+  `memory.offload_states` with this rank's padded shard: the optimizer state and the fp32
+  master shards off the device, under ZeRO-3 the parameter shards too (`offloaded`).
+
+Covered: dense models (no experts, no LoRA), AdamW, no parameter server or ZeRO++ weight
+quantization; anything else raises PlanError naming what is not covered.
 Pure arithmetic, like the rest of plan/: the rules are restated here, and the dry run
 (train/dryrun.py, tests/test_dryrun.py) checks them against the runtime's ledger.
 """
@@ -25,7 +29,8 @@ from __future__ import annotations
 
 from shardtrain.config import ModelConfig
 from shardtrain.plan.layout import Layout, PlanError
-from shardtrain.plan.memory import ModelStates, model_states, runtime_adamw_fp32
+from shardtrain.plan.memory import (ModelStates, model_states, offload_states,
+                                     runtime_adamw_fp32)
 from shardtrain.plan.partition import layers_per_stage
 
 FIRST_BUCKET_BYTES = 2**20  # parallel/data/ddp.py: the first bucket's cap
@@ -120,13 +125,19 @@ def rank0_states(cfg: ModelConfig, layout: Layout, *, layers: int | None = None,
                         "states (train.precision fp32, or bf16/fp16 = amp)")
     if optimizer != "adamw":
         raise PlanError(f"optim.name={optimizer!r}: the exact count covers adamw")
-    if lay.offload != "none" or lay.ps_servers:
-        raise PlanError("the exact per-rank count does not cover offload or parameter servers")
+    if lay.ps_servers:
+        raise PlanError("the exact per-rank count does not cover parameter servers")
+    if lay.offload != "none" and not lay.zero:
+        raise PlanError(f"layout offload={lay.offload} needs zero >= 1: it moves ZeRO's "
+                        "sharded states")
     tensors = rank0_tensors(cfg, lay, layers=layers)
     psi = sum(n for _, n in tensors)
     if lay.zero:
         padded = zero_padded(tensors, nd=lay.replicas, tied=cfg.tie_embeddings)
-        return model_states(padded, nd=lay.replicas, zero=lay.zero, precision=lay.precision)
+        states = model_states(padded, nd=lay.replicas, zero=lay.zero, precision=lay.precision)
+        if lay.offload == "none":
+            return states
+        return offload_states(states, shard_params=padded // lay.replicas, zero=lay.zero)
     padded = bucket_padded(tensors, nd=lay.replicas, bucket_mb=bucket_mb) \
         if lay.replicas > 1 else psi  # one replica: no reducer, no buckets
     return runtime_adamw_fp32(psi, grad_padding=padded - psi, step_tensors=len(tensors))

@@ -24,6 +24,12 @@ checkpointing the recompute happens inside the block's backward, after its backw
 so it finds the units gathered. Every rank of a group issues the same gathers in the same
 order: the events are the same.
 
+ZeRO-Infinity (`fetch_from`; offload.py): with the parameter shards offloaded, a unit's
+`shard` is a staging buffer with no storage at rest. `start` fills it from the offloaded
+master (host memory or NVMe) right before the unit's all-gather, so it arrives as far ahead
+of use as the gather is prefetched, and its storage goes as soon as the gather is done: on
+the device, a unit's shard exists only while the unit is in flight.
+
 Under pipeline parallelism (`StepGatherer`) a stage runs m forwards and m backwards per step,
 interleaved by the schedule: a unit is gathered at the first forward of its stage in the
 step and kept until the step's gradients are reduced (model.py, "With pipeline
@@ -31,6 +37,8 @@ parallelism" in docs/zero.md says why), as torchtitan's FSDP under pipelining ke
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -47,8 +55,19 @@ class UnitGatherer:
         self.units = units
         self.live: dict[FlatUnit, Handle | None] = {}  # gathered or gathering
         self.max_live = 0  # instrument: the most units held full at once
+        # ZeRO-Infinity: source(unit, out) fills the unit's staging shard (fetch_from).
+        self.source: Callable[[FlatUnit, torch.Tensor], None] | None = None
         for unit in units:
             self.free(unit)
+
+    def fetch_from(self, source: Callable[[FlatUnit, torch.Tensor], None]) -> None:
+        """The parameter shards live off the device (module docstring): every unit's
+        `shard` becomes a fresh staging buffer [shard] without storage, which `source(unit,
+        out)` fills before each gather (whatever storage the shard had is let go here)."""
+        self.source = source
+        for unit in self.units:
+            unit.shard = unit.shard.new_empty(unit.shard_numel)
+            unit.shard.untyped_storage().resize_(0)
 
     # ------------------------------------------------------------------ gather / free
 
@@ -58,6 +77,9 @@ class UnitGatherer:
             return
         storage = unit.flat.untyped_storage()
         storage.resize_(unit.padded * unit.flat.element_size())
+        if self.source is not None:  # staged from the offloaded master, just in time
+            unit.shard.untyped_storage().resize_(unit.shard_numel * unit.shard.element_size())
+            self.source(unit, unit.shard)
         self.live[unit] = unit.comm.gather_params(unit, unit.flat, unit.shard, phase=phase)
         self.max_live = max(self.max_live, len(self.live))
 
@@ -67,12 +89,19 @@ class UnitGatherer:
         if handle is not None:
             handle.wait()
             self.live[unit] = None
+            self._unstage(unit)
 
     def free(self, unit: FlatUnit) -> None:
         handle = self.live.pop(unit, None)
         if handle is not None:
             handle.wait()  # never free a buffer a collective still writes into
         unit.flat.untyped_storage().resize_(0)
+        self._unstage(unit)
+
+    def _unstage(self, unit: FlatUnit) -> None:
+        """An offloaded unit's staging shard goes once its gather is done (it was read)."""
+        if self.source is not None:
+            unit.shard.untyped_storage().resize_(0)
 
     def free_all(self) -> None:
         for unit in list(self.live):

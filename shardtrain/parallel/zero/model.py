@@ -50,6 +50,7 @@ its own group before the ep sum (`clip_grad_norm`); docs/zero.md "With expert pa
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Collection
 
 import torch
@@ -133,6 +134,15 @@ class ZeroModel:
             masters, [u.decay_runs() for u in self.units], cfg, aliased=aliased, rank=comm.rank,
             small=[[(a, b) for i, a, b in u.shard_runs(lambda i, u=u: u.params[i].numel()
                                                        < MIN_QUANTIZED_NUMEL)] for u in self.units])
+        # ZeRO-Infinity (offload.py): under ZeRO-3 the offloaded master is the parameter
+        # shard; the gatherer stages it onto the device per gather, none stays at rest.
+        self.offload_params = self.stage == 3 and p.offload != "none"
+        if self.offload_params:
+            # A weak reference: the gatherer lives as long as the hooks on the parameters
+            # (a cycle through autograd that Python's collector cannot see); the optimizer
+            # must go with this model, and its finalizer delete the nvme files.
+            index, host = {u: k for k, u in enumerate(self.units)}, weakref.proxy(self.optimizer)
+            self.gatherer.fetch_from(lambda u, out: host.fetch(index[u], out))
         self._partial = [partial_runs(u, shards.placements) for u in self.units]
         self.no_sync, self.zero_grad = self.reducer.no_sync, self.reducer.zero_grad
 
@@ -201,9 +211,10 @@ class ZeroModel:
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
-        """Update this rank's shards; stages 1 and 2 then all-gather the new parameters."""
+        """Update this rank's shards; stages 1 and 2 then all-gather the new parameters.
+        Offloaded ZeRO-3 parameters are updated where they live (their masters) only."""
         self.optimizer.step([u.grad_shard for u in self.units],
-                            [u.shard for u in self.units], lr)
+                            None if self.offload_params else [u.shard for u in self.units], lr)
         if self.stage == 3:
             return
         handles = []
@@ -236,7 +247,8 @@ class ZeroModel:
             for name, view in zip(u.names, u.param_views(full)):
                 view.copy_(state[name])
             self.optimizer.master(k).copy_(full[u.shard_slice()])
-            u.shard.copy_(full[u.shard_slice()])
+            if not self.offload_params:  # an offloaded one is its master
+                u.shard.copy_(full[u.shard_slice()])
             if self.stage < 3:
                 u.flat.copy_(full)
 
@@ -244,8 +256,11 @@ class ZeroModel:
         """Model-state bytes this rank holds, from the tensors: parameters (stages 1-2 the
         full flat buffers, stage 3 the shards; units gathered for compute are transient, as
         are a pipeline's full copies held through a step), gradients, master weights and
-        optimizer state."""
-        if self.stage == 3:
+        optimizer state. Offloaded ZeRO-3 shards count the storage their staging buffers
+        hold: none at rest, a unit's shard while it is gathered (gather.py)."""
+        if self.offload_params:
+            params = sum(u.shard.untyped_storage().nbytes() for u in self.units)
+        elif self.stage == 3:
             params = nbytes(*(u.shard for u in self.units))
         else:
             params = nbytes(*(u.flat for u in self.units))

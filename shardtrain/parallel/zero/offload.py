@@ -16,6 +16,15 @@ mapping only that window of each state, so the process never holds the whole opt
 state (12 bytes per parameter for AdamW) in memory. A file is [master | exp_avg |
 exp_avg_sq], each [shard] fp32, so `master(k)` can map the master weights alone.
 
+Under ZeRO-3 the parameters go too, as ZeRO-Infinity offloads them: the fp32 master shard
+IS the parameter shard, so no shard stays on the device between uses. The gatherer
+(gather.py `UnitGatherer.fetch_from`) stages a unit's shard from its master (`fetch`) just
+before the unit's all-gather, as far ahead as the gathers are prefetched
+(`parallel.zero_prefetch`), and frees it once the gather is done; the step updates the
+master where it lives (`step(..., params=None)`) and writes no device shard. ZeRO-1 and 2
+keep their full flat parameters on the device by definition: the step writes this rank's
+slice of them, all-gathered after it (model.py).
+
 HostOptimizer implements shard_optim.ShardOptimizer, and its update is that module's
 `update_shard` (torch.optim's own arithmetic, op for op), so an offloaded run reproduces an
 on-device one.
@@ -25,7 +34,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,54 +41,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardtrain.config import Config, ConfigError, OptimConfig
-from shardtrain.parallel.zero.optim import (MemoryOptimizer, Runs, ShardOptimizer, moment_names,
-                                             update_shard)
-from shardtrain.cost.counts import param_counts
+from shardtrain.config import Config, OptimConfig
+from shardtrain.parallel.zero.offload_files import (check_offload_dir, check_offload_space,
+                                                     make_state_folder, offload_bytes,
+                                                     state_names)
+from shardtrain.parallel.zero.optim import MemoryOptimizer, Runs, ShardOptimizer, update_shard
+
+__all__ = ["HostOptimizer", "build_shard_optimizer", "check_offload_dir", "check_offload_space",
+           "offload_bytes", "state_names"]
 
 STREAM_NUMEL = 1 << 20  # elements per streamed window: 4 MiB of each fp32 state
-
-
-def state_names(optim: OptimConfig) -> tuple[str, ...]:
-    """The fp32 tensors kept per parameter element: the master weight, then the moments."""
-    return ("master", *moment_names(optim))
-
-
-def offload_bytes(numel: int, optim: OptimConfig) -> int:
-    """Bytes of host (cpu) or file (nvme) state for `numel` fp32 master elements."""
-    return 4 * numel * len(state_names(optim))
-
-
-def check_offload_space(cfg: Config) -> None:
-    """Before launch (cli.prepare_run): with nvme offload, the directory must hold every
-    rank's state files, (1 + moments) x 4 bytes per parameter in all."""
-    if cfg.parallel.offload == "nvme":
-        check_offload_dir(cfg.parallel.offload_dir,
-                          offload_bytes(param_counts(cfg.model).total, cfg.optim))
-
-
-def check_offload_dir(directory: str, needed_bytes: int) -> None:
-    """nvme offload: the directory must exist, be writable, and have room for the state
-    of every rank that shares it (`needed_bytes`). ConfigError naming the field otherwise."""
-    field = f"parallel.offload_dir={directory!r}"
-    if not directory:
-        raise ConfigError("parallel.offload=nvme needs parallel.offload_dir: a directory on a "
-                          "fast local disk for the optimizer state files")
-    path = Path(directory)
-    if not path.is_dir():
-        raise ConfigError(f"{field} does not exist; create it (mkdir -p) or point "
-                          "parallel.offload_dir at an existing directory")
-    try:  # a real write: permission bits say nothing for root or read-only mounts
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as e:
-        raise ConfigError(f"{field} is not writable ({e.strerror}); choose a directory you "
-                          "can write to") from None
-    free = shutil.disk_usage(path).free
-    if free < needed_bytes:
-        raise ConfigError(
-            f"{field} has {free / 2**20:.1f} MiB free, but the offloaded optimizer state "
-            f"needs {needed_bytes / 2**20:.1f} MiB; free space there or choose a larger disk")
 
 
 def build_shard_optimizer(masters: list[torch.Tensor], decay: list[Runs], cfg: Config, *,
@@ -116,7 +86,8 @@ class HostOptimizer:
 
     `masters`: each shard's initial values (copied; any device); `decay`: each shard's
     weight-decay runs (FlatUnit.decay_runs). `step(grads, params, lr)` writes the new values
-    into `params`, the device shards (any float dtype)."""
+    into `params`, the device shards (any float dtype), or, with `params` None (ZeRO-3's
+    offloaded parameters), nowhere else: `fetch` reads them when a unit is next gathered."""
 
     def __init__(self, masters: list[torch.Tensor], decay: list[Runs],
                  optim: OptimConfig, *, offload: str, directory: str = "", rank: int = 0,
@@ -133,8 +104,7 @@ class HostOptimizer:
             else None
         if offload == "nvme":
             check_offload_dir(directory, offload_bytes(sum(m.numel() for m in masters), optim))
-            self.directory = Path(tempfile.mkdtemp(prefix=f"shardtrain-rank{rank}-",
-                                                   dir=directory))
+            self.directory = make_state_folder(directory, rank)
             # The files go when this optimizer does (or at interpreter exit).
             self._cleanup = weakref.finalize(self, shutil.rmtree, self.directory, True)
         self.shards: list[_Shard] = []
@@ -155,25 +125,30 @@ class HostOptimizer:
     # ------------------------------------------------------------------ the step
 
     @torch.no_grad()
-    def step(self, grads: list[torch.Tensor], params: list[torch.Tensor], lr: float) -> None:
+    def step(self, grads: list[torch.Tensor], params: list[torch.Tensor] | None,
+             lr: float) -> None:
         self.steps += 1
         if self.offload == "cpu":
             self._step_cpu(grads, params, lr)
             return
-        for shard, grad, param in zip(self.shards, grads, params, strict=True):
-            g, p = grad.reshape(-1), param.view(-1)
+        for k, (shard, grad) in enumerate(zip(self.shards, grads, strict=True)):
+            g = grad.reshape(-1)
+            p = None if params is None else params[k].view(-1)
             for start, end, window in self._windows(shard):  # window: states x [end - start]
                 update_shard(window[0], window[1:], g[start:end].float().cpu(),
                              _clip(shard.decay, start, end), lr, self.steps, self.optim)
-                p[start:end].copy_(window[0])
+                if p is not None:
+                    p[start:end].copy_(window[0])
                 del window  # unmaps it: one window of each state is mapped at a time
 
-    def _step_cpu(self, grads: list[torch.Tensor], params: list[torch.Tensor], lr: float) -> None:
+    def _step_cpu(self, grads: list[torch.Tensor], params: list[torch.Tensor] | None,
+                  lr: float) -> None:
         if self.stream is None:  # host tensors only: plain copies
-            for shard, grad, param in zip(self.shards, grads, params, strict=True):
+            for k, (shard, grad) in enumerate(zip(self.shards, grads, strict=True)):
                 update_shard(shard.host[0], list(shard.host[1:]), grad.reshape(-1).float(),
                              shard.decay, lr, self.steps, self.optim)
-                param.view(-1).copy_(shard.host[0])
+                if params is not None:
+                    params[k].view(-1).copy_(shard.host[0])
             return
         compute = torch.cuda.current_stream(self.stream.device)
         self.stream.wait_stream(compute)  # the gradient shards are final on the compute stream
@@ -184,13 +159,17 @@ class HostOptimizer:
                 grad.record_stream(self.stream)  # not reused before the copy is done
                 events.append(torch.cuda.Event())
                 events[-1].record(self.stream)
-            for shard, param, event in zip(self.shards, params, events, strict=True):
-                event.synchronize()  # this shard's gradient is on the host
+            for k, (shard, event) in enumerate(zip(self.shards, events, strict=True)):
+                # This shard's gradient is on the host; and, the copy stream having waited
+                # for the compute stream, so is every fetch (upload) of this master that the
+                # forward and backward queued: the update below cannot race one.
+                event.synchronize()
                 update_shard(shard.host[0], list(shard.host[1:]), shard.grad, shard.decay, lr,
                              self.steps, self.optim)
-                # Pinned source on the copy stream: the upload overlaps the next update, and
-                # the next step's update of this host buffer waits behind it (stream order).
-                param.view(-1).copy_(shard.host[0], non_blocking=True)
+                if params is not None:
+                    # Pinned source on the copy stream: the upload overlaps the next update,
+                    # and the next step's update of this buffer waits behind it (stream order).
+                    params[k].view(-1).copy_(shard.host[0], non_blocking=True)
         compute.wait_stream(self.stream)  # the next forward reads the new parameters
 
     # ------------------------------------------------------------------ state
@@ -231,8 +210,29 @@ class HostOptimizer:
             return shard.host[0]
         return self._map(shard, 0, 0, shard.numel)
 
+    @torch.no_grad()
+    def fetch(self, k: int, out: torch.Tensor) -> None:
+        """ZeRO-Infinity's parameter path: out [shard] (the unit's staging shard on the
+        device, the parameter dtype) <- shard k's master weights. cpu: from the host tensor
+        (pinned on CUDA: an asynchronous upload on the current stream). nvme: from the
+        file, one mapped window at a time; on CUDA through a pinned bounce buffer, NVMe ->
+        pinned host -> device, whose upload is asynchronous too (the caching host allocator
+        reuses the buffer only once the copy reading it is done)."""
+        shard = self.shards[k]
+        if shard.host is not None:
+            out.copy_(shard.host[0], non_blocking=out.is_cuda)
+            return
+        stage = torch.empty(shard.numel, dtype=torch.float32, pin_memory=True) if out.is_cuda \
+            else out  # [shard]
+        for start, end, window in self._windows(shard, states=1):
+            stage[start:end].copy_(window[0])
+            del window  # unmapped
+        if stage is not out:
+            out.copy_(stage, non_blocking=True)
+
     def memory(self) -> dict[str, int]:
-        """Nothing on the device; the whole state in host memory (cpu) or files (nvme)."""
+        """Nothing on the device; the whole state in host memory (cpu) or files (nvme).
+        Under ZeRO-3 that includes the parameter shards: the master is the parameter."""
         held = sum(4 * s.numel * len(self.states) for s in self.shards)
         return {"master_bytes": 0, "optimizer_bytes": 0, "offloaded_bytes": held}
 
@@ -251,11 +251,13 @@ class HostOptimizer:
             whole[:, start:end] = torch.stack(window)
         return whole
 
-    def _windows(self, shard: _Shard):
-        """(start, end, [each state's mapped [end - start] fp32 window])."""
+    def _windows(self, shard: _Shard, states: int | None = None):
+        """(start, end, [each state's mapped [end - start] fp32 window]): every state, or
+        the first `states` (1: the master weights alone)."""
         for start in range(0, shard.numel, self.stream_numel):
             end = min(shard.numel, start + self.stream_numel)
-            yield start, end, [self._map(shard, i, start, end) for i in range(len(self.states))]
+            yield start, end, [self._map(shard, i, start, end)
+                               for i in range(states or len(self.states))]
 
     @staticmethod
     def _map(shard: _Shard, state: int, start: int, end: int) -> torch.Tensor:
