@@ -177,6 +177,10 @@ def rank0_trainer(cfg: Config, world_size: int, device: torch.device) -> Iterato
 
     p = cfg.parallel
     shape = MeshShape(pp=p.pp, dp=p.resolved_dp(world_size), cp=p.cp, tp=p.tp, ep=p.ep)
+    if device.type == "cpu":
+        from shardtrain.train.metrics import fixed_mmap_threshold
+
+        fixed_mmap_threshold()
     fake_world(world_size)
     try:
         mesh = ParallelMesh(shape, rank=0, node_size=p.node_size or world_size,
