@@ -8,6 +8,7 @@ input ends with a message naming the field or file and exit code 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -47,12 +48,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_train(argv: list[str]) -> int:
+    presets = ", ".join(config_mod.preset_names())
     parser = argparse.ArgumentParser(
         prog="shardtrain train", epilog="config fields:\n" + "\n".join(config_mod.field_help()),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="default",
-                        help="a TOML file or a preset name under configs/ (default: default)")
-    parser.add_argument("--nproc", type=int, default=0,
+                        help=f"a TOML file or a preset: {presets} (default: default)")
+    parser.add_argument("--nproc", type=int, default=None,
                         help="local processes to launch (default: 1, or the launcher's world)")
     parser.add_argument("--dry-run-world", type=int, default=0, metavar="N",
                         help="run rank 0 of an N-rank job alone over a fake process group "
@@ -62,6 +64,9 @@ def cmd_train(argv: list[str]) -> int:
                              "from the newest checkpoint (under torchrun: its --max-restarts)")
     args, overrides = parser.parse_known_args(argv)
     cfg = config_mod.load(args.config, overrides)
+    if args.nproc is not None and args.nproc < 1:
+        raise ConfigError(f"--nproc {args.nproc} must be >= 1 (the local processes to start); "
+                          "leave it out for one")
     if args.dry_run_world:
         return dry_run(cfg, args.dry_run_world, nproc=args.nproc)
 
@@ -81,8 +86,6 @@ def cmd_train(argv: list[str]) -> int:
         run_worker(config_mod.to_toml(cfg))
         return 0
     nproc = args.nproc or 1
-    if nproc < 1:
-        raise ConfigError(f"--nproc {nproc} must be >= 1")
     prepare_run(cfg, nproc, prepare_data=True)
     if nproc == 1 and not args.max_restarts:  # in this process; restarts need a launcher
         run_worker(config_mod.to_toml(cfg))
@@ -122,7 +125,10 @@ def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool) -> None:
 
     from shardtrain.train.finetune import resolve_init_from
 
-    resolve_init_from(cfg)  # before validation: the shape comes from model.init_from
+    try:
+        resolve_init_from(cfg)  # before validation: the shape comes from model.init_from
+    except ConfigError as e:  # a preset's value the user never typed: say where it came from
+        raise config_mod.explain_origin(e, cfg) from None
     cfg.validate(world_size)
     check_source(cfg.data)
     if cfg.data.tokenizer not in ("byte", "bpe"):
@@ -133,6 +139,7 @@ def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool) -> None:
     resume = ckpt.resolve_resume(cfg)
     if resume is not None:
         ckpt.check_compatible(resume, cfg, world_size)
+        ckpt.check_files(resume)
     if cfg.train.tensorboard:
         try:
             import tensorboard  # noqa: F401
@@ -141,17 +148,24 @@ def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool) -> None:
                               "pip install 'shardtrain[tensorboard]'") from None
     if prepare_data:
         check_vocab(load_dataset(cfg.data, seq_len=cfg.train.seq_len), cfg.model.vocab_size)
+    # Only now, every check passed: a rejected input leaves no empty run dir behind.
+    Path(cfg.train.run_dir).mkdir(parents=True, exist_ok=True)
 
 
 def check_writable(run_dir: Path) -> None:
-    probe = run_dir / ".write-probe"
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"train.run_dir={str(run_dir)!r} is not writable ({e.strerror}); "
-                          "choose a directory you can write to") from None
+    """The run dir, or the nearest directory above it that exists, is writable: checked
+    without creating anything (the run dir is made once every check has passed)."""
+    existing = run_dir.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    why = None
+    if not existing.is_dir():
+        why = f"{existing} is not a directory"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        why = f"{existing} is not writable"
+    if why:
+        raise ConfigError(f"train.run_dir={str(run_dir)!r} cannot be written ({why}); "
+                          "choose a directory you can write to")
 
 
 # ---------------------------------------------------------------------------- generate
