@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"shardtrain {command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before training started (or outside `train`)
+        print(f"shardtrain {command}: interrupted", file=sys.stderr)
+        return 130
 
 
 # ---------------------------------------------------------------------------- train
@@ -83,21 +86,36 @@ def cmd_train(argv: list[str]) -> int:
             raise ConfigError(f"--nproc {args.nproc} conflicts with the launcher's "
                               f"{info.local_world_size} processes per node; drop --nproc")
         prepare_run(cfg, info.world_size, prepare_data=info.local_rank == 0)
-        run_worker(config_mod.to_toml(cfg))
-        return 0
+        return _exit_status(run_worker(config_mod.to_toml(cfg)))
     nproc = args.nproc or 1
     prepare_run(cfg, nproc, prepare_data=True)
     if nproc == 1 and not args.max_restarts:  # in this process; restarts need a launcher
-        run_worker(config_mod.to_toml(cfg))
-        return 0
+        return _exit_status(run_worker(config_mod.to_toml(cfg)))
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from shardtrain.train.interrupt import EXIT_CODES, exit_code
+
     try:
-        launch_local(nproc, run_worker, config_mod.to_toml(cfg), max_restarts=args.max_restarts)
+        results = launch_local(nproc, run_worker, config_mod.to_toml(cfg),
+                               max_restarts=args.max_restarts,
+                               shutdown_timeout_s=cfg.comm.timeout_s)
     except ChildFailedError as e:
+        codes = {f.exitcode for f in e.failures.values()}
+        if codes <= EXIT_CODES:  # workers that a signal stopped, after they saved
+            return codes.pop()
         print(f"shardtrain train: a worker failed:\n{e}", file=sys.stderr)
         return 1
-    return 0
+    except SignalException as e:  # the workers saved and said where (train/interrupt.py)
+        return exit_code(e.sigval)
+    return _exit_status(results.get(0, {}))
+
+
+def _exit_status(result: dict) -> int:
+    """0, or 130 / 143 when a SIGINT / SIGTERM stopped the run (train/interrupt.py)."""
+    from shardtrain.train.interrupt import exit_code
+
+    return exit_code(result["interrupted"]) if result.get("interrupted") else 0
 
 
 def dry_run(cfg: Config, world_size: int, *, nproc: int) -> int:

@@ -29,6 +29,7 @@ from shardtrain.cost.counts import model_flops_per_token
 from shardtrain.ckpt.files import Reader
 from shardtrain.train import checkpoint as ckpt
 from shardtrain.train.guard import BadStepGuard, hang_here, kill_here, nan_loss
+from shardtrain.train.interrupt import Interrupt
 from shardtrain.train.finetune import (build_skeleton, export_hf, nf4_bytes, resolve_init_from,
                                        start_weights)
 from shardtrain.train.metrics import (MetricsWriter, clock, device_peak_flops, moe_metrics,
@@ -44,6 +45,7 @@ class TrainResult:
     history: list[dict[str, Any]] = field(default_factory=list)  # one record per step run
     eval_loss: float | None = None
     sample: str | None = None
+    interrupted: str | None = None  # the line to print when a signal stopped the run
 
     @property
     def losses(self) -> list[float]:
@@ -141,7 +143,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ the run
 
-    def run(self) -> TrainResult:
+    def run(self, interrupt: Interrupt | None = None) -> TrainResult:
+        """Train to train.steps; with `interrupt` (train/interrupt.py), a SIGINT or SIGTERM
+        ends the run after the step every rank agrees on, with a checkpoint of it."""
         t = self.cfg.train
         result = TrainResult()
         if self.is_main:
@@ -157,8 +161,18 @@ class Trainer:
             result.history.append(record)
             self.guard.check(record)  # too many non-finite steps: stop, naming the checkpoint
             every = self.cfg.checkpoint.every
-            if (every and self.step % every == 0) or final:
+            saved = bool(every and self.step % every == 0) or final
+            if saved:
                 self.save()
+            if interrupt is not None and not final and interrupt.stop_after(self.step):
+                if not saved:
+                    self.save()
+                self.saver.wait()
+                self.metrics.close()
+                bar.close()
+                result.interrupted = interrupt.describe(self.step, str(ckpt.checkpoint_root(
+                    t.run_dir) / f"step_{self.step:08d}"))
+                return result
             kill_here(t.inject_kill, self.mesh.rank, self.step)  # a test hook (guard.py)
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
