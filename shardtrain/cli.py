@@ -94,6 +94,7 @@ def cmd_train(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from shardtrain.train.diskspace import EXIT_CODE as DISK_FULL_EXIT
     from shardtrain.train.interrupt import EXIT_CODES, exit_code
 
     try:
@@ -102,8 +103,8 @@ def cmd_train(argv: list[str]) -> int:
                                shutdown_timeout_s=cfg.comm.timeout_s)
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
-        if codes <= EXIT_CODES:  # workers that a signal stopped, after they saved
-            return codes.pop()
+        if len(codes) == 1 and codes <= {*EXIT_CODES, DISK_FULL_EXIT}:
+            return codes.pop()  # a signal (they saved) or a full disk: rank 0 said so
         print(f"shardtrain train: a worker failed:\n{e}", file=sys.stderr)
         return 1
     except SignalException as e:  # the workers saved and said where (train/interrupt.py)
@@ -112,10 +113,13 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def _exit_status(result: dict) -> int:
-    """0, or 130 / 143 when a SIGINT / SIGTERM stopped the run (train/interrupt.py)."""
+    """0; 130 / 143 when a SIGINT / SIGTERM stopped the run (train/interrupt.py); 74 when a
+    checkpoint did not fit on the disk (train/diskspace.py)."""
     from shardtrain.train.interrupt import exit_code
 
-    return exit_code(result["interrupted"]) if result.get("interrupted") else 0
+    if result.get("interrupted"):
+        return exit_code(result["interrupted"])
+    return result.get("exit_code", 0)
 
 
 def dry_run(cfg: Config, world_size: int, *, nproc: int) -> int:

@@ -176,6 +176,7 @@ def run_worker(config_text: str) -> dict:
     from shardtrain.mesh import MeshShape
     from shardtrain.train.checkpoint import resume_after_restart
     from shardtrain.train.guard import restart_count
+    from shardtrain.train.diskspace import EXIT_CODE as DISK_FULL_EXIT, DiskFull
     from shardtrain.train.interrupt import Interrupt, exit_code
     from shardtrain.train.trainer import Trainer
 
@@ -212,6 +213,12 @@ def run_worker(config_text: str) -> dict:
         if watchdog is None:
             raise
         watchdog.abort(str(e).splitlines()[0])  # every rank exits, naming who hung
+    except DiskFull as e:  # every rank stopped at the same save (train/diskspace.py)
+        if info.rank == 0:
+            print(f"shardtrain train: error: {e}", file=sys.stderr, flush=True)
+        if under_launcher():
+            sys.exit(DISK_FULL_EXIT)
+        return {"exit_code": DISK_FULL_EXIT}
     finally:
         if watchdog is not None:
             watchdog.stop()
