@@ -280,7 +280,8 @@ def cmd_report(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="shardtrain report",
         description="Draw a pipeline run's schedule (<run_dir>/timeline.png) and print its "
-                    "measured bubble fraction next to the formula.")
+                    "measured bubble fraction next to the formula; for any run, its metrics "
+                    "summary and each rank's compute and wait seconds.")
     parser.add_argument("run_dir", help="the train.run_dir of a run with parallel.pp > 1")
     args = parser.parse_args(argv)
     from shardtrain.train.report import report
