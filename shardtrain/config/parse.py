@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import re
@@ -70,12 +71,20 @@ def _unknown(kind: str, name: str, valid: list[str]) -> ConfigError:
     return ConfigError(f"unknown {kind} {name!r}{hint} (valid: {', '.join(valid)})")
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """A section's field types, resolved once (get_type_hints re-evaluates every annotation
+    on each call: most of a config load's time, and the planner loads configs by the
+    thousand)."""
+    return typing.get_type_hints(cls)
+
+
 def apply(cfg: Config, section: str, name: str, value: Any) -> None:
     """Set `section.name = value` with type checking; unknown names are errors."""
     if section not in SECTIONS:
         raise _unknown("config section", section, list(SECTIONS))
     obj = getattr(cfg, section)
-    hints = typing.get_type_hints(type(obj))
+    hints = _hints(type(obj))
     if name not in hints:
         raise _unknown(f"field in [{section}]", name, list(hints))
     setattr(obj, name, _coerce(value, hints[name], f"{section}.{name}"))

@@ -12,7 +12,9 @@ NaN loss at step 2 (issue 34).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -34,22 +36,37 @@ RANGES: dict[str, tuple[str, Callable[[Any], bool]]] = {
 }
 
 
+@functools.cache
+def _float_fields(cls: type) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """(section, its float fields) of a Config class: read once (the planner validates
+    configs by the hundred thousand, plan/layout.py)."""
+    out = []
+    for section in dataclasses.fields(cls):
+        inner = typing.get_type_hints(cls)[section.name]
+        names = tuple(f.name for f in dataclasses.fields(inner)
+                      if typing.get_type_hints(inner)[f.name] is float)
+        out.append((section.name, names))
+    return tuple(out)
+
+
+_RULES = [(*key.split("."), key, rule, ok) for key, (rule, ok) in RANGES.items()]
+
+
 def check_finite(cfg: Any) -> None:
     """Every float field of every section is a finite number."""
-    for section in dataclasses.fields(cfg):
-        obj = getattr(cfg, section.name)
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{section.name}.{f.name}={value} is not a finite number; "
+    for section, names in _float_fields(type(cfg)):
+        obj = getattr(cfg, section)
+        for name in names:
+            value = getattr(obj, name)
+            if not math.isfinite(value):
+                raise ConfigError(f"{section}.{name}={value} is not a finite number; "
                                   "give a finite value")
 
 
 def check_ranges(cfg: Any) -> None:
     """Non-finite floats, then each bound of RANGES; the message names the field and rule."""
     check_finite(cfg)
-    for key, (rule, ok) in RANGES.items():
-        section, name = key.split(".")
+    for section, name, key, rule, ok in _RULES:
         value = getattr(getattr(cfg, section), name)
         if not ok(value):
             raise ConfigError(f"{key}={value!r} must be {rule}; change --{key}")
