@@ -88,9 +88,16 @@ def cmd_train(argv: list[str]) -> int:
         prepare_run(cfg, info.world_size, prepare_data=info.local_rank == 0)
         return _exit_status(run_worker(config_mod.to_toml(cfg)))
     nproc = args.nproc or 1
+    run_dir = Path(cfg.train.run_dir)
+    fresh = not run_dir.exists()
     prepare_run(cfg, nproc, prepare_data=True)
     if nproc == 1 and not args.max_restarts:  # in this process; restarts need a launcher
-        return _exit_status(run_worker(config_mod.to_toml(cfg)))
+        try:
+            return _exit_status(run_worker(config_mod.to_toml(cfg)))
+        except ConfigError:  # found at start (a corrupt shard's checksum): leave nothing
+            if fresh and run_dir.is_dir() and not any(run_dir.iterdir()):
+                run_dir.rmdir()
+            raise
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 

@@ -103,13 +103,18 @@ def test_rejected_inputs_leave_no_run_dir(tmp_path, capsys):
              "checkpoint.resume=latest: no checkpoint")
 
 
-def test_a_truncated_checkpoint_is_refused_and_an_existing_run_dir_untouched(tmp_path, capsys):
+def test_a_corrupt_or_truncated_checkpoint_is_refused_and_an_existing_run_dir_untouched(tmp_path, capsys):
     first = tmp_path / "first"
     assert main(_args(tmp_path, "--train.steps", "2", "--train.run_dir", str(first))) == 0
     capsys.readouterr()
     step = first / "checkpoints" / "step_00000002"
     shard = step / "shard-00000.safetensors"
-    shard.write_bytes(shard.read_bytes()[:-100])
+    data = bytearray(shard.read_bytes())
+    data[-50] ^= 0xFF  # corrupt, same size: found by its checksum as the run starts
+    shard.write_bytes(bytes(data))
+    _refused(capsys, tmp_path, _args(tmp_path, "--checkpoint.resume", str(step)),
+             str(shard), "SHA-256 differs")
+    shard.write_bytes(bytes(data[:-100]))  # truncated: found before launch
     before = {p: p.stat().st_mtime_ns for p in first.rglob("*")}
     _refused(capsys, tmp_path, _args(tmp_path, "--checkpoint.resume", str(step)),
              str(shard), "truncated")
