@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch.distributed as dist
@@ -56,6 +57,8 @@ class Interrupt:
         self._previous = {}
 
     def __enter__(self) -> "Interrupt":
+        if threading.current_thread() is not threading.main_thread():
+            return self  # Python delivers signals to the main thread only: nothing to catch
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
