@@ -29,10 +29,11 @@ def test_ctrl_c_on_one_process_saves_and_exits_130(tmp_path, capsys):
             time.sleep(0.02)
         os.kill(os.getpid(), signal.SIGINT)  # handled in the main thread, as Ctrl-C is
 
+    before = signal.getsignal(signal.SIGINT)  # (an earlier in-process launch may have set one)
     thread = threading.Thread(target=interrupt_at_step_3, daemon=True)
     thread.start()
     code = main(["train", "--config", "tiny", "--train.steps", "400", "--train.run_dir",
-                 str(run_dir), *tiny_data(tmp_path)])
+                 str(run_dir), "--train.peak_flops", "1e12", *tiny_data(tmp_path)])
     thread.join()
     assert code == 130
     out = capsys.readouterr().out
@@ -40,4 +41,4 @@ def test_ctrl_c_on_one_process_saves_and_exits_130(tmp_path, capsys):
     assert len(lines) == 1 and "done:" not in out, out
     step = ckpt.read_meta(ckpt.list_checkpoints(run_dir / "checkpoints")[-1])["step"]
     assert 3 <= step < 400 and f"stopped after step {step}" in lines[0]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    assert signal.getsignal(signal.SIGINT) is before  # put back
