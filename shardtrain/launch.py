@@ -137,18 +137,25 @@ def launch_local(nproc: int, entrypoint, *args, max_restarts: int = 0,
 
 
 class _SignalNotice(logging.Filter):
-    """Drops the elastic agent's warnings that it got a signal and passes it on: an
-    interrupt is expected, and the workers print the one line that matters (where they
-    saved)."""
+    """Drops the elastic agent's warnings that it got a signal and passes it on, and its
+    traceback for a worker that exited on purpose (a signal after saving, 130 / 143; a
+    full disk, 74): the workers' rank 0 prints the one line that matters."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not any(text in str(record.msg) for text in
+        from shardtrain.train.diskspace import EXIT_CODE
+        from shardtrain.train.interrupt import EXIT_CODES
+
+        msg = str(record.msg)
+        if msg.startswith("failed (exitcode") and record.args and \
+                record.args[0] in {*EXIT_CODES, EXIT_CODE}:
+            return False
+        return not any(text in msg for text in
                        ("death signal", "via signal", "termination signal"))
 
 
 def _quiet_signal_warnings() -> None:
     for name in ("torch.distributed.elastic.agent.server.api",
-                 "torch.distributed.elastic.multiprocessing.api"):
+                 "torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _SignalNotice) for f in logger.filters):
             logger.addFilter(_SignalNotice())

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-MARGIN_BYTES = 1 << 20  # headers, indexes, manifest, meta.json, config.toml
+MARGIN_BYTES = 1 << 16  # safetensors headers, indexes, manifest, meta.json, config.toml
 EXIT_CODE = 74  # sysexits.h EX_IOERR: the run stopped on an I/O error (not a bad input: 2)
 
 
@@ -73,9 +73,9 @@ class SpaceGuard:
         last = self.last_good()
         kept = f"the last good checkpoint, {last}, is intact" if last else \
             "no checkpoint was written yet"
-        return (f"{kept}; free space on that filesystem, lower checkpoint.keep (now "
-                f"{self.keep}; older checkpoints are removed after each save), or give another "
-                "train.run_dir")
+        return (f"{kept}; free space on that filesystem (older checkpoints there can go), "
+                f"lower checkpoint.keep (now {self.keep}: a save needs room for one more before "
+                "it removes the oldest), or give another train.run_dir")
 
     def check(self, step: int, own_bytes: int, barrier: Callable[[], None]) -> None:
         """Before writing: the sum of every rank's bytes fits in the free space."""

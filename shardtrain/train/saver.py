@@ -71,8 +71,9 @@ class Saver:
         files = parallel.optimizer_files(self.is_main)
         # A full disk: refused before writing, or every rank stops if a write fails
         # (train/diskspace.py); the main rank then removes the staging directory.
-        self.space.check(step, state_bytes((p.region.numel * _itemsize(p.dtype)
-                                            for p in pieces), files), self.barrier)
+        copied = tokenizer_file.stat().st_size if tokenizer_file and self.is_main else 0
+        self.space.check(step, copied + state_bytes((p.region.numel * _itemsize(p.dtype)
+                                                     for p in pieces), files), self.barrier)
         error, staged = None, ckpt.checkpoint_root(self.cfg.train.run_dir)
         try:
             staged = ckpt.stage_files(self.cfg, step, files)
