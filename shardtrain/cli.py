@@ -8,6 +8,7 @@ input ends with a message naming the field or file and exit code 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -41,18 +42,22 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"shardtrain {command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before training started (or outside `train`)
+        print(f"shardtrain {command}: interrupted", file=sys.stderr)
+        return 130
 
 
 # ---------------------------------------------------------------------------- train
 
 
 def cmd_train(argv: list[str]) -> int:
+    presets = ", ".join(config_mod.preset_names())
     parser = argparse.ArgumentParser(
         prog="shardtrain train", epilog="config fields:\n" + "\n".join(config_mod.field_help()),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="default",
-                        help="a TOML file or a preset name under configs/ (default: default)")
-    parser.add_argument("--nproc", type=int, default=0,
+                        help=f"a TOML file or a preset: {presets} (default: default)")
+    parser.add_argument("--nproc", type=int, default=None,
                         help="local processes to launch (default: 1, or the launcher's world)")
     parser.add_argument("--dry-run-world", type=int, default=0, metavar="N",
                         help="run rank 0 of an N-rank job alone over a fake process group "
@@ -62,6 +67,9 @@ def cmd_train(argv: list[str]) -> int:
                              "from the newest checkpoint (under torchrun: its --max-restarts)")
     args, overrides = parser.parse_known_args(argv)
     cfg = config_mod.load(args.config, overrides)
+    if args.nproc is not None and args.nproc < 1:
+        raise ConfigError(f"--nproc {args.nproc} must be >= 1 (the local processes to start); "
+                          "leave it out for one")
     if args.dry_run_world:
         return dry_run(cfg, args.dry_run_world, nproc=args.nproc)
 
@@ -79,23 +87,47 @@ def cmd_train(argv: list[str]) -> int:
                               f"{info.local_world_size} processes per node; drop --nproc")
         prepare_run(cfg, info.world_size, prepare_data=info.local_rank == 0,
                     local_ranks=info.local_world_size)
-        run_worker(config_mod.to_toml(cfg))
-        return 0
+        return _exit_status(run_worker(config_mod.to_toml(cfg)))
     nproc = args.nproc or 1
-    if nproc < 1:
-        raise ConfigError(f"--nproc {nproc} must be >= 1")
+    run_dir = Path(cfg.train.run_dir)
+    fresh = not run_dir.exists()
     prepare_run(cfg, nproc, prepare_data=True, local_ranks=nproc)
     if nproc == 1 and not args.max_restarts:  # in this process; restarts need a launcher
-        run_worker(config_mod.to_toml(cfg))
-        return 0
+        try:
+            return _exit_status(run_worker(config_mod.to_toml(cfg)))
+        except ConfigError:  # found at start (a corrupt shard's checksum): leave nothing
+            if fresh and run_dir.is_dir() and not any(run_dir.iterdir()):
+                run_dir.rmdir()
+            raise
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from shardtrain.train.diskspace import EXIT_CODE as DISK_FULL_EXIT
+    from shardtrain.train.interrupt import EXIT_CODES, exit_code
+
     try:
-        launch_local(nproc, run_worker, config_mod.to_toml(cfg), max_restarts=args.max_restarts)
+        results = launch_local(nproc, run_worker, config_mod.to_toml(cfg),
+                               max_restarts=args.max_restarts,
+                               shutdown_timeout_s=cfg.comm.timeout_s)
     except ChildFailedError as e:
+        codes = {f.exitcode for f in e.failures.values()}
+        if len(codes) == 1 and codes <= {*EXIT_CODES, DISK_FULL_EXIT}:
+            return codes.pop()  # a signal (they saved) or a full disk: rank 0 said so
         print(f"shardtrain train: a worker failed:\n{e}", file=sys.stderr)
         return 1
-    return 0
+    except SignalException as e:  # the workers saved and said where (train/interrupt.py)
+        return exit_code(e.sigval)
+    return _exit_status(results.get(0, {}))
+
+
+def _exit_status(result: dict) -> int:
+    """0; 130 / 143 when a SIGINT / SIGTERM stopped the run (train/interrupt.py); 74 when a
+    checkpoint did not fit on the disk (train/diskspace.py)."""
+    from shardtrain.train.interrupt import exit_code
+
+    if result.get("interrupted"):
+        return exit_code(result["interrupted"])
+    return result.get("exit_code", 0)
 
 
 def dry_run(cfg: Config, world_size: int, *, nproc: int) -> int:
@@ -118,17 +150,19 @@ def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool, local_ranks
                 ) -> None:
     """Every check that can fail before training starts, and the token cache built once.
     `local_ranks`: the ranks this machine runs (they share its memory on CPU)."""
+    import torch
+
     from shardtrain.data import check_source, check_vocab, load_dataset, load_tokenizer
     from shardtrain.parallel.ps.layout import check_servers
     from shardtrain.parallel.zero.offload import check_offload_space
-    import torch
-
     from shardtrain.train import checkpoint as ckpt
+    from shardtrain.train.finetune import resolve_init_from
     from shardtrain.train.fits import check_fits
 
-    from shardtrain.train.finetune import resolve_init_from
-
-    resolve_init_from(cfg)  # before validation: the shape comes from model.init_from
+    try:
+        resolve_init_from(cfg)  # before validation: the shape comes from model.init_from
+    except ConfigError as e:  # a preset's value the user never typed: say where it came from
+        raise config_mod.explain_origin(e, cfg) from None
     cfg.validate(world_size)
     check_source(cfg.data)
     if cfg.data.tokenizer not in ("byte", "bpe"):
@@ -141,6 +175,7 @@ def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool, local_ranks
     resume = ckpt.resolve_resume(cfg)
     if resume is not None:
         ckpt.check_compatible(resume, cfg, world_size)
+        ckpt.check_files(resume)
     if cfg.train.tensorboard:
         try:
             import tensorboard  # noqa: F401
@@ -149,17 +184,24 @@ def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool, local_ranks
                               "pip install 'shardtrain[tensorboard]'") from None
     if prepare_data:
         check_vocab(load_dataset(cfg.data, seq_len=cfg.train.seq_len), cfg.model.vocab_size)
+    # Only now, every check passed: a rejected input leaves no empty run dir behind.
+    Path(cfg.train.run_dir).mkdir(parents=True, exist_ok=True)
 
 
 def check_writable(run_dir: Path) -> None:
-    probe = run_dir / ".write-probe"
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"train.run_dir={str(run_dir)!r} is not writable ({e.strerror}); "
-                          "choose a directory you can write to") from None
+    """The run dir, or the nearest directory above it that exists, is writable: checked
+    without creating anything (the run dir is made once every check has passed)."""
+    existing = run_dir.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    why = None
+    if not existing.is_dir():
+        why = f"{existing} is not a directory"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        why = f"{existing} is not writable"
+    if why:
+        raise ConfigError(f"train.run_dir={str(run_dir)!r} cannot be written ({why}); "
+                          "choose a directory you can write to")
 
 
 # ---------------------------------------------------------------------------- generate
@@ -252,7 +294,8 @@ def cmd_report(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="shardtrain report",
         description="Draw a pipeline run's schedule (<run_dir>/timeline.png) and print its "
-                    "measured bubble fraction next to the formula.")
+                    "measured bubble fraction next to the formula; for any run, its metrics "
+                    "summary and each rank's compute and wait seconds.")
     parser.add_argument("run_dir", help="the train.run_dir of a run with parallel.pp > 1")
     args = parser.parse_args(argv)
     from shardtrain.train.report import report

@@ -10,8 +10,10 @@ once, and passed on explicitly.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import sys
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -106,11 +108,16 @@ def _attempt_store(info: ProcessInfo, timeout_s: float) -> dist.Store | None:
     return dist.PrefixStore(f"shardtrain/attempt_{restarts}", store)
 
 
-def launch_local(nproc: int, entrypoint, *args, max_restarts: int = 0) -> dict[int, object]:
+def launch_local(nproc: int, entrypoint, *args, max_restarts: int = 0,
+                 shutdown_timeout_s: float = 30.0) -> dict[int, object]:
     """Run `entrypoint(*args)` in `nproc` local processes (a module-level function: it is
     pickled); return each rank's return value. When a worker fails, the launcher stops the
     others and starts them all again, up to `max_restarts` times (workers resume from the
-    newest checkpoint: `run_worker`); after that a failing worker raises ChildFailedError."""
+    newest checkpoint: `run_worker`); after that a failing worker raises ChildFailedError.
+    A SIGINT or SIGTERM to this process is passed on to the workers, which are given
+    `shutdown_timeout_s` to save and stop (train/interrupt.py), then it raises torch's
+    SignalException."""
+    import dataclasses
     import multiprocessing
 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -123,7 +130,35 @@ def launch_local(nproc: int, entrypoint, *args, max_restarts: int = 0) -> dict[i
                           run_id=f"shardtrain-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", max_restarts=max_restarts,
                           monitor_interval=0.1, start_method="forkserver")
+    if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:  # torch >= 2.12
+        config.shutdown_timeout = max(30, int(shutdown_timeout_s))
+    _quiet_signal_warnings()
     return elastic_launch(config, entrypoint)(*args)
+
+
+class _SignalNotice(logging.Filter):
+    """Drops the elastic agent's warnings that it got a signal and passes it on, and its
+    traceback for a worker that exited on purpose (a signal after saving, 130 / 143; a
+    full disk, 74): the workers' rank 0 prints the one line that matters."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from shardtrain.train.diskspace import EXIT_CODE
+        from shardtrain.train.interrupt import EXIT_CODES
+
+        msg = str(record.msg)
+        if msg.startswith("failed (exitcode") and record.args and \
+                record.args[0] in {*EXIT_CODES, EXIT_CODE}:
+            return False
+        return not any(text in msg for text in
+                       ("death signal", "via signal", "termination signal"))
+
+
+def _quiet_signal_warnings() -> None:
+    for name in ("torch.distributed.elastic.agent.server.api",
+                 "torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _SignalNotice) for f in logger.filters):
+            logger.addFilter(_SignalNotice())
 
 
 def start_watchdog(mesh, cfg, info: ProcessInfo):
@@ -148,6 +183,8 @@ def run_worker(config_text: str) -> dict:
     from shardtrain.mesh import MeshShape
     from shardtrain.train.checkpoint import resume_after_restart
     from shardtrain.train.guard import restart_count
+    from shardtrain.train.diskspace import EXIT_CODE as DISK_FULL_EXIT, DiskFull
+    from shardtrain.train.interrupt import Interrupt, exit_code
     from shardtrain.train.trainer import Trainer
 
     cfg = config_mod.loads(config_text)
@@ -177,16 +214,29 @@ def run_worker(config_text: str) -> dict:
             from shardtrain.train.ps_server import run_server
 
             return {"server": run_server(cfg, mesh)}
-        result = Trainer(cfg, mesh, device).run()
+        with Interrupt(info.world_size) as interrupt:  # SIGINT/SIGTERM: save, then stop
+            result = Trainer(cfg, mesh, device).run(interrupt)
     except CommTimeout as e:
         if watchdog is None:
             raise
         watchdog.abort(str(e).splitlines()[0])  # every rank exits, naming who hung
+    except DiskFull as e:  # every rank stopped at the same save (train/diskspace.py)
+        if info.rank == 0:
+            print(f"shardtrain train: error: {e}", file=sys.stderr, flush=True)
+        if under_launcher():
+            sys.exit(DISK_FULL_EXIT)
+        return {"exit_code": DISK_FULL_EXIT}
     finally:
         if watchdog is not None:
             watchdog.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
+    if result.interrupted is not None:
+        if info.rank == 0:
+            print(result.interrupted, flush=True)
+        if under_launcher():  # exit now: a launcher that was signalled too reads no result
+            sys.exit(exit_code(interrupt.signum))
+        return {"losses": result.losses, "interrupted": interrupt.signum}
     if info.rank == 0:
         last = result.history[-1] if result.history else {}
         print(f"done: step {last.get('step', 0)}  loss {last.get('loss', float('nan')):.4f}  "

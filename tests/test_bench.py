@@ -27,10 +27,14 @@ def test_bench_comm_end_to_end(tmp_path, capsys):
     from shardtrain.comm.dispatch import serves
     from shardtrain.cost import collectives as cost
 
-    plot = tmp_path / "busbw.png"
+    plot, doc_path = tmp_path / "plots" / "busbw.png", tmp_path / "out" / "comm.json"
     assert main(["comm", "--nproc", "2", "--ops", "all_reduce", "all_gather", "--min-bytes",
-                 "1K", "--max-bytes", "8K", "--factor", "8", "--json", "--plot", str(plot)]) == 0
-    doc = json.loads(capsys.readouterr().out)
+                 "1K", "--max-bytes", "8K", "--factor", "8", "--json", str(doc_path),
+                 "--plot", str(plot)]) == 0
+    out, err = capsys.readouterr()
+    assert "all_reduce: busbw GB/s" in out and not out.lstrip().startswith("{")  # the table
+    assert f"plot: {plot}" in err and f"json: {doc_path}" in err
+    doc = json.loads(doc_path.read_text())
     rows = {(r["op"], r["bytes"], r["algorithm"]): r for r in doc["rows"]}
     for op in ("all_reduce", "all_gather"):
         for n in (1024, 8192):

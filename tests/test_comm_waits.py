@@ -8,6 +8,7 @@ backend call is replaced by a fake work handle that records how it is waited on.
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import pytest
@@ -28,8 +29,10 @@ class FakeWork:
     def is_completed(self) -> bool:  # a query, as the flight recorder's watchdog polls it
         return bool(self.done)
 
-    def exception(self):
-        return None
+    def get_future(self):  # a finished work's future holds its result (no `exception()`:
+        future = torch.futures.Future()  # deprecated, and the recorder no longer calls it)
+        future.set_result(None)
+        return future
 
 
 @pytest.fixture
@@ -90,3 +93,34 @@ def test_gloo_waits_on_the_host_with_the_timeout_and_overlaps_on_the_lane(group,
     assert log == [(timedelta(seconds=7.0),)]
     comm.composite(lambda: None, async_op=True).wait()
     assert comm.lane._thread is not None  # the asynchronous job ran on the lane thread
+
+
+def gloo_work_states(rank: int, world_size: int) -> dict:
+    """Worker: the flight recorder's `_finished` on real Gloo works: a collective that
+    succeeded, one that failed (rank 0 never joins; Gloo reports it completed anyway), and
+    a point-to-point message (no future: left to the host's wait)."""
+    from shardtrain.comm.flight import _finished
+
+    short = dist.new_group([0, 1], timeout=timedelta(seconds=1))
+    ok = dist.all_reduce(torch.ones(4), async_op=True)
+    ok.wait()
+    x = torch.ones(4)
+    sent = dist.isend(x, 1) if rank == 0 else dist.irecv(x, 0)
+    sent.wait()
+    out = {"ok": _finished(ok), "p2p": _finished(sent)}
+    if rank == 1:
+        failed = dist.all_reduce(torch.ones(4), group=short, async_op=True)
+        deadline = time.monotonic() + 30
+        while not failed.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        out["failed_completed"], out["failed"] = failed.is_completed(), _finished(failed)
+    dist.barrier()  # rank 0 waits here, past rank 1's timeout
+    return out
+
+
+def test_the_flight_recorder_tells_failed_gloo_works_from_finished_ones():
+    from dist import run_distributed
+
+    ranks = run_distributed(gloo_work_states, 2)
+    assert all(r["ok"] and not r["p2p"] for r in ranks)
+    assert ranks[1]["failed_completed"] and not ranks[1]["failed"]

@@ -15,6 +15,23 @@ def test_presets_load_and_validate():
         config.load(name).model.validate()
 
 
+def test_presets_are_package_data_listed_in_help_and_errors(capsys):
+    """The presets ship inside the package (read through importlib.resources), so a
+    non-editable install finds them (.ci/wheel_check installs a wheel and trains with one)."""
+    from importlib import resources
+
+    from shardtrain.cli import main
+
+    names = config.preset_names()
+    assert {"default", "tiny", "finetune", "gpt3-175b", "llama3-8b"} <= set(names)
+    assert (resources.files("shardtrain") / "configs" / "tiny.toml").is_file()
+    with pytest.raises(ConfigError, match="one of the presets: " + ", ".join(names)):
+        config.load("tinyy")
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert ", ".join(names) in " ".join(capsys.readouterr().out.split())
+
+
 def test_overrides_are_typed():
     cfg = config.load("tiny", ["--train.steps", "7", "--train.lr=0.5", "--train.progress", "true",
                                "--model.style", "gpt2"])

@@ -1,16 +1,23 @@
-"""Automatic restart (`shardtrain train --max-restarts K`; `train.inject_kill`, train/guard.py): a 4-process run
-loses one rank to SIGKILL after step 3; the launcher restarts the job, which resumes from
-the step-2 checkpoint and finishes. Its final weights equal an uninterrupted run's bitwise
-(fp32, CPU), and metrics.jsonl holds each step once. A crash in the middle of a checkpoint write leaves the previous checkpoint valid
-and `latest`."""
+"""Automatic restart and graceful interrupt on 2 processes, against one uninterrupted run.
+
+Restart (`shardtrain train --max-restarts K`; `train.inject_kill`, train/guard.py): rank 1
+dies by SIGKILL after step 3; the launcher restarts the job, which resumes from the step-2
+checkpoint and finishes. Interrupt (train/interrupt.py): a SIGTERM to the launcher mid-run
+(as a scheduler's preemption) makes every rank stop after the same step with a checkpoint
+of it, one line, exit 143, no traceback; the run then resumes. Both end with the
+uninterrupted run's final weights and optimizer state bitwise (fp32, CPU), and
+metrics.jsonl holds each step once, with the same losses. A crash in the middle of a
+checkpoint write leaves the previous checkpoint valid and `latest`."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from unittest import mock
 from pathlib import Path
 
@@ -27,14 +34,20 @@ ARGS = ["--config", "tiny", "--train.steps", "6", "--checkpoint.every", "2",
         "--train.progress", "false"]
 
 
+def _command(tmp: Path, name: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "shardtrain", "train", "--nproc", "2", *ARGS, *extra,
+            "--train.run_dir", str(tmp / name), *tiny_data(tmp)]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
 def _train(tmp: Path, name: str, *extra: str, kill: str = "") -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     if kill:
         extra = (*extra, "--train.inject_kill", kill)
-    return subprocess.run(
-        [sys.executable, "-m", "shardtrain", "train", "--nproc", "4", *ARGS, *extra,
-         "--train.run_dir", str(tmp / name), *tiny_data(tmp)],
-        env=env, cwd=tmp, capture_output=True, text=True, timeout=600)
+    return subprocess.run(_command(tmp, name, *extra), env=_env(), cwd=tmp,
+                          capture_output=True, text=True, timeout=600)
 
 
 def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -43,18 +56,58 @@ def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return checkpoint_tensors(latest, "")  # weights and optimizer state
 
 
-def test_killed_rank_restarts_and_matches(tmp_path):
-    plain = _train(tmp_path, "plain")
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    restarted = _train(tmp_path, "restarted", "--max-restarts", "1", kill="2:3")
+def _records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory) -> Path:
+    """The uninterrupted run both tests compare with."""
+    tmp = tmp_path_factory.mktemp("plain")
+    run = _train(tmp, "plain")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return tmp / "plain"
+
+
+def _matches(plain: Path, run_dir: Path) -> None:
+    want, got = _final_weights(plain), _final_weights(run_dir)
+    for name, w in want.items():
+        assert torch.equal(got[name], w), f"{name} differs from the uninterrupted run's"
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in records] == [r["loss"] for r in _records(plain)]
+
+
+def test_killed_rank_restarts_and_matches(tmp_path, plain):
+    restarted = _train(tmp_path, "restarted", "--max-restarts", "1", kill="1:3")
     assert restarted.returncode == 0, restarted.stderr[-3000:]
     assert "restart 1: resuming from latest" in restarted.stdout
-    want, got = _final_weights(tmp_path / "plain"), _final_weights(tmp_path / "restarted")
-    for name, w in want.items():
-        assert torch.equal(got[name], w), f"{name} differs after the restart"
-    steps = [json.loads(line)["step"] for line in
-             (tmp_path / "restarted" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4, 5, 6]
+    _matches(plain, tmp_path / "restarted")
+
+
+def test_sigterm_saves_every_rank_at_one_step_and_resumes_bitwise(tmp_path, plain):
+    # Rank 0 sleeps 3 s at the start of step 3: the signal lands mid-run, whatever the load.
+    proc = subprocess.Popen(_command(tmp_path, "run", "--train.inject_hang", "0:3:3"),
+                            env=_env(), cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while len(_records(tmp_path / "run")) < 2 and proc.poll() is None:
+        assert time.monotonic() < deadline, "the run did not reach step 2"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler's preemption does
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and "Error" not in err, err[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("SIGTERM")]
+    assert len(lines) == 1, out
+    stopped = ckpt.read_meta(ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")[-1])["step"]
+    assert 2 <= stopped < 6 and f"stopped after step {stopped}," in lines[0]
+    assert "--checkpoint.resume latest" in lines[0]
+    assert len(_records(tmp_path / "run")) == stopped  # every rank stopped after that step
+    resumed = _train(tmp_path, "run", "--checkpoint.resume", "latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _matches(plain, tmp_path / "run")
 
 
 def test_crash_mid_save_keeps_latest(tmp_path):

@@ -84,7 +84,11 @@ def test_run_without_slow_ranks_names_nobody(tmp_path):
     assert "straggler" not in proc.stderr, proc.stderr[-3000:]
     records = _records(run_dir)
     assert all(r["stragglers"] == [] and "straggler_warnings" not in r for r in records)
-    assert "stragglers: none named" in _report(run_dir)
+    text = _report(run_dir)
+    assert "stragglers: none named" in text
+    # Data parallel only: no pipeline drawn, no "1f1b schedule, p=1" nor its bubble.
+    assert "no pipeline (parallel.pp=1, 4 rank(s))" in text and "bubble fraction" not in text
+    assert not (run_dir / "timeline.png").exists()
 
 
 def test_rule_needs_patience_and_compares_within_a_stage():
@@ -102,10 +106,9 @@ def test_rule_needs_patience_and_compares_within_a_stage():
     ("1", "3", "train.straggler_factor"), ("-2", "3", "train.straggler_factor"),
     ("nan", "3", "train.straggler_factor"), ("1.5", "0", "train.straggler_patience")])
 def test_bad_straggler_settings_are_refused(tmp_path, factor, patience, field):
-    cfg = tiny(tmp_path, "bad", "--train.straggler_factor", factor,
-               "--train.straggler_patience", patience)
-    with pytest.raises(ConfigError, match=field):
-        cfg.validate(1)
+    with pytest.raises(ConfigError, match=field):  # nan: refused as the value is read
+        tiny(tmp_path, "bad", "--train.straggler_factor", factor,
+             "--train.straggler_patience", patience).validate(1)
     tiny(tmp_path, "off", "--train.straggler_factor", "0").validate(1)  # 0: the rule is off
 
 

@@ -48,10 +48,12 @@ def test_two_nodes_train_as_one(tmp_path):
         pytest.skip(reason)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cache = tiny_data(tmp_path)
+    # The one-node reference through shardtrain's own launcher (workers forked from a
+    # process that imported torch once; torchrun's import it each: seconds per rank).
+    # test_cli.py runs under torchrun itself.
     one = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "4", "-m", "shardtrain", "train", *ARGS, "--parallel.node_size", "2",
-         "--train.run_dir", str(tmp_path / "one"), *cache],
+        [sys.executable, "-m", "shardtrain", "train", "--nproc", "4", *ARGS,
+         "--parallel.node_size", "2", "--train.run_dir", str(tmp_path / "one"), *cache],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
     two = subprocess.run(["bash", str(SCRIPT), "2", *ARGS, "--train.run_dir",

@@ -2,7 +2,8 @@
 
     shardtrain bench comm [--nproc 4] [--ops OP ...] [--algorithms NAME ...]
                           [--min-bytes 1K] [--max-bytes 256M] [--factor 4] [--node-size N]
-                          [--repeats 5] [--json] [--plot FILE.png | --plot none]
+                          [--repeats 5] [--json FILE.json | --json -]
+                          [--plot FILE.png | --plot none]
     shardtrain bench calibrate [--nproc 4] [--output FILE.json] [--max-bytes 64M]
 """
 
@@ -14,6 +15,7 @@ import json
 import os
 import sys
 from datetime import datetime, timezone
+from pathlib import Path
 
 from shardtrain.cost import collectives as cost
 from shardtrain.comm.dispatch import ALGORITHMS
@@ -80,7 +82,9 @@ def bench_comm(argv: list[str]) -> int:
     _common(parser, "256M")
     parser.add_argument("--ops", nargs="+", choices=cost.OPS, default=list(cost.OPS))
     parser.add_argument("--algorithms", nargs="+", choices=ALGORITHMS, default=list(ALGORITHMS))
-    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.add_argument("--json", metavar="FILE", default="",
+                        help="also write every measurement as one JSON document to FILE "
+                             "('-': to stdout, instead of the tables)")
     parser.add_argument("--plot", default="runs/bench/comm_busbw.png",
                         help="PNG of busbw vs size per algorithm ('none': no plot)")
     args = parser.parse_args(argv)
@@ -89,10 +93,16 @@ def bench_comm(argv: list[str]) -> int:
     figures = report.acceptance(rows)
     message = report.plot(rows, args.plot) if args.plot != "none" else ""
     if args.json:
-        doc = {**{k: v for k, v in result.items() if k != "link"},
-               "link": dataclasses.asdict(result["link"]), "acceptance": figures}
-        print(json.dumps(doc, indent=1))
-    else:
+        doc = json.dumps({**{k: v for k, v in result.items() if k != "link"},
+                          "link": dataclasses.asdict(result["link"]), "acceptance": figures},
+                         indent=1)
+        if args.json == "-":  # asked for on stdout: the document alone, for a pipe
+            print(doc)
+        else:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(doc + "\n")
+            message = "\n".join(filter(None, [message, f"json: {args.json}"]))
+    if args.json != "-":
         report.print_tables(rows)
         report.print_summary(result, figures)
     if message:

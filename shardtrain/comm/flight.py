@@ -154,8 +154,27 @@ def number(seqs: dict[str, int] | None, key: str) -> int:
 
 
 def _finished(work) -> bool:
-    """A backend work finished without error (a query: never waits)."""
-    return work.is_completed() and work.exception() is None
+    """A backend work finished without error (a query: never waits).
+
+    Read through the work's future: `Work.exception()` is deprecated (torch prints a warning
+    once per process) and `get_future_result` is not implemented on Gloo. A failed work's
+    future is done and raises from `value()` (a Gloo timeout among them, which also reports
+    completion to `is_completed`). A work with no future (Gloo's point-to-point) is never
+    called finished here: its entry completes when the host's wait returns (`complete`),
+    and a failure raises there, so a failed message never passes for a completed one."""
+    if not work.is_completed():
+        return False
+    try:
+        future = work.get_future()
+    except RuntimeError:  # "Work::getFuture not implemented"
+        return False
+    if not future.done():
+        return False
+    try:
+        future.value()
+    except Exception:  # the work failed; its error is raised again by the host's wait
+        return False
+    return True
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:

@@ -5,16 +5,29 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import math
 import os
+import re
 import tomllib
 import types
 import typing
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from shardtrain.config.schema import SECTIONS, Config, ConfigError
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+# The presets ship inside the package (package data, pyproject.toml) and are read through
+# importlib.resources: a regular (non-editable) install has no source tree beside it.
+CONFIG_DIR: Traversable = resources.files("shardtrain") / "configs"
+
+
+def preset_names() -> list[str]:
+    """The preset names `--config` accepts (configs/*.toml inside the package)."""
+    return sorted(q.name[:-len(".toml")] for q in CONFIG_DIR.iterdir()
+                  if q.name.endswith(".toml"))
 
 
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
@@ -42,6 +55,8 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
             raise ConfigError(f"{where}={value!r} is not a valid {annotation.__name__}") from None
         if annotation is int and (not isinstance(number, int) and not float(number).is_integer()):
             raise ConfigError(f"{where}={value!r} must be a whole number")
+        if annotation is float and not math.isfinite(float(number)):
+            raise ConfigError(f"{where}={value!r} is not a finite number; give a finite value")
         return annotation(number)
     if annotation is str:
         if not isinstance(value, str):
@@ -56,37 +71,71 @@ def _unknown(kind: str, name: str, valid: list[str]) -> ConfigError:
     return ConfigError(f"unknown {kind} {name!r}{hint} (valid: {', '.join(valid)})")
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """A section's field types, resolved once (get_type_hints re-evaluates every annotation
+    on each call: most of a config load's time, and the planner loads configs by the
+    thousand)."""
+    return typing.get_type_hints(cls)
+
+
 def apply(cfg: Config, section: str, name: str, value: Any) -> None:
     """Set `section.name = value` with type checking; unknown names are errors."""
     if section not in SECTIONS:
         raise _unknown("config section", section, list(SECTIONS))
     obj = getattr(cfg, section)
-    hints = typing.get_type_hints(type(obj))
+    hints = _hints(type(obj))
     if name not in hints:
         raise _unknown(f"field in [{section}]", name, list(hints))
     setattr(obj, name, _coerce(value, hints[name], f"{section}.{name}"))
 
 
 def load(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
-    """Read a TOML preset (a path, or a name under configs/) and apply `--a.b VALUE` overrides."""
+    """Read a TOML file or a packaged preset (by name) and apply `--a.b VALUE` overrides."""
     cfg = Config()
+    origins: dict[str, str] = {}
     if path is not None:
         preset = resolve_preset(path)
-        _apply_tables(cfg, read_toml(preset), str(preset))
+        source = str(path) if Path(path).exists() else f"preset {str(path)!r} ({preset})"
+        for key in _apply_tables(cfg, read_toml(preset), source):
+            origins[key] = source
     for key, value in parse_overrides(overrides or []):
         section, _, name = key.partition(".")
         if not name:
             raise ConfigError(f"override --{key} must name a field as --section.field")
         apply(cfg, section, name, value)
+        origins.pop(key, None)
+    # Where each value not given on the command line came from: a later error about a
+    # value the user never typed (a preset's) can then say so (`explain_origin`).
+    cfg.origins = origins  # type: ignore[attr-defined]  (not a field: never written out)
     return cfg
 
 
-def _apply_tables(cfg: Config, tables: dict[str, Any], where: str) -> None:
+def explain_origin(error: ConfigError, cfg: Config) -> ConfigError:
+    """`error` with, for the first `section.field` it names that a file or preset set
+    (not the command line), where that value came from and how to override it."""
+    origins: dict[str, str] = getattr(cfg, "origins", {})
+    for key in re.findall(r"\b([a-z_]+\.[a-z_0-9]+)\b", str(error)):
+        if key in origins:
+            return ConfigError(f"{error} ({key} came from {origins[key]}, not from the command "
+                               f"line: override it with --{key} VALUE, or use a config file "
+                               "that does not set it)")
+    return error
+
+
+def _apply_tables(cfg: Config, tables: dict[str, Any], where: str) -> list[str]:
+    """Apply every `[section] name = value`; returns the "section.name" keys set."""
+    keys = []
     for section, values in tables.items():
         if not isinstance(values, dict):
             raise ConfigError(f"{where}: top-level key {section!r} must be a [section] table")
         for name, value in values.items():
-            apply(cfg, section, name, value)
+            try:
+                apply(cfg, section, name, value)
+            except ConfigError as e:
+                raise ConfigError(f"{where}: {e}") from None
+            keys.append(f"{section}.{name}")
+    return keys
 
 
 def loads(text: str) -> Config:
@@ -96,21 +145,21 @@ def loads(text: str) -> Config:
     return cfg
 
 
-def resolve_preset(path: str | os.PathLike) -> Path:
+def resolve_preset(path: str | os.PathLike) -> Path | Traversable:
+    """A TOML file's path, or the packaged preset of that name."""
     p = Path(path)
     if p.exists():
         return p
     preset = CONFIG_DIR / f"{path}.toml"
-    if preset.exists():
+    if preset.is_file():
         return preset
-    names = sorted(q.stem for q in CONFIG_DIR.glob("*.toml"))
     raise ConfigError(f"config file {str(path)!r} does not exist; give a path to a TOML file or "
-                      f"one of the presets: {', '.join(names)}")
+                      f"one of the presets: {', '.join(preset_names())}")
 
 
-def read_toml(path: Path) -> dict[str, Any]:
+def read_toml(path: Path | Traversable) -> dict[str, Any]:
     try:
-        with open(path, "rb") as f:
+        with path.open("rb") as f:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None

@@ -18,6 +18,7 @@ from shardtrain.config.lora import LoRAConfig, check_finetune_layout
 from shardtrain.config.observe import check_observability
 from shardtrain.config.parallel import CommConfig, ParallelConfig
 from shardtrain.config.ps import check_parameter_server, check_slow_ranks
+from shardtrain.config.ranges import check_ranges
 
 
 @dataclass(kw_only=True)
@@ -252,6 +253,7 @@ class Config:
 
     def validate(self, world_size: int) -> None:
         """Every check that needs no data or process group; raises ConfigError."""
+        check_ranges(self)  # first: a NaN passes every comparison below
         self.model.validate()
         self.data.validate()
         check_parameter_server(self, world_size)  # first: it says why dp does not fill the world

@@ -108,6 +108,24 @@ def resolve_resume(cfg: Config) -> Path | None:
     return path
 
 
+def check_files(path: Path) -> None:
+    """Every shard file the manifest lists is there at its recorded size: a truncated
+    checkpoint (a crash, a full disk) is refused before launch. Checksums are checked
+    when the shards are read (ckpt/files.py Reader)."""
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path / MANIFEST}: not a readable checkpoint manifest ({e}); "
+                          "resume from another checkpoint") from None
+    for name, want in files.items():
+        file = path / name
+        size = file.stat().st_size if file.is_file() else None
+        if size != want["bytes"]:
+            found = "missing" if size is None else f"{size} bytes"
+            raise ConfigError(f"{file}: {found}, the manifest says {want['bytes']}; the "
+                              "checkpoint is truncated: resume from another one")
+
+
 def resume_after_restart(cfg: Config, restarts: int) -> Config:
     """The config a restarted job runs (`restarts` > 0: the launcher's count): it resumes
     from the newest checkpoint in its run dir, written by an earlier attempt (a

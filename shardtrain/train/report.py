@@ -161,12 +161,19 @@ def metrics_summary(records: list[dict[str, Any]]) -> str | None:
             f"{tokens_per_s:.0f} tokens/s (mean of {len(timed)} steps)")
 
 
-def report(run_dir: Path, out: TextIO | None = None) -> Path:
+def report(run_dir: Path, out: TextIO | None = None) -> Path | None:
     """Print the bubble table (and the metrics line) to `out` (stdout) and draw the chart;
-    returns its path."""
+    returns its path. A run without a pipeline (parallel.pp = 1) has no schedule to draw
+    nor bubble to measure (its one stage is busy the whole step): only the metrics line
+    and the per-rank table, and None."""
     out = out or sys.stdout
     timelines = load_timelines(run_dir)
     first = timelines[0]
+    if first["pp"] == 1:
+        print(f"no pipeline (parallel.pp=1, {len(timelines)} rank(s)): no schedule or bubble "
+              "to draw; train with parallel.pp > 1 to see one", file=out)
+        _print_metrics(run_dir, out)
+        return None
     measured = measured_bubbles(timelines)
     mean = mean_bubble(timelines)
     start, end = step_span(timelines)
@@ -182,14 +189,18 @@ def report(run_dir: Path, out: TextIO | None = None) -> Path:
     form = "(p-1)/(v m+p-1)" if v else "(p-1)/(m+p-1)"
     print(f"bubble fraction: measured {mean:.1%} (mean over ranks), formula {form} = "
           f"{formula:.1%}", file=out)
+    _print_metrics(run_dir, out)
+    png = run_dir / "timeline.png"
+    plot_timeline(timelines, png, title=f"{layout}: bubble {mean:.1%} measured, "
+                                        f"{formula:.1%} formula")
+    print(f"timeline: {png}", file=out)
+    return png
+
+
+def _print_metrics(run_dir: Path, out: TextIO) -> None:
     records = load_metrics(run_dir / "metrics.jsonl")
     summary = metrics_summary(records)
     if summary:
         print(summary, file=out)
     for line in pace_table(records):  # per-rank compute and wait, stragglers (pace.py)
         print(line, file=out)
-    png = run_dir / "timeline.png"
-    plot_timeline(timelines, png, title=f"{layout}: bubble {mean:.1%} measured, "
-                                        f"{formula:.1%} formula")
-    print(f"timeline: {png}", file=out)
-    return png

@@ -26,12 +26,19 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from shardtrain.ckpt.files import Piece, wait_for_indexes, write_pieces
 from shardtrain.config import Config
 from shardtrain.mesh import ParallelMesh
 from shardtrain.parallel.pieces import model_key, writers
 from shardtrain.parallel.strategy import Strategy
 from shardtrain.train import checkpoint as ckpt
+from shardtrain.train.diskspace import SpaceGuard, state_bytes
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def snapshot(piece: Piece) -> Piece:
@@ -48,6 +55,10 @@ class Saver:
             ckpt.clear_staging(cfg)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        root = ckpt.checkpoint_root(cfg.train.run_dir)
+        self.space = SpaceGuard(root, rank=mesh.rank, world_size=mesh.world_size,
+                                keep=cfg.checkpoint.keep,
+                                last_good=lambda: (ckpt.list_checkpoints(root) or [None])[-1])
 
     def save(self, step: int, parallel: Strategy, *, sampler_state: dict[str, Any],
              layout: dict[str, int], tokenizer_file: Path | None) -> None:
@@ -57,17 +68,36 @@ class Saver:
         pieces = writers(pieces, [self.mesh.comm(d) for d in ("dp", "cp", "tp", "pp")],
                          self.mesh.rank)
         aliases = {model_key(k): model_key(v) for k, v in parallel.shards.tied_to.items()}
-        staged = ckpt.stage_files(self.cfg, step, parallel.optimizer_files(self.is_main))
+        files = parallel.optimizer_files(self.is_main)
+        # A full disk: refused before writing, or every rank stops if a write fails
+        # (train/diskspace.py); the main rank then removes the staging directory.
+        copied = tokenizer_file.stat().st_size if tokenizer_file and self.is_main else 0
+        self.space.check(step, copied + state_bytes((p.region.numel * _itemsize(p.dtype)
+                                                     for p in pieces), files), self.barrier)
+        error, staged = None, ckpt.checkpoint_root(self.cfg.train.run_dir)
+        try:
+            staged = ckpt.stage_files(self.cfg, step, files)
+        except OSError as e:
+            error = e
         commit = partial(ckpt.save_checkpoint, self.cfg, step=step, staged=staged,
                          world_size=self.mesh.world_size, sampler_state=sampler_state,
                          layout=layout, tokenizer_file=tokenizer_file)
+        clean_up = partial(ckpt.clear_staging, self.cfg)
         if not self.cfg.checkpoint.async_save:
-            write_pieces(staged, self.mesh.rank, pieces, extra, aliases)
-            self.barrier()  # every rank's files are staged
-            if self.is_main:
-                commit()
-            self.barrier()  # every rank waits for the main rank's commit
+            try:
+                if error is None:
+                    write_pieces(staged, self.mesh.rank, pieces, extra, aliases)
+            except OSError as e:
+                error = e
+            self.space.agree(step, "write", error, self.barrier, clean_up)  # all staged
+            try:
+                if self.is_main:
+                    commit()
+            except OSError as e:
+                error = e
+            self.space.agree(step, "commit", error, self.barrier, clean_up)  # committed
             return
+        self.space.agree(step, "stage", error, self.barrier, clean_up)
         pieces = [snapshot(p) for p in pieces]
 
         def write() -> None:

@@ -32,6 +32,7 @@ from shardtrain.train.guard import BadStepGuard, hang_here, kill_here, nan_loss
 from shardtrain.train.finetune import build_skeleton, nf4_bytes, resolve_init_from, start_values
 from shardtrain.train.profile import StepProfiler
 from shardtrain.train.tracking import open_trackers
+from shardtrain.train.interrupt import Interrupt
 from shardtrain.train.metrics import (MetricsWriter, clock, device_peak_flops, moe_metrics,
                                       peak_memory, reset_peak_memory)
 from shardtrain.train.optim import build_optimizer, lr_at
@@ -46,6 +47,7 @@ class TrainResult:
     history: list[dict[str, Any]] = field(default_factory=list)  # one record per step run
     eval_loss: float | None = None
     sample: str | None = None
+    interrupted: str | None = None  # the line to print when a signal stopped the run
 
     @property
     def losses(self) -> list[float]:
@@ -150,7 +152,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ the run
 
-    def run(self) -> TrainResult:
+    def run(self, interrupt: Interrupt | None = None) -> TrainResult:
+        """Train to train.steps; with `interrupt` (train/interrupt.py), a SIGINT or SIGTERM
+        ends the run after the step every rank agrees on, with a checkpoint of it."""
         t = self.cfg.train
         result = TrainResult()
         if self.is_main:
@@ -169,8 +173,18 @@ class Trainer:
             result.history.append(record)
             self.guard.check(record)  # too many non-finite steps: stop, naming the checkpoint
             every = self.cfg.checkpoint.every
-            if (every and self.step % every == 0) or final:
+            saved = bool(every and self.step % every == 0) or final
+            if saved:
                 self.save()
+            if interrupt is not None and not final and interrupt.stop_after(self.step):
+                if not saved:
+                    self.save()
+                self.saver.wait()
+                self.metrics.close()
+                bar.close()
+                result.interrupted = interrupt.describe(self.step, str(ckpt.checkpoint_root(
+                    t.run_dir) / f"step_{self.step:08d}"))
+                return result
             kill_here(t.inject_kill, self.mesh.rank, self.step)  # a test hook (guard.py)
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")

@@ -23,7 +23,7 @@ from shardtrain.train.trainer import Trainer
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA device: these checks train on a GPU")
 
-STEPS = 200  # of configs/default.toml's model and batch: a minute or so on one GPU
+STEPS = 200  # of shardtrain/configs/default.toml's model and batch: a minute or so on one GPU
 
 
 @pytest.fixture(scope="module")
