@@ -16,6 +16,7 @@ from parity import (BF16_LOSS_RTOL, assert_parity, make_mesh, tiny, train_layout
                     train_layouts, worst_loss_deviation)
 from shardtrain import cli, config
 from shardtrain.config import ConfigError
+from shardtrain.prepare import prepare_run
 from shardtrain.train.finetune import build_skeleton, resolve_init_from
 from shardtrain.train.trainer import Trainer
 
@@ -86,7 +87,7 @@ def test_qlora_adamw8bit_fine_tune_exports_to_transformers(tmp, hf_dir, jsonl, c
 
 def test_fine_tune_config_errors(tmp, hf_dir):
     with pytest.raises(ConfigError, match=r"model.dim=128 conflicts with .*config.json"):
-        cli.prepare_run(tiny(tmp, "bad", "--model.init_from", str(hf_dir), "--model.dim", "128"),
+        prepare_run(tiny(tmp, "bad", "--model.init_from", str(hf_dir), "--model.dim", "128"),
                         1, prepare_data=False)
     with pytest.raises(ConfigError, match="lora.rank=4 with parallel.tp=2: an NF4 base"):
         tiny(tmp, "bad", "--lora.rank", "4", "--parallel.tp", "2", "--lora.quantize_base",
@@ -94,7 +95,7 @@ def test_fine_tune_config_errors(tmp, hf_dir):
     with pytest.raises(ConfigError, match="lora.rank=4 with parallel.zero=3"):
         tiny(tmp, "bad", "--lora.rank", "4", "--parallel.zero", "3").validate(2)
     with pytest.raises(ConfigError, match="config.json: missing"):
-        cli.prepare_run(tiny(tmp, "bad", "--model.init_from", str(tmp)), 1, prepare_data=False)
+        prepare_run(tiny(tmp, "bad", "--model.init_from", str(tmp)), 1, prepare_data=False)
 
 
 B8 = ("--train.global_batch", "8", "--train.steps", "4")

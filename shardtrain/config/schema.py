@@ -11,112 +11,15 @@ from typing import Any, Literal
 from shardtrain.config.data import DataConfig
 from shardtrain.config.errors import ConfigError, positive
 from shardtrain.config.faults import check_faults
-from shardtrain.config.families import check_families, check_window
+from shardtrain.config.families import check_window
 from shardtrain.config.layout import (check_context_parallel, check_expert_parallel,
                                       check_pipeline, check_tensor_parallel)
 from shardtrain.config.lora import LoRAConfig, check_finetune_layout
+from shardtrain.config.model import ModelConfig
 from shardtrain.config.observe import check_observability
 from shardtrain.config.parallel import CommConfig, ParallelConfig
 from shardtrain.config.ps import check_parameter_server, check_slow_ranks
 from shardtrain.config.ranges import check_ranges
-
-
-@dataclass(kw_only=True)
-class ModelConfig:
-    """Decoder-only transformer shape. `style` picks the block design."""
-
-    style: Literal["llama", "gpt2"] = "llama"
-    vocab_size: int = 256
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 0  # 0 means n_heads (plain multi-head attention)
-    ffn_dim: int = 0  # 0 means 4 * dim (gpt2) or the Llama rule 2/3 * 4 * dim rounded to 64
-    max_seq_len: int = 256
-    tie_embeddings: bool = False
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    n_experts: int = 0  # 0: dense MLP; > 0: mixture of experts with top-k routing
-    moe_top_k: int = 2
-    # Mixture of experts (docs/moe.md): Switch load-balancing and ST-MoE router z-loss
-    # coefficients; capacity per expert per micro-batch = ceil(factor * tokens * k / E)
-    # (0: dropless), an over-full expert keeping its highest-probability (`probs`) or
-    # earliest (`position`) slots; `grouped`: one grouped matmul per projection, `loop`:
-    # a Python loop over experts (the benchmark's baseline).
-    moe_aux_loss_coef: float = 0.01
-    moe_z_loss_coef: float = 0.001
-    moe_capacity_factor: float = 0.0
-    moe_drop_policy: Literal["probs", "position"] = "probs"
-    moe_impl: Literal["grouped", "loop"] = "grouped"
-    init_from: str = ""  # a Hugging Face directory: its weights, and its config.json's shape
-    # Hugging Face families (config/families.py): q/k/v biases (Qwen2), per-head q/k RMSNorm
-    # (Qwen3), head_size (0: dim / n_heads), RoPE scaling (llama3, linear, dynamic, yarn), an
-    # attention window (Mistral; 0: none) that train.seq_len must fit in.
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    head_size: int = 0
-    rope_scaling: Literal["none", "llama3", "linear", "dynamic", "yarn"] = "none"
-    rope_factor: float = 1.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_len: int = 8192
-    rope_attention_factor: float = 0.0  # yarn's cos/sin scale; 0: 0.1 ln(factor) + 1
-    sliding_window: int = 0
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.head_size or self.dim // self.n_heads
-
-    @property
-    def ffn_hidden(self) -> int:
-        if self.ffn_dim:
-            return self.ffn_dim
-        if self.style == "gpt2":
-            return 4 * self.dim
-        return 64 * ((int(2 * 4 * self.dim / 3) + 63) // 64)
-
-    def validate(self) -> None:
-        positive("model", self, "vocab_size", "dim", "n_layers", "n_heads", "max_seq_len")
-        if self.dim % self.n_heads and not self.head_size:
-            raise ConfigError(
-                f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; "
-                "pick a head count that divides the width")
-        if self.n_kv_heads < 0 or self.n_heads % self.kv_heads:
-            raise ConfigError(
-                f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads="
-                f"{self.n_kv_heads}; grouped-query attention needs n_heads to be a multiple "
-                "of n_kv_heads (0 means n_kv_heads = n_heads)")
-        if self.style == "gpt2" and self.n_kv_heads not in (0, self.n_heads):
-            raise ConfigError("model.n_kv_heads: the gpt2 style has no grouped-query attention; "
-                              "set it to 0")
-        if self.style == "llama" and self.head_dim % 2:
-            raise ConfigError(f"model.dim / model.n_heads = {self.head_dim} must be even for RoPE")
-        check_families(self)
-        if self.n_experts < 0 or (self.n_experts and not 1 <= self.moe_top_k <= self.n_experts):
-            raise ConfigError(f"model.moe_top_k={self.moe_top_k} must lie in 1..model.n_experts="
-                              f"{self.n_experts}")
-        self._validate_moe()
-
-    def _validate_moe(self) -> None:
-        for name in ("moe_aux_loss_coef", "moe_z_loss_coef", "moe_capacity_factor"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 0"
-                                  + (" (0: dropless)" if name == "moe_capacity_factor" else ""))
-        for name, choices in (("moe_drop_policy", ("probs", "position")),
-                              ("moe_impl", ("grouped", "loop"))):
-            if getattr(self, name) not in choices:
-                raise ConfigError(f"model.{name}={getattr(self, name)!r} is not one of "
-                                  f"{', '.join(choices)}")
-        if self.n_experts and self.moe_impl == "grouped" and \
-                (self.dim % 8 or self.ffn_hidden % 8):
-            # torch._grouped_mm needs 16-byte row strides (8 bf16 values).
-            raise ConfigError(f"model.moe_impl='grouped' needs model.dim={self.dim} and the "
-                              f"expert width {self.ffn_hidden} to be multiples of 8; change "
-                              "them or set model.moe_impl='loop'")
 
 
 @dataclass(kw_only=True)

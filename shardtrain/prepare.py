@@ -1,0 +1,69 @@
+"""Every check that can fail before a training run starts, run before any process or
+directory is made: a bad config, source, tokenizer, layout, resume target or disk is one
+line and exit 2 with nothing written (cli.py `shardtrain train` calls `prepare_run`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from shardtrain import config as config_mod
+from shardtrain.config import Config, ConfigError
+
+
+def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool, local_ranks: int = 1
+                ) -> None:
+    """Every check that can fail before training starts, and the token cache built once.
+    `local_ranks`: the ranks this machine runs (they share its memory on CPU)."""
+    import torch
+
+    from shardtrain.data import check_source, check_vocab, load_dataset, load_tokenizer
+    from shardtrain.parallel.ps.layout import check_servers
+    from shardtrain.parallel.zero.offload import check_offload_space
+    from shardtrain.train import checkpoint as ckpt
+    from shardtrain.train.finetune import resolve_init_from
+    from shardtrain.train.fits import check_fits
+
+    try:
+        resolve_init_from(cfg)  # before validation: the shape comes from model.init_from
+    except ConfigError as e:  # a preset's value the user never typed: say where it came from
+        raise config_mod.explain_origin(e, cfg) from None
+    cfg.validate(world_size)
+    check_source(cfg.data)
+    if cfg.data.tokenizer not in ("byte", "bpe"):
+        load_tokenizer(cfg.data)  # a tokenizer.json path: fails fast if missing or invalid
+    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    check_fits(cfg, world_size, device_kind="cuda" if cuda else "cpu", local_ranks=local_ranks)
+    check_writable(Path(cfg.train.run_dir))
+    check_offload_space(cfg)
+    check_servers(cfg)
+    resume = ckpt.resolve_resume(cfg)
+    if resume is not None:
+        ckpt.check_compatible(resume, cfg, world_size)
+        ckpt.check_files(resume)
+    if cfg.train.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise ConfigError("train.tensorboard=true needs the tensorboard package: "
+                              "pip install 'shardtrain[tensorboard]'") from None
+    if prepare_data:
+        check_vocab(load_dataset(cfg.data, seq_len=cfg.train.seq_len), cfg.model.vocab_size)
+    # Only now, every check passed: a rejected input leaves no empty run dir behind.
+    Path(cfg.train.run_dir).mkdir(parents=True, exist_ok=True)
+
+
+def check_writable(run_dir: Path) -> None:
+    """The run dir, or the nearest directory above it that exists, is writable: checked
+    without creating anything (the run dir is made once every check has passed)."""
+    existing = run_dir.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    why = None
+    if not existing.is_dir():
+        why = f"{existing} is not a directory"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        why = f"{existing} is not writable"
+    if why:
+        raise ConfigError(f"train.run_dir={str(run_dir)!r} cannot be written ({why}); "
+                          "choose a directory you can write to")
