@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -171,6 +172,9 @@ def test_build_once_under_concurrency(tmp_path):
         built = list(pool.map(lambda _: build_once(target, build), range(4)))
     assert built.count(True) == 1 and len(builds) == 1
     assert target.read_text() == "done" and not list(target.parent.glob("*.tmp"))
+    mask = os.umask(0)
+    os.umask(mask)
+    assert target.stat().st_mode & 0o777 == 0o666 & ~mask  # the mode open() gives, not 0600
 
 
 def test_too_few_tokens(tmp_path):

@@ -5,6 +5,7 @@ export loads back into `transformers` with equal logits."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -69,6 +70,10 @@ def test_llama_logits_match_both_ways(tmp_path, tied, shard):
             base_config=source_config(tmp_path / "hf"))
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     torch.testing.assert_close(hf_logits(back), hf_logits(ref), rtol=0, atol=1e-5)
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in (tmp_path / "out").glob("*.safetensors"):  # the mode open() gives, not 0600
+        assert f.stat().st_mode & 0o777 == 0o666 & ~mask, f
 
 
 def test_gpt2_logits_match_both_ways(tmp_path):

@@ -30,10 +30,19 @@ def build_once(target: Path, build: Callable[[Path], None]) -> bool:
             build(tmp)
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
+            usual_mode(tmp)
             os.replace(tmp, target)
         finally:
             tmp.unlink(missing_ok=True)
     return True
+
+
+def usual_mode(path: Path) -> None:
+    """Give `path` the mode a plain open() gives a new file, 0666 less the umask: mkstemp
+    and safetensors create theirs 0600, unreadable to the user's group."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -194,6 +194,9 @@ def save_hf(model: nn.Module | None, path: str | os.PathLike, *, cfg: ModelConfi
         if shard:
             tmp = path / f".shard-{len(shards)}.safetensors"
             save_file(shard, str(tmp), metadata={"format": "pt"})
+            mask = os.umask(0)  # safetensors creates its file 0600: the mode open() gives
+            os.umask(mask)
+            os.chmod(tmp, 0o666 & ~mask)
             shards.append({"file": tmp.name, "names": list(shard)})
             shard, size = {}, 0
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from shardtrain.config import Config, ConfigError, ModelConfig
 from shardtrain.config.lora import TARGET_MODULES
+from shardtrain.data.fsutil import usual_mode
 from shardtrain.model.hf_names import TensorMap, tensor_maps
 
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -60,6 +61,7 @@ def save_peft_adapters(model: nn.Module, cfg: Config, out: str | Path) -> Path:
                                                    ).contiguous()  # [out, r], HF's row order
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    usual_mode(out / WEIGHTS_FILE)
     meta = {**PLAIN_LORA, "task_type": "CAUSAL_LM", "r": cfg.lora.rank,
             "lora_alpha": cfg.lora.alpha, "lora_dropout": cfg.lora.dropout,
             "target_modules": sorted(HF_TARGETS[t] for t in cfg.lora.target_list),
