@@ -13,7 +13,7 @@ from pathlib import Path
 
 from shardtrain import config as config_mod
 from shardtrain.config import Config, ConfigError
-from shardtrain.prepare import prepare_run
+from shardtrain.train.prepare import prepare_run
 
 USAGE = """shardtrain train [--config FILE.toml|PRESET] [--nproc N] [--section.field VALUE ...]
 shardtrain train --dry-run-world N [...]           (rank 0 of an N-rank job, alone: its memory)

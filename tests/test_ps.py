@@ -187,7 +187,7 @@ def test_servers_outnumbering_parameters_and_good_layouts():
     cfg.model.n_heads = cfg.model.n_kv_heads = 1
     cfg.parallel.ps_servers = 4
     with pytest.raises(ConfigError, match="parallel.ps_servers=4 outnumbers the model's 3"):
-        check_servers(cfg)  # run by prepare.prepare_run (it needs the parameter count)
+        check_servers(cfg)  # run by train/prepare.py prepare_run (it needs the parameter count)
 
 
 def test_slow_ranks_stretch_compute(monkeypatch):

@@ -55,6 +55,7 @@ def filler(values: Values) -> Fill:
     def fill(target: Target) -> None:
         for name, value in values(target.wants):
             target.write(name, value)
+            del value  # before the next is drawn: one full tensor at a time
     return fill
 
 

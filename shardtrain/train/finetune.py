@@ -111,6 +111,7 @@ def start_values(cfg: Config, shards: StageShards) -> Values:
             for name, full in iter_hf_weights(Path(cfg.model.init_from).expanduser(), cfg.model):
                 if holds(model, name) and wants(name):  # this stage's, this shard's
                     yield name, shards.shard_full(name, full)
+                del full  # before the next is read
         if peft:
             yield from ((n, v) for n, v in peft_adapter_values(model, cfg, shard=shards.shard_full)
                         if wants(n))

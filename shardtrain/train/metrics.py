@@ -92,9 +92,20 @@ def peak_memory(device: torch.device) -> dict[str, int | None]:
     if device.type == "cuda":
         return {"peak_mem_bytes": torch.cuda.max_memory_allocated(device),
                 "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)}
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"peak_mem_bytes": rss if sys.platform == "darwin" else rss * 1024,  # Linux: KiB
-            "peak_reserved_bytes": None}
+    peak = _proc_status("VmHWM")  # Linux: the high-water mark reset_peak_memory resets
+    if peak is None:  # getrusage's also keeps the peaks of exited threads: no reset
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = rss if sys.platform == "darwin" else rss * 1024  # Linux: KiB
+    return {"peak_mem_bytes": peak, "peak_reserved_bytes": None}
+
+
+def _proc_status(field: str) -> int | None:
+    """A memory field of /proc/self/status in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+    except (OSError, StopIteration):
+        return None
 
 
 def reset_peak_memory(device: torch.device) -> int:
@@ -108,10 +119,9 @@ def reset_peak_memory(device: torch.device) -> int:
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # 5: reset the peak resident set size to the current one
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
-    except (OSError, StopIteration):
-        return 0
+    except OSError:
+        pass
+    return _proc_status("VmRSS") or 0
 
 
 def fixed_mmap_threshold(nbytes: int = 1 << 20) -> None:

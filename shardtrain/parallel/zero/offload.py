@@ -222,8 +222,8 @@ class HostOptimizer:
         if shard.host is not None:
             out.copy_(shard.host[0], non_blocking=out.is_cuda)
             return
-        stage = torch.empty(shard.numel, dtype=torch.float32, pin_memory=True) if out.is_cuda \
-            else out  # [shard]
+        stage = torch.empty(shard.numel, dtype=torch.float32, device="cpu",  # the host side
+                            pin_memory=True) if out.is_cuda else out  # [shard]
         for start, end, window in self._windows(shard, states=1):
             stage[start:end].copy_(window[0])
             del window  # unmapped
