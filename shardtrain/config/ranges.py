@@ -32,6 +32,8 @@ RANGES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "optim.momentum": ("in [0, 1)", lambda v: 0 <= v < 1),
     "train.eval_every": (">= 0 (0: only at the end)", lambda v: v >= 0),
     "train.sample_tokens": (">= 0 (0: no sample)", lambda v: v >= 0),
+    "train.sample_max_params": (">= 0 (0: sample only where every rank holds whole layers)",
+                                lambda v: v >= 0),
     "train.peak_flops": (">= 0 (0: from the device)", lambda v: v >= 0),
 }
 
