@@ -4,7 +4,8 @@ The model is built on the meta device (shapes only). `parallelize` then gives st
 this rank's pipeline stage alone (stage.py), whose tensor-parallel and expert modules
 already have their local shapes (tensor/, expert/). What the update half shards further --
 ZeRO's trainable parameters -- stays on the meta device here, and ZeRO's flat units
-(zero/units.py) give each rank its own share (stage 3: the shard alone; stages 1 and 2: the unit, which they replicate).
+(zero/units.py) give each rank its own share (stage 3: the shard alone; stages 1 and 2:
+the unit, which they replicate).
 
 Values arrive afterwards, one tensor at a time, through a `Target`: `wants(name)` says
 whether this rank keeps any of parameter `name` (a ZeRO-3 rank of a 256-way group keeps a
