@@ -121,8 +121,13 @@ class BPETokenizer:
         return [e.ids for e in encode(list(texts), add_special_tokens=False)]
 
     def encode_concat(self, texts: Sequence[str]) -> np.ndarray:
-        return np.concatenate([np.asarray(ids, dtype=np.int64) for ids in self.encode_each(texts)]
-                              or [np.zeros(0, dtype=np.int64)])
+        return concat_ids(self.encode_each(texts))
+
+
+def concat_ids(each: list[list[int]]) -> np.ndarray:
+    """Texts' ids (encode_each) as one 1-D int64 array."""
+    return np.concatenate([np.asarray(ids, dtype=np.int64) for ids in each]
+                          or [np.zeros(0, dtype=np.int64)])
 
 
 def load_tokenizer(cfg: DataConfig) -> Tokenizer:

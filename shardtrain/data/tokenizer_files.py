@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from shardtrain.config import ConfigError
-from shardtrain.data.tokenizer import EOS_TEXT, BPETokenizer, Tokenizer
+from shardtrain.data.tokenizer import EOS_TEXT, BPETokenizer, Tokenizer, concat_ids
 
 # The pre-tokenization split of OpenAI's cl100k_base: a .tiktoken file holds only the ranks.
 _TIKTOKEN_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"""
@@ -93,7 +93,7 @@ class SentencePieceTokenizer:
         return self._sp.encode(list(texts))
 
     def encode_concat(self, texts: Sequence[str]) -> np.ndarray:
-        return np.asarray([i for ids in self.encode_each(texts) for i in ids], dtype=np.int64)
+        return concat_ids(self.encode_each(texts))
 
 
 class TiktokenTokenizer:
@@ -131,7 +131,7 @@ class TiktokenTokenizer:
         return self._enc.encode_ordinary_batch(list(texts))
 
     def encode_concat(self, texts: Sequence[str]) -> np.ndarray:
-        return np.asarray([i for ids in self.encode_each(texts) for i in ids], dtype=np.int64)
+        return concat_ids(self.encode_each(texts))
 
 
 def _token(value: Any) -> str | None:

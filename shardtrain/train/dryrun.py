@@ -4,8 +4,9 @@ One process joins a fake process group of N ranks (torch's `fake` backend: every
 collective returns at once and moves nothing), builds the real mesh and the real Trainer
 for rank 0 of the configured layout, and runs a few training steps. What rank 0 allocates
 is then real: its parameter, gradient, optimizer and master-weight shards
-(`Trainer.memory_ledger`), its peak memory (CUDA: the allocator's peak; CPU: the process's
-peak RSS, dominated by the Python and torch runtime itself) and the bytes autograd saved
+(`Trainer.memory_ledger`), its peak memory while built and while stepping (CUDA: the
+allocator's peak; CPU: the process's resident high-water mark, reset at each, the Python
+and torch runtime included) and the bytes autograd saved
 for backward during one step (parallel/activation.py's SavedActivations). Beside them it
 puts the planner's prediction for the same layout: the exact model-state bytes the
 runtime's padding implies (plan/rank_states.py) and the estimate of plan/memory.py.
