@@ -5,9 +5,10 @@ are padded so that every rank holds an equal shard. This module lists the parame
 rank 0 holds (tensor-parallel rank 0's slices, pipeline stage 0's layers) and applies the
 runtime's padding to them, so the planner reproduces the runtime's ledger to the byte:
 
-- ZeRO (parallel/zero/units.py): one flat unit for the embedding (token + position tables),
-  one per transformer block, one for the final norm and head (a tied embedding joins that
-  one); each unit padded to a multiple of N_d; then `model_states(padded, nd=N_d, zero=...)`.
+- ZeRO (cost/units.py): one flat unit for the embedding (token + position tables), one per
+  transformer block (the last with the final norm), one for the head (a tied embedding
+  joins it); each unit padded to a multiple of N_d; then `model_states(padded, nd=N_d,
+  zero=...)`.
 - Plain DP (parallel/data/ddp.py): gradient buckets filled in reverse module order, the first
   closed at min(bucket, 1 MiB), each padded to a multiple of N_d; then
   `runtime_adamw_fp32` with that padding and one AdamW `step` scalar per tensor.
@@ -28,6 +29,7 @@ Pure arithmetic, like the rest of plan/: the rules are restated here, and the dr
 from __future__ import annotations
 
 from shardtrain.config import ModelConfig
+from shardtrain.cost.units import unit_key
 from shardtrain.plan.layout import Layout, PlanError
 from shardtrain.plan.memory import (ModelStates, model_states, offload_states,
                                      runtime_adamw_fp32)
@@ -87,17 +89,11 @@ def rank0_tensors(cfg: ModelConfig, layout: Layout, *, layers: int | None = None
     return out
 
 
-def zero_padded(tensors: list[tuple[str, int]], *, nd: int, tied: bool) -> int:
-    """Elements of the flat units (parallel/zero/units.py `unit_key`), each padded to a
-    multiple of nd."""
+def zero_padded(tensors: list[tuple[str, int]], *, nd: int, tied: bool, n_layers: int) -> int:
+    """Elements of the flat units (cost/units.py), each padded to a multiple of nd."""
     units: dict[tuple[int, int], int] = {}
     for name, n in tensors:
-        if name.startswith("layers."):
-            key = (1, int(name.split(".")[1]))
-        elif name.startswith(("tok_emb.", "pos_emb.")) and not tied:
-            key = (0, 0)
-        else:
-            key = (2, 0)
+        key = unit_key(name, tied=tied, n_layers=n_layers)
         units[key] = units.get(key, 0) + n
     return sum(_up(n, nd) for n in units.values())
 
@@ -133,7 +129,8 @@ def rank0_states(cfg: ModelConfig, layout: Layout, *, layers: int | None = None,
     tensors = rank0_tensors(cfg, lay, layers=layers)
     psi = sum(n for _, n in tensors)
     if lay.zero:
-        padded = zero_padded(tensors, nd=lay.replicas, tied=cfg.tie_embeddings)
+        padded = zero_padded(tensors, nd=lay.replicas, tied=cfg.tie_embeddings,
+                             n_layers=cfg.n_layers)
         states = model_states(padded, nd=lay.replicas, zero=lay.zero, precision=lay.precision)
         if lay.offload == "none":
             return states

@@ -5,8 +5,8 @@ the parameters stay views of that buffer (the trick of FSDP's FlatParameter, Zha
 2023, sec. 3.2): re-growing the storage and all-gathering into it makes every parameter, and
 every tensor autograd saved from it, valid again without touching the model.
 
-Forward runs through a fixed sequence of events (embedding, block 0, ..., block L-1, final
-norm + head), each a forward pre-hook: at event k its units must be ready, units not
+Forward runs through a fixed sequence of events (embedding, block 0, ..., block L-1 with
+the final norm, head), each a forward pre-hook: at event k its units must be ready, units not
 needed by events k..k+prefetch are freed first, then the next `prefetch` events' units are
 all-gathered asynchronously while event k computes (Rajbhandari et al. 2020, sec. 5.3; Ren
 et al. 2021 call it prefetching). An event has one unit, except a block under expert
@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from shardtrain.comm import Handle
+from shardtrain.cost.units import BLOCK
 from shardtrain.parallel.zero.units import FlatUnit
 
 
@@ -163,13 +164,15 @@ class ParamGatherer(UnitGatherer):
                   ) -> ParamGatherer:
         """The events of the whole transformer: the embedding's unit (the head's, when
         tied), each block's units (its dense unit, and under expert parallelism its
-        experts' unit, gathered together: the experts run inside the block), the final
-        norm and head's; each block's midpoint is its MLP's norm."""
+        experts' unit, gathered together: the experts run inside the block; the last
+        block's holds the final norm, cost/units.py), the head's; each block's midpoint is
+        its MLP's norm."""
         unit_of = {n: u for u in units for n in u.names}
         events = [(model, [unit_of["tok_emb.weight"]])]
-        events += [(block, [u for u in units if u.key == (1, i)])
+        events += [(block, [u for u in units if u.key == (BLOCK, i)])
                    for i, block in enumerate(model.layers)]
-        events.append((model.norm, [unit_of["norm.weight"]]))
+        head = "tok_emb.weight" if model.cfg.tie_embeddings else "head.weight"
+        events.append((model.head, [unit_of[head]]))
         midpoints = {1 + i: block.mlp_norm for i, block in enumerate(model.layers)}
         return cls(model, units, prefetch=prefetch, events=events, midpoints=midpoints)
 

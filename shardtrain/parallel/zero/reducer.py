@@ -115,11 +115,7 @@ class ZeroReducer:
             # sized head would otherwise hold parameters, gradients and flat gradient at once)
         while self._inflight:
             self._complete(self._inflight.pop(0))
-        full = torch.zeros(u.padded, dtype=self.reduce_dtype, device=u.flat.device)  # [padded]
-        for p, view in zip(u.params, u.param_views(full)):
-            if p.grad is not None:
-                view.copy_(p.grad)
-                p.grad = None
+        full = self._flat_gradient(u)  # [padded]
         out = torch.empty(u.shard_numel, dtype=full.dtype, device=full.device)
         handle = u.comm.reduce_grads(u, out, full)
         self._inflight.append((u, handle, out, full))
@@ -128,6 +124,24 @@ class ZeroReducer:
             # In flight, this buffer would sit under the next unit's whole backward: kept
             # only when no larger than that unit's own (the head's, vocabulary-sized, is not).
             self._complete(self._inflight.pop())
+
+    def _flat_gradient(self, u: FlatUnit) -> torch.Tensor:
+        """u's full gradient [padded] in the reduce dtype, taken out of the parameters'
+        .grad. A unit that is one parameter filling the whole buffer (an untied embedding,
+        vocabulary-sized) hands over its .grad itself: a copy would hold the model's
+        largest gradient twice at the moment of the step's peak."""
+        grads = [p.grad for p in u.params]
+        alone = grads[0] if len(grads) == 1 else None
+        if (alone is not None and alone.numel() == u.padded and alone.is_contiguous()
+                and alone.dtype == self.reduce_dtype):
+            u.params[0].grad = None
+            return alone.view(-1)
+        full = torch.zeros(u.padded, dtype=self.reduce_dtype, device=u.flat.device)
+        for p, view in zip(u.params, u.param_views(full)):
+            if p.grad is not None:
+                view.copy_(p.grad)
+                p.grad = None
+        return full
 
     def _complete(self, item) -> None:
         u, handle, out, _ = item

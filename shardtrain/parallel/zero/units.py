@@ -1,8 +1,9 @@
 """ZeRO's flat units and how their bytes move.
 
 A unit is a group of parameters gathered, reduced and updated together: the embedding
-(token and learned position tables), each transformer block, and the final norm with the
-output head; tied embeddings join the head's unit, so the shared matrix is counted once.
+(token and learned position tables), each transformer block (the last one with the final
+norm), and the output head; tied embeddings join the head's unit, so the shared matrix is
+counted once (cost/units.py, the one place the grouping is decided, says why).
 Like FSDP's FlatParameter (Zhao et al. 2023, sec. 3.2), a unit's parameters are views into
 one flat buffer [padded], padded to a multiple of the dp size so that every rank owns an
 equal contiguous shard [padded / dp]: rank r owns elements [r * shard, (r + 1) * shard).
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from shardtrain.comm import Communicator, Handle
+from shardtrain.cost.units import unit_key
 from shardtrain.parallel.zero.optim import Runs
 from shardtrain.parallel.tensor.sharding import Placement
 
@@ -93,15 +95,6 @@ class FlatUnit:
             self.shard[a:b].copy_(flat[start:start + b - a])
 
 
-def unit_key(name: str, *, tied: bool) -> tuple[int, int]:
-    """Forward-order key of the unit a parameter belongs to: embedding, blocks, final."""
-    if name.startswith("layers."):
-        return (1, int(name.split(".")[1]))
-    if name.startswith(("tok_emb.", "pos_emb.")) and not tied:
-        return (0, 0)
-    return (2, 0)
-
-
 def merge_units(*groups: list[FlatUnit]) -> list[FlatUnit]:
     """Units of several groups in one forward order; on equal keys (a block's dense and
     expert units) the earlier group's unit first. Backward then completes the experts'
@@ -131,9 +124,10 @@ def build_units(model: nn.Module, *, dp_size: int, dp_rank: int, dtype: torch.dt
     blocks: one scale for a norm's ~1.0 values and a matrix's ~0.02 would round the matrix
     away."""
     groups: dict[tuple[int, int], list[tuple[str, nn.Parameter]]] = {}
+    n_layers = model.cfg.n_layers  # the whole model's: a pipeline stage keeps global names
     for name, p in model.named_parameters():
         if p.requires_grad and (only is None or p in only) and p not in skip:
-            groups.setdefault(unit_key(name, tied=tied), []).append((name, p))
+            groups.setdefault(unit_key(name, tied=tied, n_layers=n_layers), []).append((name, p))
     units = []
     for index, key in enumerate(sorted(groups)):
         named = groups[key]
