@@ -137,13 +137,22 @@ def test_expert_slices_drawn_by_index():
     assert w2.std() < 0.7 * a.layers[0].mlp.experts.w1.std()  # the scaled residual init
 
 
-def _router_grad(coef: float, z_coef: float = 0.0) -> torch.Tensor:
-    cfg = ModelConfig(dim=64, n_layers=1, n_heads=4, n_experts=4, moe_top_k=2, vocab_size=64,
-                      max_seq_len=32, moe_aux_loss_coef=coef, moe_z_loss_coef=z_coef)
+def _router_grad(coef: float, z_coef: float = 0.0, top_k: int = 2) -> torch.Tensor:
+    cfg = ModelConfig(dim=64, n_layers=1, n_heads=4, n_experts=4, moe_top_k=top_k,
+                      vocab_size=64, max_seq_len=32, moe_aux_loss_coef=coef,
+                      moe_z_loss_coef=z_coef)
     model = build_model(cfg, seed=0)
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     model(tokens).mean().backward()
     return model.layers[0].mlp.router.weight.grad
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_the_task_loss_reaches_the_router(top_k):
+    """With the auxiliary losses off the router learns from the task loss alone: through
+    the gates. A top-1 gate renormalised over its one choice would be 1 whatever the router
+    says (a gradient of ~1e-10, rounding), so top-1 gates by the router probability."""
+    assert _router_grad(0.0, top_k=top_k).norm() > 1e-5
 
 
 def test_aux_losses_reach_the_router():

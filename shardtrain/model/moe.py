@@ -54,17 +54,23 @@ def loss_grad_scale(scale: float):
 class Routing:
     logits: torch.Tensor  # [T, E] fp32
     probs: torch.Tensor  # [T, E] fp32 softmax of logits
-    weights: torch.Tensor  # [T, K] fp32, renormalised over the K chosen
+    weights: torch.Tensor  # [T, K] fp32: the gates (`route`)
     experts: torch.Tensor  # [T, K] int64, the chosen experts
 
 
 def route(tokens: torch.Tensor, router_weight: torch.Tensor, top_k: int) -> Routing:
-    """Router in fp32 (autocast off: small logit differences decide the choice)."""
+    """Router in fp32 (autocast off: small logit differences decide the choice). The gates:
+    for top-k > 1 the chosen probabilities renormalised over the k chosen (Mixtral's); for
+    top-1 the chosen probability itself, as Switch Transformer gates (Fedus et al. 2021,
+    sec. 2.1) -- renormalised over one choice every gate would be p / p = 1, a constant,
+    and the router would learn nothing from the task loss."""
     with torch.autocast(tokens.device.type, enabled=False):
         logits = F.linear(tokens.float(), router_weight.float())  # [T, E]
     probs = logits.softmax(-1)
     weights, experts = probs.topk(top_k, dim=-1)  # [T, K]
-    return Routing(logits, probs, weights / weights.sum(-1, keepdim=True), experts)
+    if top_k > 1:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return Routing(logits, probs, weights, experts)
 
 
 def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
