@@ -56,7 +56,7 @@ def results_name(rank: int) -> str:
 
 class _PiecesPlanner(SavePlanner):
     """The values of this rank's write items, fetched piece by piece as DCP's writer asks
-    for them (in plan order: one piece's values in memory at a time)."""
+    for them (one piece's values held at a time: on the host, in plan order)."""
 
     def __init__(self, pieces: list[Piece]):
         self.pieces = pieces
@@ -71,15 +71,17 @@ class _PiecesPlanner(SavePlanner):
         self._held: tuple[int, torch.Tensor] | None = None
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        """The chunk's values [chunk sizes], cut on the piece's own device (DCP's writer
+        copies them to the host, ahead of the write on a GPU, in an order of its own)."""
         k, chunk = self.where[MetadataIndex(write_item.index.fqn, write_item.index.offset)]
+        piece = self.pieces[k]
         if self._held is None or self._held[0] != k:
-            piece = self.pieces[k]
-            values = piece.fetch().detach().reshape(-1).to("cpu", piece.dtype)  # [numel]
+            values = piece.fetch().detach().reshape(-1)  # [numel]
             if values.numel() != piece.region.numel:
                 raise ValueError(f"piece {piece.region.key} has {values.numel()} values, its "
                                  f"region {piece.region.numel}")
             self._held = (k, values)
-        return chunk.of(self._held[1]).contiguous()  # [chunk sizes], its own storage
+        return chunk.of(self._held[1]).to(piece.dtype).contiguous()
 
     # The planning steps run in `plan_save`, outside DCP's own save loop.
     def set_up_planner(self, *args, **kwargs) -> None:
