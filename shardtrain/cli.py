@@ -77,6 +77,10 @@ def cmd_train(argv: list[str]) -> int:
 
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts {args.max_restarts} must be >= 0")
+    if args.max_restarts and cfg.checkpoint.keep < 2:
+        raise ConfigError(f"--max-restarts {args.max_restarts} needs checkpoint.keep >= 2 (it "
+                          f"is {cfg.checkpoint.keep}): a restart falls back past a checkpoint "
+                          "the crash left unusable only if an older one is kept")
     if under_launcher():
         if args.max_restarts:
             raise ConfigError("--max-restarts under torchrun: the launcher restarts the job; "
@@ -86,7 +90,7 @@ def cmd_train(argv: list[str]) -> int:
             raise ConfigError(f"--nproc {args.nproc} conflicts with the launcher's "
                               f"{info.local_world_size} processes per node; drop --nproc")
         prepare_run(cfg, info.world_size, prepare_data=info.local_rank == 0,
-                    local_ranks=info.local_world_size)
+                    local_ranks=info.local_world_size, main=info.rank == 0)
         return _exit_status(run_worker(config_mod.to_toml(cfg)))
     nproc = args.nproc or 1
     run_dir = Path(cfg.train.run_dir)

@@ -103,21 +103,26 @@ def test_rejected_inputs_leave_no_run_dir(tmp_path, capsys):
              "checkpoint.resume=latest: no checkpoint")
 
 
+def test_restarts_need_an_older_checkpoint_kept(tmp_path, capsys):
+    _refused(capsys, tmp_path, _args(tmp_path, "--max-restarts", "1", "--checkpoint.keep", "1"),
+             "--max-restarts 1 needs checkpoint.keep >= 2 (it is 1)")
+
+
 def test_a_corrupt_or_truncated_checkpoint_is_refused_and_an_existing_run_dir_untouched(tmp_path, capsys):
     first = tmp_path / "first"
     assert main(_args(tmp_path, "--train.steps", "2", "--train.run_dir", str(first))) == 0
     capsys.readouterr()
     step = first / "checkpoints" / "step_00000002"
-    shard = step / "shard-00000.safetensors"
+    shard = step / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
-    data[-50] ^= 0xFF  # corrupt, same size: found by its checksum as the run starts
+    data[len(data) // 2] ^= 0xFF  # corrupt, same size: found by its checksum when read
     shard.write_bytes(bytes(data))
     _refused(capsys, tmp_path, _args(tmp_path, "--checkpoint.resume", str(step)),
-             str(shard), "SHA-256 differs")
+             str(shard), "checksum")
     shard.write_bytes(bytes(data[:-100]))  # truncated: found before launch
     before = {p: p.stat().st_mtime_ns for p in first.rglob("*")}
     _refused(capsys, tmp_path, _args(tmp_path, "--checkpoint.resume", str(step)),
-             str(shard), "truncated")
+             str(shard), "incomplete")
     # The same refusal with the existing run dir as the target: nothing in it changes.
     assert main(_args(tmp_path, "--train.run_dir", str(first), "--train.lr", "nan")) == 2
     assert main(_args(tmp_path, "--train.run_dir", str(first), "--checkpoint.resume",

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
 
 from dist import run_distributed
 from parity import checkpoint_tensors, make_mesh, tiny, train_layouts
@@ -32,7 +33,8 @@ def _step(run_dir: Path, step: int) -> Path:
 
 
 def test_async_save_equals_sync_save(tmp_path):
-    """ZeRO-2 over 2 ranks: every file of both checkpoints (steps 2 and 4) is byte-equal."""
+    """ZeRO-2 over 2 ranks: every file of both checkpoints (steps 2 and 4) is byte-equal
+    (DCP's .metadata: the same tensors, chunks and storage; it also records a save id)."""
     texts = [config.to_toml(tiny(tmp_path, name, *STEPS, "--parallel.zero", "2",
                                  "--checkpoint.async_save", flag))
              for name, flag in (("sync", "false"), ("async", "true"))]
@@ -41,9 +43,13 @@ def test_async_save_equals_sync_save(tmp_path):
         sync, asyn = _step(tmp_path / "sync", step), _step(tmp_path / "async", step)
         names = sorted(f.name for f in sync.iterdir() if f.name != "config.toml")
         assert names == sorted(f.name for f in asyn.iterdir() if f.name != "config.toml")
-        assert "shard-00001.safetensors" in names
+        assert "__1_0.distcp" in names and ".metadata" in names
         for name in names:
-            assert (sync / name).read_bytes() == (asyn / name).read_bytes(), (step, name)
+            if name != ".metadata":
+                assert (sync / name).read_bytes() == (asyn / name).read_bytes(), (step, name)
+        metadata = [FileSystemReader(d).read_metadata() for d in (sync, asyn)]
+        assert metadata[0].state_dict_metadata == metadata[1].state_dict_metadata
+        assert metadata[0].storage_data == metadata[1].storage_data
 
 
 def _digest(directory: Path) -> dict[str, str]:
@@ -51,7 +57,7 @@ def _digest(directory: Path) -> dict[str, str]:
             for f in sorted(directory.rglob("*")) if f.is_file()}
 
 
-def test_damaged_checkpoints_are_refused_naming_the_file(tmp_path):
+def test_damaged_checkpoints_are_refused_naming_the_file(tmp_path, capsys):
     cfg = tiny(tmp_path, "saved", "--train.steps", "2")
     Trainer(cfg, make_mesh(cfg, 0, 1), torch.device("cpu")).run()
     good = _step(tmp_path / "saved", 2)
@@ -73,28 +79,52 @@ def test_damaged_checkpoints_are_refused_naming_the_file(tmp_path):
         damage(copy)
         return copy
 
-    shard = "shard-00000.safetensors"
+    shard = "__0_0.distcp"
 
-    def flip(d: Path) -> None:
+    def flip(d: Path) -> None:  # inside a chunk's values: found by its checksum as read
         data = bytearray((d / shard).read_bytes())
-        data[-3] ^= 0xFF
+        data[len(data) // 2] ^= 0xFF
         (d / shard).write_bytes(bytes(data))
 
     def truncate(d: Path) -> None:
         (d / shard).write_bytes((d / shard).read_bytes()[:-100])
 
     msg = resume(damaged("flipped", flip))
-    assert shard in msg and "SHA-256" in msg
+    assert shard in msg and "checksum" in msg
     msg = resume(damaged("truncated", truncate))
-    assert shard in msg and "truncated" in msg
+    assert shard in msg and "incomplete" in msg
     msg = resume(damaged("missing", lambda d: (d / shard).unlink()))
     assert shard in msg and "missing" in msg
-    msg = resume(damaged("no-manifest", lambda d: (d / "manifest.json").unlink()))
-    assert "manifest.json" in msg and "not a checkpoint directory" in msg
-    msg = resume(damaged("bad-manifest", lambda d: (d / "manifest.json").write_text("{")))
-    assert "manifest.json" in msg
+    msg = resume(damaged("no-metadata", lambda d: (d / ".metadata").unlink()))
+    assert ".metadata" in msg and "missing" in msg
+    msg = resume(damaged("bad-metadata", lambda d: (d / ".metadata").write_bytes(b"{")))
+    assert ".metadata" in msg and "not readable" in msg
+    msg = resume(damaged("old-format", lambda d: [
+        (d / n).unlink() for n in (".metadata", "shardtrain.json")] and
+        (d / "manifest.json").write_text("{}")))
+    assert "earlier format" in msg and "985e675" in msg
     msg = resume(good, "--model.dim", "32")
     assert "model.dim: checkpoint 64 vs config 32" in msg
+
+    # resume = latest falls back past a newest checkpoint a crash left truncated: every
+    # process skips it, the main one moves it aside (kept) and says so on one line.
+    root = tmp_path / "fallback" / "checkpoints"
+    for step in (2, 4):
+        shutil.copytree(good, root / f"step_{step:08d}")
+    truncate(root / "step_00000004")
+    latest = tiny(tmp_path, "fallback", "--checkpoint.resume", "latest")
+    capsys.readouterr()
+    assert ckpt.resolve_resume(latest, main=False) == root / "step_00000002"
+    assert (root / "step_00000004").is_dir()  # only the main process moves it
+    assert ckpt.resolve_resume(latest) == root / "step_00000002"
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "step_00000004 is not usable" in out, out
+    assert "moved to bad-step_00000004, resuming from step_00000002" in out and shard in out
+    assert sorted(p.name for p in root.iterdir()) == ["bad-step_00000004", "step_00000002"]
+    truncate(root / "step_00000002")  # nothing left to fall back to: the error, nothing moved
+    with pytest.raises(ConfigError, match="incomplete"):
+        ckpt.resolve_resume(latest)
+    assert (root / "step_00000002").is_dir()
 
 
 def _resident() -> int:

@@ -15,10 +15,10 @@ import torch
 from dist import run_distributed
 from parity import make_mesh, tiny, tiny_data
 from shardtrain import config
+from shardtrain.ckpt.dcp import SavePlanned
 from shardtrain.ckpt.files import Reader
 from shardtrain.cli import main
 from shardtrain.train import checkpoint as ckpt
-from shardtrain.train import saver as saver_mod
 from shardtrain.train.diskspace import DiskFull
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -35,17 +35,18 @@ def _leftovers(run_dir: Path) -> list[str]:
 
 
 def _fail_at(step: int, real):
-    """`real`, raising ENOSPC when it writes into step `step`'s directory."""
-    def write(directory, *args, **kwargs):
-        if f"step_{step:08d}" in str(directory):
+    """`real` (SavePlanned.write), raising ENOSPC when it writes into step `step`'s
+    directory."""
+    def write(planned, *args, **kwargs):
+        if f"step_{step:08d}" in str(planned.directory):
             raise ENOSPC
-        return real(directory, *args, **kwargs)
+        return real(planned, *args, **kwargs)
     return write
 
 
 def test_enospc_while_writing_stops_cleanly_and_resume_works(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    with mock.patch.object(saver_mod, "write_pieces", _fail_at(4, saver_mod.write_pieces)):
+    with mock.patch.object(SavePlanned, "write", _fail_at(4, SavePlanned.write)):
         assert main(_args(tmp_path)) == 74
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
@@ -59,7 +60,7 @@ def test_enospc_while_writing_stops_cleanly_and_resume_works(tmp_path, capsys):
     assert all(reader.tensor(k).isfinite().all() for k in reader.keys("model/"))
 
     # A failure in the main rank's commit (after the shards were staged) is handled alike.
-    with mock.patch.object(ckpt, "commit_manifest", side_effect=ENOSPC):
+    with mock.patch.object(ckpt, "finish", side_effect=ENOSPC):
         assert main(_args(tmp_path, "--checkpoint.resume", "latest")) == 74
     assert "checkpoint of step 4 not written" in capsys.readouterr().err
     assert _leftovers(run_dir) == []
@@ -86,9 +87,9 @@ def stale_staging_and_enospc_on_rank_1(rank: int, world_size: int, tmp: str) -> 
                                            "--checkpoint.every", "2")))
     from shardtrain.train.trainer import Trainer
 
-    real = saver_mod.write_pieces
+    real = SavePlanned.write
     patched = _fail_at(4, real) if rank == 1 else real
-    with mock.patch.object(saver_mod, "write_pieces", patched):
+    with mock.patch.object(SavePlanned, "write", patched):
         trainer = Trainer(cfg, make_mesh(cfg, rank, world_size), torch.device("cpu"))
         try:
             trainer.run()

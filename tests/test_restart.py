@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardtrain.ckpt.files import Piece, write_pieces
+from shardtrain.ckpt.dcp import plan_save
+from shardtrain.ckpt.files import Piece
 from shardtrain.ckpt.regions import block_region
 from shardtrain.train import checkpoint as ckpt
 from tests.parity import checkpoint_tensors, tiny, tiny_data
@@ -112,15 +113,18 @@ def test_sigterm_saves_every_rank_at_one_step_and_resumes_bitwise(tmp_path, plai
 
 def test_crash_mid_save_keeps_latest(tmp_path):
     """A save that dies while a rank writes its shard, or while the main rank commits,
-    leaves no checkpoint directory (the files are staged, the manifest written last, the
+    leaves no checkpoint directory (the files are staged, the metadata and side files written last, the
     directory renamed into place after it), so `latest` is still the previous, loadable
     checkpoint; the same step then saves again over the stale staging directory."""
     cfg = tiny(tmp_path, "run")
 
     def save(step: int, fetch) -> None:
         region = block_region("model/w", (4,), ((0, 4),))
-        write_pieces(ckpt.staging_dir(cfg, step), 0, [Piece(region, torch.float32, fetch)])
-        ckpt.save_checkpoint(cfg, step=step, staged=ckpt.staging_dir(cfg, step), world_size=1,
+        staged = ckpt.staging_dir(cfg, step)
+        planned = plan_save(staged, 0, [Piece(region, torch.float32, fetch)], lambda p: [p])
+        planned.write()
+        ckpt.save_checkpoint(cfg, step=step, staged=staged, world_size=1,
+                             metadata=planned.metadata, aliases={}, extra={},
                              layout={"zero": 0, "dp": 1, "tp": 1}, sampler_state={"step": step})
 
     def dying() -> torch.Tensor:
@@ -129,7 +133,7 @@ def test_crash_mid_save_keeps_latest(tmp_path):
     save(2, lambda: torch.arange(4.0))
     with pytest.raises(KeyboardInterrupt):
         save(4, dying)
-    with mock.patch.object(ckpt, "commit_manifest", side_effect=KeyboardInterrupt):
+    with mock.patch.object(ckpt, "finish", side_effect=KeyboardInterrupt):
         with pytest.raises(KeyboardInterrupt):
             save(6, lambda: torch.zeros(4))
     latest = ckpt.resolve_resume(dataclasses.replace(

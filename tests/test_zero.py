@@ -253,7 +253,8 @@ def test_zero_config_errors(tmp, overrides, needle):
 
 
 def test_flat_units_pad_and_hold_every_parameter_once():
-    """Units in forward order (tied embeddings join the head's unit, counted once), each
+    """Units in forward order (a tied token table joins the head's unit, counted once; the
+    position table keeps the embedding's), each
     padded to a multiple of dp = 3; the shards of the 3 ranks tile the buffer, and their
     weight-decay runs cover exactly the matrices' elements."""
     from shardtrain.config import ModelConfig
@@ -266,7 +267,7 @@ def test_flat_units_pad_and_hold_every_parameter_once():
     for rank in range(3):
         model = build_model(cfg, seed=3)
         units = build_units(model, dp_size=3, dp_rank=rank, dtype=torch.float32, tied=True)
-        assert [u.names[0] for u in units] == ["layers.0.attn_norm.weight",
+        assert [u.names[0] for u in units] == ["pos_emb.weight", "layers.0.attn_norm.weight",
                                                "layers.1.attn_norm.weight", "tok_emb.weight"]
         assert model.head.weight is model.tok_emb.weight
         assert sum(u.numel for u in units) == sum(p.numel() for p in reference.values())

@@ -1,42 +1,41 @@
-"""A sharded checkpoint's files: each rank's pieces, the manifest, and reading them back.
+"""A checkpoint's pieces, and reading any part of any tensor back (the format: dcp.py).
 
-Every rank writes one safetensors file (`shard-RRRRR.safetensors`: its pieces as 1-D
-tensors named "0", "1", ...) and an index beside it (`shard-RRRRR.json`: each piece's
-`Region`, the file's SHA-256 and size). The file is written piece by piece, straight from
-the tensors the rank holds: nothing is gathered, and a piece that is not already a
-contiguous CPU tensor (a GPU tensor, a slice across a padded dim, a dequantized 8-bit
-moment) costs one piece-sized buffer at a time. The main rank commits the checkpoint by
-merging the indexes into `manifest.json` (train/checkpoint.py renames the directory into
-place after that): a directory without a manifest is not a checkpoint.
-
-`Reader` serves any tensor of the single-process model from the pieces, whatever layout
-wrote them, checking each file's checksum before its first use.
+A `Piece` is what a rank holds of one tensor, described as a region of the full tensor
+(regions.py), with its values produced when written. `Reader` serves any region of any
+tensor of the single-process model, whatever layout wrote the checkpoint, reading only the
+stored chunks that overlap it; `bytes_read` counts what it read. `validate` checks a
+checkpoint without reading its tensors: the metadata readable and every file it names
+present and long enough.
 """
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
+import io
 import json
 import math
-import os
-import struct
-import time
-from collections.abc import Callable, Iterable
+import pickle
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from shardtrain.ckpt.regions import Region, place
+from shardtrain.ckpt.chunks import region_chunks
+from shardtrain.ckpt.regions import Region, whole_box
 from shardtrain.config import ConfigError
 
-MANIFEST = "manifest.json"
-FORMAT = "shardtrain-sharded/1"
-_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-           torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
-           torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
-_HASH_CHUNK = 1 << 24
+METADATA = ".metadata"  # DCP's
+SIDE = "shardtrain.json"  # our own: the format, tied aliases, small JSON state
+CHECKSUMS = "checksums.json"  # ours: each stored chunk's CRC-32 (dcp.py)
+FORMAT = "shardtrain-dcp/1"
+OLD_MANIFEST = "manifest.json"  # the format before DCP (shardtrain-sharded/1)
 
 
 @dataclass(frozen=True)
@@ -46,151 +45,185 @@ class Piece:
     fetch: Callable[[], torch.Tensor]  # the values [region.numel], produced when written
 
 
-def shard_name(rank: int) -> str:
-    return f"shard-{rank:05d}"
+def validate(directory: Path) -> None:
+    """Raise ConfigError, naming the file and the fix, unless `directory` is a whole
+    checkpoint: its side file and metadata readable, every data file present and at least
+    as long as the metadata says. (A corrupt byte inside a file is found when read.)"""
+    directory = Path(directory)
+    if (directory / OLD_MANIFEST).is_file() and not (directory / METADATA).is_file():
+        raise ConfigError(
+            f"{directory}: a checkpoint in shardtrain's earlier format ({OLD_MANIFEST}, "
+            "shardtrain-sharded/1), which this version no longer reads; resume or export it "
+            "with shardtrain at commit 985e675 or earlier (`shardtrain export` writes a "
+            "Hugging Face directory that model.init_from reads), or start a new run")
+    for name in (SIDE, METADATA, CHECKSUMS):
+        if not (directory / name).is_file():
+            raise ConfigError(f"{directory / name}: missing; {directory} is not a whole "
+                              "checkpoint: give a step_* directory or 'latest'")
+    ends: dict[str, int] = {}
+    for info in _metadata(directory).storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        path = directory / name
+        size = path.stat().st_size if path.is_file() else None
+        if size is None or size < end:
+            found = "missing" if size is None else f"{size} bytes"
+            raise ConfigError(f"{path}: {found}, the checkpoint's metadata needs {end}; the "
+                              "checkpoint is incomplete: resume from another one")
 
 
-def write_pieces(directory: Path, rank: int, pieces: Iterable[Piece],
-                 extra: dict[str, Any] | None = None, aliases: dict[str, str] | None = None
-                 ) -> Path:
-    """Write this rank's pieces and its index into `directory`; returns the index path.
-    `extra`: small JSON state kept in the manifest (rank 0's); `aliases`: names this rank
-    holds that are another's tensor (a tied head: {"head.weight": "tok_emb.weight"})."""
-    pieces = list(pieces)
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for i, p in enumerate(pieces):
-        size = p.region.numel * torch.empty((), dtype=p.dtype).element_size()
-        header[str(i)] = {"dtype": _DTYPES[p.dtype], "shape": [p.region.numel],
-                          "data_offsets": [offset, offset + size]}
-        offset += size
-    head = json.dumps(header).encode()
-    head += b" " * (-len(head) % 8)  # the format pads the header to 8 bytes
-    name = shard_name(rank)
-    digest = hashlib.sha256()
-    with open(directory / f"{name}.safetensors", "wb") as f:
-        for chunk in (struct.pack("<Q", len(head)), head):
-            f.write(chunk)
-            digest.update(chunk)
-        for p in pieces:
-            data = p.fetch().detach().reshape(-1).to("cpu", p.dtype).contiguous()  # [numel]
-            if data.numel() != p.region.numel:
-                raise ValueError(f"piece {p.region.key} has {data.numel()} values, its region "
-                                 f"{p.region.numel}")
-            raw = memoryview(data.view(torch.uint8).numpy())
-            f.write(raw)
-            digest.update(raw)
-    index = {"file": f"{name}.safetensors", "sha256": digest.hexdigest(),
-             "bytes": 8 + len(head) + offset, "extra": extra or {}, "aliases": aliases or {},
-             "pieces": [{**p.region.to_json(), "tensor": str(i)} for i, p in enumerate(pieces)]}
-    path = directory / f"{name}.json"
-    tmp = directory / f".{name}.json.tmp"
-    tmp.write_text(json.dumps(index))
-    os.replace(tmp, path)  # whole or absent: the main rank may be polling for it
-    return path
+def _metadata(directory: Path):
+    path = Path(directory) / METADATA
+    try:
+        return FileSystemReader(directory).read_metadata()
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+        raise ConfigError(f"{path}: not readable checkpoint metadata ({e}); the checkpoint "
+                          "is incomplete or corrupt: resume from another one") from None
 
 
-def wait_for_indexes(directory: Path, world_size: int, timeout_s: float) -> None:
-    """Until every rank's index is in `directory` (an asynchronous save's commit)."""
-    deadline = time.monotonic() + timeout_s
-    missing = list(range(world_size))
-    while missing:
-        missing = [r for r in missing if not (directory / f"{shard_name(r)}.json").is_file()]
-        if missing and time.monotonic() > deadline:
-            raise TimeoutError(f"{directory}: ranks {missing} did not write their shards within "
-                               f"{timeout_s:.0f} s; the checkpoint is not committed")
-        time.sleep(0.05 if missing else 0)
+class _Checked(FileSystemReader):
+    """DCP's file reader, checking each stored chunk against its CRC-32 as it is read
+    (dcp.py `_checksums`), counting the bytes read and naming the file it is in."""
+
+    def __init__(self, directory: Path, checksums: dict[str, str]):
+        super().__init__(directory)
+        self.checksums = checksums
+        self.bytes_read, self.current = 0, ""
+
+    def _slice_file(self, file, sinfo):
+        self.current = sinfo.relative_path
+        file.seek(sinfo.offset)
+        data = file.read(sinfo.length)
+        self.bytes_read += len(data)
+        want = self.checksums.get(f"{sinfo.relative_path}:{sinfo.offset}")
+        if want is None or f"{zlib.crc32(data):08x}" != want:
+            raise ConfigError(f"{self.path / sinfo.relative_path}: the chunk at byte "
+                              f"{sinfo.offset} does not match its checksum; the file is "
+                              "corrupt: resume from another checkpoint")
+        return io.BytesIO(data)
 
 
-def commit_manifest(directory: Path, world_size: int) -> None:
-    """Merge every rank's index into the manifest (main rank, once all have written)."""
-    files, pieces, extra, aliases = {}, [], {}, {}
-    for rank in range(world_size):
-        index_path = directory / f"{shard_name(rank)}.json"
-        if not index_path.is_file():
-            raise FileNotFoundError(
-                f"{index_path}: rank {rank} wrote no shard here; every rank must write into "
-                "the same train.run_dir (on several nodes: a shared filesystem)")
-        index = json.loads(index_path.read_text())
-        files[index["file"]] = {"sha256": index["sha256"], "bytes": index["bytes"]}
-        pieces += [{**p, "file": index["file"]} for p in index["pieces"]]
-        extra = extra or index["extra"]
-        aliases.update(index["aliases"])
-    (directory / MANIFEST).write_text(json.dumps(
-        {"format": FORMAT, "world_size": world_size, "files": files, "aliases": aliases,
-         "extra": extra, "pieces": pieces}))
-    for rank in range(world_size):
-        (directory / f"{shard_name(rank)}.json").unlink()
+class _Into(LoadPlanner):
+    """Reads land in the views `dests[i]` (read item i's destination index)."""
 
+    def __init__(self, dests: list[torch.Tensor]):
+        self.dests = dests
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        t = self.dests[read_item.dest_index.index]
+        for dim, (at, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            t = t.narrow(dim, at, n)
+        return t
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass  # read in place
+
+    # Planning happens in Reader.region, outside DCP's own load loop.
+    def set_up_planner(self, *args, **kwargs) -> None:
+        pass
+
+    def create_local_plan(self) -> LoadPlan:
+        raise NotImplementedError
+
+    def create_global_plan(self, global_plan):
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item, value) -> None:
+        raise NotImplementedError
 
 
 class Reader:
-    """The single-process tensors of a sharded checkpoint, one at a time."""
+    """The single-process tensors of a checkpoint, any region of them at a time."""
 
     def __init__(self, directory: Path):
         self.directory = Path(directory)
-        path = self.directory / MANIFEST
+        validate(self.directory)
+        side = self.directory / SIDE
         try:
-            manifest = json.loads(path.read_text())
-            if manifest.get("format") != FORMAT:
-                raise ValueError(f"format {manifest.get('format')!r}, expected {FORMAT!r}")
-            self.files: dict[str, dict] = manifest["files"]
-            self.aliases: dict[str, str] = manifest["aliases"]
-            self.extra: dict[str, Any] = manifest["extra"]
-            self.pieces: dict[str, list[tuple[Region, str, str]]] = {}
-            for p in manifest["pieces"]:
-                region = Region.from_json(p)
-                self.pieces.setdefault(region.key, []).append((region, p["file"], p["tensor"]))
+            meta = json.loads(side.read_text())
+            if meta.get("format") != FORMAT:
+                raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
+            self.aliases: dict[str, str] = meta["aliases"]
+            self.extra: dict[str, Any] = meta["extra"]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"{path}: not a readable checkpoint manifest ({e}); the "
-                              "checkpoint is incomplete or corrupt: resume from another "
-                              "one") from None
-        self._open: dict[str, Any] = {}
+            raise ConfigError(f"{side}: not readable ({e}); the checkpoint is incomplete or "
+                              "corrupt: resume from another one") from None
+        self.metadata = _metadata(self.directory)
+        self.tensors = self.metadata.state_dict_metadata
+        try:
+            checksums = json.loads((self.directory / CHECKSUMS).read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{self.directory / CHECKSUMS}: not readable ({e}); the "
+                              "checkpoint is incomplete: resume from another one") from None
+        self._files = _Checked(self.directory, checksums)
+        # The values asked for (`region`), and those of the stored chunks read for them
+        # (whole: bytes_read adds each chunk's ~1.6 kB of torch.save framing), in bytes.
+        self.bytes_needed = self.values_read = 0
+        self._volume = {(k, tuple(c.offsets)): math.prod(c.sizes) * m.properties.dtype.itemsize
+                        for k, m in self.tensors.items() for c in m.chunks}
+        self._files.set_up_storage_reader(self.metadata, False)
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from the checkpoint's data files so far (whole stored chunks)."""
+        return self._files.bytes_read
 
     def keys(self, prefix: str = "") -> list[str]:
-        return [k for k in self.pieces if k.startswith(prefix)]
+        return [k for k in self.tensors if k.startswith(prefix)]
 
     def has(self, key: str) -> bool:
-        return self.aliases.get(key, key) in self.pieces
+        return self.aliases.get(key, key) in self.tensors
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._meta(key).size)
 
     def tensor(self, key: str) -> torch.Tensor:
-        """The full tensor `key` (an alias reads its target), assembled from its pieces."""
+        """The whole tensor `key` (an alias reads its target)."""
+        shape = self.shape(key)
+        return self.block(key, shape, whole_box(shape))
+
+    def block(self, key: str, shape: tuple[int, ...], box) -> torch.Tensor:
+        """The block `box` of tensor `key` [box lengths]; elements past the tensor's end
+        (a padded tensor-parallel block) are zeros."""
+        region = Region(key, tuple(shape), tuple(box), 0, math.prod(n for _, n in box))
+        return self.region(key, region).view([n for _, n in box])
+
+    def region(self, key: str, region: Region) -> torch.Tensor:
+        """The region's values [region.numel] (its padding zeros), reading only the
+        stored chunks that overlap it."""
         key = self.aliases.get(key, key)
-        if key not in self.pieces:
-            raise ConfigError(f"{self.directory / MANIFEST}: the checkpoint has no tensor "
-                              f"{key!r}; it was written for another model or optimizer")
-        pieces = self.pieces[key]
-        first = self._file(pieces[0][1]).get_tensor(pieces[0][2])
-        full = torch.empty(pieces[0][0].shape, dtype=first.dtype)
-        covered = torch.zeros(full.shape, dtype=torch.bool)
-        for region, file, name in pieces:
-            place(full, region, self._file(file).get_tensor(name), covered)
-        if not bool(covered.all()):
-            missing = int((~covered).sum())
-            raise ConfigError(f"{self.directory}: the pieces of {key!r} leave {missing} of its "
-                              f"{math.prod(full.shape)} values unwritten; the checkpoint is "
-                              "incomplete: resume from another one")
-        return full
+        meta = self._meta(key)
+        out = torch.zeros(region.numel, dtype=meta.properties.dtype)
+        dests, items, wanted = [], [], 0
+        for chunk in region_chunks(region):
+            want = ChunkStorageMetadata(torch.Size(chunk.offsets), torch.Size(chunk.sizes))
+            for item in create_read_items_for_chunk_list(key, meta, [want]):
+                index = MetadataIndex(key, item.dest_index.offset, len(dests))
+                items.append(dataclasses.replace(item, dest_index=index))
+            dests.append(chunk.of(out))
+            wanted += math.prod(chunk.sizes)
+        self.bytes_needed += wanted * out.element_size()
+        self.values_read += sum(self._volume[(key, tuple(item.storage_index.offset))]
+                                for item in items)
+        if sum(math.prod(item.lengths) for item in items) < wanted:
+            raise ConfigError(f"{self.directory}: the stored chunks of {key!r} do not cover "
+                              "what this run needs of it; the checkpoint is incomplete: "
+                              "resume from another one")
+        try:
+            self._files.read_data(LoadPlan(items), _Into(dests)).wait()
+        except ConfigError:
+            raise
+        except (OSError, RuntimeError, pickle.UnpicklingError, EOFError, AssertionError) as e:
+            raise ConfigError(f"{self.directory / self._files.current}: cannot be read ({e}); "
+                              "the file is corrupt: resume from another checkpoint") from None
+        return out
 
-    def _file(self, name: str):
-        """The opened shard file, its size and checksum checked on first use."""
-        if name not in self._open:
-            from safetensors import safe_open
-
-            path = self.directory / name
-            want = self.files.get(name)
-            if want is None or not path.is_file():
-                raise ConfigError(f"{path}: missing; the checkpoint {self.directory} is "
-                                  "incomplete: resume from another one")
-            if path.stat().st_size != want["bytes"] or file_sha256(path) != want["sha256"]:
-                raise ConfigError(f"{path}: size or SHA-256 differs from the manifest's; the "
-                                  "file is truncated or corrupt: resume from another checkpoint")
-            self._open[name] = safe_open(str(path), framework="pt")
-        return self._open[name]
+    def _meta(self, key: str):
+        key = self.aliases.get(key, key)
+        if key not in self.tensors:
+            raise ConfigError(f"{self.directory}: the checkpoint has no tensor {key!r}; it "
+                              "was written for another model or optimizer")
+        return self.tensors[key]

@@ -2,8 +2,10 @@
 the runtime builds them: parallel/zero/units.py, plan/rank_states.py).
 
 A unit is gathered, reduced and freed as one (parallel/zero/gather.py), in forward order:
-the embedding (token and position tables) alone, one unit per transformer block, then the
-head alone (a tied embedding is the head's weight, so it joins the head). The final norm
+the embedding (token and position tables), one unit per transformer block, then the head
+alone (a tied token table is the head's weight, so it joins the head; GPT-2's position
+table stays in the embedding's unit, so that the first pipeline stage's copy of a tied
+table is sharded as the last stage's is, and a checkpoint stores one copy of it). The final norm
 joins the last block's unit rather than the head's: a head of one parameter lends its
 vocabulary-sized gradient to the reduce-scatter as it is, where a unit of several must be
 copied into one flat buffer, holding the model's largest gradient twice at the step's peak
@@ -23,6 +25,6 @@ def unit_key(name: str, *, tied: bool, n_layers: int) -> tuple[int, int]:
         return (BLOCK, int(name.split(".")[1]))
     if name.startswith("norm."):
         return (BLOCK, n_layers - 1)
-    if name.startswith(("tok_emb.", "pos_emb.")) and not tied:
+    if name.startswith("pos_emb.") or (name.startswith("tok_emb.") and not tied):
         return (EMBEDDING, 0)
     return (HEAD, 0)

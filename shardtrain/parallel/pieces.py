@@ -6,12 +6,12 @@ single-process names (`model/<name>`) and the optimizer's per-element state
 -- and writes it as it is. A block of a tensor-parallel (or expert-parallel) split is a box
 of the full tensor; a ZeRO shard is a flat range of such a box. Copies of the same region
 (data-parallel replicas, tp ranks sharing a kv head, the pipeline's two copies of a tied
-embedding) are written once, by the lowest rank holding them: the ranks exchange their
-region lists over the mesh first (`writers`).
+embedding) are written once, by one of the ranks holding them (ckpt/dcp.py: the ranks
+exchange their plans over the mesh first, `gather_plans`).
 
-Loading: every rank reads each full tensor it needs from the checkpoint (one at a time)
-and keeps its own slice, through the same paths a fresh run uses (`load_local_state_dict`),
-so a checkpoint resumes in any layout, precision or ZeRO stage.
+Loading: every rank reads only the regions it holds -- its blocks of the tensors, under
+ZeRO its runs of each parameter's block -- whatever layout wrote them, so a checkpoint
+resumes in any layout, precision or ZeRO stage reading about its own share.
 """
 
 from __future__ import annotations
@@ -92,41 +92,43 @@ def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
     return max(steps, default=0)
 
 
-def writers(pieces: list[Piece], comms: list[Communicator], rank: int) -> list[Piece]:
-    """The pieces this rank writes: of identical regions held by several ranks, the lowest
-    rank's. The region lists travel over each mesh dim in turn (after the last every rank
-    knows every rank's): plain tuples, as all_gather_objects reads them back safely."""
-    mine = {_plain(p.region): rank for p in pieces}
+def gather_plans(plain: list[tuple], comms: list[Communicator], rank: int,
+                 world_size: int) -> list[list[tuple]]:
+    """Every rank's plain save items (ckpt/dcp.py `plan_save`), in rank order: exchanged
+    over each mesh dim in turn (after the last every rank knows every rank's)."""
+    mine = {rank: plain}
     for comm in comms:
         merged: dict = {}
         for part in all_gather_objects(comm, mine):
-            for region, owner in part.items():
-                merged[region] = min(owner, merged.get(region, owner))
+            merged.update(part)
         mine = merged
-    return [p for p in pieces if mine[_plain(p.region)] == rank]
-
-
-def _plain(r: Region) -> tuple:
-    return (r.key, r.shape, r.box, r.start, r.stop)
+    return [mine[r] for r in range(world_size)]
 
 
 # ---------------------------------------------------------------------- loading
 
 def local_tensor(shards: StageShards, reader: Reader, key: str, name: str,
                  like: torch.Tensor) -> torch.Tensor:
-    """This rank's block of the checkpoint's full tensor `key` (placed as `name`)."""
-    full, want = reader.tensor(key), box_of(shards, name, like.shape)[0]
-    if tuple(full.shape) != want:
-        raise ConfigError(f"{reader.directory}: {key} has shape {tuple(full.shape)} there and "
-                          f"{want} in this run's model (another lora.rank or targets?); resume "
-                          "with the checkpoint's settings")
-    return shards.shard_full(name, full).to(like.dtype)
+    """This rank's block of the checkpoint's tensor `key` (placed as `name`), read alone."""
+    shape, box = box_of(shards, name, like.shape)
+    _check_shape(reader, key, shape)
+    return reader.block(key, shape, box).view(like.shape).to(like.dtype)
 
 
-def local_model_state(shards: StageShards, reader: Reader) -> dict[str, torch.Tensor]:
-    """This rank's slices of the checkpoint's model tensors, by the stage's state-dict keys."""
+def _check_shape(reader: Reader, key: str, want: tuple[int, ...]) -> None:
+    if reader.has(key) and reader.shape(key) != tuple(want):
+        raise ConfigError(f"{reader.directory}: {key} has shape {reader.shape(key)} there and "
+                          f"{tuple(want)} in this run's model (another lora.rank or targets?); "
+                          "resume with the checkpoint's settings")
+
+
+def local_model_state(shards: StageShards, reader: Reader, skip: Iterable[str] = ()
+                      ) -> dict[str, torch.Tensor]:
+    """This rank's slices of the checkpoint's model tensors, by the stage's state-dict keys
+    (those in `skip` left out)."""
+    skip = set(skip)
     return {k: local_tensor(shards, reader, model_key(shards.tied_to.get(k, k)), k, v)
-            for k, v in shards.model.state_dict().items()}
+            for k, v in shards.model.state_dict().items() if k not in skip}
 
 
 def load_torch_optimizer(shards: StageShards, optimizer: torch.optim.Optimizer,
@@ -184,16 +186,28 @@ def zero_pieces(shards: StageShards, units: list, state_of: Callable[[int], dict
 
 def zero_load(shards: StageShards, units: list, reader: Reader, names: Iterable[str],
               optimizer) -> None:
-    """Fill every unit's optimizer shard (`names`: its moment names) from the checkpoint;
-    the master weights came with the model (`load_local_state_dict`), first."""
+    """Fill every unit's master and optimizer shard (`names`: its moment names) from the
+    checkpoint, reading only this rank's runs of each parameter."""
     for k, u in enumerate(units):
-        state = {MASTER: optimizer.master(k)}
+        state = {MASTER: _shard_values(shards, reader, u, model_key)}
         for moment in names:
-            flat = torch.zeros(u.padded, device=u.shard.device)  # [padded] fp32
-            for name, view in zip(u.names, u.param_views(flat)):
-                key = optim_key(name, moment)
-                if reader.has(key):
-                    view.copy_(local_tensor(shards, reader, key, name, view))
-            state[moment] = flat[u.shard_slice()]
+            state[moment] = _shard_values(shards, reader, u, lambda n: optim_key(n, moment))
         optimizer.load_shard_state(k, state)
 
+
+def _shard_values(shards: StageShards, reader: Reader, u, key_of: Callable[[str], str]
+                  ) -> torch.Tensor:
+    """Unit u's shard [shard] (fp32) of the tensors `key_of(name)`: each parameter's run in
+    the shard is a flat range of the parameter's block (zeros where the checkpoint has no
+    such tensor: a moment not yet created)."""
+    out = torch.zeros(u.shard_numel, device=u.shard.device)
+    lo = u.rank * u.shard_numel
+    for i, a, b in u.shard_runs(lambda i: True):
+        name, key = u.names[i], key_of(u.names[i])
+        shape, box = box_of(shards, name, u.params[i].shape)
+        if not reader.has(key):
+            continue
+        _check_shape(reader, key, shape)
+        start = a + lo - u.offsets[i]  # the run, relative to the parameter's block
+        out[a:b] = reader.region(key, Region(key, shape, box, start, start + b - a)).to(out)
+    return out

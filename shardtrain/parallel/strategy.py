@@ -60,8 +60,6 @@ class Update(Protocol):
         """This rank's parameters where they are not the module's own (ZeRO's master
         shards), else None."""
 
-    def load_local_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
-
     def state_pieces(self) -> list[Piece]:
         """This rank's model and optimizer tensors as checkpoint pieces (parallel/pieces.py:
         layout-independent names and coordinates), read when written."""

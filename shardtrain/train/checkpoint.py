@@ -1,13 +1,20 @@
 """Checkpoints: directories <run_dir>/checkpoints/step_NNNNNNNN, the last K kept.
 
-Sharded and layout-independent: every rank writes what it holds (its model and optimizer
-shards, as ckpt/files.py describes) into a hidden staging directory, the main rank merges
-their indexes into manifest.json and renames the directory into place, so a crash never
-leaves a half-written checkpoint where resume would find it (a directory without a
-manifest is not a checkpoint). Beside the shards: meta.json (the step, the data sampler's
-position -- a count of global batches, the same for any dp size -- and the layout that
-wrote it), the resolved config (whose [model] section is checked on resume) and, for a
-BPE run, a copy of the tokenizer, so `shardtrain generate` needs nothing but the checkpoint.
+Sharded and layout-independent, in PyTorch's distributed checkpoint format (ckpt/dcp.py):
+every rank writes what it holds (its model and optimizer shards; chunks several ranks hold
+are written once, spread over them) into a hidden staging directory; the main rank writes
+DCP's `.metadata` and our side files and renames the directory into place. Beside the
+tensors: shardtrain.json (the format, tied aliases, small state: the loss scaler, the
+optimizer's step count), meta.json (the step, the data sampler's position -- a count of
+global batches, the same for any dp size -- and the layout that wrote it), the resolved
+config (whose [model] section is checked on resume) and, for a BPE run, a copy of the
+tokenizer, so `shardtrain generate` needs nothing but the checkpoint.
+
+Durable: every file is fsynced as it is written (DCP's `sync_files`, and ours), the
+staging directory before its rename, the checkpoints directory after it; only then are
+older checkpoints removed, so a power or node loss leaves the previous checkpoint at
+worst. `resume = latest` takes the newest checkpoint that validates (ckpt/files.py
+`validate`), moving any newer bad one aside (`bad-step_*`) with one line saying why.
 
 Any checkpoint resumes in any layout (parallel/pieces.py), except state that is one rank's
 own: top-k update compression's optimizer state and residual (comm.compress=topk) and a
@@ -18,6 +25,7 @@ that wrote them (`check_layout`).
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import shutil
@@ -25,12 +33,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata
 
 from shardtrain import config as config_mod
-from shardtrain.ckpt.files import MANIFEST, commit_manifest
+from shardtrain.ckpt.dcp import finish, write_synced
+from shardtrain.ckpt.files import FORMAT, SIDE, validate
 from shardtrain.config import Config, ConfigError
 
 _PREFIX = "step_"
+_ASIDE = "bad-"
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -38,10 +49,11 @@ def checkpoint_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def staging_dir(cfg: Config, step: int) -> Path:
+def staging_dir(cfg: Config, step: int, *, create: bool = True) -> Path:
     """Where every rank writes its part of the step's checkpoint before it is committed."""
     staged = checkpoint_root(cfg.train.run_dir) / f".staged-{_PREFIX}{step:08d}"
-    staged.mkdir(parents=True, exist_ok=True)
+    if create:
+        staged.mkdir(parents=True, exist_ok=True)
     return staged
 
 
@@ -56,32 +68,45 @@ def stage_files(cfg: Config, step: int, files: dict[str, Any]) -> Path:
     """Write this rank's own state files ({file name: state}) into the staging directory."""
     staged = staging_dir(cfg, step)
     for name, state in files.items():
-        torch.save(state, staged / name)
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        write_synced(staged / name, buffer.getvalue())
     return staged
 
 
 def save_checkpoint(cfg: Config, *, step: int, staged: Path, world_size: int,
+                    metadata: Metadata, aliases: dict[str, str], extra: dict[str, Any],
                     layout: dict[str, int], sampler_state: dict[str, Any],
                     tokenizer_file: Path | None = None) -> Path:
-    """On the main rank, once every rank has staged its pieces and files: commit the
-    manifest, then move the directory into place. `layout`: the layout that wrote it."""
+    """On the main rank, once every rank has written its part: DCP's metadata and our side
+    files, each fsynced, then the directory renamed into place and made durable; then
+    the checkpoints beyond `checkpoint.keep` go. `layout`: the layout that wrote it."""
     root = checkpoint_root(cfg.train.run_dir)
     final = root / f"{_PREFIX}{step:08d}"
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.replace(staged, tmp)
-    (tmp / "meta.json").write_text(json.dumps({"step": step, "sampler": sampler_state,
-                                               "layout": layout}, indent=1))
-    (tmp / "config.toml").write_text(config_mod.to_toml(cfg))
+    finish(staged, metadata, world_size)
+    write_synced(staged / "meta.json", json.dumps(
+        {"step": step, "sampler": sampler_state, "layout": layout}, indent=1).encode())
+    write_synced(staged / "config.toml", config_mod.to_toml(cfg).encode())
     if tokenizer_file is not None:
-        shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
-    commit_manifest(tmp, world_size)  # last: only now is the directory a checkpoint
+        write_synced(staged / TOKENIZER_FILE, tokenizer_file.read_bytes())
+    write_synced(staged / SIDE, json.dumps(  # last: only now is the directory whole
+        {"format": FORMAT, "aliases": aliases, "extra": extra}).encode())
+    _fsync_dir(staged)
     if final.exists():
         shutil.rmtree(final)
-    os.replace(tmp, final)
+    os.replace(staged, final)
+    _fsync_dir(root)  # the rename itself durable before anything older is removed
     for old in list_checkpoints(root)[:-cfg.checkpoint.keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -90,40 +115,59 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX))
 
 
-def resolve_resume(cfg: Config) -> Path | None:
-    """The checkpoint directory `checkpoint.resume` names, or None; errors name the field."""
+def resolve_resume(cfg: Config, *, main: bool = True) -> Path | None:
+    """The checkpoint directory `checkpoint.resume` names, or None; errors name the field.
+    `latest`: the newest checkpoint that validates; on the `main` process the newer bad
+    ones are moved aside (`bad-step_*`, never deleted) with one line each saying why; with
+    none valid, the newest one's error. Every process skips the same bad ones, so all
+    resume from the same checkpoint."""
     spec = cfg.checkpoint.resume
     if not spec:
         return None
-    if spec == "latest":
-        found = list_checkpoints(checkpoint_root(cfg.train.run_dir))
-        if not found:
-            raise ConfigError(f"checkpoint.resume=latest: no checkpoint under "
-                              f"{checkpoint_root(cfg.train.run_dir)}; train without resume first")
-        return found[-1]
-    path = Path(spec)
-    if not (path / MANIFEST).is_file() or not (path / "meta.json").is_file():
-        raise ConfigError(f"checkpoint.resume={spec!r} is not a checkpoint directory (it must "
-                          f"hold {MANIFEST} and meta.json); give a step_* directory or 'latest'")
-    return path
+    if spec != "latest":
+        path = Path(spec)
+        check_checkpoint(path, f"checkpoint.resume={spec!r}")
+        return path
+    root = checkpoint_root(cfg.train.run_dir)
+    found, bad = list_checkpoints(root), []
+    for path in reversed(found):
+        try:
+            check_checkpoint(path)
+        except ConfigError as e:
+            bad.append((path, e))
+            continue
+        for newer, why in bad if main else ():  # a fallback: the bad ones go aside
+            aside = _move_aside(newer)
+            print(f"checkpoint.resume=latest: {newer.name} is not usable ({why}); moved to "
+                  f"{aside.name}, resuming from {path.name}", flush=True)
+        return path
+    if bad:  # nothing to fall back to: left as they are
+        raise ConfigError(f"checkpoint.resume=latest: {bad[0][1]}")
+    raise ConfigError(f"checkpoint.resume=latest: no checkpoint under {root}; train without "
+                      "resume first")
 
 
-def check_files(path: Path) -> None:
-    """Every shard file the manifest lists is there at its recorded size: a truncated
-    checkpoint (a crash, a full disk) is refused before launch. Checksums are checked
-    when the shards are read (ckpt/files.py Reader)."""
+def check_checkpoint(path: Path, field: str = "") -> None:
+    """`path` is a whole checkpoint (ckpt/files.py `validate`, and our side files); an
+    error names `field` first when given."""
     try:
-        files = json.loads((path / MANIFEST).read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{path / MANIFEST}: not a readable checkpoint manifest ({e}); "
-                          "resume from another checkpoint") from None
-    for name, want in files.items():
-        file = path / name
-        size = file.stat().st_size if file.is_file() else None
-        if size != want["bytes"]:
-            found = "missing" if size is None else f"{size} bytes"
-            raise ConfigError(f"{file}: {found}, the manifest says {want['bytes']}; the "
-                              "checkpoint is truncated: resume from another one")
+        if not path.is_dir():
+            raise ConfigError(f"{path} is not a directory; give a step_* directory or 'latest'")
+        validate(path)
+        for name in ("meta.json", "config.toml"):
+            if not (path / name).is_file():
+                raise ConfigError(f"{path / name}: missing; {path} is not a whole checkpoint: "
+                                  "give a step_* directory or 'latest'")
+    except ConfigError as e:
+        raise ConfigError(f"{field}: {e}" if field else str(e)) from None
+
+
+def _move_aside(path: Path) -> Path:
+    aside, n = path.with_name(_ASIDE + path.name), 1
+    while aside.exists():
+        aside, n = path.with_name(f"{_ASIDE}{path.name}.{n}"), n + 1
+    os.replace(path, aside)
+    return aside
 
 
 def resume_after_restart(cfg: Config, restarts: int) -> Config:

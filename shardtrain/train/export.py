@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shardtrain.ckpt.files import MANIFEST, Reader
+from shardtrain.ckpt.files import OLD_MANIFEST, SIDE, Reader
 from shardtrain.config import Config, ConfigError
 from shardtrain.model.hf import read_weight, save_hf, source_config
 from shardtrain.parallel.pieces import model_key
@@ -26,10 +26,12 @@ from shardtrain.train.finetune import build_skeleton
 
 def open_checkpoint(path: Path) -> tuple[Reader, Config]:
     """The checkpoint's reader and config; a clear error if `path` is not a checkpoint."""
-    if not (path / MANIFEST).is_file() or not (path / "config.toml").is_file():
-        raise ConfigError(f"--checkpoint {str(path)!r} is not a checkpoint directory (it must "
-                          f"hold {MANIFEST} and config.toml) nor a Hugging Face directory (with "
-                          "config.json); pass a <run_dir>/checkpoints/step_* dir")
+    if not (path / SIDE).is_file() and not (path / OLD_MANIFEST).is_file():
+        raise ConfigError(f"--checkpoint {str(path)!r} is neither a checkpoint directory (it "
+                          f"must hold {SIDE}, DCP's .metadata and config.toml) nor a Hugging "
+                          "Face directory (with config.json); pass a "
+                          "<run_dir>/checkpoints/step_* dir")
+    ckpt.check_checkpoint(path, "--checkpoint")
     return Reader(path), ckpt.checkpoint_config(path)
 
 

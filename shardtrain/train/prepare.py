@@ -11,10 +11,11 @@ from shardtrain import config as config_mod
 from shardtrain.config import Config, ConfigError
 
 
-def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool, local_ranks: int = 1
-                ) -> None:
+def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool, local_ranks: int = 1,
+                main: bool = True) -> None:
     """Every check that can fail before training starts, and the token cache built once.
-    `local_ranks`: the ranks this machine runs (they share its memory on CPU)."""
+    `local_ranks`: the ranks this machine runs (they share its memory on CPU); `main`: the
+    one process of the job that may move a bad checkpoint aside (train/checkpoint.py)."""
     import torch
 
     from shardtrain.data import check_source, check_vocab, load_dataset, load_tokenizer
@@ -37,10 +38,9 @@ def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool, local_ranks
     check_writable(Path(cfg.train.run_dir))
     check_offload_space(cfg)
     check_servers(cfg)
-    resume = ckpt.resolve_resume(cfg)
+    resume = ckpt.resolve_resume(cfg, main=main)
     if resume is not None:
         ckpt.check_compatible(resume, cfg, world_size)
-        ckpt.check_files(resume)
     if cfg.train.tensorboard:
         try:
             import tensorboard  # noqa: F401

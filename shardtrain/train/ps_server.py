@@ -37,7 +37,7 @@ def run_server(cfg: Config, mesh: ParallelMesh) -> dict:
     shapes = [q for q in build_model(cfg.model, seed=None).parameters() if q.requires_grad]
     layout = ps_layout(cfg, shapes, world_size)
     index = rank - layout.workers
-    start, resume = 0, ckpt.resolve_resume(cfg)
+    start, resume = 0, ckpt.resolve_resume(cfg, main=False)
     if resume is not None:
         start = ckpt.read_meta(resume)["step"]
     every = cfg.checkpoint.every

@@ -1,50 +1,38 @@
 """Writing the trainer's checkpoints: synchronously, or in a background thread.
 
-Every rank writes the pieces of its state that no lower rank also holds
-(parallel/pieces.py `writers`) plus any state that is its own (top-k's, a parameter
-server's) into the step's staging directory; the main rank commits the checkpoint once
-all have (train/checkpoint.py). Nothing is gathered: a rank holds its own state plus one
-piece-sized buffer while it writes.
+Every rank plans its part of the save with the others (ckpt/dcp.py: the chunks several
+ranks hold are written once, spread over their holders), then writes its chunks plus any
+state that is its own (top-k's, a parameter server's) into the step's staging directory;
+the main rank commits the checkpoint once all have (train/checkpoint.py). Nothing is
+gathered: a rank holds its own state plus one piece-sized buffer while it writes.
 
 Synchronously (the default), the ranks meet at a barrier once their files are staged and
-again once the main rank has committed. With `checkpoint.async_save` each rank copies its
-pieces to host memory (the one extra copy an asynchronous save needs: the step loop goes on
-changing the live tensors) and a thread writes them; the main rank's thread commits once
-every rank's index is in the staging directory. One save is in flight at a time: the next
-save, and the end of the run, wait for it (`wait`).
+again once the main rank has committed. With `checkpoint.async_save` the planning (a
+collective) and a copy of what the rank writes into host memory (pinned, on a GPU) happen
+on the training thread -- the one extra copy an asynchronous save needs: the step loop
+goes on changing the live tensors -- and a thread writes them; the main rank's thread
+commits once every rank's write results are in the staging directory. One save is in
+flight at a time: the next save, and the end of the run, wait for it (`wait`).
 
 What a killed attempt left half-written is cleared when the next one starts, by the main
-rank: a stale index there would make an asynchronous commit take a file being rewritten.
-No rank can save before then, as no step completes without the main rank.
+rank: stale write results there would make an asynchronous commit take a file being
+rewritten. No rank can save before then, as no step completes without the main rank.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from shardtrain.ckpt.files import Piece, wait_for_indexes, write_pieces
+from shardtrain.ckpt.dcp import plan_save, wait_for_results
 from shardtrain.config import Config
 from shardtrain.mesh import ParallelMesh
-from shardtrain.parallel.pieces import model_key, writers
+from shardtrain.parallel.pieces import gather_plans, model_key
 from shardtrain.parallel.strategy import Strategy
 from shardtrain.train import checkpoint as ckpt
 from shardtrain.train.diskspace import SpaceGuard, state_bytes
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def snapshot(piece: Piece) -> Piece:
-    """The piece's values copied to host memory now."""
-    data = piece.fetch().detach().reshape(-1).to("cpu", piece.dtype, copy=True)
-    return replace(piece, fetch=lambda: data)
 
 
 class Saver:
@@ -65,28 +53,30 @@ class Saver:
         """Checkpoint `step` (a collective: every rank calls it)."""
         self.wait()  # the previous asynchronous save first
         pieces, extra = parallel.state_pieces()
-        pieces = writers(pieces, [self.mesh.comm(d) for d in ("dp", "cp", "tp", "pp")],
-                         self.mesh.rank)
+        staged = ckpt.staging_dir(self.cfg, step, create=False)  # made by stage_files
+        comms = [self.mesh.comm(d) for d in ("dp", "cp", "tp", "pp")]
+        planned = plan_save(staged, self.mesh.rank, pieces, partial(
+            gather_plans, comms=comms, rank=self.mesh.rank, world_size=self.mesh.world_size))
         aliases = {model_key(k): model_key(v) for k, v in parallel.shards.tied_to.items()}
         files = parallel.optimizer_files(self.is_main)
         # A full disk: refused before writing, or every rank stops if a write fails
         # (train/diskspace.py); the main rank then removes the staging directory.
         copied = tokenizer_file.stat().st_size if tokenizer_file and self.is_main else 0
-        self.space.check(step, copied + state_bytes((p.region.numel * _itemsize(p.dtype)
-                                                     for p in pieces), files), self.barrier)
-        error, staged = None, ckpt.checkpoint_root(self.cfg.train.run_dir)
+        self.space.check(step, copied + state_bytes([planned.nbytes], files), self.barrier)
+        error = None
         try:
-            staged = ckpt.stage_files(self.cfg, step, files)
+            ckpt.stage_files(self.cfg, step, files)
         except OSError as e:
             error = e
         commit = partial(ckpt.save_checkpoint, self.cfg, step=step, staged=staged,
-                         world_size=self.mesh.world_size, sampler_state=sampler_state,
+                         world_size=self.mesh.world_size, metadata=planned.metadata,
+                         aliases=aliases, extra=extra, sampler_state=sampler_state,
                          layout=layout, tokenizer_file=tokenizer_file)
         clean_up = partial(ckpt.clear_staging, self.cfg)
         if not self.cfg.checkpoint.async_save:
             try:
                 if error is None:
-                    write_pieces(staged, self.mesh.rank, pieces, extra, aliases)
+                    planned.write()
             except OSError as e:
                 error = e
             self.space.agree(step, "write", error, self.barrier, clean_up)  # all staged
@@ -98,13 +88,13 @@ class Saver:
             self.space.agree(step, "commit", error, self.barrier, clean_up)  # committed
             return
         self.space.agree(step, "stage", error, self.barrier, clean_up)
-        pieces = [snapshot(p) for p in pieces]
+        planned.snapshot()
 
         def write() -> None:
             try:
-                write_pieces(staged, self.mesh.rank, pieces, extra, aliases)
+                planned.write()
                 if self.is_main:
-                    wait_for_indexes(staged, self.mesh.world_size, self.cfg.comm.timeout_s)
+                    wait_for_results(staged, self.mesh.world_size, self.cfg.comm.timeout_s)
                     commit()
             except BaseException as e:  # raised by `wait`, on the training thread
                 self._error = e

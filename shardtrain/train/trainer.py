@@ -79,11 +79,17 @@ class Trainer:
         if self.is_main and (mix := self.sampler.describe(self.data.names, t.steps)):
             print(mix, flush=True)  # a data.sources mixture as it will be sampled
         self.step = 0
-        resume = ckpt.resolve_resume(cfg)
+        self.resume_bytes: dict[str, int] = {}
+        resume = ckpt.resolve_resume(cfg, main=self.is_main)
         if resume is not None:
             ckpt.check_compatible(resume, cfg, mesh.world_size)
             meta = ckpt.read_meta(resume)
-            self.parallel.load_state(Reader(resume))  # from any layout (parallel/pieces.py)
+            reader = Reader(resume)
+            self.parallel.load_state(reader)  # from any layout (parallel/pieces.py)
+            # what this rank read of the checkpoint (its files; the values of the chunks
+            # read), against what it needed of it
+            self.resume_bytes = {"read": reader.bytes_read, "values": reader.values_read,
+                                 "needed": reader.bytes_needed}
             self.parallel.load_optimizer_files(lambda name: ckpt.load_state(resume, name))
             self.step = meta["step"]
             self.sampler.load_state_dict(meta["sampler"])

@@ -165,9 +165,6 @@ class ReplicatedUpdate:
     def local_state_dict(self) -> None:
         return None  # the module's own parameters are this rank's state
 
-    def load_local_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.shards.model.load_state_dict(state)
-
     def state_pieces(self) -> list[Piece]:
         return module_pieces(self.shards) + torch_optimizer_pieces(self.shards, self.optimizer)
 

@@ -113,9 +113,6 @@ class SparseUpdates:
     def local_state_dict(self) -> None:
         return None
 
-    def load_local_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.shards.model.load_state_dict(state)
-
     def state_pieces(self) -> list[Piece]:
         """The model; the optimizer state and residual are this rank's own (its file)."""
         return module_pieces(self.shards)

@@ -86,9 +86,6 @@ class PSUpdate:
         self.worker.settle()  # every pulled partition is in: the module holds the weights
         return None
 
-    def load_local_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.module.load_state_dict(state)
-
     def state_pieces(self) -> list[Piece]:
         """The model (every pulled partition in); the servers' state is in their files."""
         self.worker.settle()

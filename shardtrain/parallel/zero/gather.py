@@ -162,13 +162,14 @@ class ParamGatherer(UnitGatherer):
     @classmethod
     def for_model(cls, model: nn.Module, units: list[FlatUnit], *, prefetch: int
                   ) -> ParamGatherer:
-        """The events of the whole transformer: the embedding's unit (the head's, when
-        tied), each block's units (its dense unit, and under expert parallelism its
+        """The events of the whole transformer: the embedding's units (the position
+        table's, and the token table's: the head's, when tied), each block's units (its dense unit, and under expert parallelism its
         experts' unit, gathered together: the experts run inside the block; the last
         block's holds the final norm, cost/units.py), the head's; each block's midpoint is
         its MLP's norm."""
         unit_of = {n: u for u in units for n in u.names}
-        events = [(model, [unit_of["tok_emb.weight"]])]
+        first = [unit_of[n] for n in ("pos_emb.weight", "tok_emb.weight") if n in unit_of]
+        events = [(model, list(dict.fromkeys(first)))]
         events += [(block, [u for u in units if u.key == (BLOCK, i)])
                    for i, block in enumerate(model.layers)]
         head = "tok_emb.weight" if model.cfg.tie_embeddings else "head.weight"

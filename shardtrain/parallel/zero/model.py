@@ -61,7 +61,8 @@ from shardtrain.comm import Communicator
 from shardtrain.config import Config
 from shardtrain.model.hf import assign
 from shardtrain.parallel.build import Fill
-from shardtrain.parallel.pieces import local_model_state, module_pieces, zero_load, zero_pieces
+from shardtrain.parallel.pieces import (local_model_state, local_tensor, model_key, module_pieces,
+                                        zero_load, zero_pieces)
 from shardtrain.parallel.pipeline.state import StageShards
 from shardtrain.parallel.precision import PrecisionPolicy
 from shardtrain.parallel.strategy import nbytes
@@ -239,19 +240,6 @@ class ZeroModel:
                 out[name] = view.clone()
         return out
 
-    @torch.no_grad()
-    def load_local_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Set the parameters and master weights from this tp (and ep) rank's tensors."""
-        for k, u in enumerate(self.units):
-            full = torch.zeros(u.padded, device=u.shard.device)  # [padded] fp32
-            for name, view in zip(u.names, u.param_views(full)):
-                view.copy_(state[name])
-            self.optimizer.master(k).copy_(full[u.shard_slice()])
-            if not self.offload_params:  # an offloaded one is its master
-                u.shard.copy_(full[u.shard_slice()])
-            if self.stage < 3:
-                u.flat.copy_(full)
-
     def memory(self) -> dict[str, int]:
         """Model-state bytes this rank holds, from the tensors: parameters (stages 1-2 the
         full flat buffers, stage 3 the shards; units gathered for compute are transient, as
@@ -281,12 +269,18 @@ class ZeroModel:
 
     @torch.no_grad()
     def load_state(self, reader: Reader, steps: int) -> None:
-        local = local_model_state(self.shards, reader)
+        """Master and moment shards from their runs; parameters from the master (stage 3)
+        or their whole blocks (stages 1-2 hold every parameter)."""
         in_units = {n for u in self.units for n in u.names}
-        self.shards.model.load_state_dict({k: v for k, v in local.items() if k not in in_units},
+        self.shards.model.load_state_dict(local_model_state(self.shards, reader, skip=in_units),
                                           strict=False)
-        self.load_local_state_dict(local)
         zero_load(self.shards, self.units, reader, self.moment_names, self.optimizer)
+        for k, u in enumerate(self.units):
+            if self.stage < 3:
+                for name, p, view in zip(u.names, u.params, u.param_views(u.flat)):
+                    view.copy_(local_tensor(self.shards, reader, model_key(name), name, p))
+            elif not self.offload_params:  # an offloaded one is its master
+                u.shard.copy_(self.optimizer.master(k))
         self.optimizer.steps = steps
 
     def optimizer_files(self, is_main: bool) -> dict[str, dict]:

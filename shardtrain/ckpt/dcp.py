@@ -1,0 +1,237 @@
+"""Sharded checkpoints in PyTorch's distributed checkpoint format (DCP).
+
+A checkpoint directory is a DCP checkpoint: `.metadata` (every tensor's full shape,
+dtype and chunks, and where each chunk is stored) and one `__R_0.distcp` file per rank
+that wrote something, readable by `torch.distributed.checkpoint` (`dcp.load`,
+`format_utils.dcp_to_torch_save`). Tensors are keyed by layout-independent names:
+`model/<name>` (the single-process model's) and `optim/<name>/<state>`.
+
+Saving (`plan_save`, `write`, `finish`): each rank lists its pieces (ckpt/files.py
+`Piece`: what it holds, as regions of the full tensors) as DCP write items, one per chunk
+(chunks.py). The plans of all ranks are exchanged (`gather`, given by the caller: the
+mesh's collectives) and every rank computes the same global plan: DCP's
+`dedup_save_plans` keeps one copy of each chunk held by several ranks (data-parallel
+replicas, shared kv heads, a pipeline's two copies of a tied embedding) and gives it to
+the rank with the fewest bytes so far, so replicas spread over their holders rather than
+all landing on the lowest rank. Each rank writes its files through DCP's
+`FileSystemWriter` (fsynced), then its write results beside them; the main rank merges
+those into `.metadata` (`finish`). Nothing is gathered: values are fetched piece by piece
+as they are written.
+
+`Reader` reads byte ranges: asked for a region, it reads only the stored chunks that
+overlap it (DCP's load planning), so a rank resuming in any layout reads about its own
+share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pickle
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, TensorProperties)
+from torch.distributed.checkpoint.planner import (SavePlan, SavePlanner, TensorWriteData,
+                                                  WriteItem, WriteItemType)
+
+from shardtrain.ckpt.chunks import Chunk, region_chunks
+from shardtrain.ckpt.files import CHECKSUMS, Piece
+
+ITEM_FRAME_BYTES = 2048  # torch.save's archive around one chunk (~1.6 kB measured)
+
+
+def results_name(rank: int) -> str:
+    return f".results-{rank:05d}"
+
+
+class _PiecesPlanner(SavePlanner):
+    """The values of this rank's write items, fetched piece by piece as DCP's writer asks
+    for them (one piece's values held at a time: on the host, in plan order)."""
+
+    def __init__(self, pieces: list[Piece]):
+        self.pieces = pieces
+        self.where: dict[MetadataIndex, tuple[int, Chunk]] = {}
+        self.plain: list[tuple] = []  # the items as plain tuples (they travel: `plan_save`)
+        for k, piece in enumerate(pieces):
+            dtype = str(piece.dtype).removeprefix("torch.")
+            for chunk in region_chunks(piece.region):
+                self.where[MetadataIndex(piece.region.key, torch.Size(chunk.offsets))] = (k, chunk)
+                self.plain.append((piece.region.key, chunk.offsets, chunk.sizes,
+                                   piece.region.shape, dtype))
+        self._held: tuple[int, torch.Tensor] | None = None
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        """The chunk's values [chunk sizes], cut on the piece's own device (DCP's writer
+        copies them to the host, ahead of the write on a GPU, in an order of its own)."""
+        k, chunk = self.where[MetadataIndex(write_item.index.fqn, write_item.index.offset)]
+        piece = self.pieces[k]
+        if self._held is None or self._held[0] != k:
+            values = piece.fetch().detach().reshape(-1)  # [numel]
+            if values.numel() != piece.region.numel:
+                raise ValueError(f"piece {piece.region.key} has {values.numel()} values, its "
+                                 f"region {piece.region.numel}")
+            self._held = (k, values)
+        return chunk.of(self._held[1]).to(piece.dtype).contiguous()
+
+    # The planning steps run in `plan_save`, outside DCP's own save loop.
+    def set_up_planner(self, *args, **kwargs) -> None:
+        pass
+
+    def create_local_plan(self) -> SavePlan:
+        return _plan(self.plain)
+
+    def create_global_plan(self, all_plans):
+        return create_default_global_save_plan(all_plans)
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        return new_plan
+
+
+class SavePlanned:
+    """One rank's part of a save, planned: what it writes, and the checkpoint's metadata
+    (the same on every rank)."""
+
+    def __init__(self, directory: Path, rank: int, planner: _PiecesPlanner, plan: SavePlan,
+                 metadata: Metadata):
+        self.directory, self.rank = Path(directory), rank
+        self.planner, self.plan, self.metadata = planner, plan, metadata
+        self.copied: torch.cuda.Event | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this rank writes: its chunks' values, each framed by torch.save."""
+        return sum(math.prod(item.tensor_data.chunk.sizes)
+                   * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
+                   + ITEM_FRAME_BYTES for item in self.plan.items)
+
+    def snapshot(self) -> None:
+        """Copy the values this rank writes into host memory now, for an asynchronous save
+        (the step loop goes on changing the live tensors): pinned buffers filled without
+        blocking where the values are on a GPU; `write` waits for the copies."""
+        used = {self.planner.where[MetadataIndex(item.index.fqn, item.index.offset)][0]
+                for item in self.plan.items}
+        for k in sorted(used):
+            piece = self.planner.pieces[k]
+            values = piece.fetch().detach().reshape(-1)  # [numel]
+            host = torch.empty(values.numel(), dtype=piece.dtype, pin_memory=values.is_cuda)
+            host.copy_(values, non_blocking=values.is_cuda)
+            self.planner.pieces[k] = dataclasses.replace(piece, fetch=lambda host=host: host)
+        if torch.cuda.is_available():
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def write(self) -> None:
+        """Write this rank's files (fsynced) and, last, its write results."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        writer = _writer(self.directory, self.rank)
+        results = writer.write_data(self.plan, self.planner).value()
+        self.planner._held = None
+        write_synced(self.directory / results_name(self.rank),
+                     pickle.dumps((results, _checksums(self.directory, results))))
+
+
+def plan_save(directory: Path, rank: int, pieces: list[Piece],
+              gather: Callable[[list[tuple]], list[list[tuple]]]) -> SavePlanned:
+    """Plan this rank's part of the save (a collective: `gather` returns every rank's
+    plain items, in rank order)."""
+    planner = _PiecesPlanner(pieces)
+    plans = [_plan(items) for items in gather(planner.plain)]
+    _check_duplicates(plans)
+    plans = dedup_save_plans(plans)  # each shared chunk to the least loaded of its holders
+    plans, metadata = create_default_global_save_plan(plans)
+    plans = _writer(directory, rank).prepare_global_plan(plans)
+    return SavePlanned(directory, rank, planner, plans[rank], metadata)
+
+
+def _plan(plain: list[tuple]) -> SavePlan:
+    """Write items from (name, chunk offsets, chunk sizes, tensor shape, dtype name)."""
+    return SavePlan([WriteItem(
+        index=MetadataIndex(key, torch.Size(offsets)), type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
+            properties=TensorProperties(dtype=getattr(torch, dtype)), size=torch.Size(shape)))
+        for key, offsets, sizes, shape, dtype in plain])
+
+
+def finish(directory: Path, metadata: Metadata, world_size: int) -> None:
+    """On the main rank once every rank has written: merge the write results into
+    `.metadata` (fsynced; the results files removed)."""
+    results, checksums = [], {}
+    for rank in range(world_size):
+        path = Path(directory) / results_name(rank)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path}: rank {rank} wrote no results here; every rank must write into the "
+                "same train.run_dir (on several nodes: a shared filesystem)")
+        written, sums = pickle.loads(path.read_bytes())
+        results.append(written)
+        checksums.update(sums)
+    write_synced(Path(directory) / CHECKSUMS, json.dumps(checksums).encode())
+    _writer(directory, 0).finish(metadata, results)
+    for rank in range(world_size):
+        (Path(directory) / results_name(rank)).unlink()
+
+
+def _checksums(directory: Path, results: list) -> dict[str, str]:
+    """CRC-32 of each stored chunk's bytes ({"file:offset": hex}), read back from the files
+    just written (still in the page cache): torch.load checks none, and a flipped bit in a
+    chunk would otherwise load silently (ckpt/files.py checks them as it reads)."""
+    out = {}
+    for result in results:
+        info = result.storage_data
+        with open(Path(directory) / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            out[f"{info.relative_path}:{info.offset}"] = f"{zlib.crc32(f.read(info.length)):08x}"
+    return out
+
+
+def _writer(directory: Path, rank: int) -> FileSystemWriter:
+    writer = FileSystemWriter(directory, sync_files=True, overwrite=True)
+    writer.set_up_storage_writer(rank == 0, rank=rank)
+    return writer
+
+
+def _check_duplicates(plans: list[SavePlan]) -> None:
+    """DCP deduplicates chunks by (name, offsets): two ranks' chunks there must be the same
+    chunk, or one would be dropped."""
+    seen: dict[MetadataIndex, torch.Size] = {}
+    for plan in plans:
+        for item in plan.items:
+            sizes = item.tensor_data.chunk.sizes
+            if seen.setdefault(item.index, sizes) != sizes:
+                raise RuntimeError(f"{item.index.fqn}: two ranks hold different chunks at "
+                                   f"offsets {tuple(item.index.offset)} ({tuple(sizes)} and "
+                                   f"{tuple(seen[item.index])}); their regions must match")
+
+
+def wait_for_results(directory: Path, world_size: int, timeout_s: float) -> None:
+    """Until every rank's write results are in `directory` (an asynchronous save's commit)."""
+    deadline = time.monotonic() + timeout_s
+    missing = list(range(world_size))
+    while missing:
+        missing = [r for r in missing if not (Path(directory) / results_name(r)).is_file()]
+        if missing and time.monotonic() > deadline:
+            raise TimeoutError(f"{directory}: ranks {missing} did not write their part within "
+                               f"{timeout_s:.0f} s; the checkpoint is not committed")
+        time.sleep(0.05 if missing else 0)
+
+
+def write_synced(path: Path, data: bytes) -> None:
+    """Write `data` whole, fsynced, under `path` (atomically: via a temporary name)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
