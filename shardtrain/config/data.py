@@ -4,8 +4,13 @@ cache and streaming (shardtrain/data/, docs/data.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from shardtrain.config.errors import ConfigError, positive
+
+# The label of a token that is not trained on (chat's prompts, padding): written by the data
+# (data/rows.py), skipped by the losses (parallel/tensor/vocab.py). torch's ignore_index.
+IGNORE = -100
 
 
 @dataclass(kw_only=True)
@@ -29,6 +34,17 @@ class DataConfig:
     cache_dir: str = "~/.cache/shardtrain"
     num_proc: int = 0  # processes tokenizing a corpus of more than one batch (0: the cores)
     streaming: bool = False  # read and tokenize the source as training goes (data/stream.py)
+    # text: documents of data.text_field. chat: conversations, rows whose data.messages_field
+    # is a list of {role, content}, rendered by the tokenizer's chat template (data/chat.py)
+    format: Literal["text", "chat"] = "text"
+    messages_field: str = "messages"
+    # chat: the loss on the assistant's tokens only (the other labels ignored); false: on
+    # every token of the conversation
+    assistant_only_loss: bool = True
+    # Attention kept inside each document (a conversation under chat), positions restarting
+    # per document. Without it, chat pads each conversation to a sequence of its own; with
+    # it, conversations are packed, none crossing a sequence's end (data/chat_rows.py).
+    document_mask: bool = False
 
     def validate(self) -> None:
         if not 0.0 < self.eval_fraction < 0.5:
@@ -42,6 +58,14 @@ class DataConfig:
             raise ConfigError("data.streaming=true reads one data.source in order: it needs "
                               "data.eval_source for the eval set (a stream has no tail to hold "
                               "out) and no data.sources mixture")
+        if self.format == "chat" and self.streaming:
+            raise ConfigError("data.format=chat with data.streaming=true: conversations are "
+                              "rendered and packed into sequences before training; set "
+                              "data.streaming=false")
+        if self.format == "text" and not self.assistant_only_loss:
+            raise ConfigError("data.assistant_only_loss=false applies to data.format=chat "
+                              "only (text is trained on every token already): drop it, or "
+                              "set data.format=chat")
         if self.sources and self.source != "stdlib":
             raise ConfigError(f"data.source={self.source!r} and data.sources={self.sources!r} "
                               "are both set; give one (data.sources for a mixture)")
@@ -69,3 +93,4 @@ class DataConfig:
     def source_list(self) -> list[str]:
         """Every source the run reads (checked before launch)."""
         return [p for p, _ in self.mixture()] + ([self.eval_source] if self.eval_source else [])
+
