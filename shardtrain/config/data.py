@@ -21,7 +21,8 @@ class DataConfig:
     # save_to_disk directory or a directory of Parquet/Arrow shards (data/sources.py)
     source: str = "stdlib"
     # A mixture instead of `source`: "PATH=WEIGHT, PATH=WEIGHT, ..." (any source forms),
-    # sampled by weight (data/mixture.py). A string: config values are scalars (config/parse.py).
+    # sampled by weight (data/mixture.py). In a TOML file also a list of tables,
+    # [{path = "...", weight = 3}, ...], which config/parse.py turns into this string.
     sources: str = ""
     text_field: str = "text"  # the field (column) read from each record or row
     # "byte", "bpe" (trained locally), or the path of a tokenizer.json, a Hugging Face tokenizer
@@ -94,3 +95,23 @@ class DataConfig:
         """Every source the run reads (checked before launch)."""
         return [p for p, _ in self.mixture()] + ([self.eval_source] if self.eval_source else [])
 
+
+def sources_text(tables: object) -> str:
+    """data.sources given in TOML as a list of {path, weight} tables, in the string form."""
+    fix = ('; write data.sources = [{path = "web.parquet", weight = 3}, {path = "code", '
+           'weight = 1}] (or the string "web.parquet=3, code=1")')
+    if not isinstance(tables, list) or not tables:
+        raise ConfigError(f"data.sources={tables!r} is not a list of {{path, weight}} tables{fix}")
+    items = []
+    for i, table in enumerate(tables, 1):
+        where = f"data.sources entry {i} ({table!r})"
+        if not isinstance(table, dict) or set(table) != {"path", "weight"}:
+            raise ConfigError(f"{where} must be a table of exactly path and weight{fix}")
+        path, weight = table["path"], table["weight"]
+        if not isinstance(path, str) or not path.strip() or "," in path:
+            raise ConfigError(f"{where}: path must be a non-empty string without a comma "
+                              f"(commas separate the sources){fix}")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise ConfigError(f"{where}: weight must be a number > 0{fix}")
+        items.append(f"{path}={weight!r}")
+    return ", ".join(items)
