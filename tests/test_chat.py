@@ -112,9 +112,11 @@ def test_chat_sft_learns_the_reply_only_with_assistant_only_loss(tmp, llama):
                    (tmp / f"sft-{masked}" / "metrics.jsonl").read_text().splitlines()]
         assert [r["loss_tokens"] for r in records] == [h["loss_tokens"]
                                                        for h in runs[masked].history]
+        counts = [r["loss_tokens"] for r in records]
         print(f"assistant_only_loss={masked}: loss {runs[masked].losses[0]:.3f} -> "
-              f"{runs[masked].losses[-1]:.4f}, eval {runs[masked].eval_loss:.4f}, loss "
-              f"tokens per step {records[0]['loss_tokens']}..{records[-1]['loss_tokens']}")
+              f"{runs[masked].losses[-1]:.4f} (every 5 steps: "
+              f"{[round(x, 3) for x in runs[masked].losses[4::5]]}), eval "
+              f"{runs[masked].eval_loss:.4f}, loss tokens per step {min(counts)}-{max(counts)}")
     assert runs["true"].losses[-1] < 0.3 and runs["true"].eval_loss < 0.3
     # Random words cannot be learned: the loss over every token stays far above.
     assert runs["false"].losses[-1] > 1.0

@@ -5,9 +5,9 @@ and tp=2 in bf16 too, tp within the bf16 bound of parity.py), for QLoRA under dp
 ZeRO-2 and for adamw8bit under ZeRO-2; the memory ledger of an adapter run. Chat SFT rows
 (tests/test_chat.py has the rest) share the spawn: packed conversations under dp=2 with
 other micro-batches than the reference's, tp=2 (vocab-parallel loss) and pp=2 (positions
-through the stages), padded ones under ZeRO-2 with micro-batches of one: with unequal
-loss-token counts per micro-batch, only a loss averaged over the global batch's count
-agrees across them."""
+through the stages), padded ones under ZeRO-2 with micro-batches of one and under cp=2
+(each rank's half of a sequence counts its own tokens): with unequal loss-token counts per
+micro-batch, only a loss averaged over the global batch's count agrees across them."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def chat(tmp):
 
     return ("--model.init_from", str(llama_dir(tmp / "chat-llama")), "--data.format", "chat",
             "--data.source", str(write_chat(tmp / "chat.jsonl", 200, turns=2)),
-            "--train.lr", "1e-2", "--data.document_mask", "true")
+            "--data.document_mask", "true")
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,8 @@ def test_lora_and_adamw8bit_parity_with_single_process(tmp, hf_dir, chat):
                     ["--parallel.zero", "2", "--train.micro_batch", "1",
                      "--train.eval_batches", "4"]),
                    ("chat tp2", chat, ["--parallel.tp", "2"]),
-                   ("chat pp2", chat, ["--parallel.pp", "2"])]
+                   ("chat pp2", chat, ["--parallel.pp", "2"]),
+                   ("chat padded cp2", padded, ["--parallel.cp", "2"])]
     texts = [text(f"row{i}", *ref, *layout) for i, (_, ref, layout) in enumerate(rows)]
     per_rank = run_distributed(train_layouts, 2, texts, adapter_memory)
     refs: dict[tuple, dict] = {}

@@ -10,7 +10,6 @@ from typing import Any
 
 _HOMES = {"Dataset": "dataset", "check_vocab": "dataset", "load_dataset": "dataset",
           "TokenSampler": "sampler", "eval_batches": "sampler", "check_source": "sources",
-          "check_chat": "chat",
           "load_tokenizer": "tokenizer", "make_sampler": "stream"}
 
 __all__ = sorted(_HOMES)

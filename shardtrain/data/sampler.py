@@ -12,7 +12,6 @@ from shardtrain.data.mixture import Mixture
 from shardtrain.data.rows import Batch, Rows, TextWindows, concat
 
 Store = TextWindows | ChatRows
-__all__ = ["Batch", "TokenSampler", "eval_batches"]
 
 
 class TokenSampler:
