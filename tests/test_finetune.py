@@ -4,10 +4,11 @@ generate`; parity rows for LoRA under dp=2, ZeRO-2 and tp=2 (with and without sp
 and tp=2 in bf16 too, tp within the bf16 bound of parity.py), for QLoRA under dp=2 and
 ZeRO-2 and for adamw8bit under ZeRO-2; the memory ledger of an adapter run. Chat SFT rows
 (tests/test_chat.py has the rest) share the spawn: packed conversations under dp=2 with
-other micro-batches than the reference's, tp=2 (vocab-parallel loss) and pp=2 (positions
-through the stages), padded ones under ZeRO-2 with micro-batches of one and under cp=2
-(each rank's half of a sequence counts its own tokens): with unequal loss-token counts per
-micro-batch, only a loss averaged over the global batch's count agrees across them."""
+other micro-batches than the reference's, tp=2 with sp (vocab-parallel loss; the mask over
+the gathered sequence) and pp=2 (positions through the stages), padded ones under ZeRO-2
+with micro-batches of one and under cp=2 (each rank's half of a sequence counts its own
+tokens): with unequal loss-token counts per micro-batch, only a loss averaged over the
+global batch's count agrees across them."""
 
 from __future__ import annotations
 
@@ -145,7 +146,7 @@ def test_lora_and_adamw8bit_parity_with_single_process(tmp, hf_dir, chat):
                    ("chat padded zero2 dp2 micro_batch 1", padded,
                     ["--parallel.zero", "2", "--train.micro_batch", "1",
                      "--train.eval_batches", "4"]),
-                   ("chat tp2", chat, ["--parallel.tp", "2"]),
+                   ("chat tp2 sp", chat, ["--parallel.tp", "2", "--parallel.sp", "true"]),
                    ("chat pp2", chat, ["--parallel.pp", "2"]),
                    ("chat padded cp2", padded, ["--parallel.cp", "2"])]
     texts = [text(f"row{i}", *ref, *layout) for i, (_, ref, layout) in enumerate(rows)]

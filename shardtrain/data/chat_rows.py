@@ -121,7 +121,7 @@ def load_chat_rows(cfg: DataConfig, tokenizer: Tokenizer, source: str, seq_len: 
             rendered = ((ids, [True] * len(ids)) for ids, _ in rendered)
         table, stats = pack(rendered, seq_len + 1, packed=cfg.document_mask, pad_id=pad_id)
         stats["counted"] = int(np.count_nonzero(table[1, :, 1:] & COUNTED))
-        write_atomic(stats_path, json.dumps(stats))  # before the table: it marks the build done
+        write_atomic(stats_path, json.dumps(stats))  # first: a published table has its stats
         with open(tmp, "wb") as f:
             np.save(f, table)
 
