@@ -135,6 +135,7 @@ def help_of(call) -> str:
 
 def classify(argv: tuple[str, ...], scratch: Path) -> tuple[str, str]:
     """Check that the command parses; ("run", "") when cheap, else ("skip", reason)."""
+    from shardtrain import config
     from shardtrain.cli import main
 
     if argv[0] == "pip":
@@ -185,7 +186,8 @@ def classify(argv: tuple[str, ...], scratch: Path) -> tuple[str, str]:
     if sub == "train":
         known, cfg = check_train(args[1:])
         nproc, steps = known.nproc or 1, cfg.train.steps
-        if known.config != "tiny":
+        # The tiny preset, or a config file of the tiny preset's model (a TOML example).
+        if known.config != "tiny" and cfg.model != config.load("tiny").model:
             return "skip", f"the {known.config} preset: {steps} steps on {nproc} process(es), minutes"
         if known.dry_run_world:  # one process, at most 2 steps
             return "run", ""

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from parity import make_mesh, tiny
+from shardtrain import config
 from shardtrain.config import ConfigError, DataConfig
 from shardtrain.data import TokenSampler
 from shardtrain.data.mixture import Mixture
@@ -61,6 +62,28 @@ def test_layout_independent_and_resumable():
         assert all(torch.equal(a, b) for w, g in zip(want, got) for a, b in zip(w, g))
     with pytest.raises(ValueError, match="quota was .* in the checkpoint"):
         sampler(weights=(1.0, 1.0, 1.0)).load_state_dict(state)
+
+
+def test_mixture_as_a_toml_list_of_tables(tmp_path):
+    path = tmp_path / "mix.toml"
+    path.write_text('[data]\nsources = [{path = "a.jsonl", weight = 3}, '
+                    '{path = "dir/b", weight = 0.5}]\n')
+    cfg = config.load(str(path))
+    assert cfg.data.mixture() == [("a.jsonl", 3.0), ("dir/b", 0.5)]
+    assert config.loads(config.to_toml(cfg)).data.mixture() == cfg.data.mixture()
+    path.write_text('[[data.sources]]\npath = "a.jsonl"\nweight = 1\n\n'
+                    '[[data.sources]]\npath = "b"\nweight = 2\n')  # TOML's other spelling
+    assert config.load(str(path)).data.mixture() == [("a.jsonl", 1.0), ("b", 2.0)]
+    for bad, match in [('[{path = "a"}]', "entry 1 .* must be a table of exactly path and weight"),
+                       ('[{path = "a", weight = 2}, {path = "b", weight = 0}]',
+                        "entry 2 .*weight must be a number > 0"),
+                       ('[{path = "a", weight = true}]', "weight must be a number > 0"),
+                       ('[{path = "a,b", weight = 1}]', "path must be a non-empty string "
+                                                        "without a comma"),
+                       ("[]", "is not a list of {path, weight} tables")]:
+        path.write_text(f"[data]\nsources = {bad}\n")
+        with pytest.raises(ConfigError, match=rf"mix.toml: data.sources.*{match}"):
+            config.load(str(path))
 
 
 def test_bad_mixtures():

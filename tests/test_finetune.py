@@ -2,7 +2,13 @@
 AdamW by the trainer, exported, reloaded by `transformers` and sampled by `shardtrain
 generate`; parity rows for LoRA under dp=2, ZeRO-2 and tp=2 (with and without sp; dp=2
 and tp=2 in bf16 too, tp within the bf16 bound of parity.py), for QLoRA under dp=2 and
-ZeRO-2 and for adamw8bit under ZeRO-2; the memory ledger of an adapter run."""
+ZeRO-2 and for adamw8bit under ZeRO-2; the memory ledger of an adapter run. Chat SFT rows
+(tests/test_chat.py has the rest) share the spawn: packed conversations under dp=2 with
+other micro-batches than the reference's, tp=2 with sp (vocab-parallel loss; the mask over
+the gathered sequence) and pp=2 (positions through the stages), padded ones under ZeRO-2
+with micro-batches of one and under cp=2 (each rank's half of a sequence counts its own
+tokens): with unequal loss-token counts per micro-batch, only a loss averaged over the
+global batch's count agrees across them."""
 
 from __future__ import annotations
 
@@ -38,6 +44,17 @@ def hf_dir(tmp):
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp / "hf")
     return tmp / "hf"
+
+
+@pytest.fixture(scope="module")
+def chat(tmp):
+    """The reference overrides of the chat rows: a tiny Llama with a chat tokenizer and
+    conversations (chat_data.py), packed under data.document_mask."""
+    from chat_data import llama_dir, write_chat
+
+    return ("--model.init_from", str(llama_dir(tmp / "chat-llama")), "--data.format", "chat",
+            "--data.source", str(write_chat(tmp / "chat.jsonl", 200, turns=2)),
+            "--data.document_mask", "true")
 
 
 @pytest.fixture(scope="module")
@@ -117,14 +134,25 @@ def adapter_memory(trainer: Trainer) -> dict:
     return {"memory": trainer.memory_ledger()}
 
 
-def test_lora_and_adamw8bit_parity_with_single_process(tmp, hf_dir):
+def test_lora_and_adamw8bit_parity_with_single_process(tmp, hf_dir, chat):
     def text(name, *overrides):
         return config.to_toml(tiny(tmp, name, "--model.init_from", str(hf_dir), *B8, *overrides))
 
-    texts = [text(f"row{i}", *ref, *layout) for i, (_, ref, layout) in enumerate(ROWS)]
+    padded = (*chat, "--data.document_mask", "false")
+    # The same 4 eval rows (micro_batch x eval_batches), batched otherwise: the eval loss,
+    # a mean over their counted tokens, must not change either.
+    rows = ROWS + [("chat dp2 micro_batch 4", chat,
+                    ["--train.micro_batch", "4", "--train.eval_batches", "1"]),
+                   ("chat padded zero2 dp2 micro_batch 1", padded,
+                    ["--parallel.zero", "2", "--train.micro_batch", "1",
+                     "--train.eval_batches", "4"]),
+                   ("chat tp2 sp", chat, ["--parallel.tp", "2", "--parallel.sp", "true"]),
+                   ("chat pp2", chat, ["--parallel.pp", "2"]),
+                   ("chat padded cp2", padded, ["--parallel.cp", "2"])]
+    texts = [text(f"row{i}", *ref, *layout) for i, (_, ref, layout) in enumerate(rows)]
     per_rank = run_distributed(train_layouts, 2, texts, adapter_memory)
     refs: dict[tuple, dict] = {}
-    for i, (label, ref, layout) in enumerate(ROWS):
+    for i, (label, ref, layout) in enumerate(rows):
         if ref not in refs:
             refs[ref] = train_layout(0, 1, text(f"ref{len(refs)}", *ref), adapter_memory)
         for rank, results in enumerate(per_rank):

@@ -4,8 +4,13 @@ cache and streaming (shardtrain/data/, docs/data.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from shardtrain.config.errors import ConfigError, positive
+
+# The label of a token that is not trained on (chat's prompts, padding): written by the data
+# (data/rows.py), skipped by the losses (parallel/tensor/vocab.py). torch's ignore_index.
+IGNORE = -100
 
 
 @dataclass(kw_only=True)
@@ -16,7 +21,8 @@ class DataConfig:
     # save_to_disk directory or a directory of Parquet/Arrow shards (data/sources.py)
     source: str = "stdlib"
     # A mixture instead of `source`: "PATH=WEIGHT, PATH=WEIGHT, ..." (any source forms),
-    # sampled by weight (data/mixture.py). A string: config values are scalars (config/parse.py).
+    # sampled by weight (data/mixture.py). In a TOML file also a list of tables,
+    # [{path = "...", weight = 3}, ...], which config/parse.py turns into this string.
     sources: str = ""
     text_field: str = "text"  # the field (column) read from each record or row
     # "byte", "bpe" (trained locally), or the path of a tokenizer.json, a Hugging Face tokenizer
@@ -29,6 +35,17 @@ class DataConfig:
     cache_dir: str = "~/.cache/shardtrain"
     num_proc: int = 0  # processes tokenizing a corpus of more than one batch (0: the cores)
     streaming: bool = False  # read and tokenize the source as training goes (data/stream.py)
+    # text: documents of data.text_field. chat: conversations, rows whose data.messages_field
+    # is a list of {role, content}, rendered by the tokenizer's chat template (data/chat.py)
+    format: Literal["text", "chat"] = "text"
+    messages_field: str = "messages"
+    # chat: the loss on the assistant's tokens only (the other labels ignored); false: on
+    # every token of the conversation
+    assistant_only_loss: bool = True
+    # Attention kept inside each document (a conversation under chat), positions restarting
+    # per document. Without it, chat pads each conversation to a sequence of its own; with
+    # it, conversations are packed, none crossing a sequence's end (data/chat_rows.py).
+    document_mask: bool = False
 
     def validate(self) -> None:
         if not 0.0 < self.eval_fraction < 0.5:
@@ -42,6 +59,14 @@ class DataConfig:
             raise ConfigError("data.streaming=true reads one data.source in order: it needs "
                               "data.eval_source for the eval set (a stream has no tail to hold "
                               "out) and no data.sources mixture")
+        if self.format == "chat" and self.streaming:
+            raise ConfigError("data.format=chat with data.streaming=true: conversations are "
+                              "rendered and packed into sequences before training; set "
+                              "data.streaming=false")
+        if self.format == "text" and not self.assistant_only_loss:
+            raise ConfigError("data.assistant_only_loss=false applies to data.format=chat "
+                              "only (text is trained on every token already): drop it, or "
+                              "set data.format=chat")
         if self.sources and self.source != "stdlib":
             raise ConfigError(f"data.source={self.source!r} and data.sources={self.sources!r} "
                               "are both set; give one (data.sources for a mixture)")
@@ -69,3 +94,24 @@ class DataConfig:
     def source_list(self) -> list[str]:
         """Every source the run reads (checked before launch)."""
         return [p for p, _ in self.mixture()] + ([self.eval_source] if self.eval_source else [])
+
+
+def sources_text(tables: object) -> str:
+    """data.sources given in TOML as a list of {path, weight} tables, in the string form."""
+    fix = ('; write data.sources = [{path = "web.parquet", weight = 3}, {path = "code", '
+           'weight = 1}] (or the string "web.parquet=3, code=1")')
+    if not isinstance(tables, list) or not tables:
+        raise ConfigError(f"data.sources={tables!r} is not a list of {{path, weight}} tables{fix}")
+    items = []
+    for i, table in enumerate(tables, 1):
+        where = f"data.sources entry {i} ({table!r})"
+        if not isinstance(table, dict) or set(table) != {"path", "weight"}:
+            raise ConfigError(f"{where} must be a table of exactly path and weight{fix}")
+        path, weight = table["path"], table["weight"]
+        if not isinstance(path, str) or not path.strip() or "," in path:
+            raise ConfigError(f"{where}: path must be a non-empty string without a comma "
+                              f"(commas separate the sources){fix}")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise ConfigError(f"{where}: weight must be a number > 0{fix}")
+        items.append(f"{path}={weight!r}")
+    return ", ".join(items)

@@ -17,6 +17,7 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
+from shardtrain.config.data import sources_text
 from shardtrain.config.schema import SECTIONS, Config, ConfigError
 
 # The presets ship inside the package (package data, pyproject.toml) and are read through
@@ -131,6 +132,8 @@ def _apply_tables(cfg: Config, tables: dict[str, Any], where: str) -> list[str]:
             raise ConfigError(f"{where}: top-level key {section!r} must be a [section] table")
         for name, value in values.items():
             try:
+                if (section, name) == ("data", "sources") and not isinstance(value, str):
+                    value = sources_text(value)  # the one list a config file may hold
                 apply(cfg, section, name, value)
             except ConfigError as e:
                 raise ConfigError(f"{where}: {e}") from None

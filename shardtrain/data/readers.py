@@ -43,12 +43,15 @@ def decode(raw: bytes) -> str:
     return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(raw, final=False)
 
 
-def rows(part: Part) -> Iterator[dict[str, Any]]:
-    """The rows of a tabular part, one dict each (chat rows read their `messages` here)."""
-    for batch in _batches(part, None):
-        names = list(batch)
-        for values in zip(*(batch[n] for n in names)):
-            yield dict(zip(names, values))
+def column(part: Part, field: str) -> Iterator[tuple[str, Any]]:
+    """("file row i", the cell) of one column of a tabular part (chat reads its messages
+    column here)."""
+    where = _where(part)
+    i = 0
+    for batch in _batches(part, field, "data.messages_field"):
+        for value in batch[field]:
+            yield f"{where} row {i}", value
+            i += 1
 
 
 def _read_text(path: Path, limit: int) -> str:
@@ -57,26 +60,31 @@ def _read_text(path: Path, limit: int) -> str:
     return decode(raw)
 
 
-def _read_jsonl(path: Path, field: str) -> Iterator[str]:
+def records(path: Path) -> Iterator[tuple[str, Any]]:
+    """("file:line", the parsed record) for each non-blank line of a JSONL file."""
     with open(path, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
             try:
-                record = json.loads(line)
+                yield where, json.loads(line)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{where}: invalid JSON ({e.msg}); fix the line or the "
                                   "file given as data.source") from None
-            if not isinstance(record, dict) or field not in record:
-                raise ConfigError(f"{where}: the record has no field {field!r} (data.text_field); "
-                                  "set data.text_field to the field holding the text")
-            text = record[field]
-            if not isinstance(text, str):
-                raise ConfigError(f"{where}: field {field!r} (data.text_field) is "
-                                  f"{type(text).__name__}, not a string")
-            if text:
-                yield text
+
+
+def _read_jsonl(path: Path, field: str) -> Iterator[str]:
+    for where, record in records(path):
+        if not isinstance(record, dict) or field not in record:
+            raise ConfigError(f"{where}: the record has no field {field!r} (data.text_field); "
+                              "set data.text_field to the field holding the text")
+        text = record[field]
+        if not isinstance(text, str):
+            raise ConfigError(f"{where}: field {field!r} (data.text_field) is "
+                              f"{type(text).__name__}, not a string")
+        if text:
+            yield text
 
 
 def _read_table(part: Part, field: str) -> Iterator[str]:
@@ -92,21 +100,22 @@ def _read_table(part: Part, field: str) -> Iterator[str]:
                 yield text
 
 
-def _batches(part: Part, field: str | None) -> Iterator[dict[str, list[Any]]]:
-    """Column batches of a tabular part; `field` (when given) the only column read."""
+def _batches(part: Part, field: str, setting: str = "data.text_field"
+             ) -> Iterator[dict[str, list[Any]]]:
+    """Column batches of a tabular part, `field` the only column read; `setting` is the
+    config field that named it."""
     dataset = _open(part)
     columns = dataset.column_names
-    if field is not None:
-        if columns is not None and field not in columns:
-            raise ConfigError(f"{_where(part)} has no column {field!r} (data.text_field); its "
-                              f"columns are {columns}: set data.text_field to one of them")
-        dataset = dataset.select_columns([field])
+    if columns is not None and field not in columns:
+        raise ConfigError(f"{_where(part)} has no column {field!r} ({setting}); its "
+                          f"columns are {columns}: set {setting} to one of them")
+    dataset = dataset.select_columns([field])
     try:
         yield from dataset.iter(batch_size=_ROWS)
     except (ValueError, KeyError) as e:  # a CSV's header is known only once it is read
-        if field is not None and field in str(e):
-            raise ConfigError(f"{_where(part)} has no column {field!r} (data.text_field); set "
-                              "data.text_field to the column holding the text") from None
+        if field in str(e):
+            raise ConfigError(f"{_where(part)} has no column {field!r} ({setting}); set "
+                              f"{setting} to the right column") from None
         raise
 
 

@@ -1,4 +1,4 @@
-"""Deterministic, resumable batches of token windows, split across data-parallel ranks."""
+"""Deterministic, resumable batches of rows, split across data-parallel ranks."""
 
 from __future__ import annotations
 
@@ -6,40 +6,49 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
+from shardtrain.data.chat_rows import ChatRows
 from shardtrain.data.mixture import Mixture
+from shardtrain.data.rows import Batch, Rows, TextWindows, concat
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), each [batch, seq_len] int64
+Store = TextWindows | ChatRows
 
 
 class TokenSampler:
-    """Windows of `seq_len + 1` tokens at stride `seq_len`, shuffled per epoch.
+    """Rows of `seq_len + 1` tokens -- windows at stride `seq_len` of a token stream, or
+    chat rows (data/rows.py) -- shuffled per epoch.
 
     Step k's global batch is positions [k*G, (k+1)*G) of the concatenation of the epochs'
     permutations; rank r takes the contiguous r-th 1/dp of it, so the ranks' batches
-    concatenated in rank order equal the dp_size=1 batch.
+    concatenated in rank order equal the dp_size=1 batch. `loss_tokens` is the number of
+    counted targets in the last step's whole global batch, which every rank computes from
+    the positions alone (no communication): the loss is averaged over it
+    (parallel/pipeline/runtime.py).
 
-    With several token streams (a mixture, `weights` one per stream), each stream has its
-    own per-epoch shuffle and data/mixture.py says which stream each global position draws
+    With several streams (a mixture, `weights` one per stream), each stream has its own
+    per-epoch shuffle and data/mixture.py says which stream each global position draws
     from and its index there: still a function of the position alone.
     """
 
-    def __init__(self, tokens: np.ndarray | Sequence[np.ndarray], *, seq_len: int,
-                 global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, seed: int,
-                 weights: Sequence[float] | None = None) -> None:
+    def __init__(self, tokens: np.ndarray | ChatRows | Sequence[np.ndarray | ChatRows], *,
+                 seq_len: int, global_batch: int, micro_batch: int, dp_rank: int,
+                 dp_size: int, seed: int, weights: Sequence[float] | None = None,
+                 eos_id: int | None = None) -> None:
+        """`eos_id`: a text stream's document boundary, for data.document_mask."""
         if global_batch % (micro_batch * dp_size):
             raise ValueError(f"global_batch={global_batch} is not divisible by micro_batch="
                              f"{micro_batch} x dp_size={dp_size}")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size})")
-        streams = [tokens] if isinstance(tokens, np.ndarray) else list(tokens)
+        streams = [tokens] if isinstance(tokens, (np.ndarray, ChatRows)) else list(tokens)
         mixed = len(streams) > 1
-        self.windows = [_Windows(t, seq_len, (seed, s) if mixed else (seed,))
-                        for s, t in enumerate(streams)]
+        self.stores: list[Store] = [TextWindows(t, seq_len, eos_id) if isinstance(t, np.ndarray)
+                                    else t for t in streams]
+        self.orders = [_Order(st.n, (seed, s) if mixed else (seed,))
+                       for s, st in enumerate(self.stores)]
         # An int for one stream (as checkpoints written before mixtures hold), else a list.
-        self.n_windows: int | list[int] = ([w.n for w in self.windows] if mixed
-                                           else self.windows[0].n)
+        self.n_windows: int | list[int] = ([st.n for st in self.stores] if mixed
+                                           else self.stores[0].n)
         self.mixture = Mixture(weights or [1.0] * len(streams), seed) if mixed else None
         self.seq_len = seq_len
         self.global_batch = global_batch
@@ -48,25 +57,27 @@ class TokenSampler:
         self.dp_size = dp_size
         self.seed = seed
         self.step = 0  # global batches consumed
+        self.loss_tokens = 0  # counted targets of the last step's global batch
 
     def next_step(self) -> list[Batch]:
         """This rank's micro-batches of the next optimizer step."""
-        per_rank = self.global_batch // self.dp_size
-        first = self.step * self.global_batch + self.dp_rank * per_rank
+        g, per_rank = self.global_batch, self.global_batch // self.dp_size
+        first = self.step * g
         self.step += 1
         if self.mixture is None:
-            ids = self.windows[0].ids(np.arange(first, first + per_rank))  # [per_rank]
-            windows = _windows(self.windows[0].tokens, ids * self.seq_len, self.seq_len)
+            source = np.zeros(g, dtype=np.int64)
+            index = np.arange(first, first + g)
         else:
-            source, index = self.mixture.assign(first, per_rank)  # [per_rank] each
-            windows = np.empty((per_rank, self.seq_len + 1), dtype=np.int64)
-            for s, w in enumerate(self.windows):
-                rows = np.flatnonzero(source == s)
-                if len(rows):
-                    windows[rows] = _windows(w.tokens, w.ids(index[rows]) * self.seq_len,
-                                             self.seq_len)
-        return [_split(windows[i:i + self.micro_batch])
-                for i in range(0, per_rank, self.micro_batch)]
+            source, index = self.mixture.assign(first, g)  # [G] each
+        ids = np.empty(g, dtype=np.int64)  # each position's row in its stream
+        self.loss_tokens = 0
+        for s, (store, order) in enumerate(zip(self.stores, self.orders)):
+            at = np.flatnonzero(source == s)
+            ids[at] = order.ids(index[at])
+            self.loss_tokens += store.counted(ids[at])
+        mine = slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
+        rows = _gather(self.stores, source[mine], ids[mine])
+        return [rows[i:i + self.micro_batch].batch() for i in range(0, per_rank, self.micro_batch)]
 
     def describe(self, names: Sequence[str], steps: int) -> str:
         """The realised mixture, one line per source: its share of every block of sequences
@@ -74,9 +85,9 @@ class TokenSampler:
         if self.mixture is None:
             return ""
         lines = [f"data mixture (exact on every block of {self.mixture.block} sequences):"]
-        for name, share, w in zip(names, self.mixture.fractions, self.windows):
-            epochs = steps * self.global_batch * share / w.n
-            lines.append(f"  {share:7.1%}  {name}  ({w.n} windows, {epochs:.2f} epochs "
+        for name, share, st in zip(names, self.mixture.fractions, self.stores):
+            epochs = steps * self.global_batch * share / st.n
+            lines.append(f"  {share:7.1%}  {name}  ({st.n} {st.unit}, {epochs:.2f} epochs "
                          f"over {steps} steps)")
         return "\n".join(lines)
 
@@ -98,20 +109,17 @@ class TokenSampler:
         self.step = int(state["step"])
 
 
-class _Windows:
-    """One token stream's windows, shuffled per epoch from (seed words, epoch)."""
+class _Order:
+    """One stream's rows in a shuffled order per epoch, from (seed words, epoch)."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: tuple[int, ...]) -> None:
-        self.n = (len(tokens) - 1) // seq_len
-        if self.n < 1:
-            raise ValueError(f"{len(tokens)} tokens hold no window of seq_len + 1 = {seq_len + 1}")
-        self.tokens = tokens
+    def __init__(self, n: int, seed: tuple[int, ...]) -> None:
+        self.n = n
         self.seed = seed
         self._perm_epoch = -1
         self._perm = np.zeros(0, dtype=np.int64)
 
     def ids(self, positions: np.ndarray) -> np.ndarray:
-        """Window indices at this stream's (non-decreasing) positions, across epoch ends."""
+        """Row indices at this stream's (non-decreasing) positions, across epoch ends."""
         epoch, offset = np.divmod(positions, self.n)
         out = np.empty(len(positions), dtype=np.int64)
         for e in np.unique(epoch):
@@ -126,23 +134,26 @@ class _Windows:
         return self._perm
 
 
-def eval_batches(tokens: np.ndarray, *, seq_len: int, batch_size: int, n_batches: int
-                 ) -> list[Batch]:
-    """`n_batches` batches of windows spread evenly over `tokens`; the same on every rank."""
-    last_start = len(tokens) - (seq_len + 1)
-    if last_start < 0:
-        raise ValueError(f"the eval split has {len(tokens)} tokens, fewer than seq_len + 1 = "
-                         f"{seq_len + 1}; raise data.eval_fraction or lower seq_len")
-    starts = np.linspace(0, last_start, batch_size * n_batches).round().astype(np.int64)
-    windows = _windows(tokens, starts, seq_len)
-    return [_split(windows[i:i + batch_size]) for i in range(0, len(starts), batch_size)]
+def _gather(stores: list[Store], source: np.ndarray, ids: np.ndarray) -> Rows:
+    """Row ids[i] of stream source[i], for each i, in order."""
+    if len(stores) == 1:
+        return stores[0].take(ids)
+    parts = [(np.flatnonzero(source == s), st) for s, st in enumerate(stores)]
+    parts = [(at, st.take(ids[at])) for at, st in parts if len(at)]
+    rows = concat([r for _, r in parts])
+    order = np.argsort(np.concatenate([at for at, _ in parts]), kind="stable")
+    return Rows(rows.tokens[order], *(None if a is None else a[order]
+                                      for a in (rows.counted, rows.starts)))
 
 
-def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray:
-    # Fancy indexing reads only these windows' pages of a memmap, never the whole file.
-    return tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int64)  # [b, seq_len + 1]
-
-
-def _split(windows: np.ndarray) -> Batch:
-    t = torch.from_numpy(windows)
-    return t[:, :-1].contiguous(), t[:, 1:].contiguous()  # [b, seq_len] each
+def eval_batches(data: np.ndarray | ChatRows, *, seq_len: int, batch_size: int,
+                 n_batches: int, eos_id: int | None = None) -> list[Batch]:
+    """`n_batches` batches of rows spread evenly over the held-out set (a token stream, or
+    chat rows); the same on every rank. `eos_id`: as TokenSampler's."""
+    if isinstance(data, np.ndarray):
+        if len(data) < seq_len + 1:
+            raise ValueError(f"the eval split has {len(data)} tokens, fewer than seq_len + 1 = "
+                             f"{seq_len + 1}; raise data.eval_fraction or lower seq_len")
+        data = TextWindows(data, seq_len, eos_id)
+    rows = data.spread(batch_size * n_batches)
+    return [rows[i:i + batch_size].batch() for i in range(0, batch_size * n_batches, batch_size)]

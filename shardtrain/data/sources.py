@@ -89,7 +89,12 @@ def source_files(source: str) -> list[Path]:
 
 def check_source(cfg: DataConfig) -> None:
     """Cheap pre-launch check: the source resolves, its columns hold `data.text_field`, and
-    it yields some text."""
+    it yields some text (chat: data/chat.py's check)."""
+    if cfg.format == "chat":
+        from shardtrain.data.chat import check_chat  # chat imports this module
+
+        check_chat(cfg)
+        return
     for source in cfg.source_list():
         if source == "stdlib":
             continue

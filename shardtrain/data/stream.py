@@ -25,7 +25,8 @@ import numpy as np
 from shardtrain.config import DataConfig
 from shardtrain.data import sources
 from shardtrain.data.dataset import Dataset
-from shardtrain.data.sampler import Batch, TokenSampler, _split
+from shardtrain.data.rows import Batch, Rows, eos_starts
+from shardtrain.data.sampler import TokenSampler
 from shardtrain.data.tokenizer import Tokenizer, encode_documents
 
 
@@ -33,14 +34,15 @@ def make_sampler(cfg: DataConfig, data: Dataset, **geometry: int) -> TokenSample
     """The training sampler: over the cached streams, or reading the source (data.streaming).
     `geometry`: seq_len, global_batch, micro_batch, dp_rank, dp_size, seed."""
     if cfg.streaming:
-        return StreamSampler(cfg, data.tokenizer, **geometry)
-    return TokenSampler(data.train, weights=data.weights, **geometry)
+        return StreamSampler(cfg, data.tokenizer, eos_id=data.document_eos, **geometry)
+    return TokenSampler(data.train, weights=data.weights, eos_id=data.document_eos, **geometry)
 
 
 class StreamSampler:
     def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, *, seq_len: int,
                  global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
-                 seed: int) -> None:
+                 seed: int, eos_id: int | None = None) -> None:
+        """`eos_id`: mark documents for data.document_mask (TokenSampler's)."""
         if global_batch % (micro_batch * dp_size):
             raise ValueError(f"global_batch={global_batch} is not divisible by micro_batch="
                              f"{micro_batch} x dp_size={dp_size}")
@@ -48,6 +50,8 @@ class StreamSampler:
         self.seq_len, self.global_batch, self.micro_batch = seq_len, global_batch, micro_batch
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.step = 0
+        self.eos_id = eos_id
+        self.loss_tokens = global_batch * seq_len  # every target of a text stream counts
         self._start(epoch=0, doc=0, skip=0)
 
     def next_step(self) -> list[Batch]:
@@ -60,8 +64,9 @@ class StreamSampler:
         windows = self._buf[mine[:, None] + np.arange(self.seq_len + 1)]  # [per_rank, S + 1]
         self._drop(span)
         self.step += 1
-        return [_split(windows[i:i + self.micro_batch].astype(np.int64))
-                for i in range(0, per_rank, self.micro_batch)]
+        rows = Rows(windows.astype(np.int64), starts=None if self.eos_id is None
+                    else eos_starts(windows, self.eos_id))
+        return [rows[i:i + self.micro_batch].batch() for i in range(0, per_rank, self.micro_batch)]
 
     def describe(self, names: Any, steps: int) -> str:
         return ""  # one source: no mixture to report

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shardtrain.config import ConfigError, ModelConfig
-from shardtrain.model.transformer import yarn_attention_factor
+from shardtrain.model.positions import yarn_attention_factor
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",

@@ -18,82 +18,20 @@ from torch import nn
 
 from shardtrain.config import ModelConfig
 from shardtrain.model.moe import MoE
+from shardtrain.model.positions import apply_rope, document_mask, position_index, rope_tables
 
 
-def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [S, D/2] for rotary position embeddings (Su et al. 2021), pair i
-    turning at theta^(-2i/D) per position, scaled as `cfg.rope_scaling` says."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64),
-                         scale_frequencies(inv_freq, cfg))
-    scale = yarn_attention_factor(cfg) if cfg.rope_scaling == "yarn" else 1.0
-    return (angles.cos() * scale).float(), (angles.sin() * scale).float()
-
-
-def yarn_attention_factor(cfg: ModelConfig) -> float:
-    """YaRN's scale of cos and sin (so of q.k by its square): 0.1 ln(factor) + 1 unless
-    the checkpoint states one (Peng et al. 2023, eq. 21)."""
-    if cfg.rope_attention_factor:
-        return cfg.rope_attention_factor
-    return 0.1 * math.log(cfg.rope_factor) + 1.0 if cfg.rope_factor > 1 else 1.0
-
-
-def scale_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """linear: every frequency / factor (position interpolation, Chen et al. 2023). llama3
-    (Llama 3.1's release): wavelengths shorter than original_max_len / high_freq_factor kept,
-    longer than original_max_len / low_freq_factor divided by factor, those between blended
-    linearly in original_max_len / wavelength. dynamic (NTK-aware, as transformers runs it):
-    theta grows only for sequences beyond max_seq_len, which train.seq_len never is, so
-    the frequencies are the plain ones."""
-    if cfg.rope_scaling == "linear":
-        return inv_freq / cfg.rope_factor
-    if cfg.rope_scaling in ("none", "dynamic"):
-        return inv_freq
-    if cfg.rope_scaling == "yarn":
-        return yarn_frequencies(inv_freq, cfg)
-    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (cfg.rope_original_max_len / wavelen - low) / (high - low)  # 0 at low, 1 at high
-    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    out = torch.where(wavelen > cfg.rope_original_max_len / low, inv_freq / factor, inv_freq)
-    between = (wavelen >= cfg.rope_original_max_len / high) & \
-        (wavelen <= cfg.rope_original_max_len / low)
-    return torch.where(between, blended, out)
-
-
-def yarn_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension"): pairs that turn
-    more than beta_fast = 32 times over the original context keep their frequency, those
-    turning fewer than beta_slow = 1 times are divided by the factor, a linear ramp in the
-    pair index between (bounds floored and ceiled, as transformers' truncate=True)."""
-    d, orig = cfg.head_dim, cfg.rope_original_max_len
-
-    def pair_of(rotations: float) -> float:  # the pair index turning `rotations` times
-        return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
-
-    low, high = max(math.floor(pair_of(32)), 0), min(math.ceil(pair_of(1)), d - 1)
-    high = high + 0.001 if low == high else high
-    ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    return inv_freq / cfg.rope_factor * ramp + inv_freq * (1 - ramp)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs of x [B, S, H, D] by position; cos/sin are [S, D/2]."""
-    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # [B, S, H, D/2] each
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x)
-
-
-def sdpa_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def sdpa_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [B, H, S, D] over k, v [B, G, S, D] -> [B, H, S, D] (G divides
-    H: grouped-query attention, Ainslie et al. 2023)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+    H: grouped-query attention, Ainslie et al. 2023); with `mask` (bool [B, 1, S, S], packed
+    documents: model/positions.py) that mask instead of the plain causal one."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
-AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (q, k, v) -> out; a core that also takes a document mask is called (q, k, v, mask)
+AttentionCore = Callable[..., torch.Tensor]
 
 
 class Attention(nn.Module):
@@ -116,7 +54,8 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.core: AttentionCore = sdpa_core
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim)  # [B, S, H, D]
         k = self.wk(x).view(b, s, -1, self.head_dim)  # [B, S, G, D]
@@ -126,7 +65,9 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H|G, S, D]
-        out = self.core(q, k, v)  # [B, H, S, D]
+        # The plain call without a mask: context-parallel cores take none (config/layout.py
+        # refuses data.document_mask with cp).
+        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)  # [B, H, S, D]
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))  # [B, S, C]
 
 
@@ -163,13 +104,14 @@ class Block(nn.Module):
         self.mlp_norm = _norm(cfg)
         self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class Transformer(nn.Module):
-    """tokens [B, S] -> logits [B, S, V]."""
+    """tokens [B, S] (and positions [B, S] for packed documents) -> logits [B, S, V]."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -192,16 +134,20 @@ class Transformer(nn.Module):
         if self.cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        at = position_index(self, tokens.shape[1])
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """`positions`: each token's position in its document, [B, S] (data.document_mask:
+        attention stays inside documents); None: one sequence per row, causal."""
+        at = position_index(self, tokens.shape[1], positions)
         x = self.tok_emb(tokens)  # [B, S, C]
         rope = None
         if self.pos_emb is not None:
             x = x + self.pos_emb.weight[at]
         else:
             rope = (self.rope_cos[at], self.rope_sin[at])
+        mask = None if positions is None else document_mask(positions)
         for layer in self.layers:
-            x = layer(x, rope)
+            x = layer(x, rope, mask)
         return self.head(self.norm(x))
 
     @torch.no_grad()
@@ -216,17 +162,6 @@ class Transformer(nn.Module):
         the checkpoint): tied weights and the RoPE tables."""
         self.tie_weights()
         init_rope(self, self.cfg)
-
-
-def position_index(module: nn.Module, seq_len: int) -> torch.Tensor | slice:
-    """Where the rows of the position tables (RoPE, GPT-2's learned positions) for the
-    `seq_len` tokens in hand are: the module's `positions` [S] when set, else 0..S-1."""
-    positions = getattr(module, "positions", None)
-    if positions is None:
-        return slice(0, seq_len)
-    if positions.shape[0] != seq_len:
-        raise ValueError(f"{seq_len} tokens in hand but {positions.shape[0]} positions set")
-    return positions
 
 
 @torch.no_grad()

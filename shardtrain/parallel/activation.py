@@ -63,8 +63,9 @@ class _CheckpointedCore:
     def __init__(self, core: Any):
         self.core = core
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.core, q, k, v, use_reentrant=False)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 *mask: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.core, q, k, v, *mask, use_reentrant=False)
 
 
 class SavedActivations:

@@ -106,21 +106,24 @@ class Strategy:
     def zero_grad(self) -> None:
         self.update.zero_grad()
 
-    def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
+    def forward_backward(self, micro_batches: list[Batch], loss_tokens: int | None = None
+                         ) -> torch.Tensor:
         """Forward and backward of this rank's micro-batches of one step, gradients
-        accumulated and synchronised. Returns the step's mean loss, the same on every rank
-        (`average_loss`; else this rank's)."""
+        accumulated and synchronised. `loss_tokens`: the global batch's counted targets
+        (pipeline/runtime.py; None: all of them). Returns the step's mean loss over them,
+        the same on every rank (`average_loss`; else this rank's)."""
         loss = self.pipeline.train(micro_batches, no_sync=self.update.no_sync,
-                                   loss_scale=self.scaler.scale)
+                                   loss_scale=self.scaler.scale, loss_tokens=loss_tokens)
         self.update.finish()
         if not self.average_loss:
             return loss  # this rank's own: its verdict would not be its peers' (no skip on it)
         self.last_loss = self.pipeline.average_over_replicas(loss)
         return self.last_loss
 
-    def forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The mean loss of one batch, forward only, the same on every stage."""
-        return self.pipeline.evaluate(inputs, targets)
+    def forward_loss(self, batch: Batch) -> tuple[torch.Tensor, float]:
+        """The mean loss of one batch, forward only, the same on every stage, and its
+        weight: the share of this rank's targets that count (pipeline/runtime.py)."""
+        return self.pipeline.evaluate(batch)
 
     @contextmanager
     def evaluating(self):

@@ -41,7 +41,9 @@ def _count(text: str) -> float:
 
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="shardtrain plan", description=__doc__.split("\n")[0],
-                epilog="Model fields: --model.FIELD VALUE; hardware figures: --hw.FIELD VALUE.")
+                epilog="Model fields: --model.FIELD VALUE; hardware figures: --hw.FIELD VALUE; "
+                       "the data fields a layout depends on: --data.document_mask true (no "
+                       "context parallelism).")
     p.add_argument("--model", required=True, help="preset name or FILE.toml")
     p.add_argument("--gpus", type=int, help="devices (default: one node)")
     p.add_argument("--gpu", default="a100", help=f"device kind: {', '.join(hardware.NAMES)}")
@@ -78,15 +80,17 @@ def _run(argv: list[str]) -> int:
     model_overrides, hw_overrides = [], {}
     for key, value in parse_overrides(rest):
         section, _, field = key.partition(".")
-        if section == "model":
+        if section in ("model", "data"):
             model_overrides += [f"--{key}", value]
         elif section == "hw":
             hw_overrides[field] = value
         else:
-            raise PlanError(f"unexpected option --{key}; the planner takes --model.FIELD and "
-                            "--hw.FIELD overrides")
-    cfg = load(args.model, model_overrides).model
+            raise PlanError(f"unexpected option --{key}; the planner takes --model.FIELD, "
+                            "--data.FIELD and --hw.FIELD overrides")
+    full = load(args.model, model_overrides)
+    cfg, data = full.model, full.data  # data: what the run asks of a layout (document_mask)
     cfg.validate()
+    data.validate()
     if args.gpus_per_node is not None:
         hw_overrides["gpus_per_node"] = str(args.gpus_per_node)
     gpus = args.gpus or args.gpus_per_node or hardware.get(args.gpu).gpus_per_node or 1
@@ -109,11 +113,11 @@ def _run(argv: list[str]) -> int:
               seq_len=seq)
         plan = evaluate(cfg, layout, hw, global_batch=batch, seq_len=seq, name=name)
         doc: dict[str, Any] = plan.to_dict(tokens=args.tokens, measured_step_s=measured)
-        refusal = trainer_refusal(layout, cfg, seq_len=seq)
+        refusal = trainer_refusal(layout, cfg, seq_len=seq, data=data)
         reason = "" if plan.fits else (
             f"layout {layout.describe()} {shortfall(plan.memory, hw)}. "
             + advice(cfg, layout, hw, seq_len=seq, gpus=gpus, global_batch=batch,
-                     memory=plan.memory))
+                     memory=plan.memory, data=data))
         doc |= {"fits": plan.fits, "reason": reason, "trainer_refuses": refusal}
         text = report.header(plan) + "\n\n" + report.details(plan, tokens=args.tokens,
                                                              measured_step_s=measured)
@@ -124,7 +128,7 @@ def _run(argv: list[str]) -> int:
             raise PlanError(reason)
         return 0
     result = search(cfg, hw, gpus=gpus, global_batch=batch, seq_len=seq, name=name, top=args.top,
-                    precision=precision)
+                    precision=precision, data=data)
     doc = {}
     if result.ranked or result.closest:
         best = result.ranked[0] if result.ranked else result.closest

@@ -9,12 +9,13 @@ sequences; cp splits each sequence, not the batch.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 from dataclasses import dataclass
 from typing import Any
 
-from shardtrain.config import Config, ConfigError, ModelConfig
+from shardtrain.config import Config, ConfigError, DataConfig, ModelConfig
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
@@ -235,20 +236,24 @@ def layout_overrides(layout: Layout, *, seq_len: int | None = None,
                          else str(value))]
 
 
-def layout_config(layout: Layout, cfg: ModelConfig, *, seq_len: int) -> Config:
-    """The training Config (defaults elsewhere) that runs `layout` on model `cfg`."""
-    out = Config(model=cfg)
+def layout_config(layout: Layout, cfg: ModelConfig, *, seq_len: int,
+                  data: DataConfig | None = None) -> Config:
+    """The training Config (defaults elsewhere, `data` the run's data section: what it
+    asks of the layout, data.document_mask, counts) that runs `layout` on model `cfg`."""
+    out = Config(model=cfg, data=copy.deepcopy(data) if data is not None else DataConfig())
     for (section, name), value in _config_fields(layout, seq_len=seq_len,
                                                  offload_dir="offload").items():
         setattr(getattr(out, section), name, value)
     return out
 
 
-def trainer_refusal(layout: Layout, cfg: ModelConfig, *, seq_len: int) -> str | None:
-    """Why the trainer's own config validation (`Config.validate`) refuses `layout`, or
-    None when it runs: the planner proposes only what the trainer accepts."""
+def trainer_refusal(layout: Layout, cfg: ModelConfig, *, seq_len: int,
+                    data: DataConfig | None = None) -> str | None:
+    """Why the trainer's own config validation (`Config.validate`) refuses `layout` (with
+    `data`, the run's data section), or None when it runs: the planner proposes only what
+    the trainer accepts."""
     try:
-        layout_config(layout, cfg, seq_len=seq_len).validate(layout.gpus)
+        layout_config(layout, cfg, seq_len=seq_len, data=data).validate(layout.gpus)
     except ConfigError as e:
         return str(e)
     return None

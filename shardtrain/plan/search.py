@@ -11,7 +11,8 @@ p). Every candidate then goes through the trainer's own config validation
 (`layout.trainer_refusal`: `Config.validate` of the config `layout_overrides` describes),
 so a layout the trainer refuses (a tp that does not split the kv heads, an sp or cp that
 does not split the sequence, Ulysses heads cp does not divide, ...) is never proposed, and
-no rule is restated here: when the trainer learns a composition, the search proposes it. Offload
+no rule is restated here: when the trainer learns a composition, the search proposes it. The
+run's data section takes part (`data`): data.document_mask rules out context parallelism. Offload
 (cpu, nvme) is tried only when nothing fits without it. Ranked by predicted step time,
 then memory.
 """
@@ -23,7 +24,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from shardtrain.config import ModelConfig
+from shardtrain.config import DataConfig, ModelConfig
 from shardtrain.cost.counts import param_counts
 from shardtrain.plan.evaluate import Plan, evaluate
 from shardtrain.cost.hardware import Hardware
@@ -56,12 +57,13 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(cfg: ModelConfig, *, gpus: int, node_size: int, global_batch: int,
-               seq_len: int, precision: str, offload: str = "none") -> Iterator[Layout]:
+               seq_len: int, precision: str, offload: str = "none",
+               data: DataConfig | None = None) -> Iterator[Layout]:
     """The enumerated layouts the trainer's config validation accepts."""
     for layout in enumerate_layouts(cfg, gpus=gpus, node_size=node_size,
                                     global_batch=global_batch, seq_len=seq_len,
                                     precision=precision, offload=offload):
-        if trainer_refusal(layout, cfg, seq_len=seq_len) is None:
+        if trainer_refusal(layout, cfg, seq_len=seq_len, data=data) is None:
             yield layout
 
 
@@ -114,7 +116,8 @@ def _inner(cfg: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, ep: int, cp_
 
 
 def search(cfg: ModelConfig, hw: Hardware, *, gpus: int, global_batch: int, seq_len: int,
-           name: str = "", top: int = 5, precision: str | None = None) -> SearchResult:
+           name: str = "", top: int = 5, precision: str | None = None,
+           data: DataConfig | None = None) -> SearchResult:
     """The `top` fastest layouts the trainer runs that fit. When none fits, `ranked` is
     empty and `reason` says why (the missing memory and the knob that helps most), with the
     closest layout evaluated in `closest` (none when no layout splits batch and layers)."""
@@ -127,7 +130,7 @@ def search(cfg: ModelConfig, hw: Hardware, *, gpus: int, global_batch: int, seq_
         for layout in enumerate_layouts(cfg, gpus=gpus, node_size=node,
                                         global_batch=global_batch, seq_len=seq_len,
                                         precision=precision, offload=offload):
-            if trainer_refusal(layout, cfg, seq_len=seq_len) is not None:
+            if trainer_refusal(layout, cfg, seq_len=seq_len, data=data) is not None:
                 refused += 1
                 continue
             considered += 1
@@ -156,7 +159,7 @@ def search(cfg: ModelConfig, hw: Hardware, *, gpus: int, global_batch: int, seq_
             f"{name or 'the model'} fits nowhere on {gpus} x {hw.name}: the closest layout "
             f"({near.layout.describe()}) {near.reason}. "
             + advice(cfg, near.layout, hw, seq_len=seq_len, gpus=gpus,
-                     global_batch=global_batch, memory=near.memory)))
+                     global_batch=global_batch, memory=near.memory, data=data)))
     plans = [evaluate(cfg, lay, hw, global_batch=global_batch, seq_len=seq_len, name=name,
                       memory=mem) for lay, mem in fitting]
     plans.sort(key=lambda p: (p.time.step_s, p.memory.total))
@@ -173,7 +176,7 @@ def shortfall(memory: MemoryBreakdown, hw: Hardware) -> str:
 
 
 def advice(cfg: ModelConfig, layout: Layout, hw: Hardware, *, seq_len: int, gpus: int,
-           global_batch: int, memory: MemoryBreakdown) -> str:
+           global_batch: int, memory: MemoryBreakdown, data: DataConfig | None = None) -> str:
     """Which single change lowers this layout's memory most (and what each would need), or,
     when none makes it fit, roughly how many GPUs or how short a sequence would."""
     lay = layout
@@ -191,7 +194,7 @@ def advice(cfg: ModelConfig, layout: Layout, hw: Hardware, *, seq_len: int, gpus
                   global_batch=global_batch, seq_len=seq_len)
         except PlanError:
             continue
-        if trainer_refusal(variant, cfg, seq_len=seq_len) is not None:
+        if trainer_refusal(variant, cfg, seq_len=seq_len, data=data) is not None:
             continue  # advise only what the trainer runs
         total = memory_per_gpu(cfg, variant, seq_len=seq_len).total
         if variant != lay and total < memory.total:

@@ -78,6 +78,8 @@ class Trainer:
                                     dp_rank=self.dp.rank, dp_size=self.dp.size, seed=t.seed)
         if self.is_main and (mix := self.sampler.describe(self.data.names, t.steps)):
             print(mix, flush=True)  # a data.sources mixture as it will be sampled
+        if self.is_main and self.data.summary:
+            print(self.data.summary, flush=True)  # chat: conversations, rows, counted share
         self.step = 0
         self.resume_bytes: dict[str, int] = {}
         resume = ckpt.resolve_resume(cfg, main=self.is_main)
@@ -114,7 +116,10 @@ class Trainer:
         hang_here(t.inject_hang, self.mesh.rank, self.step + 1)  # test hooks (guard.py)
         self.parallel.zero_grad()
         with nan_loss(self.parallel.module, t.inject_nan, self.mesh.rank, self.step + 1):
-            mean_loss = self.parallel.forward_backward(self.sampler.next_step())
+            micro_batches = self.sampler.next_step()
+            # The loss is the mean over the global batch's counted targets (chat: the
+            # assistant's tokens), a count every rank's sampler knows (data/sampler.py).
+            mean_loss = self.parallel.forward_backward(micro_batches, self.sampler.loss_tokens)
         grad_norm = self.parallel.clip_grad_norm(o.grad_clip or float("inf"))
         self.parallel.step(lr)  # not applied if the loss or gradients were not finite
         elapsed = clock(self.device) - start
@@ -128,6 +133,7 @@ class Trainer:
         return {
             "step": self.step, "loss": mean_loss.item(), "lr": lr,
             "grad_norm": grad_norm.item(), "tokens": self.step * self.tokens_per_step,
+            "loss_tokens": self.sampler.loss_tokens,
             "tokens_per_s": self.tokens_per_step / elapsed, "step_time_s": elapsed,
             "mfu": mfu, "loss_scale": self.parallel.loss_scale,
             "skipped": self.parallel.skipped, "bad_step": self.parallel.bad,
@@ -137,21 +143,23 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, n_batches: int = 0) -> float:
-        """Mean loss over `n_batches` held-out batches (0: train.eval_batches), split across
-        data-parallel ranks."""
+        """Mean token loss over `n_batches` held-out batches (0: train.eval_batches), split
+        across data-parallel ranks; each batch weighs its share of counted targets, so chat
+        data averages over the assistant's tokens."""
         t = self.cfg.train
         batches = eval_batches(self.data.eval, seq_len=t.seq_len, batch_size=t.micro_batch,
-                               n_batches=n_batches or t.eval_batches)
-        totals = torch.zeros(2, device=self.device)  # [loss sum, batch count]
+                               n_batches=n_batches or t.eval_batches,
+                               eos_id=self.data.document_eos)
+        totals = torch.zeros(2, device=self.device)  # [weighted loss sum, weight sum]
         # Every dp rank runs as many forwards (ZeRO-3's forward gathers parameters
         # collectively): a rank out of batches repeats the first one and counts it 0 times.
         mine = batches[self.dp.rank::self.dp.size]
         with self.parallel.evaluating():
             for i in range(-(-len(batches) // self.dp.size)):
-                inputs, targets = mine[i] if i < len(mine) else batches[0]
-                count = torch.full((), float(i < len(mine)), device=self.device)
-                totals += torch.stack([self.parallel.forward_loss(inputs, targets) * count,
-                                       count])
+                loss, weight = self.parallel.forward_loss(mine[i] if i < len(mine)
+                                                          else batches[0])
+                count = torch.full((), weight * (i < len(mine)), device=self.device)
+                totals += torch.stack([loss * count, count])
         # Over dp x cp under context parallelism: each cp rank's loss covers its slice.
         self.mesh.comm(self.mesh.replica_dim).all_reduce(totals, "sum", tag="metric")
         return (totals[0] / totals[1]).item()

@@ -96,16 +96,21 @@ class PipelineExecutor:
     def run(self, actions: list[Action], inputs: Sequence[torch.Tensor],
             targets: Sequence[torch.Tensor], *, backward: bool = True,
             no_sync: Callable[[], AbstractContextManager] | None = None,
-            loss_scale: float = 1.0, info: dict[str, Any] | None = None) -> torch.Tensor:
+            loss_scale: float = 1.0, info: dict[str, Any] | None = None,
+            positions: Sequence[torch.Tensor] | None = None,
+            weights: Sequence[float] | None = None) -> torch.Tensor:
         """Run this rank's `actions` over m micro-batches: `inputs` and `targets` hold m
-        each (inputs are read on virtual stage 0, targets on the last). Returns the sum
-        over micro-batches of their mean loss on the rank holding the last virtual stage
-        (zero elsewhere). With `backward`, each micro-batch's loss is scaled by
-        loss_scale / m before its backward, so the accumulated gradients are loss_scale
-        times those of the mean loss (loss_scale: fp16's loss scaling, else 1). `info`:
-        extra timeline fields (the schedule's name)."""
+        each (inputs are read on virtual stage 0, targets on the last); `positions`, m
+        more, go to every chunk (packed documents: model/positions.py). Returns the sum
+        over micro-batches of their mean loss times their weight (`weights`, default 1:
+        pipeline/runtime.py says why a micro-batch weighs more or less) on the rank holding
+        the last virtual stage (zero elsewhere). With `backward`, each micro-batch's loss
+        is scaled by loss_scale x weight / m before its backward, so the accumulated
+        gradients are loss_scale times those of the weighted mean loss (loss_scale: fp16's
+        loss scaling, else 1). `info`: extra timeline fields (the schedule's name)."""
         m = len(inputs)
         run = _Run(self, m, backward, loss_scale)
+        run.positions, run.weights = positions, weights
         final_backward = {a.chunk: a.mb for a in actions if a.op == "B"}  # the last per chunk
         if backward:  # a training step's timeline is kept: give the stages one origin
             self.comm.barrier()
@@ -154,6 +159,8 @@ class _Run:
         self.clock = Clock(ex.device)
         self.spans: list[tuple[Action, int, int]] = []  # (action, start mark, end mark)
         self.peak_live = 0
+        self.positions: Sequence[torch.Tensor] | None = None  # per micro-batch, or none
+        self.weights: Sequence[float] | None = None  # per micro-batch; None: all 1
 
     def forward(self, a: Action, inputs: Sequence[torch.Tensor],
                 targets: Sequence[torch.Tensor]) -> None:
@@ -164,12 +171,15 @@ class _Run:
             x = self.received.pop(("act", a.mb, a.chunk))
             x.requires_grad_(self.backward_pass)
         # The MoE auxiliary losses' gradients are scaled as this loss's is (model/moe.py).
+        extra = () if self.positions is None else (self.positions[a.mb].to(ex.device),)
         with ex.autocast, loss_grad_scale(self.loss_scale / self.m):
-            out = ex.chunks[a.chunk](x)
+            out = ex.chunks[a.chunk](x, *extra)
         if g == self.last_virtual:
             loss = ex.loss(out, targets[a.mb].to(ex.device))
-            self.loss_sum += loss.detach()
-            out = loss * (self.loss_scale / self.m)
+            # A weight of exactly 1 (every token counted) leaves both products unchanged.
+            w = 1.0 if self.weights is None else self.weights[a.mb]
+            self.loss_sum += loss.detach() * w
+            out = loss * (self.loss_scale * w / self.m)
         else:
             if out.shape != ex.act_shape or out.dtype != ex.act_dtype:
                 raise RuntimeError(

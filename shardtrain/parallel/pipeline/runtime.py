@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from shardtrain.config import Config
+from shardtrain.config.data import IGNORE
 from shardtrain.mesh import ParallelMesh
 from shardtrain.parallel.context.apply import context_cores
 from shardtrain.parallel.context.split import SequenceSplit
@@ -24,7 +25,9 @@ from shardtrain.parallel.pipeline.executor import LossFn, PipelineExecutor
 from shardtrain.parallel.pipeline.validate import validate
 from shardtrain.parallel.precision import PrecisionPolicy
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), each [micro_batch, seq_len]
+# (inputs, targets), each [micro_batch, seq_len]; packed documents add positions, the same
+# shape (model/positions.py). Targets of IGNORE are not trained on (chat's prompts).
+Batch = tuple[torch.Tensor, ...]
 
 
 class Pipeline:
@@ -62,14 +65,20 @@ class Pipeline:
 
     def train(self, micro_batches: list[Batch],
               no_sync: Callable[[], AbstractContextManager],
-              loss_scale: float = 1.0) -> torch.Tensor:
+              loss_scale: float = 1.0, loss_tokens: int | None = None) -> torch.Tensor:
         """Forward and backward of this replica's m micro-batches, gradients accumulated
         (`no_sync` silences gradient communication but on each chunk's last backward) and
-        multiplied by `loss_scale` (fp16). Returns the mean loss (unscaled), the same on
-        every stage."""
-        inputs, targets = zip(*(self._mine(b) for b in micro_batches))
+        multiplied by `loss_scale` (fp16). `loss_tokens`: the counted targets (not IGNORE)
+        of the whole global batch, every replica's micro-batches (the sampler counts them:
+        data/sampler.py); None: every target counts. Returns the mean loss over those
+        tokens (unscaled), the same on every stage."""
+        batches = [self._mine(b) for b in micro_batches]
+        inputs, targets = [b[0] for b in batches], [b[1] for b in batches]
+        positions = [b[2] for b in batches] if len(batches[0]) > 2 else None
+        weights = None if loss_tokens is None else self._weights(targets, loss_tokens)
         total = self.executor.run(self.actions, inputs, targets, no_sync=no_sync,
-                                  loss_scale=loss_scale, info={"schedule": self.schedule})
+                                  loss_scale=loss_scale, info={"schedule": self.schedule},
+                                  positions=positions, weights=weights)
         self.timeline, self.peak_live = self.executor.timeline, self.executor.peak_live
         if self.cores:
             self.timeline["attention_s"] = sum(core.compute_s for core in self.cores)
@@ -77,11 +86,28 @@ class Pipeline:
                 core.reset()
         return self._from_last_stage(total / self.m)
 
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The mean loss of one batch (forward only), the same on every stage."""
-        inputs, targets = self._mine((inputs, targets))
-        total = self.executor.run(self.eval_actions, [inputs], [targets], backward=False)
-        return self._from_last_stage(total)
+    def _weights(self, targets: list[torch.Tensor], loss_tokens: int) -> list[float]:
+        """Each micro-batch's weight. Its loss is the mean over its own counted tokens, but
+        the step's loss must be the sum of per-token losses over the global batch's count
+        -- the same number whatever the layout, not a mean of means, which would weigh a
+        token of a micro-batch with few counted tokens more. Micro-batch i, with n_i of
+        them here, weighs n_i x R x m / loss_tokens: the executor divides by the m
+        micro-batches and the replicas' gradients are averaged over R (dp, x cp), so the
+        step's gradient is that of sum(token losses) / loss_tokens. With every token
+        counted, n_i = loss_tokens / (R m): every weight is exactly 1. A global batch with
+        no counted token weighs nothing."""
+        scale = self.replicas.size * self.m
+        return [int(t.ne(IGNORE).sum()) * scale / loss_tokens if loss_tokens else 0.0
+                for t in targets]
+
+    def evaluate(self, batch: Batch) -> tuple[torch.Tensor, float]:
+        """The mean loss over the counted tokens of one batch (forward only), the same on
+        every stage, and the share of this rank's targets that count (the weight of this
+        loss in an average over batches and ranks: exactly 1 when all do)."""
+        inputs, targets, *positions = self._mine(batch)
+        total = self.executor.run(self.eval_actions, [inputs], [targets], backward=False,
+                                  positions=[positions[0]] if positions else None)
+        return self._from_last_stage(total), int(targets.ne(IGNORE).sum()) / targets.numel()
 
     def average_over_replicas(self, loss: torch.Tensor) -> torch.Tensor:
         self.replicas.all_reduce(loss, "avg", tag="metric")

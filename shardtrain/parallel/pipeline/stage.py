@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from shardtrain.config import Config
-from shardtrain.model.transformer import Transformer, init_parameters, position_index
+from shardtrain.model.positions import document_mask, position_index
+from shardtrain.model.transformer import Transformer, init_parameters
 from shardtrain.parallel.pipeline.partition import layer_ranges, stage_costs
 
 
@@ -63,10 +64,11 @@ class PipelineStage(nn.Module):
         self.tie_weights()
         init_parameters(self, self.cfg, seed)
 
-    def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def rope(self, seq_len: int, positions: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.cfg.style != "llama":
             return None
-        at = position_index(self, seq_len)
+        at = position_index(self, seq_len, positions)
         return self.rope_cos[at], self.rope_sin[at]
 
 
@@ -79,18 +81,21 @@ class StageChunk(nn.Module):
         self.__dict__["stage"] = stage  # not a submodule: the stage owns the parameters
         self.indices, self.first, self.last = layers, first, last
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions` [B, S]: packed documents (model/positions.py); every chunk takes
+        them, as every chunk's attention masks by document."""
         stage = self.stage
         if self.first:  # x: tokens [B, S]
             seq_len = x.shape[1]
             x = stage.tok_emb(x)  # [B, S, C]
             if hasattr(stage, "pos_emb"):
-                x = x + stage.pos_emb.weight[position_index(stage, seq_len)]
+                x = x + stage.pos_emb.weight[position_index(stage, seq_len, positions)]
         else:  # x: activations [B, S / seq_shards, C]
             seq_len = x.shape[1] * stage.seq_shards
-        rope = stage.rope(seq_len)
+        rope = stage.rope(seq_len, positions)
+        mask = None if positions is None else document_mask(positions)
         for i in self.indices:
-            x = stage.layers[str(i)](x, rope)
+            x = stage.layers[str(i)](x, rope, mask)
         if self.last:
             x = stage.head(stage.norm(x))  # [B, S, V] (or [B, S, V/tp])
         return x

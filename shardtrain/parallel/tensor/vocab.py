@@ -6,6 +6,11 @@ up the tokens in its range, zeroes the others and all-reduces (Megatron's g); th
 works on the [B, S, V'/t] logit shards and never builds the full [B, S, V] logits on one
 rank (Shoeybi et al. 2019, sec. 3): a max and two sums are all-reduced, and the gradient is
 softmax minus one-hot, computed locally. Padding columns are masked out of the softmax.
+
+Both losses average over the tokens that count: a target of IGNORE (-100, chat's prompt
+tokens and padding: data/chat_rows.py) adds nothing, and a micro-batch with no counted
+token has loss 0 (not 0/0). With every target counted they are the plain mean, bit for bit
+as before targets could be ignored.
 """
 
 from __future__ import annotations
@@ -16,12 +21,17 @@ from torch import nn
 from torch.autograd import Function
 
 from shardtrain.comm import Communicator
+from shardtrain.config.data import IGNORE
 from shardtrain.parallel.tensor.ops import ReduceFromRegion, TAG
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token loss of the plain model: logits [B, S, V], targets [B, S]."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    """Mean loss over the counted tokens of the plain model: logits [B, S, V], targets
+    [B, S]."""
+    targets = targets.flatten()
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets, ignore_index=IGNORE)
+    # No counted token: F.cross_entropy gives 0/0; the gradient through `where` is then 0.
+    return torch.where(targets.ne(IGNORE).any(), loss, torch.zeros_like(loss))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -45,9 +55,14 @@ class VocabParallelCrossEntropy:
         self.start, self.vocab_size, self.comm = start, vocab_size, comm
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        losses = _VocabParallelCE.apply(logits.float().flatten(0, 1), targets.flatten(),
+        targets = targets.flatten()
+        losses = _VocabParallelCE.apply(logits.float().flatten(0, 1), targets,
                                         self.start, self.vocab_size, self.comm)  # [N]
-        return losses.mean()
+        counted = targets.ne(IGNORE)  # [N]
+        # Every token counted: the plain mean (mean multiplies by 1/N, which a division by
+        # the count need not round alike); else the counted tokens' sum over their count.
+        masked = losses.masked_fill(~counted, 0.0).sum() / counted.sum().clamp(min=1)
+        return torch.where(counted.all(), losses.mean(), masked)
 
 
 class _VocabParallelCE(Function):
