@@ -6,7 +6,10 @@ resident memory must stay within what the planner says the rank holds once built
 one full tensor drawn at a time, plus a stated margin. The states that exist once built:
 parameters, gradients (the reducers' buffers are allocated up front), master weights, and
 ZeRO's optimizer shards (a torch optimizer builds its state at the first step). Building
-the whole model, or a whole stage before slicing it, exceeds the bound in every row."""
+the whole model, or a whole stage before slicing it, exceeds the bound in every row.
+
+And once built: the vocabulary-sized units hand their gradient to the reduce-scatter
+uncopied (at the step's peak, a copy would hold the model's largest gradient twice)."""
 
 from __future__ import annotations
 
@@ -16,9 +19,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from parity import tiny_data
 from shardtrain.cli import main
+from shardtrain.model.transformer import build_model
 
 MARGIN = 64 << 20  # allocator and interpreter slack of a build, bytes
 HERE = Path(__file__).parent
@@ -57,3 +63,49 @@ def test_a_layout_that_cannot_fit_is_refused_before_building(tmp_path, capsys, a
     assert code == 2 and "the planner puts each rank at" in err and "GiB" in err, err
     assert "params" in err and "train.memory_check false" in err
     assert not run_dir.exists()  # refused before anything was written
+
+
+def test_vocabulary_units_hand_their_gradient_over_uncopied():
+    """The untied embedding and the head are units of one parameter (the final norm joins
+    the last block's, cost/units.py), and stage 2/3's reducer reduce-scatters their .grad
+    as it is, where a unit of several parameters is copied into one flat gradient: a copy
+    would hold the vocabulary-sized gradient twice at the step's peak."""
+    from shardtrain.config import ModelConfig
+    from shardtrain.parallel.zero.reducer import ZeroReducer
+    from shardtrain.parallel.zero.units import UnitComm, build_units
+
+    class Recording(UnitComm):  # one rank: the reduce-scatter keeps the whole gradient
+        def __init__(self):
+            super().__init__(None)
+            self.reduced: dict[str, int] = {}
+
+        def reduce_grads(self, unit, shard, full, *, async_op=True):
+            self.reduced[unit.names[-1]] = full.data_ptr()
+            shard.copy_(full)
+            return Done()
+
+    class Done:
+        def wait(self) -> None:
+            pass
+
+    cfg = ModelConfig(vocab_size=96, dim=16, n_layers=2, n_heads=2, n_kv_heads=1,
+                      max_seq_len=8, tie_embeddings=False)
+    model = build_model(cfg, seed=0)
+    comm = Recording()
+    units = build_units(model, dp_size=1, dp_rank=0, dtype=torch.float32, tied=False, comm=comm)
+    assert [u.names for u in units][0] == ["tok_emb.weight"]
+    assert units[-1].names == ["head.weight"] and units[-2].names[-1] == "norm.weight"
+    grads: dict[str, int] = {}
+    for name in ("tok_emb.weight", "head.weight", "norm.weight"):  # hooks before the reducer's
+        p = model.get_parameter(name)
+        p.register_post_accumulate_grad_hook(
+            lambda p, name=name: grads.__setitem__(name, p.grad.data_ptr()))
+    reducer = ZeroReducer(units, stage=2, gatherer=None)
+    reducer.zero_grad()
+    F.cross_entropy(model(torch.randint(0, 96, (2, 8))).flatten(0, 1),
+                    torch.randint(0, 96, (16,))).backward()
+    reducer.finish()
+    assert comm.reduced["tok_emb.weight"] == grads["tok_emb.weight"]
+    assert comm.reduced["head.weight"] == grads["head.weight"]
+    assert comm.reduced["norm.weight"] != grads["norm.weight"]  # several: copied
+    assert all(u.grad_shard is not None and u.grad_shard.abs().sum() > 0 for u in units)

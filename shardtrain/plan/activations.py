@@ -34,7 +34,8 @@ the tensor-by-tensor list). One layer, one micro-batch of b sequences of s local
 - mixture of experts (model/moe.py; `moe_block_bytes`), in place of the MLP, for the n
   tokens this rank routes (n / t under sp; the experts are whole on every tp rank): the
   router's fp32 input (n r C, also under autocast: the router runs in fp32), its logits
-  and probabilities, top-k indices and weights, the z-loss's logsumexp; the dispatch's
+  and probabilities, top-k indices and (for k > 1, renormalised) weights, the z-loss's
+  logsumexp; the dispatch's
   N = n k slot indices and keep mask; the experts' input rows (fp32: once; autocast:
   each projection's own 16-bit cast, 2 for SwiGLU) and hidden tensors as the MLP keeps
   them but on N rows; combine's weighted rows, 2 N C in the experts' output dtype (gpt2's
@@ -125,9 +126,10 @@ def moe_block_bytes(cfg: ModelConfig, *, tokens: float, precision: str = "fp32",
     v = 4 if precision == "fp32" else 2
     n, e, k, c, f = tokens, cfg.n_experts, cfg.moe_top_k, cfg.dim, cfg.ffn_hidden
     slots = n * k  # N; under ep the received rows R, N under uniform routing
-    # probs and the z-loss's logits [n, E], top-k indices (int64) and weights [n, k], the
-    # weights' sum and the logsumexp [n], the balance loss's f [E]
-    router = n * (2 * e * 4 + k * 8 + k * 4 + 2 * 4) + e * 4
+    # probs and the z-loss's logits [n, E], top-k indices (int64), the logsumexp [n], the
+    # balance loss's f [E]; for k > 1 the renormalisation's weights [n, k] and sum [n]
+    renorm = k * 4 + 4 if k > 1 else 0  # top-1 gates by the probability (model/moe.py)
+    router = n * (2 * e * 4 + k * 8 + 4 + renorm) + e * 4
     # token and slot indices (int64), the keep mask (bool); the experts' group offsets
     dispatch = slots * 17 + (e // ep) * 4 + (2 * slots * 8 if ep > 1 else 0)
     if cfg.style == "llama":  # rows (2 casts under autocast), w1 x, w3 x, silu, product
