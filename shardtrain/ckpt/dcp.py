@@ -12,14 +12,14 @@ Saving (`plan_save`, `write`, `finish`): each rank lists its pieces (ckpt/files.
 mesh's collectives) and every rank computes the same global plan: DCP's
 `dedup_save_plans` keeps one copy of each chunk held by several ranks (data-parallel
 replicas, shared kv heads, a pipeline's two copies of a tied embedding) and gives it to
-the rank with the fewest bytes so far, so replicas spread over their holders rather than
-all landing on the lowest rank. Each rank writes its files through DCP's
+the holder whose plan is smallest so far (DCP weighs each chunk by its whole tensor's
+size, a fair proxy: a tensor's chunks are alike), so replicas spread over their holders
+rather than all landing on the lowest rank. Each rank writes its files through DCP's
 `FileSystemWriter` (fsynced), then its write results beside them; the main rank merges
 those into `.metadata` (`finish`). Nothing is gathered: values are fetched piece by piece
 as they are written.
 
-`Reader` reads byte ranges: asked for a region, it reads only the stored chunks that
-overlap it (DCP's load planning), so a rank resuming in any layout reads about its own
+`Reader` (files.py) reads by region: it reads only the stored chunks that overlap it (DCP's load planning), so a rank resuming in any layout reads about its own
 share.
 """
 
@@ -56,7 +56,7 @@ def results_name(rank: int) -> str:
 
 class _PiecesPlanner(SavePlanner):
     """The values of this rank's write items, fetched piece by piece as DCP's writer asks
-    for them (one piece's values held at a time: on the host, in plan order)."""
+    for them (one piece's values held at a time, where they live)."""
 
     def __init__(self, pieces: list[Piece]):
         self.pieces = pieces
