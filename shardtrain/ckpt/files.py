@@ -104,10 +104,11 @@ class _Checked(FileSystemReader):
 
 
 class _Into(LoadPlanner):
-    """Reads land in the views `dests[i]` (read item i's destination index)."""
+    """A region's read plan (`items`, planned by Reader.region with DCP's resharding
+    helper): the reads land in the views `dests[i]` (a read item's destination index)."""
 
-    def __init__(self, dests: list[torch.Tensor]):
-        self.dests = dests
+    def __init__(self, items: list[ReadItem], dests: list[torch.Tensor]):
+        self.items, self.dests = items, dests
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         t = self.dests[read_item.dest_index.index]
@@ -118,12 +119,12 @@ class _Into(LoadPlanner):
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         pass  # read in place
 
-    # Planning happens in Reader.region, outside DCP's own load loop.
+    # DCP's load loop's other steps: one rank's plan, no global planning to do.
     def set_up_planner(self, *args, **kwargs) -> None:
         pass
 
     def create_local_plan(self) -> LoadPlan:
-        raise NotImplementedError
+        return LoadPlan(self.items)
 
     def create_global_plan(self, global_plan):
         return global_plan
@@ -132,7 +133,8 @@ class _Into(LoadPlanner):
         return central_plan
 
     def load_bytes(self, read_item, value) -> None:
-        raise NotImplementedError
+        raise ValueError(f"{read_item.dest_index.fqn}: a byte item, where a shardtrain "
+                         "checkpoint holds only tensors")
 
 
 class Reader:
@@ -213,7 +215,8 @@ class Reader:
                               "what this run needs of it; the checkpoint is incomplete: "
                               "resume from another one")
         try:
-            self._files.read_data(LoadPlan(items), _Into(dests)).wait()
+            planner = _Into(items, dests)
+            self._files.read_data(planner.create_local_plan(), planner).wait()
         except ConfigError:
             raise
         except (OSError, RuntimeError, pickle.UnpicklingError, EOFError, AssertionError) as e:
