@@ -32,7 +32,7 @@ LAYOUTS = {  # world size: (label, reference batch, overrides)
         ("pp2 1f1b", B8, ["--parallel.pp", "2", "--parallel.schedule", "1f1b"]),
         ("tp2", B8, ["--parallel.tp", "2"])],
     4: [("dp4 accumulate", B16, []),
-        ("pp2 x dp2 x zero1", B8, ["--parallel.pp", "2", "--parallel.zero", "1"])],
+        ("pp2 x dp2 x zero3", B8, ["--parallel.pp", "2", "--parallel.zero", "3"])],
 }
 
 
@@ -209,8 +209,11 @@ def _one_step(rank: int, world_size: int, tmp) -> dict:
                 sum(b.buffer.numel() for b in update.reducer.buckets)
             sent = {tag: sum(r.sent_bytes for r in trainer.mesh.ledger.records if r.tag == tag)
                     for tag in ("grad", "param")}
+            # the units gathered in fp32 (ZeRO-3 gathers the rest in bf16: zero/units.py)
+            kept = sum(u.padded for u in update.units if u.flat.dtype == torch.float32) \
+                if zero else 0
             out[zero, reduce] = {"sent": sent, "padded": padded, "record": record,
-                                 "units": len(update.units) if zero else 0}
+                                 "units": len(update.units) if zero else 0, "kept": kept}
     return out
 
 
@@ -220,12 +223,12 @@ def test_ledger_bytes_equal_planner_traffic_in_bf16(world2):
         for (zero, reduce), got in r.items():
             plan = bytes_per_step(data_parallel_ops(
                 params=got["padded"], size=world, zero=zero, microbatches=m, precision="amp",
-                reduce_dtype=reduce, layers=max(got["units"], 1)))["dp"]
+                reduce_dtype=reduce, layers=max(got["units"], 1), kept=got["kept"]))["dp"]
             sent = got["sent"]["grad"] + got["sent"]["param"]
             print(f"rank {rank} zero{zero} reduce {reduce}: ledger {got['sent']} = "
                   f"{sent} B, planner {plan}")
             assert sum(plan.values()) == pytest.approx(sent, abs=8), (zero, reduce)
-        # bf16 halves the gradient bytes; parameters (fp32, their own master) do not change.
+        # bf16 halves the gradient bytes; the parameters' (the same dtypes) do not change.
         for zero in (0, 1, 2, 3):
             fp32, bf16 = r[zero, "fp32"]["sent"], r[zero, "bf16"]["sent"]
             assert 2 * bf16["grad"] == fp32["grad"] and bf16["param"] == fp32["param"]

@@ -85,6 +85,8 @@ def _ledger(rank: int, tmp) -> dict:
         z = trainer.parallel.update
         out[zero, reduce] = {
             "record": record, "padded": sum(u.padded for u in z.units), "units": len(z.units),
+            # the units gathered in fp32 (ZeRO-3 under bf16 gathers the rest in bf16)
+            "kept": sum(u.padded for u in z.units if u.flat.dtype == torch.float32),
             "sent": {tag: sum(r.sent_bytes for r in trainer.mesh.ledger.records
                               if r.tag == tag and r.group == "dp")
                      for tag in ("grad", "param")},
@@ -147,11 +149,12 @@ def test_zero_with_pipeline_ledger_equals_planner(spawned):
             precision = "fp32" if reduce == "fp32" else "amp"
             plan = bytes_per_step(data_parallel_ops(
                 params=got["padded"], size=dp, zero=zero, microbatches=2, precision=precision,
-                layers=got["units"], pipelined=True, reduce_dtype=reduce))["dp"]
+                layers=got["units"], pipelined=True, reduce_dtype=reduce,
+                kept=got["kept"]))["dp"]
             sent = got["sent"]["grad"] + got["sent"]["param"]
             per_microbatch = bytes_per_step(data_parallel_ops(
                 params=got["padded"], size=dp, zero=zero, microbatches=2, precision=precision,
-                layers=got["units"], reduce_dtype=reduce))["dp"]
+                layers=got["units"], reduce_dtype=reduce, kept=got["kept"]))["dp"]
             print(f"rank {rank} zero{zero} reduce {reduce}: ledger {got['sent']} = {sent} B in "
                   f"{got['calls']} calls; planner {plan}; per micro-batch it would be "
                   f"{sum(per_microbatch.values()):.0f} B")

@@ -64,6 +64,26 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
                        active=cfg.n_layers * active_layer + outside)
 
 
+def kept_params(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(dense per block, expert per block, outside the blocks) parameters autocast does not
+    round to the compute dtype (cost/units.py `rounded_for_compute`: norms, biases, the
+    router, the embedding tables): what ZeRO-3 still gathers in fp32 under bf16 or fp16.
+    Outside: the token (and position) table and the final norm (an untied head is rounded;
+    a tied one is the token table)."""
+    h, f, q, kv = cfg.dim, cfg.ffn_hidden, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    attention = attention_params(cfg) - (h * q + 2 * h * kv + q * h)  # biases, q/k norms
+    mlp_biases = (f + h) if cfg.style == "gpt2" else 0
+    block = 2 * norm_params(cfg) + attention
+    expert = 0
+    if cfg.n_experts:
+        block += h * cfg.n_experts  # the router
+        expert = cfg.n_experts * mlp_biases
+    else:
+        block += mlp_biases
+    outside = cfg.vocab_size * h + (cfg.max_seq_len * h if cfg.style == "gpt2" else 0)
+    return block, expert, outside + norm_params(cfg)
+
+
 def matmul_params_per_token(cfg: ModelConfig) -> int:
     """Weights one token multiplies by: every active linear and the output head (embedding
     lookups, norms and biases are not matmuls)."""

@@ -11,20 +11,50 @@ vocabulary-sized gradient to the reduce-scatter as it is, where a unit of severa
 copied into one flat buffer, holding the model's largest gradient twice at the step's peak
 (zero/reducer.py). The untied embedding is one parameter for the same reason (GPT-2's
 position table, small, joins it).
+
+Under ZeRO-3 with a 16-bit compute dtype each unit is split in two, gathered in two dtypes
+(`rounded`): the parameters autocast rounds to the compute dtype before every use
+(`rounded_for_compute`: the weights of linears and experts, LoRA's factors) are gathered
+already rounded, half the bytes, and compute exactly the numbers they would in fp32 under
+autocast; the others (norms, embedding tables, the router, biases) are gathered in fp32 so
+every layout keeps computing the single process's numbers (parallel/precision.py).
 """
 
 from __future__ import annotations
 
 EMBEDDING, BLOCK, HEAD = 0, 1, 2
+KEPT, ROUNDED = 0, 1  # the halves of a split unit: gathered in fp32, in the compute dtype
+
+# Modules whose `weight` feeds only matmuls (F.linear under autocast, the experts' grouped
+# matmul: model/moe.py casts to autocast's dtype). Biases are not listed: a row-parallel
+# linear adds its bias to the fp32 residual after the all-reduce (tensor/layers.py).
+_LINEARS = frozenset({"wq", "wk", "wv", "wo", "w1", "w2", "w3", "head"})
 
 
-def unit_key(name: str, *, tied: bool, n_layers: int) -> tuple[int, int]:
+def rounded_for_compute(name: str) -> bool:
+    """Whether autocast rounds parameter `name` to the compute dtype before every use, so a
+    copy rounded once computes the same numbers. An allow-list: a parameter not named here
+    is kept in fp32 (correct, only more bytes)."""
+    parts = name.split(".")
+    leaf, owner = parts[-1], parts[-2] if len(parts) > 1 else ""
+    if leaf in ("lora_a", "lora_b"):
+        return True
+    if owner == "experts":
+        return leaf in ("w1", "w2", "w3")
+    return leaf == "weight" and owner in _LINEARS
+
+
+def unit_key(name: str, *, tied: bool, n_layers: int, rounded: bool = False
+             ) -> tuple[int, int, int]:
     """Forward-order key of the unit holding parameter `name` (a full-model name) of a
-    model of `n_layers` blocks: (EMBEDDING, 0), (BLOCK, i) or (HEAD, 0)."""
+    model of `n_layers` blocks: (EMBEDDING, 0, h), (BLOCK, i, h) or (HEAD, 0, h), h the
+    half of a split unit (`rounded`: ZeRO-3 gathering in a 16-bit compute dtype; module
+    docstring), KEPT when units are not split."""
+    half = ROUNDED if rounded and rounded_for_compute(name) else KEPT
     if name.startswith("layers."):
-        return (BLOCK, int(name.split(".")[1]))
+        return (BLOCK, int(name.split(".")[1]), half)
     if name.startswith("norm."):
-        return (BLOCK, n_layers - 1)
+        return (BLOCK, n_layers - 1, half)
     if name.startswith("pos_emb.") or (name.startswith("tok_emb.") and not tied):
-        return (EMBEDDING, 0)
-    return (HEAD, 0)
+        return (EMBEDDING, 0, half)
+    return (HEAD, 0, half)

@@ -186,7 +186,7 @@ class Experts(nn.Module):
         return torch.where(d.keep[:, None], rows, 0.0)
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+def autocast_dtype(x: torch.Tensor) -> torch.dtype:
     """What a linear would compute in: autocast's dtype where it is on (_grouped_mm has no
     autocast rule), else x's."""
     kind = x.device.type
@@ -195,7 +195,7 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _grouped(x: torch.Tensor, w: torch.Tensor, d: Dispatch) -> torch.Tensor:
     """One grouped matmul: rows of group e times w[e]^T, groups ending at d.offsets."""
-    dt = _compute_dtype(x)
+    dt = autocast_dtype(x)
     return torch._grouped_mm(x.to(dt), w.to(dt).transpose(-2, -1), offs=d.offsets)
 
 

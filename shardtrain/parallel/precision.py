@@ -14,14 +14,25 @@ TP/SP, PP, offload:
 - gradients arrive in fp32 (the gradient of an fp32 leaf) and micro-batches accumulate in
   fp32 (Megatron's `main_grad`);
 - gradients travel in `reduce_dtype` (train.grad_reduce_dtype: fp32, or bf16 to halve the
-  bytes) and are averaged back into fp32;
-- pipeline boundary activations are the residual stream's dtype, fp32.
+  bytes) and are averaged back into fp32.
 
-Why this and not Megatron's bf16 compute parameters: every layout then runs the same autocast
-ops on the same fp32 values, so layouts differ only in the order of fp32 sums (as in fp32),
-and no layout needs a second weight copy of its own. The cost is 4-byte parameters where
-ZeRO-3 gathers them (2x Megatron's gather bytes) and 4-byte gradients unless the reduce
-dtype is bf16.
+What travels between ranks is what the compute reads, in the compute dtype:
+
+- ZeRO-3 gathers the parameters autocast rounds before every use (linear and expert
+  weights, LoRA factors; cost/units.py) already rounded (`gather_dtype`), as FSDP2's
+  `param_dtype` does, and the rest (norms, embedding tables, router) in fp32: the rounded
+  copy is the one autocast would make, so ZeRO-3 still computes DP's numbers, with half
+  the gather bytes for almost every parameter;
+- pipeline stages send boundary activations and their gradients in `boundary_dtype`, the
+  compute dtype: the fp32 residual stream is rounded once per stage boundary (Megatron's
+  boundary is its bf16 residual stream), and upcast on arrival;
+- tensor-parallel regions are entered in the compute dtype (tensor/layers.py), so their
+  all-gathers, all-reduces and reduce-scatters move 16-bit activations and gradients.
+
+Why fp32 parameters under autocast and not Megatron's bf16 compute parameters: every
+layout then runs the same autocast ops on the same fp32 values, so layouts differ only in
+the order of fp32 sums and the roundings on the wire listed above, and no layout needs a
+second weight copy of its own.
 
 fp16 adds dynamic loss scaling (`LossScaler`): the loss of each micro-batch is multiplied by
 the scale before backward, the gradients are divided by it before clipping, and a step whose
@@ -48,13 +59,16 @@ class PrecisionPolicy:
     grad_dtype: torch.dtype = torch.float32  # micro-batch accumulation (main gradients)
     reduce_dtype: torch.dtype = torch.float32  # gradients on the wire (dp all-reduce / RS)
     master_dtype: torch.dtype = torch.float32  # the optimizer's weights: the parameters
-    boundary_dtype: torch.dtype = torch.float32  # pipeline activations (the residual stream)
+    residual_dtype: torch.dtype = torch.float32  # the residual stream a pipeline stage passes
+    gather_dtype: torch.dtype = torch.float32  # ZeRO-3's gather of autocast-rounded params
+    boundary_dtype: torch.dtype = torch.float32  # pipeline activations/gradients on the wire
 
     @classmethod
     def from_config(cls, cfg: Config) -> PrecisionPolicy:
         t = cfg.train
-        return cls(name=t.precision, compute_dtype=DTYPES[t.precision],
-                   reduce_dtype=DTYPES[t.grad_reduce_dtype])
+        compute = DTYPES[t.precision]
+        return cls(name=t.precision, compute_dtype=compute, gather_dtype=compute,
+                   boundary_dtype=compute, reduce_dtype=DTYPES[t.grad_reduce_dtype])
 
     @property
     def loss_scaling(self) -> bool:

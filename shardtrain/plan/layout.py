@@ -40,6 +40,7 @@ class Layout:
     zero: int = 0
     offload: str = "none"
     precision: str = "bf16"
+    reduce_dtype: str = ""  # gradients on the wire (train.grad_reduce_dtype); "": precision's
     recompute: str = "none"
     sp: bool = False
     micro_batch: int = 1  # sequences per forward/backward on one data-parallel rank
@@ -215,6 +216,7 @@ def _config_fields(layout: Layout, *, seq_len: int | None,
         ("train", "global_batch"): lay.dp * lay.micro_batch * lay.microbatches,
         ("train", "activation_checkpointing"): lay.recompute,
         ("train", "precision"): "fp32" if lay.precision == "fp32" else "bf16",
+        **({("train", "grad_reduce_dtype"): lay.reduce_dtype} if lay.reduce_dtype else {}),
     }
     if lay.offload == "nvme":
         pairs["parallel", "offload_dir"] = offload_dir
@@ -266,6 +268,7 @@ def config_layout(cfg: Config, world_size: int) -> Layout:
     dp = p.resolved_dp(world_size)
     return Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, cp_mode=p.cp_mode, ep=p.ep, zero=p.zero,
                   offload=p.offload, precision="fp32" if t.precision == "fp32" else "amp",
+                  reduce_dtype="" if t.grad_reduce_dtype == "fp32" else t.grad_reduce_dtype,
                   recompute=t.activation_checkpointing, sp=p.sp, micro_batch=t.micro_batch,
                   microbatches=p.microbatches or t.global_batch // (dp * t.micro_batch),
                   schedule=p.schedule, v=p.virtual_stages, ps_servers=p.ps_servers)

@@ -26,7 +26,8 @@ holds in flight (m under GPipe, min(m, p) under 1F1B, (1 + (p-1)/(p v)) x min(m,
 interleaved); full recomputation adds one layer's full activations, rebuilt during its
 backward. cp splits the sequence: s -> s / cp.
 Buffers: two gradient buckets when gradients are synchronised (DDP's 25 MB default), for
-ZeRO-3 two layers of gathered parameters (current + prefetched) and one layer of full
+ZeRO-3 two layers of gathered parameters (current + prefetched; under amp the weights
+autocast rounds gathered in 16 bits, `zero3_gather_bytes`) and one layer of full
 gradients; with pp > 1, ZeRO-2 and 3 instead hold the stage's full gradients (and ZeRO-3
 its full parameters) from the step's first micro-batch to its reduce-scatter (zero/model.py):
 the step's peak is ZeRO-1's, the sharded states are what stays between steps; and for
@@ -83,6 +84,15 @@ def offload_states(states: ModelStates, *, shard_params: float, zero: int) -> Mo
 STATE_BYTES = {"bf16": (2, 2, 4, 8), "fp32": (4, 4, 0, 8), "amp": (4, 4, 0, 8)}
 # bytes per gradient element on the wire, by train.grad_reduce_dtype
 REDUCE_BYTES = {"fp32": 4, "bf16": 2}
+
+
+def zero3_gather_bytes(params: float, kept: float, precision: str) -> float:
+    """Bytes of one ZeRO-3 gather of `params` parameters: under amp the weights autocast
+    rounds travel in 16 bits and the `kept` rest in fp32 (zero/units.py), otherwise the
+    precision's parameter bytes."""
+    if precision == "amp":
+        return 2 * (params - kept) + 4 * kept
+    return STATE_BYTES[precision][0] * params
 
 
 def model_states(params: float, *, nd: int = 1, zero: int = 0,
@@ -199,10 +209,14 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
     if lay.replicas > 1:
         buffers += 2 * min(bucket_bytes, STATE_BYTES[lay.precision][1] * ranks.total)
         if lay.pp > 1 and lay.zero >= 2:  # full copies held through the step (docstring)
-            p_bytes, g_bytes = STATE_BYTES[lay.precision][:2]
-            buffers += ranks.total * (g_bytes + (p_bytes if lay.zero == 3 else 0))
-        elif lay.zero == 3:
-            buffers += 3 * ranks.layer * STATE_BYTES[lay.precision][0]
+            buffers += ranks.total * STATE_BYTES[lay.precision][1]
+            if lay.zero == 3:
+                buffers += zero3_gather_bytes(ranks.total, ranks.kept + ranks.kept_expert,
+                                              lay.precision)
+        elif lay.zero == 3:  # the layer's kept share taken as the rank's
+            kept = ranks.layer * (ranks.kept + ranks.kept_expert) / ranks.total
+            buffers += 2 * zero3_gather_bytes(ranks.layer, kept, lay.precision) \
+                + ranks.layer * STATE_BYTES[lay.precision][1]
     if lay.pp > 1:
         boundary = value_bytes * s * lay.micro_batch * cfg.dim
         buffers += 2 * boundary / (lay.tp if lay.sp else 1)

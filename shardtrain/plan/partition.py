@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 
 from shardtrain.config import ModelConfig
-from shardtrain.cost.counts import mlp_params, norm_params, param_counts
+from shardtrain.cost.counts import kept_params, mlp_params, norm_params, param_counts
 from shardtrain.plan.layout import Layout
 
 
@@ -27,6 +27,8 @@ class RankParams:
     expert: float  # replicated across the dp x cp / ep group
     layer: float  # one transformer layer on this rank (a ZeRO-3 gather unit)
     layers: int  # transformer layers on this rank's stage (all virtual chunks)
+    kept: float = 0.0  # of `dense`: not rounded by autocast (ZeRO-3 gathers them in fp32)
+    kept_expert: float = 0.0  # of `expert`: the same (GPT-2 experts' biases)
 
     @property
     def total(self) -> float:
@@ -44,12 +46,17 @@ def rank_params(cfg: ModelConfig, layout: Layout) -> RankParams:
     dense_layer = counts.per_layer - expert_layer
     layers = layers_per_stage(cfg, layout)
     outside = counts.total - cfg.n_layers * counts.per_layer  # embeddings, head, final norm
+    kept_layer, kept_expert, kept_outside = kept_params(cfg)
     if layout.pp > 1:
         word = cfg.vocab_size * cfg.dim
         first = counts.embedding - (0 if cfg.tie_embeddings else word)  # word (+ position)
         last = norm_params(cfg) + word  # the untied head, or the tied embedding's copy
         outside = max(first, last)
+        kept_outside = first if first >= last else \
+            norm_params(cfg) + (word if cfg.tie_embeddings else 0)
     t = layout.tp
     expert = expert_layer / layout.ep  # replicated over tp, split over ep
     return RankParams(dense=(layers * dense_layer + outside) / t, expert=layers * expert,
-                      layer=dense_layer / t + expert, layers=layers)
+                      layer=dense_layer / t + expert, layers=layers,
+                      kept=(layers * kept_layer + kept_outside) / t,
+                      kept_expert=layers * kept_expert / layout.ep)

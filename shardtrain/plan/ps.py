@@ -20,6 +20,7 @@ from shardtrain.cost.link import Link
 from shardtrain.config import ModelConfig
 from shardtrain.cost.counts import param_counts
 from shardtrain.plan.layout import Layout
+from shardtrain.plan.ops import CommOp
 from shardtrain.plan.memory import STATE_BYTES
 
 
@@ -41,10 +42,8 @@ def ps_summary(cfg: ModelConfig, layout: Layout) -> dict[str, Any]:
             "ring_all_reduce_bytes_per_rank": 2 * (n - 1) / n * total * g_bytes}
 
 
-def ps_ops(cfg: ModelConfig, layout: Layout, link: Link) -> list:
+def ps_ops(cfg: ModelConfig, layout: Layout, link: Link) -> list[CommOp]:
     """The push and the pull as the busiest rank sees them, timed at a server's link."""
-    from shardtrain.plan.traffic import CommOp  # traffic imports this module
-
     summary = ps_summary(cfg, layout)
     n, s = layout.dp, layout.ps_servers
     ranks = n + s

@@ -89,11 +89,13 @@ def rank0_tensors(cfg: ModelConfig, layout: Layout, *, layers: int | None = None
     return out
 
 
-def zero_padded(tensors: list[tuple[str, int]], *, nd: int, tied: bool, n_layers: int) -> int:
-    """Elements of the flat units (cost/units.py), each padded to a multiple of nd."""
-    units: dict[tuple[int, int], int] = {}
+def zero_padded(tensors: list[tuple[str, int]], *, nd: int, tied: bool, n_layers: int,
+                rounded: bool = False) -> int:
+    """Elements of the flat units (cost/units.py; `rounded`: split by gather dtype, ZeRO-3
+    under amp), each padded to a multiple of nd."""
+    units: dict[tuple[int, int, int], int] = {}
     for name, n in tensors:
-        key = unit_key(name, tied=tied, n_layers=n_layers)
+        key = unit_key(name, tied=tied, n_layers=n_layers, rounded=rounded)
         units[key] = units.get(key, 0) + n
     return sum(_up(n, nd) for n in units.values())
 
@@ -130,7 +132,8 @@ def rank0_states(cfg: ModelConfig, layout: Layout, *, layers: int | None = None,
     psi = sum(n for _, n in tensors)
     if lay.zero:
         padded = zero_padded(tensors, nd=lay.replicas, tied=cfg.tie_embeddings,
-                             n_layers=cfg.n_layers)
+                             n_layers=cfg.n_layers,
+                             rounded=lay.zero == 3 and lay.precision == "amp")
         states = model_states(padded, nd=lay.replicas, zero=lay.zero, precision=lay.precision)
         if lay.offload == "none":
             return states

@@ -6,16 +6,18 @@ one micro-batch, s = seq / cp; P, G = this rank's parameter and gradient bytes):
   2 (n-1)/n G; ZeRO-1 reduce-scatters G once and all-gathers the updated P, the same
   bytes; ZeRO-2 reduce-scatters every micro-batch (it keeps no full gradient to
   accumulate into); ZeRO-3 all-gathers P twice (forward, backward) and reduce-scatters G
-  every micro-batch: 1.5x DP's bytes when m = 1. With pp > 1 (zero/model.py) ZeRO-2 and 3
-  reduce-scatter G once per step, after the last micro-batch, and ZeRO-3 all-gathers P once
+  every micro-batch: 1.5x DP's bytes when m = 1 (under amp it gathers the weights autocast
+  rounds in 16 bits, the rest in fp32: cost/units.py). With pp > 1 (zero/model.py) ZeRO-2
+  and 3 reduce-scatter G once per step, after the last micro-batch, and ZeRO-3 all-gathers P once
   per step, before the first: ZeRO-2 moves ZeRO-1's bytes, ZeRO-3 DP's. Gradients travel
   in 25 MB buckets, ZeRO-3 parameters one layer at a time. `edp` is the same for expert
   parameters (dp x cp / ep).
 - tp (Megatron-LM; Korthikanti et al. 2022): per layer and micro-batch, all-reduces of X,
   2 forward + 2 backward (+2 with full recomputation); with sp, all-gathers and
-  reduce-scatters of X instead, 4 + 4 (+2 + 2): the same bytes.
+  reduce-scatters of X instead, and the backward's re-gather of each region's input;
+  plus the head, the vocabulary-parallel embedding and loss (plan/tensor_traffic.py).
 - pp: point-to-point, the busiest (middle) stage sends one activation forward and one
-  gradient backward per micro-batch and virtual chunk (X / t with sp).
+  gradient backward per micro-batch and virtual chunk (X / t with sp), in the compute dtype.
 - cp (`context_parallel_ops`, what parallel/context/ sends; per layer, micro-batch and
   rank; N = cp, s = S/N local tokens, H, G the query and kv heads of one tp rank, D the
   head dim, v the compute dtype's bytes): ring attention (Liu et al. 2023) sends the
@@ -41,118 +43,62 @@ one micro-batch, s = seq / cp; P, G = this rank's parameter and gradient bytes):
 Times come from `shardtrain.cost.collectives` with the fastest algorithm for the group's
 placement: inside a node the NVLink/PCIe link, across nodes one GPU's share of the node's
 network (flat), or two-tier (hierarchical, torus2d) when a group spans part of a node.
-Embedding and head gradients between the first and last stage and the tensor-parallel
-logits reduction are ignored (small).
+The tied embedding's gradients between the first and last stage are ignored (small).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
 
-from shardtrain.cost.collectives import best_algorithm, cost
-from shardtrain.cost.link import Link
 from shardtrain.config import ModelConfig
 from shardtrain.cost.hardware import Hardware
 from shardtrain.plan.activations import kv_heads_per_rank, ulysses_kv_heads
 from shardtrain.plan.layout import Layout
-from shardtrain.plan.memory import BUCKET_BYTES, REDUCE_BYTES, STATE_BYTES
+from shardtrain.plan.memory import (BUCKET_BYTES, REDUCE_BYTES, STATE_BYTES,
+                                    zero3_gather_bytes)
+from shardtrain.plan.ops import (FREE, CommOp, Placement, a2a, bytes_per_step,  # noqa: F401
+                                 collective, p2p, placement)
 from shardtrain.plan.partition import rank_params
+from shardtrain.plan.tensor_traffic import tensor_parallel_ops
 from shardtrain.plan.ps import ps_ops
 
 
-@dataclass(frozen=True, kw_only=True)
-class CommOp:
-    group: str
-    op: str  # a cost-model collective, or send_recv (point-to-point)
-    ranks: int
-    message_bytes: float  # one call, in the cost model's convention
-    calls: int  # per step
-    algorithm: str
-    bytes_sent: float  # per rank per step
-    time_s: float  # per step, all calls, as if nothing overlapped
-    overlap: str  # hides under: "step" the last backward, "backward" every backward,
-    # "compute" all compute; "none": exposed
-    what: str = ""  # which of a group's same-op transfers (ep: counts, dispatch, combine)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"group": self.group, "op": self.op, "what": self.what, "ranks": self.ranks,
-                "message_bytes": self.message_bytes, "calls": self.calls,
-                "algorithm": self.algorithm, "bytes_sent": self.bytes_sent,
-                "time_s": self.time_s, "overlap": self.overlap}
-
-
-@dataclass(frozen=True, kw_only=True)
-class Placement:
-    """Where a group's ranks sit: `link` is what a flat algorithm crosses; a group with
-    `local` (> 1) members per node and more outside can also run two-tier algorithms."""
-
-    link: Link
-    intra: Link | None = None
-    local: int = 0
-
-
-def placement(hw: Hardware, node: int, stride: int, size: int) -> Placement:
-    """A group of `size` ranks `stride` apart on nodes of `node` ranks."""
-    local = max(1, min(size, node // stride)) if stride < node else 1
-    if local == size:
-        return Placement(link=hw.intra_link())
-    if local == 1:
-        return Placement(link=hw.inter_link())
-    return Placement(link=hw.inter_link(), intra=hw.intra_link(), local=local)
-
-
-def _collective(group: str, op: str, size: int, nbytes: float, calls: int, where: Placement,
-                overlap: str) -> CommOp:
-    algorithm = best_algorithm(op, nbytes, size, where.link, intra=where.intra,
-                               local_size=where.local)
-    one = cost(op, nbytes, size, where.link, algorithm=algorithm, intra=where.intra,
-               local_size=where.local)
-    return CommOp(group=group, op=op, ranks=size, message_bytes=nbytes, calls=calls,
-                  algorithm=algorithm, bytes_sent=one.sent_bytes * calls,
-                  time_s=one.time_s * calls, overlap=overlap)
-
-
-def _p2p(group: str, size: int, nbytes: float, calls: int, link: Link, overlap: str) -> CommOp:
-    return CommOp(group=group, op="send_recv", ranks=size, message_bytes=nbytes, calls=calls,
-                  algorithm="p2p", bytes_sent=nbytes * calls,
-                  time_s=calls * (link.alpha_s + nbytes * link.beta_s_per_byte), overlap=overlap)
-
-
-FREE = Placement(link=Link(alpha_s=0.0, beta_s_per_byte=0.0))  # bytes only, no time
 
 
 def data_parallel_ops(*, params: float, size: int, zero: int, microbatches: int = 1,
                       precision: str = "bf16", where: Placement = FREE, group: str = "dp",
                       layers: int = 1, bucket_bytes: float = BUCKET_BYTES,
-                      reduce_dtype: str = "", pipelined: bool = False) -> list[CommOp]:
+                      reduce_dtype: str = "", pipelined: bool = False,
+                      kept: float = 0.0) -> list[CommOp]:
     """Gradient synchronisation and ZeRO parameter traffic of `params` parameters held by
     each of `size` ranks (see the module docstring); `layers` is ZeRO-3's gather unit;
     `pipelined` (pp > 1): ZeRO-2/3 reduce (and ZeRO-3 gathers) once per step.
-    Parameters travel in the precision's parameter bytes (STATE_BYTES), gradients in
-    `reduce_dtype`'s (train.grad_reduce_dtype; "": the precision's gradient bytes)."""
+    Parameters travel in the precision's parameter bytes (STATE_BYTES), except ZeRO-3's
+    gathers under amp (`zero3_gather_bytes`: `kept` of them in fp32, the rest 16-bit);
+    gradients in `reduce_dtype`'s (train.grad_reduce_dtype; "": the precision's)."""
     if size <= 1 or params <= 0:
         return []
     p_bytes, g_bytes = (b * params for b in STATE_BYTES[precision][:2])
+    if zero == 3:
+        p_bytes = zero3_gather_bytes(params, kept, precision)
     if reduce_dtype:
         g_bytes = REDUCE_BYTES[reduce_dtype] * params
     buckets = max(1, math.ceil(g_bytes / bucket_bytes))
     m = microbatches
     if zero == 0:
-        return [_collective(group, "all_reduce", size, g_bytes / buckets, buckets, where, "step")]
+        return [collective(group, "all_reduce", size, g_bytes / buckets, buckets, where, "step")]
     if zero == 3 and pipelined:  # gathered before the stage's first forward, kept all step
-        return [_collective(group, "all_gather", size, p_bytes / layers, layers, where, "none"),
-                _collective(group, "reduce_scatter", size, g_bytes / layers, layers, where,
+        return [collective(group, "all_gather", size, p_bytes / layers, layers, where, "none"),
+                collective(group, "reduce_scatter", size, g_bytes / layers, layers, where,
                             "step")]
     if zero in (1, 2):
         syncs = 1 if zero == 1 or pipelined else m
-        return [_collective(group, "reduce_scatter", size, g_bytes / buckets, buckets * syncs,
+        return [collective(group, "reduce_scatter", size, g_bytes / buckets, buckets * syncs,
                             where, "step" if syncs == 1 else "backward"),
-                _collective(group, "all_gather", size, p_bytes / buckets, buckets, where, "none")]
-    return [_collective(group, "all_gather", size, p_bytes / layers, 2 * m * layers, where,
+                collective(group, "all_gather", size, p_bytes / buckets, buckets, where, "none")]
+    return [collective(group, "all_gather", size, p_bytes / layers, 2 * m * layers, where,
                         "compute"),
-            _collective(group, "reduce_scatter", size, g_bytes / layers, m * layers, where,
+            collective(group, "reduce_scatter", size, g_bytes / layers, m * layers, where,
                         "backward")]
 
 
@@ -165,31 +111,22 @@ def step_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, seq_len: int,
     value = 4 if lay.precision == "fp32" else 2
     s, m, b, h = seq_len // lay.cp, lay.microbatches, lay.micro_batch, cfg.dim
     x = s * b * h * value
-    extra = lay.recompute == "full"
     ops: list[CommOp] = []
     if lay.ps_servers:  # pushes and pulls instead of the all-reduce (ps.py)
         return ps_ops(cfg, lay, hw.inter_link() if lay.gpus > node else hw.intra_link())
     common = dict(zero=lay.zero, microbatches=m, precision=lay.precision, layers=ranks.layers,
-                  bucket_bytes=bucket_bytes, pipelined=lay.pp > 1)
+                  bucket_bytes=bucket_bytes, pipelined=lay.pp > 1, reduce_dtype=lay.reduce_dtype)
     ops += data_parallel_ops(group="dp", params=ranks.dense, size=lay.replicas,
-                             where=placement(hw, node, lay.tp, lay.replicas), **common)
+                             where=placement(hw, node, lay.tp, lay.replicas), kept=ranks.kept,
+                             **common)
     ops += data_parallel_ops(group="edp", params=ranks.expert, size=lay.replicas // lay.ep,
                              where=placement(hw, node, lay.tp * lay.ep, lay.replicas // lay.ep),
-                             **common)
-    if lay.tp > 1:
-        where = placement(hw, node, 1, lay.tp)
-        per_layer = ranks.layers * m
-        if lay.sp:
-            ops += [_collective("tp", op, lay.tp, x, per_layer * (6 if extra else 4), where, "none")
-                    for op in ("all_gather", "reduce_scatter")]
-        else:
-            ops.append(_collective("tp", "all_reduce", lay.tp, x, per_layer * (6 if extra else 4),
-                                   where, "none"))
+                             kept=ranks.kept_expert, **common)
+    ops += tensor_parallel_ops(cfg, lay, seq_len=seq_len, where=placement(hw, node, 1, lay.tp))
     if lay.pp > 1:
         where = placement(hw, node, lay.tp * lay.cp * lay.dp, lay.pp)
-        # amp (the runtime's policy): the boundary is the fp32 residual stream
-        boundary = x * (2 if lay.precision == "amp" else 1)
-        ops.append(_p2p("pp", lay.pp, boundary / (lay.tp if lay.sp else 1), 2 * m * lay.v,
+        # amp (the runtime's policy) sends the fp32 residual stream in the compute dtype
+        ops.append(p2p("pp", lay.pp, x / (lay.tp if lay.sp else 1), 2 * m * lay.v,
                         where.link, "none"))
     if lay.cp > 1:
         ops += context_parallel_ops(cfg, lay, seq_len=seq_len,
@@ -227,9 +164,9 @@ def expert_parallel_ops(cfg: ModelConfig, layout: Layout, *, seq_len: int,
     out_bytes = 2 if lay.precision == "bf16" else 4  # the normed input's dtype
     back_bytes = 4 if lay.precision == "fp32" or (lay.precision == "amp" and
                                                   cfg.style == "gpt2") else 2
-    return [_a2a(n, cfg.n_experts * 8, calls * forwards, where, "ep", "counts"),
-            _a2a(n, rows * out_bytes, calls * (forwards + 1), where, "ep", "dispatch"),
-            _a2a(n, rows * back_bytes, calls * (forwards + 1), where, "ep", "combine")]
+    return [a2a(n, cfg.n_experts * 8, calls * forwards, where, "ep", "counts"),
+            a2a(n, rows * out_bytes, calls * (forwards + 1), where, "ep", "dispatch"),
+            a2a(n, rows * back_bytes, calls * (forwards + 1), where, "ep", "combine")]
 
 
 def moe_counts_ops(cfg: ModelConfig, layout: Layout, *, tp: Placement = FREE,
@@ -241,7 +178,7 @@ def moe_counts_ops(cfg: ModelConfig, layout: Layout, *, tp: Placement = FREE,
     calls = rank_params(cfg, lay).layers * lay.microbatches * (2 if lay.recompute == "full"
                                                                else 1)
     groups = [("tp", lay.tp, tp)] if lay.sp else []
-    return [_a2a(size, cfg.n_experts * 8, calls, where, group, "moe_counts", "all_reduce")
+    return [a2a(size, cfg.n_experts * 8, calls, where, group, "moe_counts", "all_reduce")
             for group, size, where in groups + [("cp", lay.cp, cp)]
             if cfg.n_experts and size > 1]
 
@@ -259,35 +196,16 @@ def context_parallel_ops(cfg: ModelConfig, layout: Layout, *, seq_len: int,
     if lay.cp_mode == "ring":
         block = 2 * b * kv * s * d  # packed K,V elements
         forwards = 2 if lay.recompute == "full" else 1
-        return [_p2p("cp", n, block * value, (n - 1) * (forwards + 1) * calls, where.link,
+        return [p2p("cp", n, block * value, (n - 1) * (forwards + 1) * calls, where.link,
                      "compute"),
-                _p2p("cp", n, block * 4, n * calls, where.link, "compute")]  # fp32 dK,dV
+                p2p("cp", n, block * 4, n * calls, where.link, "compute")]  # fp32 dK,dV
     kv = ulysses_kv_heads(cfg, lay.tp, n)
     qkv, out = b * s * (heads + 2 * kv) * d * value, b * s * heads * d * value
     forwards = 2 if lay.recompute == "full" else 1
-    return [_a2a(n, nbytes, calls * (forwards + 1), where) for nbytes in (qkv, out)]
-
-
-def _a2a(size: int, nbytes: float, calls: int, where: Placement, group: str = "cp",
-         what: str = "", op: str = "all_to_all") -> CommOp:
-    """`op` (all-to-all: pairwise, (n-1)/n of the input) as the runtime's native backend
-    runs it and the ledger counts it."""
-    one = cost(op, nbytes, size, where.link, algorithm="native")
-    return CommOp(group=group, op=op, ranks=size, message_bytes=nbytes, calls=calls,
-                  algorithm="native", bytes_sent=one.sent_bytes * calls,
-                  time_s=one.time_s * calls, overlap="none", what=what)
+    return [a2a(n, nbytes, calls * (forwards + 1), where) for nbytes in (qkv, out)]
 
 
 def cp_bytes_per_step(cfg: ModelConfig, layout: Layout, seq_len: int) -> float:
     """Bytes one rank sends on the cp group in one optimizer step (the ledger's sent_bytes
     summed over the step's cp records)."""
     return sum(op.bytes_sent for op in context_parallel_ops(cfg, layout, seq_len=seq_len))
-
-
-def bytes_per_step(ops: list[CommOp]) -> dict[str, dict[str, float]]:
-    """{group: {op: bytes sent per rank per step}}."""
-    out: dict[str, dict[str, float]] = {}
-    for op in ops:
-        out.setdefault(op.group, {}).setdefault(op.op, 0.0)
-        out[op.group][op.op] += op.bytes_sent
-    return out

@@ -6,6 +6,9 @@ loss function. Virtual stage 0 takes the micro-batch's inputs; every other chunk
 activation received from the previous virtual stage. All boundary activations share one
 shape and dtype, known in advance ([micro_batch, seq_len / seq_shards, dim] for the
 transformer), so receives are posted into preallocated buffers with no shape handshake.
+They travel, with their gradients, in the wire dtype (the precision policy's boundary
+dtype: the compute dtype, half the bytes of the fp32 residual stream under bf16) and are
+upcast on arrival, so every chunk computes on the residual stream's dtype.
 
 Transfers go through the pipeline communicator (so the ledger counts them): consecutive
 transfer actions are posted as one batch and waited for together, the semantics the
@@ -77,13 +80,16 @@ class Clock:
 class PipelineExecutor:
     def __init__(self, chunks: Sequence[nn.Module], comm: Communicator, *, loss: LossFn,
                  act_shape: tuple[int, ...], act_dtype: torch.dtype, device: torch.device,
+                 wire_dtype: torch.dtype | None = None,
                  autocast: AbstractContextManager | None = None, rank: int = 0):
         """`comm`: the pipeline group (group rank = stage); `act_shape`/`act_dtype`: the
-        boundary activation of one micro-batch; `autocast`: entered around each forward;
-        `rank`: the global rank, for the timeline."""
+        boundary activation of one micro-batch; `wire_dtype`: what it and its gradient
+        travel in (default act_dtype); `autocast`: entered around each forward; `rank`:
+        the global rank, for the timeline."""
         self.chunks, self.comm, self.loss = list(chunks), comm, loss
         self.stage, self.pp = comm.rank, comm.size
         self.act_shape, self.act_dtype, self.device = act_shape, act_dtype, device
+        self.wire_dtype = wire_dtype or act_dtype
         self.autocast = autocast or nullcontext()
         self.rank = rank
         self.timeline: dict[str, Any] | None = None
@@ -168,7 +174,7 @@ class _Run:
         if g == 0:
             x = inputs[a.mb].to(ex.device)
         else:
-            x = self.received.pop(("act", a.mb, a.chunk))
+            x = self.received.pop(("act", a.mb, a.chunk)).to(ex.act_dtype)  # upcast
             x.requires_grad_(self.backward_pass)
         # The MoE auxiliary losses' gradients are scaled as this loss's is (model/moe.py).
         extra = () if self.positions is None else (self.positions[a.mb].to(ex.device),)
@@ -186,7 +192,7 @@ class _Run:
                     f"stage {ex.stage} chunk {a.chunk} produced {tuple(out.shape)} "
                     f"{out.dtype}, but the pipeline's boundary activations are "
                     f"{ex.act_shape} {ex.act_dtype}")
-            self.outgoing[("act", a.mb, a.chunk)] = out.detach()
+            self.outgoing[("act", a.mb, a.chunk)] = out.detach().to(ex.wire_dtype)
         if self.backward_pass:
             self.saved[(a.mb, a.chunk)] = (x, out)
             self.peak_live = max(self.peak_live, len(self.saved))
@@ -197,9 +203,9 @@ class _Run:
         if g == self.last_virtual:
             out.backward()  # out: this micro-batch's loss x loss_scale / m
         else:
-            out.backward(self.received.pop(("grad", a.mb, a.chunk)))
+            out.backward(self.received.pop(("grad", a.mb, a.chunk)).to(out.dtype))
         if g > 0:
-            self.outgoing[("grad", a.mb, a.chunk)] = x.grad
+            self.outgoing[("grad", a.mb, a.chunk)] = x.grad.to(self.ex.wire_dtype)
 
     def transfer(self, batch: list[Action]) -> None:
         """Post the batch's sends and receives together; return when all are done."""
@@ -212,7 +218,7 @@ class _Run:
                 sends.append((peer, self.outgoing.pop((kind, a.mb, a.chunk)), f"pp_{kind}"))
             else:
                 peer = (ex.stage - 1) % ex.pp if kind == "act" else (ex.stage + 1) % ex.pp
-                buffer = torch.empty(ex.act_shape, dtype=ex.act_dtype, device=ex.device)
+                buffer = torch.empty(ex.act_shape, dtype=ex.wire_dtype, device=ex.device)
                 self.received[(kind, a.mb, a.chunk)] = buffer
                 recvs.append((peer, buffer, f"pp_{kind}"))
         ex.comm.exchange(sends, recvs)

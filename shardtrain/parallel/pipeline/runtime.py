@@ -53,8 +53,8 @@ class Pipeline:
         seq = t.seq_len // p.cp // (p.tp if p.sp else 1)
         self.executor = PipelineExecutor(
             chunks, self.pp, loss=loss, act_shape=(t.micro_batch, seq, cfg.model.dim),
-            act_dtype=policy.boundary_dtype, device=device, autocast=policy.autocast(device),
-            rank=mesh.rank)
+            act_dtype=policy.residual_dtype, wire_dtype=policy.boundary_dtype, device=device,
+            autocast=policy.autocast(device), rank=mesh.rank)
         # The last training step's timeline (format: executor.py) and the most micro-batches
         # whose activations this rank held at once during it.
         self.timeline: dict[str, Any] | None = None

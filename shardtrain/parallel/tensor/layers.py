@@ -37,7 +37,7 @@ from torch import nn
 from torch.autograd import Function
 
 from shardtrain.comm import Communicator
-from shardtrain.model.moe import MoE
+from shardtrain.model.moe import MoE, autocast_dtype
 from shardtrain.model.transformer import Transformer
 from shardtrain.parallel.tensor.sharding import Placement
 from shardtrain.parallel.tensor.ops import (CopyToRegion, GatheredInput, GatherFromSequence,
@@ -54,7 +54,12 @@ TABLE = {
 
 class Region:
     """The entry of one parallel region (attention, MLP, or the head), applied by a forward
-    pre-hook on its module however many column-parallel linears read the input."""
+    pre-hook on its module however many column-parallel linears read the input. The input
+    enters in the compute dtype (`to_compute`): every linear of the region would round it
+    so under autocast, and the region's collectives (f's all-reduce of the input gradient;
+    under sp the all-gathers, forward and backward, and the reduce-scatter) then move 16-bit
+    values, as Megatron's bf16 activations do. The gradient parts of the region's linears
+    are then summed in that dtype, one rounding more than autocast's fp32 sum."""
 
     def __init__(self, comm: Communicator, *, sp: bool):
         self.comm, self.sp = comm, sp
@@ -67,6 +72,7 @@ class Region:
 
     def _enter(self, module: nn.Module, args: tuple) -> tuple:
         x, *rest = args
+        x = to_compute(x)
         if not self.sp:
             return (CopyToRegion.apply(x, self.comm), *rest)  # [B, S, C]
         self.chunk, self.gathered = x, GatheredInput(self.comm)
@@ -156,6 +162,11 @@ class _LinearOnGathered(Function):
         grad_w = (rows.t() @ x).to(weight.dtype)  # [out/t, in]
         grad_b = rows.sum(0).to(weight.dtype) if ctx.has_bias else None
         return grad @ weight.to(grad.dtype), None, grad_w, grad_b, None
+
+
+def to_compute(x: torch.Tensor) -> torch.Tensor:
+    """x in the dtype a linear would round it to (autocast's where it is on), else x."""
+    return x.to(autocast_dtype(x))
 
 
 def apply_tensor_parallel(model: Transformer, comm: Communicator, *, sp: bool

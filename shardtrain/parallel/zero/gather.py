@@ -163,17 +163,18 @@ class ParamGatherer(UnitGatherer):
     def for_model(cls, model: nn.Module, units: list[FlatUnit], *, prefetch: int
                   ) -> ParamGatherer:
         """The events of the whole transformer: the embedding's units (the position
-        table's, and the token table's: the head's, when tied), each block's units (its dense unit, and under expert parallelism its
-        experts' unit, gathered together: the experts run inside the block; the last
-        block's holds the final norm, cost/units.py), the head's; each block's midpoint is
-        its MLP's norm."""
+        table's, and the token table's: the head's, when tied), each block's units (its
+        dense unit, and under expert parallelism its experts' unit, gathered together: the
+        experts run inside the block; the last block's holds the final norm; each unit's
+        two halves when split by dtype, cost/units.py), the head's; each block's midpoint
+        is its MLP's norm."""
         unit_of = {n: u for u in units for n in u.names}
         first = [unit_of[n] for n in ("pos_emb.weight", "tok_emb.weight") if n in unit_of]
         events = [(model, list(dict.fromkeys(first)))]
-        events += [(block, [u for u in units if u.key == (BLOCK, i)])
+        events += [(block, [u for u in units if u.key[:2] == (BLOCK, i)])
                    for i, block in enumerate(model.layers)]
         head = "tok_emb.weight" if model.cfg.tie_embeddings else "head.weight"
-        events.append((model.head, [unit_of[head]]))
+        events.append((model.head, [unit_of[head]]))  # the head's unit is that one tensor
         midpoints = {1 + i: block.mlp_norm for i, block in enumerate(model.layers)}
         return cls(model, units, prefetch=prefetch, events=events, midpoints=midpoints)
 

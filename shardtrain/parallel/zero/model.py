@@ -33,7 +33,9 @@ gathers) on the pipeline's critical path; docs/zero.md "With pipeline parallelis
 Precision (precision.py, the policy every layout shares): the flat buffers hold the
 parameters in the policy's parameter dtype, fp32, and under bf16 and fp16 the forward runs
 under autocast as DP's does, so ZeRO computes DP's numbers; the parameter shard is the
-master weight. Gradients accumulate in fp32 and travel in the policy's reduce dtype.
+master weight. Stage 3 gathers the parameters autocast rounds anyway in the compute dtype
+(units.py: split units), the same numbers in half the bytes. Gradients accumulate in fp32
+and travel in the policy's reduce dtype.
 Tensor parallelism composes: the units hold each tp rank's local tensors; clipping sums the
 squared norm over dp and tp, and the gradient parts of blocks shared by several tp ranks are
 summed over tp on the shards (tensor/sharding.py). World size 1 runs the same code (the collectives
@@ -106,7 +108,8 @@ class ZeroModel:
         def build(c: UnitComm, **which) -> list:
             return build_units(model, dp_size=c.comm.size, dp_rank=c.comm.rank, dtype=dtype,
                                tied=model.cfg.tie_embeddings, align=align, comm=c,
-                               sharded=self.stage == 3, device=device, **which)
+                               sharded=self.stage == 3, device=device,
+                               gather_dtype=policy.gather_dtype, **which)
 
         self.units = build(self.unit_comm, skip=experts)
         if experts:  # their own units, sharded over edp (module docstring)

@@ -13,7 +13,9 @@ accumulated over the step's micro-batches, one reduce-scatter after the last -- 
 drop the full buffers (their storage freed until the next zero_grad): only the fp32
 shards are held from the reduce-scatter to the next step (model.py says why). Gradients
 accumulate in fp32 and travel in the policy's reduce dtype (precision.py): fp32, or a bf16
-copy whose reduced shard is added back in fp32.
+copy whose reduced shard is added back in fp32. A ZeRO-3 parameter gathered in 16 bits
+(units.py) gets a 16-bit gradient, the same values autocast's fp32 parameter would get
+before its cast back: it is taken into the fp32 (or reduce-dtype) flat gradient as it is.
 """
 
 from __future__ import annotations
@@ -26,6 +28,15 @@ from shardtrain.parallel.ready import ReadyInOrder
 from shardtrain.parallel.strategy import nbytes
 from shardtrain.parallel.zero.gather import UnitGatherer
 from shardtrain.parallel.zero.units import FlatUnit
+
+
+def _accumulate_into(view: torch.Tensor):
+    """A hook adding a 16-bit parameter's gradient into its fp32 view and dropping it: the
+    sum DP's fp32 .grad would hold (autocast's cast back to fp32 of the same values)."""
+    def hook(p: torch.Tensor) -> None:
+        view.add_(p.grad)
+        p.grad = None
+    return hook
 
 
 class ZeroReducer:
@@ -44,10 +55,13 @@ class ZeroReducer:
         self._inflight: list[tuple[FlatUnit, object, torch.Tensor, torch.Tensor]] = []
         self.launcher: ReadyInOrder | None = None
         for u in units:
-            if self.per_step:  # full gradients accumulate in place
-                u.grad_flat = torch.zeros(u.padded, dtype=u.flat.dtype, device=u.flat.device)
+            if self.per_step:  # full gradients accumulate in place, in fp32 (the shard's)
+                u.grad_flat = torch.zeros(u.padded, dtype=u.shard.dtype, device=u.flat.device)
                 for p, view in zip(u.params, u.param_views(u.grad_flat)):
-                    p.grad = view
+                    if p.dtype == view.dtype:
+                        p.grad = view
+                    else:  # a 16-bit parameter (split unit, units.py): added in as it comes
+                        p.register_post_accumulate_grad_hook(_accumulate_into(view))
             if stage == 1:  # the fp32 shard is a view, or a copy filled by finish
                 u.grad_shard = u.grad_flat[u.shard_slice()] if u.flat.dtype == torch.float32 \
                     else torch.zeros(u.shard_numel, device=u.flat.device)

@@ -15,6 +15,12 @@ group (edp: the ranks holding the same experts), so a block's experts form a uni
 own, sharded over edp, right after the block's other parameters (DeepSpeed-MoE,
 Rajbhandari et al. 2022, shards expert states over that group the same way).
 
+Under ZeRO-3 with a 16-bit compute dtype (`gather_dtype`) a unit is split in two
+(cost/units.py): the parameters autocast rounds before every use are gathered in the
+compute dtype -- their flat buffer is 16-bit, their shard stays the fp32 master, rounded as
+it is sent (FSDP2's `param_dtype` for exactly the parameters whose rounding changes no
+number) -- and the others in fp32.
+
 `UnitComm` is the one place a unit's parameters are all-gathered and its gradients
 reduce-scattered, over one group: ZeRO++ (Wang et al. 2023: int8 weights, hpZ's node-local
 secondary shard, int8 gradients over all-to-all) replaces it with a subclass.
@@ -43,12 +49,13 @@ class FlatUnit:
     padded: int  # elements of the flat buffer, a multiple of the group size
     shard_numel: int
     rank: int  # group rank: owner of elements [rank * shard_numel, (rank + 1) * shard_numel)
-    flat: torch.Tensor  # [padded] the full parameters (ZeRO-3: storage freed at rest)
-    shard: torch.Tensor  # [shard] this rank's slice of the parameters (param dtype)
+    flat: torch.Tensor  # [padded] the full parameters (ZeRO-3: storage freed at rest; in
+    # the gather dtype, 16-bit for a split unit's rounded half)
+    shard: torch.Tensor  # [shard] this rank's slice of the parameters (param dtype, fp32)
     grad_shard: torch.Tensor | None = None  # [shard] fp32, reduced over comm (ZeroReducer)
     grad_flat: torch.Tensor | None = None  # [padded] ZeRO-1: the full gradients
     comm: UnitComm | None = None  # the collectives over the group sharding it (None: layout only)
-    key: tuple[int, int] = (0, 0)  # forward order (unit_key)
+    key: tuple[int, int, int] = (0, 0, 0)  # forward order (unit_key)
     sharded: bool = False  # ZeRO-3: the flat buffer has storage only while gathered
 
     @property
@@ -110,7 +117,8 @@ def build_units(model: nn.Module, *, dp_size: int, dp_rank: int, dtype: torch.dt
                 tied: bool, align: int = 1, comm: UnitComm | None = None,
                 only: Collection[nn.Parameter] | None = None,
                 skip: Collection[nn.Parameter] = (), sharded: bool = False,
-                device: torch.device | None = None) -> list[FlatUnit]:
+                device: torch.device | None = None,
+                gather_dtype: torch.dtype | None = None) -> list[FlatUnit]:
     """Group the model's parameters (tied ones once; those in `only` if given, not those in
     `skip`) into units in forward order, sharded over `comm`'s group of `dp_size` ranks
     (this one `dp_rank`), and make every parameter a view of its unit's flat buffer.
@@ -122,12 +130,15 @@ def build_units(model: nn.Module, *, dp_size: int, dp_rank: int, dtype: torch.dt
     shard is sized, at a multiple of it (zero gaps between), so that blocks of `align`
     values counted from a shard's start never straddle two parameters -- qwZ's quantization
     blocks: one scale for a norm's ~1.0 values and a matrix's ~0.02 would round the matrix
-    away."""
-    groups: dict[tuple[int, int], list[tuple[str, nn.Parameter]]] = {}
+    away. `gather_dtype` (sharded only; the compute dtype when it is 16-bit): units split,
+    their rounded halves' flat buffers in it (module docstring)."""
+    split = sharded and gather_dtype is not None and gather_dtype != dtype
+    groups: dict[tuple[int, int, int], list[tuple[str, nn.Parameter]]] = {}
     n_layers = model.cfg.n_layers  # the whole model's: a pipeline stage keeps global names
     for name, p in model.named_parameters():
         if p.requires_grad and (only is None or p in only) and p not in skip:
-            groups.setdefault(unit_key(name, tied=tied, n_layers=n_layers), []).append((name, p))
+            key = unit_key(name, tied=tied, n_layers=n_layers, rounded=split)
+            groups.setdefault(key, []).append((name, p))
     units = []
     for index, key in enumerate(sorted(groups)):
         named = groups[key]
@@ -141,7 +152,7 @@ def build_units(model: nn.Module, *, dp_size: int, dp_rank: int, dtype: torch.dt
         shard_numel = padded // dp_size
         if sharded:  # the shard [padded / dp] its own; the flat buffer only while views are
             # taken (a view needs the bytes to exist; on CPU its pages are never touched)
-            flat = torch.empty(padded, dtype=dtype, device=at)
+            flat = torch.empty(padded, dtype=gather_dtype if key[2] else dtype, device=at)
             shard = torch.zeros(shard_numel, dtype=dtype, device=at)
         else:
             flat = torch.zeros(padded, dtype=dtype, device=at)
@@ -152,17 +163,24 @@ def build_units(model: nn.Module, *, dp_size: int, dp_rank: int, dtype: torch.dt
                         sharded=sharded)
         for i, (p, view) in enumerate(zip(unit.params, unit.param_views(flat))):
             if p.is_meta:  # onto the device, the same object (ties and references hold)
-                empty = torch.empty(0, dtype=dtype, device=at)
+                empty = torch.empty(0, dtype=flat.dtype, device=at)
                 torch.utils.swap_tensors(p, nn.Parameter(empty, requires_grad=p.requires_grad))
             else:
                 unit.write(i, p.detach())
             # .data, not a swap: the parameter keeps a version counter of its own, so a
-            # gather into the flat buffer does not invalidate what autograd saved of it
+            # gather into the flat buffer does not invalidate what autograd saved of it (a
+            # split unit's rounded half: the parameter takes the 16-bit dtype too)
             p.data = view
         if sharded:
             flat.untyped_storage().resize_(0)
         units.append(unit)
     return units
+
+
+def on_wire(shard: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """The shard as a gather into `full` sends it: rounded to full's dtype (a split unit's
+    16-bit half: the fp32 master rounded once per gather), else itself."""
+    return shard if shard.dtype == full.dtype else shard.to(full.dtype)
 
 
 def partial_runs(unit: FlatUnit, placements: dict[str, Placement]
@@ -187,8 +205,9 @@ class UnitComm:
 
     def gather_params(self, unit: FlatUnit, full: torch.Tensor, shard: torch.Tensor, *,
                       phase: str, async_op: bool = True) -> Handle:
-        """full [padded] <- every rank's shard [padded / dp]."""
-        return self.comm.all_gather(full, shard, async_op=async_op, tag="param")
+        """full [padded] <- every rank's shard [padded / dp], sent in full's dtype."""
+        return self.comm.all_gather(full, on_wire(shard, full), async_op=async_op,
+                                    tag="param")
 
     def reduce_grads(self, unit: FlatUnit, shard: torch.Tensor, full: torch.Tensor, *,
                      async_op: bool = True) -> Handle:

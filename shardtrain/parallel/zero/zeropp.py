@@ -33,7 +33,7 @@ from shardtrain.comm import Communicator, Handle
 from shardtrain.comm.compress import pack_int8, unpack_int8
 from shardtrain.config import ParallelConfig
 from shardtrain.mesh import ParallelMesh
-from shardtrain.parallel.zero.units import FlatUnit, UnitComm
+from shardtrain.parallel.zero.units import FlatUnit, UnitComm, on_wire
 
 
 def quantized_all_gather(comm: Communicator, output: torch.Tensor, shard: torch.Tensor, *,
@@ -106,10 +106,10 @@ class ZeroPlusPlusComm(UnitComm):
                                         async_op=async_op)
 
         def job() -> None:
-            if self.quantize_weights:
+            if self.quantize_weights:  # from the fp32 shard: int8 on the wire either way
                 quantized_all_gather(self.comm, full, shard, block=self.block)
             else:
-                self.comm.all_gather(full, shard, tag="param")
+                self.comm.all_gather(full, on_wire(shard, full), tag="param")
             if self.node is not None and phase == "forward":
                 # [s, padded / s]: row i is node member i's part
                 self.secondary[unit] = full.view(self.node.size, -1)[self.node.rank].clone()
