@@ -46,10 +46,16 @@ def chunk_pairs(q_chunks: tuple[int, ...], k_chunks: tuple[int, ...],
     return out
 
 
-def _use_efficient(x: torch.Tensor) -> bool:
-    """The one place a kernel is chosen by device: CPU runs its flash kernel; CUDA its
-    flash kernel for fp16 / bf16 and the memory-efficient kernel otherwise (fp32)."""
-    return x.device.type == "cuda" and x.dtype not in (torch.float16, torch.bfloat16)
+def _kernel(x: torch.Tensor) -> str:
+    """The one place a pair's kernel is chosen, by the tensor's device: "cpu" (CPU's flash
+    kernel, any float dtype), on CUDA "flash" for fp16 / bf16 and "efficient" (the
+    memory-efficient kernel) otherwise, fp32 included, which flash does not take."""
+    if x.device.type == "cpu":
+        return "cpu"
+    if x.device.type == "cuda":
+        return "flash" if x.dtype in (torch.float16, torch.bfloat16) else "efficient"
+    raise ValueError(f"ring attention runs its chunk pairs on CPU or CUDA kernels; the "
+                     f"tensors are on {x.device} (set train.device to cpu or cuda)")
 
 
 def _repeat_kv(x: torch.Tensor, h: int) -> torch.Tensor:
@@ -68,11 +74,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str,
     """One pair: q [B, H, c, D], k, v [B, G, c, D] -> (out [B, H, c, D] in q's dtype,
     normalised over this block alone; lse [B, H, c] fp32). DIAG is the causal triangle of
     two chunks at the same positions (square, so the kernel's top-left causal mask)."""
-    causal = kind == DIAG
-    if q.device.type == "cpu":
+    causal, kernel = kind == DIAG, _kernel(q)
+    if kernel == "cpu":
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale)
-    elif _use_efficient(q):
+    elif kernel == "efficient":
         h = q.shape[1]
         out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
             q, _repeat_kv(k, h), _repeat_kv(v, h), None, True, 0.0, causal, scale=scale)
@@ -89,13 +95,13 @@ def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str
     """One pair's gradients from its query chunk's final out [B, H, c, D] (q's dtype), final
     lse [B, H, c] (fp32) and dout [B, H, c, D]: (dq [B, H, c, D], dk, dv [B, G, c, D]) in
     q's dtype, this pair's share of the full attention's gradients."""
-    causal = kind == DIAG
-    if q.device.type == "cpu":
+    causal, kernel = kind == DIAG, _kernel(q)
+    if kernel == "cpu":
         return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
     c, g = q.shape[2], k.shape[1]
     seed = torch.empty((), dtype=torch.int64, device=q.device)  # no dropout: unread
-    if _use_efficient(q):
+    if kernel == "efficient":
         h, pad = q.shape[1], -c % 32
         lse_p = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
         dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
