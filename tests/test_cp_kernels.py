@@ -120,3 +120,9 @@ def test_ulysses_runs_the_flash_kernel_on_the_gathered_sequence():
     names = [name for name, _, _ in ops.ops]
     assert FLASH_CPU in names and FLASH_CPU + "_backward" in names
     assert not [s for _, _, shapes in ops.ops for s in shapes if s[-2:] == (40, 40)]
+
+
+def test_a_device_without_a_pair_kernel_is_refused():
+    q = torch.empty(1, 2, 4, 8, device="meta")
+    with pytest.raises(ValueError, match=r"CPU or CUDA.*train\.device"):
+        attend(q, q, q, DIAG, 8 ** -0.5)
