@@ -24,7 +24,9 @@ the tensor-by-tensor list). One layer, one micro-batch of b sequences of s local
 - MLP: SwiGLU keeps w1 x, w3 x, silu(w1 x) and their product (4 n F v); GELU keeps w1 x
   and its GELU (2 n F v).
 - context parallelism (parallel/context/): the ring core saves q, k, v, out and the lse
-  (the flash terms) and returns out as [b, H, s, D], so wo keeps a copy (+ n H D v).
+  (the flash terms) and returns out as [b, H, s, D], so wo keeps a copy (+ n H D v). Its
+  chunk pairs run fused flash kernels forward and backward: no [c, c] scores are kept
+  (nor made), so no s^2 term.
   Ulysses runs SDPA on the all-to-all'd [b, S, H/N, D] tensors (the same bytes as the
   local ones; kv heads repeated to G' when N does not divide them), and wo keeps the
   all-to-all'd output. Under the zigzag split (the default, parallel.cp_split) SDPA sees

@@ -1,12 +1,21 @@
-"""The per-block math of ring attention, in explicit fp32: which (query chunk, key chunk)
-pairs a ring step computes, one pair's forward (output and log-sum-exp), the log-sum-exp
-merge of partial outputs, and one pair's backward recomputed from the saved log-sum-exp
-(Dao et al. 2022, FlashAttention; the blockwise form of Liu et al. 2023, Ring Attention).
+"""The per-block math of ring attention: which (query chunk, key chunk) pairs a ring step
+computes, one pair's fused attention kernel forward (output and log-sum-exp) and backward,
+and the fp32 log-sum-exp merge of partial outputs (Dao et al. 2022, FlashAttention; Dao
+2023, FlashAttention-2; the blockwise form of Liu et al. 2023, Ring Attention).
 
-Grouped-query attention is a grouped matmul: queries are viewed as [B, G, R, c, D] (R = H/G
-query heads per kv head; head h uses kv head h // R, as in SDPA's enable_gqa), so kv heads
-are never repeated. Shape legend: B batch, G kv heads, R query heads per kv head, c chunk
-length, D head dim.
+A pair never materialises its [c, c] scores: the kernel tiles them internally and returns
+the output and the lse of its rows. Its backward takes the query chunk's FINAL output and
+lse (over all key chunks), so the probabilities it recomputes, exp(S - lse), are the pair's
+slice of the full softmax and delta = rowsum(dO * O) is the full row's: the dq, dk, dv of
+every pair add up to the gradients of the whole attention.
+
+The kernels run in the inputs' dtype (the compute dtype: bf16 under autocast) and accumulate
+in fp32 inside; the lse comes back fp32. Grouped-query attention: q [B, H, c, D] with k, v
+[B, G, c, D] (head h uses kv head h // (H/G), as SDPA's enable_gqa). The CPU flash kernel
+and CUDA's flash kernel take G < H as they are; CUDA's memory-efficient kernel (the fp32
+path on CUDA, where flash needs 16-bit inputs) does not, so kv heads are repeated for that
+pair ([B, H, c, D] copies, freed after the pair) and their gradients summed back.
+Shape legend: B batch, H query heads, G kv heads, c chunk length, D head dim.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from __future__ import annotations
 import torch
 
 FULL, DIAG = "full", "diag"
+_aten = torch.ops.aten
 
 
 def chunk_pairs(q_chunks: tuple[int, ...], k_chunks: tuple[int, ...],
@@ -36,51 +46,84 @@ def chunk_pairs(q_chunks: tuple[int, ...], k_chunks: tuple[int, ...],
     return out
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, kind: str, scale: float) -> torch.Tensor:
-    """q [B, G, R, c, D], k [B, G, c, D] -> scaled scores [B, G, R, c, c]; the diagonal
-    pair masks keys after the query (positions run in step within one chunk)."""
-    s = torch.einsum("bgrqd,bgkd->bgrqk", q, k) * scale
-    if kind == DIAG:
-        c = s.shape[-1]
-        future = torch.ones(c, c, dtype=torch.bool, device=s.device).triu(1)
-        s = s.masked_fill(future, float("-inf"))
-    return s
+def _kernel(x: torch.Tensor) -> str:
+    """The one place a pair's kernel is chosen, by the tensor's device: "cpu" (CPU's flash
+    kernel, any float dtype), on CUDA "flash" for fp16 / bf16 and "efficient" (the
+    memory-efficient kernel) otherwise, fp32 included, which flash does not take."""
+    if x.device.type == "cpu":
+        return "cpu"
+    if x.device.type == "cuda":
+        return "flash" if x.dtype in (torch.float16, torch.bfloat16) else "efficient"
+    raise ValueError(f"ring attention runs its chunk pairs on CPU or CUDA kernels; the "
+                     f"tensors are on {x.device} (set train.device to cpu or cuda)")
+
+
+def _repeat_kv(x: torch.Tensor, h: int) -> torch.Tensor:
+    """[B, G, c, D] -> [B, H, c, D] (head h uses kv head h // (H/G))."""
+    return x if x.shape[1] == h else x.repeat_interleave(h // x.shape[1], dim=1)
+
+
+def _fold_kv(dx: torch.Tensor, g: int) -> torch.Tensor:
+    """The repeat's adjoint: [B, H, c, D] -> [B, G, c, D], summing each kv head's copies."""
+    b, h, c, d = dx.shape
+    return dx if h == g else dx.view(b, g, h // g, c, d).sum(2)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str,
            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One pair, fp32: q [B, G, R, c, D], k, v [B, G, c, D] -> (out [B, G, R, c, D],
-    lse [B, G, R, c]), out normalised over this block alone."""
-    s = _scores(q, k, kind, scale)
-    lse = torch.logsumexp(s, dim=-1)  # [B, G, R, c]; finite: each row keeps >= 1 key
-    p = torch.exp(s - lse.unsqueeze(-1))
-    return torch.einsum("bgrqk,bgkd->bgrqd", p, v), lse
+    """One pair: q [B, H, c, D], k, v [B, G, c, D] -> (out [B, H, c, D] in q's dtype,
+    normalised over this block alone; lse [B, H, c] fp32). DIAG is the causal triangle of
+    two chunks at the same positions (square, so the kernel's top-left causal mask)."""
+    causal, kernel = kind == DIAG, _kernel(q)
+    if kernel == "cpu":
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale)
+    elif kernel == "efficient":
+        h = q.shape[1]
+        out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
+            q, _repeat_kv(k, h), _repeat_kv(v, h), None, True, 0.0, causal, scale=scale)
+        lse = lse[..., :q.shape[2]]  # the kernel pads its lse rows to a multiple of 32
+    else:
+        out, lse = _aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale)[:2]
+    return out, lse.float()
+
+
+def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str,
+                    scale: float, out: torch.Tensor, lse: torch.Tensor,
+                    dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One pair's gradients from its query chunk's final out [B, H, c, D] (q's dtype), final
+    lse [B, H, c] (fp32) and dout [B, H, c, D]: (dq [B, H, c, D], dk, dv [B, G, c, D]) in
+    q's dtype, this pair's share of the full attention's gradients."""
+    causal, kernel = kind == DIAG, _kernel(q)
+    if kernel == "cpu":
+        return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    c, g = q.shape[2], k.shape[1]
+    seed = torch.empty((), dtype=torch.int64, device=q.device)  # no dropout: unread
+    if kernel == "efficient":
+        h, pad = q.shape[1], -c % 32
+        lse_p = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
+        dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, _repeat_kv(k, h), _repeat_kv(v, h), None, out, lse_p.contiguous(),
+            seed, seed, 0.0, [True, True, True, False], causal, scale=scale)
+        return dq, _fold_kv(dk, g), _fold_kv(dv, g)
+    # Dense inputs: no cumulative sequence lengths (None: the kernel's dense path).
+    return _aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse.contiguous(), None, None, c, c, 0.0, causal, seed, seed,
+        scale=scale)
 
 
 def merge(acc: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor,
           lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fold one block's (out, lse) into the running (out, lse) of a query chunk: with
-    lse = log(sum_j exp(lse_j)), out = sum_j exp(lse_j - lse) out_j (fp32)."""
-    if acc is None:
-        return out, lse
+    """Fold one block's (out [B, H, c, D], lse [B, H, c]) into the running fp32 (out, lse)
+    of a query chunk: with lse = log(sum_j exp(lse_j)), out = sum_j exp(lse_j - lse) out_j.
+    The running out is updated in place: pass blocks' outs this merge may own (a kernel's
+    fresh output), never a tensor kept elsewhere."""
+    if acc is None:  # the first block's out (cast to fp32) becomes the running out
+        return out.float(), lse
     acc_out, acc_lse = acc
-    new = torch.logaddexp(acc_lse, lse)  # [B, G, R, c]
+    new = torch.logaddexp(acc_lse, lse)  # [B, H, c]
     w_acc = torch.exp(acc_lse - new).unsqueeze(-1)
     w_new = torch.exp(lse - new).unsqueeze(-1)
-    return acc_out * w_acc + out * w_new, new
-
-
-def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str,
-                    scale: float, lse: torch.Tensor, dout: torch.Tensor,
-                    delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One pair's gradients, fp32, from the final lse [B, G, R, c] of its query chunk and
-    delta = rowsum(dout * out) [B, G, R, c]: P = exp(S - lse) is this pair's slice of the
-    full softmax, dV = P^T dO, dP = dO V^T, dS = P * (dP - delta), dQ = dS K * scale,
-    dK = dS^T Q * scale. Returns (dq [B, G, R, c, D], dk, dv [B, G, c, D])."""
-    p = torch.exp(_scores(q, k, kind, scale) - lse.unsqueeze(-1))  # [B, G, R, c, c]
-    dv = torch.einsum("bgrqk,bgrqd->bgkd", p, dout)
-    dp = torch.einsum("bgrqd,bgkd->bgrqk", dout, v)
-    ds = p * (dp - delta.unsqueeze(-1))
-    dq = torch.einsum("bgrqk,bgkd->bgrqd", ds, k) * scale
-    dk = torch.einsum("bgrqk,bgrqd->bgkd", ds, q) * scale
-    return dq, dk, dv
+    return acc_out.mul_(w_acc).addcmul_(out, w_new), new

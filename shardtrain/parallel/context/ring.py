@@ -6,12 +6,15 @@ split.py).
 At step i (0 <= i < N) rank r attends to the kv block of rank (r - i) mod N; the block of
 step i + 1 is already in flight (isend to r + 1, irecv from r - 1, posted before the step's
 compute and waited after it). Partial outputs merge by their log-sum-exp (blocks.py).
-Backward recomputes each pair's probabilities from the saved q, k, v, out and lse; dq
-accumulates locally, and the fp32 dK/dV accumulator of a block follows the block around
-the ring (each rank adds its part and passes it on; one last hop returns it to its owner).
+Every pair runs a fused attention kernel in the compute dtype (bf16 under autocast) that
+never materialises its [c, c] scores (blocks.py); only q, k, v, out and lse are kept for
+backward, where each pair's backward kernel recomputes its tiles from the final out and lse;
+dq accumulates locally in fp32, and the fp32 dK/dV accumulator of a block follows the block
+around the ring (each rank adds its part and passes it on; one last hop returns it to its
+owner).
 
 Bytes each rank sends per attention call (the planner reproduces these; N = cp, s = S/N
-local tokens, kv = 2*B*G*s*D elements in the input dtype, packed as one [2, B, G, s, D]
+local tokens, kv = 2*B*G*s*D elements in the compute dtype, packed as one [2, B, G, s, D]
 tensor per message; the same counts are received):
   forward:  (N-1) messages of kv              -> (N-1) * kv * dtype_bytes   (tag cp.kv)
   backward: (N-1) messages of kv              -> (N-1) * kv * dtype_bytes   (tag cp.kv)
@@ -45,23 +48,16 @@ class _Ring:
     timer: Any  # ComputeTimer | NoTimer
 
 
-def _grouped(x: torch.Tensor, g: int) -> torch.Tensor:
-    """[B, H, s, D] -> [B, G, H/G, s, D] (head h = g * H/G + j uses kv head g)."""
-    b, h, s, d = x.shape
-    return x.view(b, g, h // g, s, d)
-
-
 def _chunk(x: torch.Tensor, i: int, c: int, dim: int) -> torch.Tensor:
     return x.narrow(dim, i * c, c)
 
 
 def _forward(ring: _Ring, qs, ks, vs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per played rank: out [B, H, s, D] (input dtype) and lse [B, G, R, s] (fp32)."""
+    """Per played rank: out [B, H, s, D] (the inputs' dtype) and lse [B, H, s] (fp32)."""
     split, tr, timer = ring.split, ring.transport, ring.timer
-    n, c, g = split.cp, split.chunk_len, ks[0].shape[1]
+    n, c = split.cp, split.chunk_len
     scale = qs[0].shape[-1] ** -0.5
-    q5 = [_grouped(q, g).float() for q in qs]  # [B, G, R, s, D]
-    kv = [torch.stack((k, v)) for k, v in zip(ks, vs)]  # [2, B, G, s, D], input dtype
+    kv = [torch.stack((k, v)) for k, v in zip(ks, vs)]  # [2, B, G, s, D], compute dtype
     acc: list[list] = [[None] * len(split.chunks(r)) for r in tr.ranks]
     for step in range(n):
         pending = tr.shift(kv, TAG_KV) if step < n - 1 else None  # the next block in flight
@@ -69,32 +65,31 @@ def _forward(ring: _Ring, qs, ks, vs) -> tuple[list[torch.Tensor], list[torch.Te
         for m, r in enumerate(tr.ranks):
             owner = (r - step) % n
             for qi, ki, kind in chunk_pairs(split.chunks(r), split.chunks(owner), ring.causal):
-                k_blk, v_blk = _chunk(kv[m], ki, c, 3).float().unbind(0)  # [B, G, c, D]
-                o, lse = attend(_chunk(q5[m], qi, c, 3), k_blk, v_blk, kind, scale)
-                acc[m][qi] = merge(acc[m][qi], o, lse)
+                k_blk, v_blk = _chunk(kv[m], ki, c, 3).unbind(0)  # [B, G, c, D]
+                o, lse = attend(_chunk(qs[m], qi, c, 2), k_blk, v_blk, kind, scale)
+                acc[m][qi] = merge(acc[m][qi], o, lse)  # fp32 [B, H, c, D], [B, H, c]
         timer.stop()
         if pending is not None:
             kv = pending.wait()
     timer.start()
-    outs = [torch.cat([o for o, _ in a], dim=3).view(q.shape).to(q.dtype)
-            for a, q in zip(acc, qs)]  # [B, H, s, D]
-    lses = [torch.cat([lse for _, lse in a], dim=3) for a in acc]  # [B, G, R, s]
+    outs = [torch.cat([o for o, _ in a], dim=2).to(q.dtype) for a, q in zip(acc, qs)]
+    lses = [torch.cat([lse for _, lse in a], dim=2) for a in acc]  # [B, H, s]
     timer.stop()
     return outs, lses
 
 
 def _backward(ring: _Ring, qs, ks, vs, outs, lses, douts):
-    """Per played rank: dq [B, H, s, D], dk, dv [B, G, s, D] in the inputs' dtypes."""
+    """Per played rank: dq [B, H, s, D], dk, dv [B, G, s, D], fp32 sums of the pairs'
+    gradients. Each pair's kernel gets its query chunk's final out and lse
+    (blocks.attend_backward)."""
     split, tr, timer = ring.split, ring.transport, ring.timer
-    n, c, g = split.cp, split.chunk_len, ks[0].shape[1]
+    n, c = split.cp, split.chunk_len
     scale = qs[0].shape[-1] ** -0.5
     timer.start()
-    q5 = [_grouped(q, g).float() for q in qs]  # [B, G, R, s, D]
-    do5 = [_grouped(d.contiguous(), g).float() for d in douts]
-    delta = [(do * _grouped(o, g).float()).sum(-1) for do, o in zip(do5, outs)]  # [B, G, R, s]
-    dq5 = [torch.zeros_like(q) for q in q5]
+    douts = [d.to(q.dtype) for d, q in zip(douts, qs)]
+    dqs = [torch.zeros_like(q, dtype=torch.float32) for q in qs]  # [B, H, s, D]
     timer.stop()
-    kv = [torch.stack((k, v)) for k, v in zip(ks, vs)]  # [2, B, G, s, D], input dtype
+    kv = [torch.stack((k, v)) for k, v in zip(ks, vs)]  # [2, B, G, s, D], compute dtype
     travelling = None  # the dK/dV accumulators in flight from the previous step
     for step in range(n):
         pending = tr.shift(kv, TAG_KV) if step < n - 1 else None
@@ -103,12 +98,12 @@ def _backward(ring: _Ring, qs, ks, vs, outs, lses, douts):
         for m, r in enumerate(tr.ranks):
             owner = (r - step) % n
             for qi, ki, kind in chunk_pairs(split.chunks(r), split.chunks(owner), ring.causal):
-                k_blk, v_blk = _chunk(kv[m], ki, c, 3).float().unbind(0)  # [B, G, c, D]
+                k_blk, v_blk = _chunk(kv[m], ki, c, 3).unbind(0)  # [B, G, c, D]
                 dq, dk, dv = attend_backward(
-                    _chunk(q5[m], qi, c, 3), k_blk, v_blk, kind, scale,
-                    _chunk(lses[m], qi, c, 3), _chunk(do5[m], qi, c, 3),
-                    _chunk(delta[m], qi, c, 3))
-                _chunk(dq5[m], qi, c, 3).add_(dq)
+                    _chunk(qs[m], qi, c, 2), k_blk, v_blk, kind, scale,
+                    _chunk(outs[m], qi, c, 2), _chunk(lses[m], qi, c, 2),
+                    _chunk(douts[m], qi, c, 2))
+                _chunk(dqs[m], qi, c, 2).add_(dq)
                 _chunk(part[m][0], ki, c, 2).add_(dk)
                 _chunk(part[m][1], ki, c, 2).add_(dv)
         timer.stop()
@@ -119,21 +114,30 @@ def _backward(ring: _Ring, qs, ks, vs, outs, lses, douts):
         if pending is not None:
             kv = pending.wait()
     dkv = travelling.wait() if travelling is not None else part  # own block, all ranks' sum
-    dqs = [d.view(q.shape).to(q.dtype) for d, q in zip(dq5, qs)]
-    dks = [d[0].to(k.dtype) for d, k in zip(dkv, ks)]
-    dvs = [d[1].to(v.dtype) for d, v in zip(dkv, vs)]
-    return dqs, dks, dvs
+    return dqs, [d[0] for d in dkv], [d[1] for d in dkv]
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the kernels run in: autocast's where it is on (as SDPA would run), else the
+    inputs' own (fp32 runs stay fp32)."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
 class _RingAttention(torch.autograd.Function):
-    """Inputs: the ring, then q, k, v of every played rank (m each); outputs: m outs."""
+    """Inputs: the ring, then q, k, v of every played rank (m each); outputs: m outs, in the
+    compute dtype. Saved for backward: q, k, v (compute dtype), out and lse: O(s), never
+    a chunk pair's [c, c] scores."""
 
     @staticmethod
     def forward(ctx, ring: _Ring, *tensors: torch.Tensor):
         m = len(ring.transport.ranks)
+        dtype = _compute_dtype(tensors[0])
+        ctx.in_dtypes = [t.dtype for t in tensors]
+        tensors = [t.to(dtype) for t in tensors]
         qs, ks, vs = tensors[:m], tensors[m:2 * m], tensors[2 * m:]
-        # The block math is fp32 by design: under the model's autocast its matmuls would
-        # otherwise run (and its log-sum-exp come out) in bf16.
+        # Autocast off inside: the kernels take the compute dtype as given, and the merge
+        # of partial outputs stays fp32 (under autocast its products would run in bf16).
         with torch.autocast(qs[0].device.type, enabled=False):
             outs, lses = _forward(ring, qs, ks, vs)
         ctx.ring = ring
@@ -146,8 +150,9 @@ class _RingAttention(torch.autograd.Function):
         saved = ctx.saved_tensors
         qs, ks, vs, outs, lses = (saved[i * m:(i + 1) * m] for i in range(5))
         with torch.autocast(qs[0].device.type, enabled=False):
-            dqs, dks, dvs = _backward(ctx.ring, qs, ks, vs, outs, lses, douts)
-        return (None, *dqs, *dks, *dvs)
+            grads = _backward(ctx.ring, qs, ks, vs, outs, lses, douts)
+        grads = [g.to(dt) for g, dt in zip((x for gs in grads for x in gs), ctx.in_dtypes)]
+        return (None, *grads)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,

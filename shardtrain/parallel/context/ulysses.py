@@ -4,7 +4,9 @@ runs on the full sequence for H/N heads, and a second all-to-all trades back (Ja
 
 Forward, per attention call: one all_to_all of q, k, v packed together ([N, B, H/N + 2G'/N,
 s, D]: chunk j carries heads j*H/N.. of q and j*G'/N.. of k and v), causal SDPA on the full
-sequence, one all_to_all of the output back ([N, B, H/N, s, D]). Backward: the same two,
+sequence (a fused kernel: on CPU SDPA dispatches to the flash kernel that ring attention's
+pairs run, grouped-query included; tests/test_cp_kernels.py), one all_to_all of the output
+back ([N, B, H/N, s, D]). Backward: the same two,
 swapped: one all_to_all of dout, one of dq, dk, dv packed. All in the input dtype.
 Bytes each rank sends (the ledger's all_to_all records; N = cp, s = S/N, e = dtype bytes):
   forward:  (N-1)/N * B*s*D*(H + 2G') * e  +  (N-1)/N * B*s*D*H * e
