@@ -4,7 +4,8 @@ Each optimizer step processes `train.global_batch` sequences: this rank's share,
 micro-batches that `Parallelized.forward_backward` runs through the pipeline schedule (one
 stage without pipeline parallelism), gradients accumulated (the loss of each micro-batch
 divided by their number) with gradient communication only after the last; then clipping,
-the optimizer step, metrics, periodic eval and checkpoints.
+the optimizer step, metrics (read from the device on logged steps only: train/pending.py),
+periodic eval and checkpoints.
 """
 
 from __future__ import annotations
