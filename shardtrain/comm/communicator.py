@@ -32,10 +32,10 @@ import torch.distributed as dist
 from shardtrain.comm.algorithms import IMPLEMENTATIONS
 from shardtrain.comm import rooted
 from shardtrain.comm.dispatch import (ALGORITHMS, CHECKS, PRICED, Handle, agreed_link,
-                                      choose_for, on_device, run)
+                                      choose_for, on_device, placed, run)
 from shardtrain.comm.lane import Lane
 from shardtrain.comm.ledger import CommLedger, CommRecord, add_record
-from shardtrain.comm.p2p import Team, flat_view, offsets, post_messages, then, wait_native
+from shardtrain.comm.p2p import Team, flat_view, offsets, then, wait_native
 from shardtrain.comm.peer import PeerOps
 from shardtrain.cost.link import Link
 
@@ -49,7 +49,7 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 class Communicator(PeerOps):
-    """The collectives of one group, each recorded in the ledger (isend/irecv: peer.py)."""
+    """The collectives of one group, each recorded in the ledger (point-to-point: peer.py)."""
 
     def __init__(self, group: dist.ProcessGroup | None, *, name: str, ranks: list[int],
                  ledger: CommLedger, node_size: int = 0, algorithm: str = "native",
@@ -99,6 +99,7 @@ class Communicator(PeerOps):
                    tag: str = "", algorithm: str | None = None, compress=None) -> Handle:
         """Reduce `tensor` in place across the group; every rank gets the result. With
         `compress` (see compress.py) the gradient travels compressed (op sum or avg)."""
+        placed(self, "all_reduce", tensor)
         self._check_op(op)
         if self.size == 1:
             return _finished()
@@ -117,6 +118,7 @@ class Communicator(PeerOps):
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False,
                   tag: str = "", algorithm: str | None = None) -> Handle:
         """Copy group rank `src`'s tensor into every rank's tensor."""
+        placed(self, "broadcast", tensor)
         if self.size == 1:
             return _finished()
         flat, back = flat_view(tensor)
@@ -131,6 +133,7 @@ class Communicator(PeerOps):
     def reduce(self, tensor: torch.Tensor, dst: int = 0, op: str = "sum", *,
                async_op: bool = False, tag: str = "", algorithm: str | None = None) -> Handle:
         """Reduce into group rank `dst`'s tensor; other ranks' tensors are scratch."""
+        placed(self, "reduce", tensor)
         self._check_op(op)
         if self.size == 1:
             return _finished()
@@ -148,6 +151,7 @@ class Communicator(PeerOps):
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
                    tag: str = "", algorithm: str | None = None) -> Handle:
         """output [size * n] <- the concatenation of every rank's input [n]."""
+        placed(self, "all_gather", output, input)
         m = input.numel()
         self.expect(output.numel() == m * self.size, "all_gather",
                      f"output has {output.numel()} elements, expected {self.size} x {m}")
@@ -172,6 +176,7 @@ class Communicator(PeerOps):
                        async_op: bool = False, tag: str = "",
                        algorithm: str | None = None) -> Handle:
         """output [n] <- chunk `rank` of the reduction of every rank's input [size * n]."""
+        placed(self, "reduce_scatter", output, input)
         self._check_op(op)
         self.expect(input.numel() == output.numel() * self.size, "reduce_scatter",
                      f"input has {input.numel()} elements, expected {self.size} x {output.numel()}")
@@ -196,11 +201,13 @@ class Communicator(PeerOps):
     def gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int = 0, *,
                tag: str = "", algorithm: str | None = None) -> None:
         """On `dst`, output [size * n] <- every rank's input [n]; output is ignored elsewhere."""
+        placed(self, "gather", output, input)
         rooted.gather(self, output, input, dst, tag=tag, algorithm=algorithm)
 
     def scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int = 0, *,
                 tag: str = "", algorithm: str | None = None) -> None:
         """output [n] <- chunk `rank` of `src`'s input [size * n]."""
+        placed(self, "scatter", output, input)
         rooted.scatter(self, output, input, src, tag=tag, algorithm=algorithm)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *,
@@ -208,6 +215,7 @@ class Communicator(PeerOps):
                    tag: str = "", algorithm: str | None = None) -> None:
         """Chunk j of this rank's input goes to rank j; chunk i of output comes from rank i
         (equal chunks unless splits, in elements of dim 0, are given)."""
+        placed(self, "all_to_all", output, input)
         if self.size == 1:
             output.copy_(input)
             return
@@ -235,29 +243,6 @@ class Communicator(PeerOps):
         if not async_op:
             handle.wait()
         return handle
-
-    def send(self, tensor: torch.Tensor, dst: int, *, tag: str = "") -> None:
-        self.record("send", tensor, "native", tag)
-        self._wait("send", [(dist.isend(tensor.contiguous(), group=self.group, group_dst=dst),
-                             f"send to group rank {dst} on group {self.name}")], [dst], tag)
-
-    def recv(self, tensor: torch.Tensor, src: int, *, tag: str = "") -> None:
-        self.record("recv", tensor, "native", tag)
-        self._wait("recv", [(dist.irecv(tensor, group=self.group, group_src=src),
-                             f"recv from group rank {src} on group {self.name}")], [src], tag)
-
-    def exchange(self, sends: list[tuple[int, torch.Tensor, str]],
-                 recvs: list[tuple[int, torch.Tensor, str]]) -> None:
-        """Point-to-point transfers posted together (batch_isend_irecv), then all waited for;
-        each is (peer group rank, tensor, tag). A rank that sends and receives at the same
-        time needs this: with blocking send-then-receive it and a peer doing the same would
-        wait for each other. Messages between two ranks match in posting order per tag (the
-        tag also labels the ledger record), so different kinds of message cannot cross."""
-        for op, messages in (("send", sends), ("recv", recvs)):
-            for peer, tensor, tag in messages:
-                self.record(op, tensor, "native", tag)
-        self._wait("exchange", post_messages(self.group, self.name, sends, recvs),
-                   sorted({peer for peer, _, _ in sends + recvs}))
 
     def barrier(self) -> None:
         if self.size > 1:

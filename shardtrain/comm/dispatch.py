@@ -17,7 +17,8 @@ group and op. These figures are metadata: CPU tensors on the group's CPU side ch
 
 Devices: our point-to-point algorithms run on CPU tensors over Gloo. On a CUDA group only
 `native` (NCCL's own collectives) runs; `on_device` refuses the others, and config
-validation (shardtrain.launch.check_device) refuses them before a run starts.
+validation (shardtrain.launch.check_device) refuses them before a run starts. Every tensor
+handed to a call must live on the group's device (`placed`, checked on every call).
 
 Where a call runs (the Lane). On Gloo every wait blocks the waiting thread until the
 transfer is done. A synchronous call with nothing queued runs right away on the caller's
@@ -61,6 +62,21 @@ def on_device(name: str, device: torch.device, group: str) -> None:
     if device.type == "cuda" and name != "native":
         raise ValueError(f"comm.algorithm={name!r} on group {group}: our point-to-point "
                          "algorithms run on CPU (Gloo) only; on CUDA use comm.algorithm=native")
+
+
+def placed(comm, op: str, *tensors: torch.Tensor | None) -> None:
+    """Refuse a tensor that is not on `comm`'s device (Gloo: the CPU; NCCL: the rank's GPU):
+    the backend would fail deep inside, or a CPU tensor would take Gloo's path on a GPU run
+    without a word. Metadata only (no sync): every call of every group, world size 1
+    included, checks its tensors (None: a root-only argument elsewhere). A group's device
+    named without an index ("cuda") takes any GPU's tensor."""
+    want = comm.device
+    for have in (t.device for t in tensors if t is not None):
+        if have.type == want.type and (want.index is None or have.index == want.index):
+            continue
+        raise ValueError(f"{op} on group {comm.name}: a tensor on {have}, but the group's "
+                         f"payload lives on {want}; move it there (.to({str(want)!r})) or "
+                         "make it there (device=)")
 
 
 def serves(name: str, op: str, *, equal_splits: bool = True) -> bool:

@@ -1,4 +1,5 @@
-"""Non-blocking point-to-point messages: `isend`, and `irecv` from one peer or from any.
+"""Point-to-point messages: blocking `send`, `recv` and `exchange` (the pipeline's batches),
+and non-blocking `isend`, and `irecv` from one peer or from any.
 
 A parameter server must take whichever worker's push arrives first (asynchronous training:
 Li et al. 2014), and a worker keeps a bounded number of pushes in flight while backward goes
@@ -13,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardtrain.comm.p2p import message_tag, wait_native
+from shardtrain.comm.dispatch import placed
+from shardtrain.comm.p2p import message_tag, post_messages, wait_native
 
 
 class PeerWork:
@@ -39,10 +41,38 @@ class PeerWork:
 
 
 class PeerOps:
-    """Mixed into Communicator (uses its group, name, ledger, timeout and tag scheme)."""
+    """Mixed into Communicator (uses its group, name, ledger, timeout and tag scheme): the
+    blocking send, recv and exchange, and the non-blocking isend and irecv."""
+
+    def send(self, tensor: torch.Tensor, dst: int, *, tag: str = "") -> None:
+        placed(self, "send", tensor)
+        self.record("send", tensor, "native", tag)
+        self._wait("send", [(dist.isend(tensor.contiguous(), group=self.group, group_dst=dst),
+                             f"send to group rank {dst} on group {self.name}")], [dst], tag)
+
+    def recv(self, tensor: torch.Tensor, src: int, *, tag: str = "") -> None:
+        placed(self, "recv", tensor)
+        self.record("recv", tensor, "native", tag)
+        self._wait("recv", [(dist.irecv(tensor, group=self.group, group_src=src),
+                             f"recv from group rank {src} on group {self.name}")], [src], tag)
+
+    def exchange(self, sends: list[tuple[int, torch.Tensor, str]],
+                 recvs: list[tuple[int, torch.Tensor, str]]) -> None:
+        """Point-to-point transfers posted together (batch_isend_irecv), then all waited for;
+        each is (peer group rank, tensor, tag). A rank that sends and receives at the same
+        time needs this: with blocking send-then-receive it and a peer doing the same would
+        wait for each other. Messages between two ranks match in posting order per tag (the
+        tag also labels the ledger record), so different kinds of message cannot cross."""
+        for op, messages in (("send", sends), ("recv", recvs)):
+            for peer, tensor, tag in messages:
+                placed(self, "exchange", tensor)
+                self.record(op, tensor, "native", tag)
+        self._wait("exchange", post_messages(self.group, self.name, sends, recvs),
+                   sorted({peer for peer, _, _ in sends + recvs}))
 
     def isend(self, tensor: torch.Tensor, dst: int, *, tag: str = "") -> PeerWork:
         """Post a send of `tensor` (kept alive and unchanged until the work is done)."""
+        placed(self, "isend", tensor)
         self.record("send", tensor, "native", tag)
         work = dist.isend(tensor, group=self.group, group_dst=dst, tag=message_tag(tag))
         return PeerWork(work, dst, f"send ({tag}) to group rank {dst} on group {self.name}",
@@ -52,6 +82,7 @@ class PeerOps:
               tag: str = "") -> PeerWork:
         """Post a receive into `tensor` (contiguous) from group rank `src`, or from any rank
         of the group when `src` is None; `wait()` then names the sender."""
+        placed(self, "irecv", tensor)
         self.record("recv", tensor, "native", tag)
         if src is None:
             work = self.group.recv_anysource([tensor], message_tag(tag))

@@ -112,8 +112,8 @@ class LossScaler:
         gradients (dp, tp, pp: the same value on every rank), with the step's loss averaged
         over the replicas (the same everywhere too), so every rank decides alike: True if
         this step must be skipped. Moves the scale."""
-        finite_loss = loss is None or bool(torch.isfinite(loss).all())
-        self.skipped = not (finite_loss and bool(torch.isfinite(grad_norm)))
+        finite_loss, finite_grad = self.read_flags(grad_norm, loss)
+        self.skipped = not (finite_loss and finite_grad)
         self.bad = self.skipped and not (self.dynamic and finite_loss)
         if not self.dynamic or not finite_loss:
             return self.skipped
@@ -131,6 +131,18 @@ class LossScaler:
             self.tolerance = self.hysteresis
         return False
 
+    @staticmethod
+    def read_flags(grad_norm: torch.Tensor, loss: torch.Tensor | None) -> tuple[bool, bool]:
+        """(the loss is finite, the gradient norm is finite): both flags are computed on the
+        device and read in one transfer, the step's one agreed decision (train/syncs.py
+        STEP_SYNCS: the optimizer must know on the host whether it steps)."""
+        finite = torch.isfinite(grad_norm.reshape(1))  # [1]
+        if loss is not None:  # a parameter server's norm is a host tensor: the loss joins it
+            finite_loss = torch.isfinite(loss).all().reshape(1).to(finite.device)
+            finite = torch.cat([finite_loss, finite])  # [2]
+        flags = finite.tolist()
+        return (True if loss is None else flags[0]), flags[-1]
+
     def state_dict(self) -> dict:
         return {"scale": self.scale, "clean_steps": self.clean_steps,
                 "tolerance": self.tolerance}
@@ -145,3 +157,4 @@ class LossScaler:
         return cls(dynamic=cfg.train.precision == "fp16", initial=s.initial,
                    growth_interval=s.growth_interval, hysteresis=s.hysteresis,
                    min_scale=s.min_scale)
+

@@ -100,7 +100,9 @@ class Strategy:
 
     @property
     def timeline(self) -> dict[str, Any] | None:
-        """The last training step's timeline (parallel/pipeline/executor.py)."""
+        """The last training step's timeline (parallel/pipeline/executor.py), its action
+        times read (on CUDA: events the step's agreed decision has passed)."""
+        self.pipeline.executor.settle()
         return self.pipeline.timeline
 
     def zero_grad(self) -> None:

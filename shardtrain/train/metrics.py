@@ -166,31 +166,39 @@ class MetricsWriter:
                     if json.loads(line).get("step", 0) <= from_step]
             write_atomic(self.path, "".join(line + "\n" for line in kept))
 
-    def write(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
+    def write(self, *records: dict[str, Any]) -> None:
+        """Append `records` (steps in order: a flush reads several, train/pending.py)."""
+        if not self.enabled or not records:
             return
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        for tracker in self.trackers:
-            tracker.log(record["step"], scalars_of(record))
+            f.write("".join(json.dumps(record) + "\n" for record in records))
+        for record in records:
+            for tracker in self.trackers:
+                tracker.log(record["step"], scalars_of(record))
 
     def close(self) -> None:
         for tracker in self.trackers:
             tracker.close()
 
 
-def moe_metrics(module: torch.nn.Module, comms: list, device: torch.device) -> dict[str, float]:
-    """The step's mixture-of-experts figures (model/moe.py `moe_stats`), summed over this
+def moe_totals(module: torch.nn.Module, comms: list, device: torch.device) -> torch.Tensor:
+    """The step's mixture-of-experts totals (model/moe.py `moe_stats`) [6], summed over this
     rank's MoE layers and micro-batches, then over `comms` (the pipeline and replica
     groups, tag "metric"), so every rank (and rank 0, which writes) holds the whole
-    model's over all replicas: moe_aux_loss and moe_z_loss, the mean over layers,
-    micro-batches and replicas; moe_dropped, the token-slots over capacity, in total;
-    moe_expert_cv, the mean over layers and replicas of the coefficient of variation of
-    one layer's routed counts per expert on one replica in the step. One sync, here."""
+    model's over all replicas. Left on the device: `moe_fields` reads them at the flush
+    (train/pending.py)."""
     total = moe_stats(module, device)
     for comm in comms:
         comm.all_reduce(total, "sum", tag="metric")
-    aux, z, forwards, dropped, cv, layers = total.tolist()
+    return total
+
+
+def moe_fields(total: list[float]) -> dict[str, float]:
+    """`moe_totals`, read: moe_aux_loss and moe_z_loss, the mean over layers, micro-batches
+    and replicas; moe_dropped, the token-slots over capacity, in total; moe_expert_cv, the
+    mean over layers and replicas of the coefficient of variation of one layer's routed
+    counts per expert on one replica in the step."""
+    aux, z, forwards, dropped, cv, layers = total
     forwards, layers = max(forwards, 1.0), max(layers, 1.0)
     return {"moe_aux_loss": aux / forwards, "moe_z_loss": z / forwards,
             "moe_dropped": int(dropped), "moe_expert_cv": cv / layers}

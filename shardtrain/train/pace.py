@@ -11,10 +11,10 @@ spent blocked in the step's collectives. So the two figures of a rank's step are
   within those actions and count here: a straggler's tensor-parallel partners wait inside
   their layers, look as slow as it, and are named with it.
 - `wait_s`: the rest of the step's wall time, step_time_s - compute_s: the pipeline's
-  barrier and transfers, the wait for the gradient all-reduce (or ZeRO's reduce-scatter
-  and gathers), the loss and gradient-norm all-reduces, plus the clipping and optimizer
-  arithmetic, small beside them. (The ledger's per-call `time_s` cannot give it: an
-  asynchronous call's time runs from launch to completion, overlapped compute included.)
+  transfers, the wait for the gradient all-reduce (or ZeRO's reduce-scatter and gathers),
+  the loss and gradient-norm all-reduces, plus the clipping and optimizer arithmetic, small
+  beside them. (The ledger's per-call `time_s` cannot give it: an asynchronous call's time
+  runs from launch to completion, overlapped compute included.)
 
 How they travel: on logged steps (every `train.log_every`, and the last) each rank's
 (rank, compute_s, wait_s) goes to every rank in an all-gather over dp x cp, then tp, then
@@ -93,11 +93,11 @@ class Pace:
         self.rule = StragglerRule(t.straggler_factor, t.straggler_patience, stages)
         self.named: set[int] = set()
 
-    def measure(self, step: int, step_time: float,
-                timeline: dict[str, Any] | None) -> dict[str, Any]:
-        """This step's metrics fields: compute_s and wait_s of this rank; on logged steps
-        (a collective there, on every rank) every rank's, and the stragglers."""
-        compute = busy_seconds(timeline) if timeline is not None else 0.0
+    def measure(self, step: int, step_time: float, compute: float) -> dict[str, Any]:
+        """This step's metrics fields from its seconds and its timeline's busy seconds
+        (`busy_seconds`): compute_s and wait_s of this rank; on logged steps (a collective
+        there, on every rank) every rank's, and the stragglers. Called at the flush
+        (train/pending.py), for every step in order."""
         wait = max(0.0, step_time - compute)
         out: dict[str, Any] = {"compute_s": compute, "wait_s": wait}
         if not self.together or not (step % self.log_every == 0 or step == self.steps):

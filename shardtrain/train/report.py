@@ -4,12 +4,16 @@ rank's compute and wait seconds with the stragglers named (train/pace.py).
 A training run writes `<run_dir>/timeline_rank{R}.json` per rank (every layout runs the
 pipeline executor; with parallel.pp = 1 it is one stage): the actions of its last step
 (forward F, backward B, sends and receives of activations and gradients), each with its
-start and end in seconds from the step start. From them this module draws a Gantt chart
+start and end in seconds from the origin the pipeline group agreed at its first step
+(parallel/pipeline/executor.py). From them this module draws a Gantt chart
 (`<run_dir>/timeline.png`, one row per rank) and measures the bubble:
 
     bubble(stage) = 1 - busy compute seconds of the stage / span of the step
 
-where the span runs from the first action of any rank to the last. With equal-cost
+where the span runs from the first forward or backward of any rank to the last action's
+end (a receive posted early, while the previous step's last backward still runs on
+another stage, does not start the step: no barrier aligns the stages' starts). With
+equal-cost
 stages that is the idle share the formula predicts, (p-1)/(m+p-1) for GPipe and 1F1B and
 (p-1)/(v m + p-1) for the interleaved schedule (Narayanan et al. 2021;
 `plan.timing.bubble_fraction`, FORMULAS.md).
@@ -78,9 +82,10 @@ def formula_bubble(t: Timeline) -> float:
 
 
 def step_span(timelines: list[Timeline]) -> tuple[float, float]:
-    """(first start, last end) over every action of every rank."""
+    """(first start of a forward or backward, last end of any action) over every rank."""
     actions = [a for t in timelines for a in t["actions"]]
-    return min(a["start"] for a in actions), max(a["end"] for a in actions)
+    return (min(a["start"] for a in actions if a["op"] in COMPUTE),
+            max(a["end"] for a in actions))
 
 
 def measured_bubbles(timelines: list[Timeline]) -> dict[int, float]:

@@ -4,7 +4,8 @@ Each optimizer step processes `train.global_batch` sequences: this rank's share,
 micro-batches that `Parallelized.forward_backward` runs through the pipeline schedule (one
 stage without pipeline parallelism), gradients accumulated (the loss of each micro-batch
 divided by their number) with gradient communication only after the last; then clipping,
-the optimizer step, metrics, periodic eval and checkpoints.
+the optimizer step, metrics (read from the device on logged steps only: train/pending.py),
+periodic eval and checkpoints.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ from shardtrain.train.finetune import build_skeleton, nf4_bytes, resolve_init_fr
 from shardtrain.train.profile import StepProfiler
 from shardtrain.train.tracking import open_trackers
 from shardtrain.train.interrupt import Interrupt
-from shardtrain.train.metrics import (MetricsWriter, clock, device_peak_flops, moe_metrics,
+from shardtrain.train.metrics import (MetricsWriter, device_peak_flops, moe_fields, moe_totals,
                                       peak_memory, reset_peak_memory)
 from shardtrain.train.optim import build_optimizer, lr_at
-from shardtrain.train.pace import Pace
+from shardtrain.train.pace import Pace, busy_seconds
+from shardtrain.train.pending import PendingRecords, StepTimer
 from shardtrain.train.sample import end_export, end_sample
 from shardtrain.train.saver import Saver
 from shardtrain.train.straggler import slow_down
@@ -105,14 +107,25 @@ class Trainer:
                                      from_step=self.step,
                                      trackers=open_trackers(cfg) if self.is_main else ())
         self.profiler = StepProfiler(t, mesh.rank, device)  # train.profile_steps (profile.py)
+        self.timer = StepTimer(device)
+        self.pending = PendingRecords(self.timer)  # records not read yet (pending.py)
 
     # ------------------------------------------------------------------ one step
 
     def train_step(self) -> dict[str, Any]:
+        """One optimizer step and its record, read now (a host sync: `run` reads records
+        on logged steps only, train/pending.py)."""
+        self.advance()
+        return self.pending.flush()[-1]
+
+    def advance(self) -> dict[str, Any]:
+        """One optimizer step. Its record's device values (loss, gradient norm, MoE totals)
+        and times wait in `pending` until a flush fills them in; the step's one read is
+        the skip decision (parallel/precision.py, train/syncs.py)."""
         t, o = self.cfg.train, self.cfg.optim
         lr = lr_at(self.step, base_lr=t.lr, warmup=o.warmup_steps, total=t.steps,
                    min_ratio=o.min_lr_ratio)
-        start = clock(self.device)
+        start = self.timer.mark()
         hang_here(t.inject_hang, self.mesh.rank, self.step + 1)  # test hooks (guard.py)
         self.parallel.zero_grad()
         with nan_loss(self.parallel.module, t.inject_nan, self.mesh.rank, self.step + 1):
@@ -122,24 +135,33 @@ class Trainer:
             mean_loss = self.parallel.forward_backward(micro_batches, self.sampler.loss_tokens)
         grad_norm = self.parallel.clip_grad_norm(o.grad_clip or float("inf"))
         self.parallel.step(lr)  # not applied if the loss or gradients were not finite
-        elapsed = clock(self.device) - start
+        end = self.timer.mark()
         self.step += 1
-        moe = moe_metrics(self.parallel.module, [self.mesh.comm("pp"), self.mesh.comm(
-            self.mesh.replica_dim)], self.device) if self.cfg.model.n_experts else {}
-        pace = self.pace.measure(self.step, elapsed, self.parallel.timeline)  # logged: gathers
+        moe = [moe_totals(self.parallel.module, [self.mesh.comm("pp"), self.mesh.comm(
+            self.mesh.replica_dim)], self.device)] if self.cfg.model.n_experts else []
+        compute = busy_seconds(self.parallel.timeline)  # after the decision: marks passed
         comm = self.mesh.ledger.totals(self.mesh.ledger.mark())
-        mfu = None if self.peak_flops is None else \
-            self.flops_per_step / (elapsed * self.mesh.world_size * self.peak_flops)
-        return {
-            "step": self.step, "loss": mean_loss.item(), "lr": lr,
-            "grad_norm": grad_norm.item(), "tokens": self.step * self.tokens_per_step,
-            "loss_tokens": self.sampler.loss_tokens,
-            "tokens_per_s": self.tokens_per_step / elapsed, "step_time_s": elapsed,
-            "mfu": mfu, "loss_scale": self.parallel.loss_scale,
+        record = {
+            "step": self.step, "loss": None, "lr": lr, "grad_norm": None,
+            "tokens": self.step * self.tokens_per_step, "loss_tokens": self.sampler.loss_tokens,
+            "tokens_per_s": None, "step_time_s": None, "mfu": None,
+            "loss_scale": self.parallel.loss_scale,
             "skipped": self.parallel.skipped, "bad_step": self.parallel.bad,
             "comm_bytes": comm["sent_bytes"], "comm_calls": comm["calls"],
-            **self.memory_ledger(), **moe, **pace,
+            **self.memory_ledger(),
         }
+
+        def finish(record: dict[str, Any], read: list[float], elapsed: float) -> None:
+            record["loss"], record["grad_norm"] = read[0], read[1]
+            record["tokens_per_s"] = self.tokens_per_step / elapsed
+            record["step_time_s"] = elapsed
+            record["mfu"] = None if self.peak_flops is None else \
+                self.flops_per_step / (elapsed * self.mesh.world_size * self.peak_flops)
+            record.update(moe_fields(read[2:]) if len(read) > 2 else {})
+            record.update(self.pace.measure(record["step"], elapsed, compute))  # logged: gathers
+
+        self.pending.add(record, [mean_loss, grad_norm, *moe], start, end, finish)
+        return record
 
     @torch.no_grad()
     def evaluate(self, n_batches: int = 0) -> float:
@@ -177,20 +199,25 @@ class Trainer:
                    unit="step", dynamic_ncols=True)
         while self.step < t.steps:
             with self.profiler.step(self.step + 1):
-                record = self.train_step()
+                record = self.advance()
+            result.history.append(record)  # filled in by the flush that reads it
             final = self.step == t.steps
-            if (t.eval_every and self.step % t.eval_every == 0) or final:
+            evaluated = bool(t.eval_every and self.step % t.eval_every == 0) or final
+            every = self.cfg.checkpoint.every
+            saved = bool(every and self.step % every == 0) or final
+            # The same steps on every rank (the pace gather is a collective).
+            logged = self.step % t.log_every == 0 or evaluated or saved or record["bad_step"]
+            read = self.pending.flush() if logged else []
+            if evaluated:
                 record["eval_loss"] = result.eval_loss = self.evaluate()
                 # Perplexity: exp of the mean per-token loss (capped: exp overflows past ~709).
                 record["eval_perplexity"] = math.exp(min(record["eval_loss"], 700.0))
-            self.metrics.write(record)
-            result.history.append(record)
+            self.metrics.write(*read)
             self.guard.check(record)  # too many non-finite steps: stop, naming the checkpoint
-            every = self.cfg.checkpoint.every
-            saved = bool(every and self.step % every == 0) or final
             if saved:
                 self.save()
             if interrupt is not None and not final and interrupt.stop_after(self.step):
+                self.metrics.write(*self.pending.flush())
                 if not saved:
                     self.save()
                 self.saver.wait()
@@ -201,7 +228,9 @@ class Trainer:
                 return result
             kill_here(t.inject_kill, self.mesh.rank, self.step)  # a test hook (guard.py)
             bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            if logged:
+                bar.set_postfix(loss=f"{record['loss']:.3f}",
+                                tok_s=f"{record['tokens_per_s']:.0f}")
             if self.is_main and (self.step % t.log_every == 0 or final or "eval_loss" in record
                                  or record["bad_step"]):
                 if not t.progress:

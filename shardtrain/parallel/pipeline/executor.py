@@ -27,12 +27,16 @@ Timeline format (`PipelineExecutor.timeline`, written by the trainer as
 `rank` is the global rank, `stage` the pipeline stage, `chunk` the local chunk index, `step`
 the optimizer step (added by the trainer; `schedule` comes from the caller; under context
 parallelism the pipeline adds `attention_s`, this rank's attention compute seconds); times
-are seconds from the step's start, taken right after a barrier over the pipeline group (so
-stages share a time origin up to the barrier's skew; forward-only evaluation runs skip the
-barrier, their timelines are not kept). Transfers of one batch share its start (posting)
-and end (all complete). On CPU the clock is time.perf_counter(); on CUDA each mark is an
-event recorded on the current stream (`Clock`), read once the step's work is done, so the
-times are the GPU's, not those of the kernel launches.
+are seconds from the origin the pipeline group agreed once, right after a barrier at its
+first training step (so stages share a time origin up to that barrier's skew, and no step
+pays a barrier: the schedule's transfers already order the stages; a forward-only
+evaluation before any training step times from its own start, its timeline is not kept).
+A step's span is from its first forward to its last action (train/report.py). Transfers of
+one batch share its start (posting) and end (all complete). On CPU the clock is
+time.perf_counter(); on CUDA each mark is an event recorded on the current stream (`Clock`),
+so the times are the GPU's, not those of the kernel launches, and the actions' times are
+filled in by `settle()` (the strategy calls it after the step's agreed decision, when
+every mark has passed: no wait).
 """
 
 from __future__ import annotations
@@ -54,27 +58,35 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (output, target
 
 class Clock:
     """Time marks of one run: perf_counter on CPU; CUDA events on a GPU, resolved to seconds
-    from the first mark by `seconds` (which waits for the last event)."""
+    from `origin` (a mark of an earlier run; None: this run's first mark) by `seconds`."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, origin: float | torch.cuda.Event | None = None):
         self.cuda = device.type == "cuda"
         self.marks: list = []
+        self.origin = origin
+
+    @staticmethod
+    def stamp(cuda: bool) -> float | torch.cuda.Event:
+        """Now: perf_counter's seconds, or an event recorded on the current stream."""
+        if not cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def mark(self) -> int:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
+        self.marks.append(self.stamp(self.cuda))
+        if self.origin is None:
+            self.origin = self.marks[0]
         return len(self.marks) - 1
 
     def seconds(self) -> list[float]:
-        """Each mark's time from the first mark."""
+        """Each mark's time from the origin. On CUDA the last mark must have passed
+        (`PipelineExecutor.settle`): waiting for it is the step's own agreed decision's."""
         if not self.cuda:
-            return [t - self.marks[0] for t in self.marks]
-        self.marks[-1].synchronize()
-        return [self.marks[0].elapsed_time(e) / 1e3 for e in self.marks]
+            return [t - self.origin for t in self.marks]
+        self.marks[-1].synchronize()  # passed already: STEP_SYNCS (train/syncs.py)
+        return [self.origin.elapsed_time(e) / 1e3 for e in self.marks]
 
 
 class PipelineExecutor:
@@ -94,6 +106,8 @@ class PipelineExecutor:
         self.rank = rank
         self.timeline: dict[str, Any] | None = None
         self.peak_live = 0  # most micro-batches' activations held at once in the last run
+        self.origin: float | torch.cuda.Event | None = None  # agreed at the first training run
+        self._unsettled: _Run | None = None  # CUDA: the run whose action times are not read
 
     @property
     def virtual_stages(self) -> int:
@@ -115,12 +129,13 @@ class PipelineExecutor:
         gradients are loss_scale times those of the weighted mean loss (loss_scale: fp16's
         loss scaling, else 1). `info`: extra timeline fields (the schedule's name)."""
         m = len(inputs)
+        self.settle()  # the last run's marks have passed (its step was decided)
+        if backward and self.origin is None:  # once: the stages' shared time origin
+            self.comm.barrier()
+            self.origin = Clock.stamp(self.device.type == "cuda")
         run = _Run(self, m, backward, loss_scale)
         run.positions, run.weights = positions, weights
         final_backward = {a.chunk: a.mb for a in actions if a.op == "B"}  # the last per chunk
-        if backward:  # a training step's timeline is kept: give the stages one origin
-            self.comm.barrier()
-        run.clock.mark()  # the origin
         i = 0
         while i < len(actions):
             a = actions[i]
@@ -145,8 +160,19 @@ class PipelineExecutor:
         self.peak_live = run.peak_live
         self.timeline = {"rank": self.rank, "stage": self.stage, "pp": self.pp,
                          "microbatches": m, "virtual_stages": self.virtual_stages,
-                         **(info or {}), "actions": run.events()}
+                         **(info or {})}
+        self._unsettled = run
+        if not run.clock.cuda:
+            self.settle()
         return run.loss_sum
+
+    def settle(self) -> dict[str, Any] | None:
+        """The last run's timeline with its actions' times ("actions"). On CUDA their marks
+        are read here, once the step's work has passed them (module doc)."""
+        if self._unsettled is not None:
+            self.timeline["actions"] = self._unsettled.events()
+            self._unsettled = None
+        return self.timeline
 
     def _virtual(self, chunk: int) -> int:
         return chunk * self.pp + self.stage
@@ -162,7 +188,7 @@ class _Run:
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.outgoing: dict[tuple[str, int, int], torch.Tensor] = {}
         self.loss_sum = torch.zeros((), device=ex.device)
-        self.clock = Clock(ex.device)
+        self.clock = Clock(ex.device, ex.origin)
         self.spans: list[tuple[Action, int, int]] = []  # (action, start mark, end mark)
         self.peak_live = 0
         self.positions: Sequence[torch.Tensor] | None = None  # per micro-batch, or none

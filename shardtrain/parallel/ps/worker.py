@@ -3,11 +3,12 @@ the new weights as the next forward needs them.
 
 Push (wait-free back-propagation, Zhang et al. 2017): a post-accumulate-grad hook counts
 each partition's parameters on the step's last backward; once a partition's gradient is
-complete it is encoded (codec.py) and queued. At most `credit` pushes are in flight; the
-queue hands out the earliest layers first (`priority=layer`, ByteScheduler, Peng et al.
-2019) or in the order backward produced them (`none`: FIFO, last layers first). When backward
-is done the rest drains and a header closes the push: [clock, version computed on, the
-local gradient norm].
+complete it is copied to host memory (on a GPU asynchronously, into a pinned buffer) and
+queued; it is encoded (codec.py) when its push starts. At most `credit` pushes are in
+flight; the queue hands out the earliest layers first (`priority=layer`, ByteScheduler,
+Peng et al. 2019) or in the order backward produced them (`none`: FIFO, last layers first).
+When backward is done the rest drains and a header closes the push: [clock, version
+computed on, the local gradient norm].
 
 Pull: the receives of every partition are posted into the parameters themselves (a
 partition is a contiguous slice of one parameter; on a GPU into host buffers copied in on
@@ -53,7 +54,9 @@ class PSWorker:
         self.version = 0  # the server version of the weights held
         self.timeline: list[list[tuple[int, float]]] = []
         self._sync = True
-        self._queue: list[tuple[int, int, torch.Tensor]] = []  # (key, partition, payload)
+        # (key, partition, (gradient in host memory, the event its copy completes: _to_wire))
+        self._queue: list[tuple[int, int, tuple]] = []
+        self._host: dict[int, torch.Tensor] = {}  # on a GPU: pinned buffers per partition
         self._in_flight: list = []
         self._pushed: set[int] = set()
         self._seq = 0
@@ -102,18 +105,37 @@ class PSWorker:
     def _enqueue(self, j: int) -> None:
         part = self.layout.parts[j]
         grad = self.params[part.param].grad
-        flat = grad.reshape(-1)[part.lo:part.hi].to(WIRE) if grad is not None else \
-            torch.zeros(part.numel, device=WIRE)
+        wire = self._to_wire(j, grad.reshape(-1)[part.lo:part.hi]) if grad is not None else \
+            (torch.zeros(part.numel, device=WIRE), None)
         key = j if self.priority == "layer" else self._seq
         self._seq += 1
-        heapq.heappush(self._queue, (key, j, self.codec.encode(j, flat)))
+        heapq.heappush(self._queue, (key, j, wire))
         self._pushed.add(j)
+
+    def _to_wire(self, j: int, grad: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Partition j's gradient [n] in host memory, and the event the host waits on before
+        it reads the bytes. On CPU the view itself (the codec copies it when the push
+        starts: the gradient is final once its hook ran); on a GPU an asynchronous copy
+        into the partition's pinned host buffer, so backward never waits for it."""
+        if grad.device == WIRE:
+            return grad, None
+        buf = self._host.get(j)
+        if buf is None or buf.dtype != grad.dtype:
+            buf = self._host[j] = torch.empty(grad.numel(), dtype=grad.dtype, device=WIRE,
+                                              pin_memory=True)
+        buf.copy_(grad, non_blocking=True)  # reused: the last step's push encoded it
+        copied = torch.cuda.Event()
+        copied.record()
+        return buf, copied
 
     def _pump(self) -> None:
         """Retire completed pushes; start queued ones while credit remains."""
         self._in_flight = [w for w in self._in_flight if not w.done()]
         while self._queue and len(self._in_flight) < self.credit:
-            _, j, payload = heapq.heappop(self._queue)
+            _, j, (flat, copied) = heapq.heappop(self._queue)
+            if copied is not None:
+                copied.synchronize()  # the codec and Gloo read the bytes on the host
+            payload = self.codec.encode(j, flat)
             dst = self.layout.server_rank(self.layout.parts[j].server)
             self._in_flight.append(self.comm.isend(payload, dst, tag=self.layout.push_tag[j]))
 
