@@ -140,3 +140,20 @@ def check_expert_parallel(cfg: Config) -> None:
         if value:
             raise ConfigError(f"{field}={value} with parallel.ep={p.ep}: {why}; set {field}="
                               f"{fix} or parallel.ep=1")
+
+
+def check_compile(cfg: Config) -> None:
+    """train.compile (parallel/compile.py) compiles each transformer block and composes
+    with data parallelism, ZeRO-1/2/3, pipeline, context and expert parallelism,
+    activation checkpointing, LoRA/QLoRA and a parameter server: their hooks run outside
+    the block's graph, and the collectives inside a block under cp and ep run eagerly
+    between its graphs. Not with tensor parallelism: its collectives sit in forward hooks
+    and autograd functions around every linear of a block, so the graph would break at
+    each and dynamo would trace into the communication code in between."""
+    p = cfg.parallel
+    if cfg.train.compile and p.tp > 1:
+        raise ConfigError(f"train.compile=true with parallel.tp={p.tp}: tensor parallelism's "
+                          "collectives run in hooks and autograd functions around every "
+                          "linear inside a block, which would break the compiled block into "
+                          "many small graphs traced through the communication code; set "
+                          "parallel.tp=1 or train.compile=false")
