@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from dist import run_distributed
 from parity import (BF16_LOSS_RTOL, LOSS_RTOL, WEIGHT_TOL, assert_parity, tiny, train_layout,
@@ -38,8 +39,10 @@ def _runs(rank: int, world_size: int, texts: list[str]) -> list[dict]:
     out = []
     for text in texts:
         torch._dynamo.reset()
+        counters.clear()
         with torch._dynamo.config.patch(error_on_recompile=True):
             out.append(train_layout(rank, world_size, text))
+        out[-1]["graphs"] = counters["stats"]["unique_graphs"]
     return out
 
 
@@ -54,22 +57,26 @@ def world2(tmp_path_factory) -> list[dict]:
 def test_compiled_blocks_match_eager(world2):
     for i, (label, _, bound) in enumerate(ROWS):
         eager, compiled = world2[2 * i], world2[2 * i + 1]
+        assert eager["graphs"] == 0 and compiled["graphs"] > 0, label
         if bound is None:
             assert_parity(eager, compiled, f"compiled {label}")
             continue
-        worst = worst_loss_deviation(eager["losses"], compiled["losses"])
+        # bf16: the loss bound of tests/test_precision.py (Adam's normalised update turns
+        # bf16-sized gradient differences into lr-sized weight ones: losses are compared).
+        worst = worst_loss_deviation(eager["losses"] + [eager["eval_loss"]],
+                                     compiled["losses"] + [compiled["eval_loss"]])
         print(f"{label}: worst relative loss deviation compiled vs eager {worst:.2e}")
-        assert worst <= bound, label
-        for name, w in eager["weights"].items():
-            torch.testing.assert_close(compiled["weights"][name], w, rtol=bound, atol=bound)
+        assert 0 < worst <= bound, label  # > 0: the compiled kernels did run
     assert LOSS_RTOL == 1e-5 and WEIGHT_TOL == 1e-4  # the fp32 bounds this file relies on
 
 
-def test_refused_layout_names_both_fields(tmp_path):
-    cfg = tiny(tmp_path, "tp", "--train.compile", "true", "--parallel.tp", "2")
-    with pytest.raises(ConfigError, match=r"train.compile=true with parallel.tp=2: .* set "
-                                          r"parallel.tp=1 or train.compile=false"):
-        cfg.validate(2)
+@pytest.mark.parametrize("field,value,fix,world", [("parallel.tp", "2", "1", 2),
+                                                    ("parallel.ps_servers", "1", "0", 3)])
+def test_refused_layouts_name_both_fields(tmp_path, field, value, fix, world):
+    cfg = tiny(tmp_path, "bad", "--train.compile", "true", f"--{field}", value)
+    with pytest.raises(ConfigError, match=rf"train.compile=true with {field}={value}: .* set "
+                                          rf"{field}={fix} or train.compile=false"):
+        cfg.validate(world)
     assert not tiny(tmp_path, "default").train.compile  # off unless asked for
 
 

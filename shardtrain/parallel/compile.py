@@ -8,25 +8,27 @@ loss, the pipeline executor, the hooks layouts put on the blocks -- stays eager.
 What is compiled is `block.forward`, not `block` (`nn.Module.compile` would compile the
 module's `__call__`, hooks included): the forward pre-hooks that ZeRO-3 puts on each block
 to gather its parameters (zero/gather.py) run outside the graph, before it, as they do
-eagerly. Activation checkpointing has already replaced `block.forward` with a checkpointed
-call (activation.py); compiling that call puts the checkpoint inside the graph, which torch
-lowers to a recomputation of the block in backward (torchtitan's order: checkpointing, then
-compile).
+eagerly; its one hook inside the block (on the MLP's norm: where backward prefetches the
+next unit) is one graph break. Compiling comes before activation checkpointing
+(parallelize.py): a full checkpoint then wraps the compiled forward and its recomputation
+in backward calls the same graph. Compiled the other way round, the checkpoint is inside
+the graph, where no break is allowed, and that hook would leave the whole block eager.
+Selective checkpointing's wrapped attention core is traced inside the block's graph.
 
 Parts of a block that exchange data with other ranks run eagerly, between compiled pieces
-(`torch.compiler.disable`): a context-parallel attention core (ring or Ulysses,
-context/core.py marks its call) and a mixture-of-experts layer (model/moe.py; under expert parallelism its
-all-to-alls). Their collectives are Python calls through the Communicator (ledger,
-timers, tags), which dynamo would otherwise trace into and split into many small graphs;
-the MoE layer's routing has data-dependent group sizes, and torch's grouped matmul has no
-fp32 trace rule on the CPU. Disabled, each is one graph break: a block becomes two graphs.
+(`torch.compiler.disable`): a context-parallel attention core (ring or Ulysses; context/
+core.py marks its call) and a mixture-of-experts layer (model/moe.py; under expert
+parallelism its all-to-alls). Their collectives are Python calls through the Communicator
+(ledger, timers, tags), which dynamo would otherwise trace into and split into many small
+graphs; the MoE layer's routing has data-dependent group sizes, and torch's grouped matmul
+has no fp32 trace rule on the CPU. Each is one graph break: the block becomes two graphs.
 
 Shapes are static (`dynamic=False`): a training step's blocks always see [micro_batch,
 seq_len, dim] (the tokens a rank holds under cp or sp). Forward-only calls -- evaluation,
 and sampling, whose context grows by one token per call -- run the same forward eagerly:
 each new length would otherwise be a new graph, compiled once and used once.
 
-Which layouts compose is decided in config/compile.py, before any work.
+Which layouts compose is decided before any work: config/layout.py, `check_compile`.
 """
 
 from __future__ import annotations
@@ -56,8 +58,7 @@ class CompiledForward:
 def compile_blocks(blocks: nn.ModuleList) -> None:
     """Compile each block's forward, in place (parameter names and hooks unchanged), with
     an MoE layer left eager (a context-parallel core is never traced: context/core.py);
-    compilation itself happens at each graph's first call. Call it after checkpointing has
-    installed its callables, so what is compiled is the final forward."""
+    compilation itself happens at each graph's first call."""
     for block in blocks:
         if isinstance(block.mlp, MoE):
             block.mlp.forward = torch.compiler.disable(block.mlp.forward)

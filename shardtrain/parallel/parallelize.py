@@ -1,8 +1,8 @@
 """parallelize(model, mesh, cfg): apply a layout to the plain model, in one documented order.
 
 Order: tensor/sequence parallel (tensor/) -> context parallel (context/) -> expert
-parallel (expert/) -> activation checkpointing -> compiled blocks (compile.py, when
-train.compile) -> pipeline split (pipeline/) -> ZeRO
+parallel (expert/) -> compiled blocks (compile.py, when train.compile) -> activation
+checkpointing -> pipeline split (pipeline/) -> ZeRO
 (zero/) or data parallel (data/), or a parameter server (ps/). Expert parallelism swaps
 each MoE layer's experts for this rank's slice (placements over the ep group, beside the
 tp ones in StageShards) and, where cp or sp split a micro-batch's tokens, gives the MoE
@@ -76,12 +76,12 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
         ep = mesh.comm("ep")
         ep_placements = apply_expert_parallel(model, ep)
     apply_token_groups(model, tp, mesh.comm("cp"), sp=cfg.parallel.sp)
+    if cfg.train.compile:  # before checkpointing: a checkpoint runs the compiled forward
+        compile_blocks(model.layers)
     if cfg.train.activation_checkpointing == "full":
         checkpoint_blocks(model.layers)
     elif cfg.train.activation_checkpointing == "selective":  # after cp: it sees the cp core
         checkpoint_attention_cores(model.layers)
-    if cfg.train.compile:  # after checkpointing: it compiles the checkpointed forward
-        compile_blocks(model.layers)
     # Pipeline split: this rank's stage (the model itself when pp = 1), the only part
     # materialised; the full model's names order the layout-independent state dicts.
     module, chunks = split_stages(model, cfg, stage=pp.rank)
