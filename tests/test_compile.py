@@ -7,7 +7,8 @@ Compiling is the slow part (inductor's C++ on a busy 2-core machine: ~20 s per n
 cold, seconds from the on-disk cache), so one two-rank spawn trains three compiled configs
 that between them cover: ZeRO-3's hooks and resized parameter storage with checkpointed
 blocks; the eager islands of a context-parallel core and an expert-parallel MoE layer; bf16
-autocast. Each is compared with the same config trained eagerly.
+autocast on pipeline stages with checkpointed attention cores. Each is compared with the
+same config trained eagerly.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ ROWS = [  # label, overrides, precision bound (None: fp32 parity, parity.py)
                                     "full", "--train.sample_tokens", "4"], None),
     ("cp2 ring x ep2 MoE", ["--parallel.cp", "2", "--model.n_experts", "2", "--parallel.ep",
                             "2"], None),
-    ("bf16 dp2", ["--train.precision", "bf16"], BF16_LOSS_RTOL[False]),
+    ("bf16 pp2 + selective checkpointing", ["--train.precision", "bf16", "--parallel.pp", "2",
+                                            "--train.activation_checkpointing", "selective"],
+     BF16_LOSS_RTOL[False]),
 ]
 
 
