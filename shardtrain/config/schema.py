@@ -12,8 +12,9 @@ from shardtrain.config.data import DataConfig
 from shardtrain.config.errors import ConfigError, positive
 from shardtrain.config.faults import check_faults
 from shardtrain.config.families import check_window
-from shardtrain.config.layout import (check_context_parallel, check_expert_parallel,
-                                      check_pipeline, check_tensor_parallel)
+from shardtrain.config.layout import (check_compile, check_context_parallel,
+                                      check_expert_parallel, check_pipeline,
+                                      check_tensor_parallel)
 from shardtrain.config.lora import LoRAConfig, check_finetune_layout
 from shardtrain.config.model import ModelConfig
 from shardtrain.config.observe import check_observability
@@ -58,6 +59,9 @@ class TrainConfig:
     # none; selective: recompute the attention core (QK^T, softmax, over V) in backward
     # (Korthikanti et al. 2022); full: keep only each block's input (Chen et al. 2016).
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    # torch.compile each transformer block for the training step (parallel/compile.py);
+    # the layouts it composes with: docs/configuration.md, "Compiled blocks".
+    compile: bool = False
     eval_every: int = 100  # steps between evals (0: only at the end)
     eval_batches: int = 4
     log_every: int = 10
@@ -178,6 +182,7 @@ class Config:
         check_context_parallel(self)
         check_expert_parallel(self)
         check_pipeline(self)
+        check_compile(self)
         check_slow_ranks(self.train.slow_ranks, world_size)
         check_faults(self.train, world_size)
         if self.parallel.zero and self.comm.compress != "none":

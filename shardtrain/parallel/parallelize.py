@@ -1,7 +1,8 @@
 """parallelize(model, mesh, cfg): apply a layout to the plain model, in one documented order.
 
 Order: tensor/sequence parallel (tensor/) -> context parallel (context/) -> expert
-parallel (expert/) -> activation checkpointing -> pipeline split (pipeline/) -> ZeRO
+parallel (expert/) -> compiled blocks (compile.py, when train.compile) -> activation
+checkpointing -> pipeline split (pipeline/) -> ZeRO
 (zero/) or data parallel (data/), or a parameter server (ps/). Expert parallelism swaps
 each MoE layer's experts for this rank's slice (placements over the ep group, beside the
 tp ones in StageShards) and, where cp or sp split a micro-batch's tokens, gives the MoE
@@ -32,6 +33,7 @@ from shardtrain.mesh import ParallelMesh
 from shardtrain.model.transformer import Transformer, init_rope
 from shardtrain.parallel.build import Fill, ModuleTarget, Values, filler, materialize
 from shardtrain.parallel.activation import checkpoint_attention_cores, checkpoint_blocks
+from shardtrain.parallel.compile import compile_blocks
 from shardtrain.parallel.context.apply import apply_context_parallel
 from shardtrain.parallel.data.ddp import DataParallel, ReplicatedUpdate
 from shardtrain.parallel.data.topk import SparseUpdates
@@ -74,6 +76,8 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
         ep = mesh.comm("ep")
         ep_placements = apply_expert_parallel(model, ep)
     apply_token_groups(model, tp, mesh.comm("cp"), sp=cfg.parallel.sp)
+    if cfg.train.compile:  # before checkpointing: a checkpoint runs the compiled forward
+        compile_blocks(model.layers)
     if cfg.train.activation_checkpointing == "full":
         checkpoint_blocks(model.layers)
     elif cfg.train.activation_checkpointing == "selective":  # after cp: it sees the cp core

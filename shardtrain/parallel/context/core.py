@@ -35,6 +35,9 @@ class ContextAttention:
         self.comm, self.split, self.mode = comm, split, mode
         self.timer = ComputeTimer(comm.device)
 
+    # Never traced by torch.compile (train.compile, parallel/compile.py): its exchanges are
+    # Python calls through the Communicator; a compiled block breaks its graph here.
+    @torch.compiler.disable
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return MODES[self.mode](q, k, v, comm=self.comm, split=self.split, causal=True,
                                 timer=self.timer)

@@ -1,0 +1,90 @@
+"""Compiled blocks (train.compile, parallel/compile.py): compiled training matches eager
+training on the layouts whose block has something special inside or around it, with no
+recompilation after the first step (evaluation and sampling run eagerly); the refused
+layout is refused before any work, and the planner never proposes compile.
+
+Compiling is the slow part (inductor's C++ on a busy 2-core machine: ~20 s per new graph
+cold, seconds from the on-disk cache), so one two-rank spawn trains three compiled configs
+that between them cover: ZeRO-3's hooks and resized parameter storage with checkpointed
+blocks; the eager islands of a context-parallel core and an expert-parallel MoE layer; bf16
+autocast on pipeline stages with checkpointed attention cores. Each is compared with the
+same config trained eagerly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from dist import run_distributed
+from parity import BF16_LOSS_RTOL, assert_parity, tiny, train_layout, worst_loss_deviation
+from shardtrain import config
+from shardtrain.config import ConfigError
+from shardtrain.plan.layout import Layout, layout_config, layout_overrides
+
+STEPS = ("--train.steps", "3", "--train.eval_every", "2", "--train.eval_batches", "1")
+ROWS = [  # label, overrides, precision bound (None: fp32 parity, parity.py)
+    ("zero3 + full checkpointing", ["--parallel.zero", "3", "--train.activation_checkpointing",
+                                    "full", "--train.sample_tokens", "4"], None),
+    ("cp2 ring x ep2 MoE", ["--parallel.cp", "2", "--model.n_experts", "2", "--parallel.ep",
+                            "2"], None),
+    ("bf16 pp2 + selective checkpointing", ["--train.precision", "bf16", "--parallel.pp", "2",
+                                            "--train.activation_checkpointing", "selective"],
+     BF16_LOSS_RTOL[False]),
+]
+
+
+def _runs(rank: int, world_size: int, texts: list[str]) -> list[dict]:
+    """Each config on this rank, with a fresh compile cache and recompilation an error:
+    after a block's first call, no step, evaluation or sample may compile again."""
+    out = []
+    for text in texts:
+        torch._dynamo.reset()
+        counters.clear()
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            out.append(train_layout(rank, world_size, text))
+        out[-1]["graphs"] = counters["stats"]["unique_graphs"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("compile")
+    texts = [config.to_toml(tiny(tmp, f"{i}-{c}", *STEPS, *o, "--train.compile", c))
+             for i, (_, o, _) in enumerate(ROWS) for c in ("false", "true")]
+    return run_distributed(_runs, 2, texts)[0]
+
+
+def test_compiled_blocks_match_eager(world2):
+    for i, (label, _, bound) in enumerate(ROWS):
+        eager, compiled = world2[2 * i], world2[2 * i + 1]
+        assert eager["graphs"] == 0 and compiled["graphs"] > 0, label
+        if bound is None:
+            assert_parity(eager, compiled, f"compiled {label}")
+            continue
+        # bf16: the loss bound of tests/test_precision.py (Adam's normalised update turns
+        # bf16-sized gradient differences into lr-sized weight ones: losses are compared).
+        worst = worst_loss_deviation(eager["losses"] + [eager["eval_loss"]],
+                                     compiled["losses"] + [compiled["eval_loss"]])
+        print(f"{label}: worst relative loss deviation compiled vs eager {worst:.2e}")
+        assert 0 < worst <= bound, label  # > 0: the compiled kernels did run
+
+
+@pytest.mark.parametrize("field,value,fix,world", [("parallel.tp", "2", "1", 2),
+                                                    ("parallel.ps_servers", "1", "0", 3)])
+def test_refused_layouts_name_both_fields(tmp_path, field, value, fix, world):
+    cfg = tiny(tmp_path, "bad", "--train.compile", "true", f"--{field}", value)
+    with pytest.raises(ConfigError, match=rf"train.compile=true with {field}={value}: .* set "
+                                          rf"{field}={fix} or train.compile=false"):
+        cfg.validate(world)
+    assert not tiny(tmp_path, "default").train.compile  # off unless asked for
+
+
+def test_planner_never_sets_compile():
+    """A plan's layout runs eagerly: compile is the user's choice, added to a plan's
+    overrides (which then pass the same validation as any config)."""
+    layout = Layout(dp=1, tp=2, pp=1, cp=1, micro_batch=1, microbatches=1)
+    assert not any("compile" in o for o in layout_overrides(layout))
+    cfg = config.load("tiny")
+    assert not layout_config(layout, cfg.model, seq_len=32).train.compile
