@@ -14,7 +14,8 @@ the tensor-by-tensor list). One layer, one micro-batch of b sequences of s local
   mean and rstd (8).
 - linear inputs: fp32 keeps a region's normed input once (n r C); under autocast every
   column-parallel linear keeps its own 16-bit cast (3 for q, k, v; 2 for SwiGLU's w1, w3,
-  1 for GELU's w1); under sp they keep the sequence chunk instead (n/t r C, once).
+  1 for GELU's w1). Under tensor parallelism a region's input enters in the compute dtype
+  (tensor/layers.py) and is kept once (n v C), under sp its sequence chunk (n/t v C).
 - attention core, `flash` (what SDPA runs on CPU, fp32 and autocast alike, and on CUDA:
   flash or memory-efficient): q, k, v after RoPE [b, s, H+2G, D] and out [b, s, H, D]
   at v bytes, the logsumexp [b, H, s] fp32; wo's input is out itself. `math` (SDPA's
@@ -88,17 +89,17 @@ def runtime_activation_bytes(cfg: ModelConfig, *, s: int, b: int, t: int = 1,
     heads, kv = cfg.n_heads // t, kv_heads_per_rank(cfg, t)
     llama = cfg.style == "llama"
     norms = 2 * local * ((2 * r * c + 4) if llama else (r * c + 8))
-    if sp:
-        inputs = 2 * local * c * r
-    elif v == 4:
-        inputs = 2 * n * c * r
-    else:
-        inputs = n * c * v * (3 + (2 if llama else 1))
+    if t > 1:  # a tensor-parallel region's input enters in the compute dtype, kept once
+        attn_in = mlp_in = local * c * v  # (under sp its sequence chunk)
+    elif v == 4:  # one fp32 input shared by a region's linears
+        attn_in = mlp_in = n * c * r
+    else:  # autocast's cast of the input, one per linear
+        attn_in, mlp_in = 3 * n * c * v, (2 if llama else 1) * n * c * v
     mlp = (4 if llama else 2) * n * (cfg.ffn_hidden // t) * v
     if cfg.n_experts:
         mlp = moe_block_bytes(cfg, tokens=local, precision=precision, ep=ep)
-        if v == 2 and not sp:  # the router keeps its fp32 input, not the MLP's casts
-            inputs = n * c * v * 3 + n * c * r
+        mlp_in = local * c * r  # the router keeps its fp32 input, not the MLP's casts
+    inputs = attn_in + mlp_in
     lse = 4 * b * heads * s
     out = n * heads * d * v
     qkv = n * (heads + 2 * kv) * d * v
