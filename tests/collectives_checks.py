@@ -16,8 +16,8 @@ from shardtrain.comm.algorithms import IMPLEMENTATIONS, ring
 from shardtrain.comm.p2p import CommError
 from shardtrain.cost.link import Link
 
-# 2^18 + 3: a 1 MiB message that no world size divides, cut into parts of 128-512 KiB.
-COUNTS = (0, 1, 7, 1000, 2**18 + 3)
+# 2^15 + 3: a 128 KiB message that no world size divides, cut into parts of 16-64 KiB.
+COUNTS = (0, 1, 7, 1000, 2**15 + 3)
 REDUCE_OPS = ("sum", "avg", "max", "min")
 TOPOLOGICAL = ("hierarchical", "torus2d")
 # Ties under a pure-bandwidth link go to the first algorithm, ring: a deterministic choice

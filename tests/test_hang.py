@@ -21,7 +21,7 @@ from shardtrain.comm.flight import FlightRecorder, group_key, missing_ranks
 from shardtrain.comm.watchdog import PREFIX, Watchdog
 from shardtrain.data import load_dataset
 
-TIMEOUT_S = 15
+TIMEOUT_S = 10
 MARGIN_S = 30
 
 

@@ -53,7 +53,7 @@ def test_ranked_layouts_pass_config_validation(preset, hw, gpus, batch, seq, ext
 
 @pytest.mark.parametrize("argv, extra", [
     (["--model", "llama3-8b", "--gpus", "16", "--gpu", "h100"], ()),
-    (["--model", "llama3-8b", "--gpus", "64", "--gpu", "h100"], MOE),
+    (["--model", "llama3-8b", "--gpus", "16", "--gpu", "h100"], MOE),
     (["--model", "tiny", "--gpus", "4", "--gpu", "a100", "--global-batch", "8"], MOE),
 ])
 def test_cli_ranked_layouts_pass_config_validation(argv, extra):
