@@ -16,8 +16,8 @@ the graph, where no break is allowed, and that hook would leave the whole block 
 Selective checkpointing's wrapped attention core is traced inside the block's graph.
 
 Parts of a block that exchange data with other ranks run eagerly, between compiled pieces
-(`torch.compiler.disable`): a context-parallel attention core (ring or Ulysses; context/
-core.py marks its call) and a mixture-of-experts layer (model/moe.py; under expert
+(`torch.compiler.disable`): a context-parallel attention core (ring or Ulysses: its
+`attend`, context/core.py) and a mixture-of-experts layer (model/moe.py; under expert
 parallelism its all-to-alls). Their collectives are Python calls through the Communicator
 (ledger, timers, tags), which dynamo would otherwise trace into and split into many small
 graphs; the MoE layer's routing has data-dependent group sizes, and torch's grouped matmul
@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from shardtrain.model.moe import MoE
+from shardtrain.parallel.context.apply import context_cores
 
 
 class CompiledForward:
@@ -57,9 +58,12 @@ class CompiledForward:
 
 def compile_blocks(blocks: nn.ModuleList) -> None:
     """Compile each block's forward, in place (parameter names and hooks unchanged), with
-    an MoE layer left eager (a context-parallel core is never traced: context/core.py);
-    compilation itself happens at each graph's first call."""
+    an MoE layer and a context-parallel core's exchanges left eager; compilation itself
+    happens at each graph's first call."""
     for block in blocks:
         if isinstance(block.mlp, MoE):
             block.mlp.forward = torch.compiler.disable(block.mlp.forward)
+        for core in context_cores(block):  # a core several blocks share: wrapped once
+            if not hasattr(core.attend, "_torchdynamo_disable"):
+                core.attend = torch.compiler.disable(core.attend)
         block.forward = CompiledForward(block.forward)

@@ -35,10 +35,13 @@ class ContextAttention:
         self.comm, self.split, self.mode = comm, split, mode
         self.timer = ComputeTimer(comm.device)
 
-    # Never traced by torch.compile (train.compile, parallel/compile.py): its exchanges are
-    # Python calls through the Communicator; a compiled block breaks its graph here.
-    @torch.compiler.disable
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.attend(q, k, v)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The exchanges and the attention. Compiled blocks leave it eager (train.compile:
+        parallel/compile.py wraps it per instance, so importing this module does not import
+        torch's compiler)."""
         return MODES[self.mode](q, k, v, comm=self.comm, split=self.split, causal=True,
                                 timer=self.timer)
 
