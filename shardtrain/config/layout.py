@@ -142,7 +142,6 @@ def check_expert_parallel(cfg: Config) -> None:
                               f"{fix} or parallel.ep=1")
 
 
-
 def check_compile(cfg: Config) -> None:
     """train.compile (parallel/compile.py) compiles each transformer block's forward and
     composes with the layouts whose hooks sit on or around the block (data parallelism,
