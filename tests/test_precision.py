@@ -30,7 +30,8 @@ LAYOUTS = {  # world size: (label, reference batch, overrides)
         ("zero2 dp2", B8, ["--parallel.zero", "2"]),
         ("zero3 dp2", B8, ["--parallel.zero", "3"]),
         ("pp2 1f1b", B8, ["--parallel.pp", "2", "--parallel.schedule", "1f1b"]),
-        ("tp2", B8, ["--parallel.tp", "2"])],
+        ("tp2", B8, ["--parallel.tp", "2"]),
+        ("tp2 sp", B8, ["--parallel.tp", "2", "--parallel.sp", "true"])],
     4: [("dp4 accumulate", B16, []),
         ("pp2 x dp2 x zero3", B8, ["--parallel.pp", "2", "--parallel.zero", "3"])],
 }
