@@ -124,12 +124,14 @@ def _findings(call: ast.Call, bare: dict[str, str], func_name: str) -> list[tupl
         bare.get(f.id) if isinstance(f, ast.Name) else None
     if name in FACTORIES and not any(k.arg == "device" for k in call.keywords):
         out.append(("factory", name))
-    if func_name == "<module>":
-        pass  # a module constant naming host memory is the sanctioned form (module doc)
-    elif any(k.arg == "device" and _is_cpu(k.value) for k in call.keywords) or \
-            (_dotted(f) == "torch.device" and call.args and _is_cpu(call.args[0])) or \
-            (isinstance(f, ast.Attribute) and f.attr == "to" and call.args
-             and isinstance(call.args[0], ast.Constant) and _is_cpu(call.args[0])):
+    # A module constant naming host memory is the sanctioned form (module doc): only calls
+    # inside functions are held to the cpu rule.
+    in_function = func_name != "<module>"
+    if in_function and (
+            any(k.arg == "device" and _is_cpu(k.value) for k in call.keywords)
+            or (_dotted(f) == "torch.device" and call.args and _is_cpu(call.args[0]))
+            or (isinstance(f, ast.Attribute) and f.attr == "to" and call.args
+                and isinstance(call.args[0], ast.Constant) and _is_cpu(call.args[0]))):
         out.append(("cpu", "cpu"))
     if isinstance(f, ast.Attribute) and f.attr in SYNCS:
         out.append(("sync", f.attr))
