@@ -27,8 +27,8 @@ import torch
 from shardtrain import config
 from shardtrain.comm import build_mesh
 from shardtrain.mesh import MeshShape
-from shardtrain.train.metrics import clock
-from shardtrain.train.saver import Saver
+from shardtrain.train.observe.metrics import clock
+from shardtrain.train.checkpoint.saver import Saver
 from shardtrain.train.trainer import Trainer
 
 

@@ -41,7 +41,7 @@ def worker(cfg_text: str) -> dict:
     from shardtrain.comm import build_mesh
     from shardtrain.launch import ProcessInfo, init_distributed
     from shardtrain.mesh import MeshShape
-    from shardtrain.train.metrics import peak_memory, reset_peak_memory
+    from shardtrain.train.observe.metrics import peak_memory, reset_peak_memory
     from shardtrain.train.trainer import Trainer
 
     cfg = config.loads(cfg_text)

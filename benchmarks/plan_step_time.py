@@ -24,7 +24,7 @@ from shardtrain.cost import calibration, hardware
 from shardtrain.mesh import MeshShape
 from shardtrain.plan.evaluate import evaluate
 from shardtrain.plan.layout import Layout
-from shardtrain.train.calibrate import measure_compute
+from shardtrain.train.start.calibrate import measure_compute
 from shardtrain.train.trainer import Trainer
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from shardtrain import config as config_mod
 from shardtrain.config import Config, ConfigError
-from shardtrain.train.prepare import prepare_run
+from shardtrain.train.start.prepare import prepare_run
 
 USAGE = """shardtrain train [--config FILE.toml|PRESET] [--nproc N] [--section.field VALUE ...]
 shardtrain train --dry-run-world N [...]           (rank 0 of an N-rank job, alone: its memory)
@@ -106,8 +106,8 @@ def cmd_train(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from shardtrain.train.diskspace import EXIT_CODE as DISK_FULL_EXIT
-    from shardtrain.train.interrupt import EXIT_CODES, exit_code
+    from shardtrain.train.checkpoint.diskspace import EXIT_CODE as DISK_FULL_EXIT
+    from shardtrain.train.checkpoint.interrupt import EXIT_CODES, exit_code
 
     try:
         results = launch_local(nproc, run_worker, config_mod.to_toml(cfg),
@@ -119,15 +119,15 @@ def cmd_train(argv: list[str]) -> int:
             return codes.pop()  # a signal (they saved) or a full disk: rank 0 said so
         print(f"shardtrain train: a worker failed:\n{e}", file=sys.stderr)
         return 1
-    except SignalException as e:  # the workers saved and said where (train/interrupt.py)
+    except SignalException as e:  # the workers saved and said where (train/checkpoint/interrupt.py)
         return exit_code(e.sigval)
     return _exit_status(results.get(0, {}))
 
 
 def _exit_status(result: dict) -> int:
-    """0; 130 / 143 when a SIGINT / SIGTERM stopped the run (train/interrupt.py); 74 when a
-    checkpoint did not fit on the disk (train/diskspace.py)."""
-    from shardtrain.train.interrupt import exit_code
+    """0; 130 / 143 when a SIGINT / SIGTERM stopped the run (train/checkpoint/interrupt.py); 74 when a
+    checkpoint did not fit on the disk (train/checkpoint/diskspace.py)."""
+    from shardtrain.train.checkpoint.interrupt import exit_code
 
     if result.get("interrupted"):
         return exit_code(result["interrupted"])
@@ -135,9 +135,9 @@ def _exit_status(result: dict) -> int:
 
 
 def dry_run(cfg: Config, world_size: int, *, nproc: int) -> int:
-    """`--dry-run-world N`: one process, rank 0's share of the N-rank layout (train/dryrun.py)."""
+    """`--dry-run-world N`: one process, rank 0's share of the N-rank layout (train/start/dryrun.py)."""
     from shardtrain.launch import ProcessInfo, check_device, pick_device, under_launcher
-    from shardtrain.train.dryrun import check_dry_run, dry_run as run_dry
+    from shardtrain.train.start.dryrun import check_dry_run, dry_run as run_dry
 
     if nproc or under_launcher():
         raise ConfigError("--dry-run-world runs one process standing for rank 0 of N: drop "
@@ -167,7 +167,7 @@ def cmd_generate(argv: list[str]) -> int:
     from shardtrain.data import load_tokenizer
     from shardtrain.data.tokenizer import BPETokenizer
     from shardtrain.model.generate import generate
-    from shardtrain.train import checkpoint as ckpt
+    from shardtrain.train.checkpoint import checkpoint as ckpt
 
     path = Path(args.checkpoint)
     if (path / "config.json").is_file():  # a Hugging Face directory (shardtrain export's)
@@ -178,7 +178,7 @@ def cmd_generate(argv: list[str]) -> int:
         tok_file = hf_tokenizer(path)
         tokenizer = BPETokenizer(tok_file) if tok_file else ByteTokenizer()
     else:
-        from shardtrain.train.export import load_checkpoint_model
+        from shardtrain.train.finetune.export import load_checkpoint_model
 
         model, cfg = load_checkpoint_model(path)
         saved = path / ckpt.TOKENIZER_FILE
@@ -204,8 +204,8 @@ def cmd_export(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from shardtrain.train.export import export_checkpoint, load_checkpoint_model
-    from shardtrain.train.finetune import save_adapters
+    from shardtrain.train.finetune.export import export_checkpoint, load_checkpoint_model
+    from shardtrain.train.finetune.finetune import save_adapters
 
     path = Path(args.checkpoint)
     if args.max_shard_mb <= 0:
@@ -244,7 +244,7 @@ def cmd_report(argv: list[str]) -> int:
                     "summary and each rank's compute and wait seconds.")
     parser.add_argument("run_dir", help="the train.run_dir of a run with parallel.pp > 1")
     args = parser.parse_args(argv)
-    from shardtrain.train.report import report
+    from shardtrain.train.observe.report import report
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():

@@ -115,7 +115,7 @@ def launch_local(nproc: int, entrypoint, *args, max_restarts: int = 0,
     others and starts them all again, up to `max_restarts` times (workers resume from the
     newest checkpoint: `run_worker`); after that a failing worker raises ChildFailedError.
     A SIGINT or SIGTERM to this process is passed on to the workers, which are given
-    `shutdown_timeout_s` to save and stop (train/interrupt.py), then it raises torch's
+    `shutdown_timeout_s` to save and stop (train/checkpoint/interrupt.py), then it raises torch's
     SignalException."""
     import dataclasses
     import multiprocessing
@@ -142,8 +142,8 @@ class _SignalNotice(logging.Filter):
     full disk, 74): the workers' rank 0 prints the one line that matters."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from shardtrain.train.diskspace import EXIT_CODE
-        from shardtrain.train.interrupt import EXIT_CODES
+        from shardtrain.train.checkpoint.diskspace import EXIT_CODE
+        from shardtrain.train.checkpoint.interrupt import EXIT_CODES
 
         msg = str(record.msg)
         if msg.startswith("failed (exitcode") and record.args and \
@@ -181,10 +181,10 @@ def run_worker(config_text: str) -> dict:
     from shardtrain import config as config_mod
     from shardtrain.comm import build_mesh
     from shardtrain.mesh import MeshShape
-    from shardtrain.train.checkpoint import resume_after_restart
+    from shardtrain.train.checkpoint.checkpoint import resume_after_restart
     from shardtrain.train.guard import restart_count
-    from shardtrain.train.diskspace import EXIT_CODE as DISK_FULL_EXIT, DiskFull
-    from shardtrain.train.interrupt import Interrupt, exit_code
+    from shardtrain.train.checkpoint.diskspace import EXIT_CODE as DISK_FULL_EXIT, DiskFull
+    from shardtrain.train.checkpoint.interrupt import Interrupt, exit_code
     from shardtrain.train.trainer import Trainer
 
     cfg = config_mod.loads(config_text)
@@ -220,7 +220,7 @@ def run_worker(config_text: str) -> dict:
         if watchdog is None:
             raise
         watchdog.abort(str(e).splitlines()[0])  # every rank exits, naming who hung
-    except DiskFull as e:  # every rank stopped at the same save (train/diskspace.py)
+    except DiskFull as e:  # every rank stopped at the same save (train/checkpoint/diskspace.py)
         if info.rank == 0:
             print(f"shardtrain train: error: {e}", file=sys.stderr, flush=True)
         if under_launcher():

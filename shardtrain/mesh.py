@@ -191,7 +191,7 @@ class ParallelMesh:
             parts += keyed.values()
         timeout = timedelta(seconds=self.timeout_s)
         # NCCL payload: metadata on a Gloo group beside. Not under the fake backend of a
-        # dry run (train/dryrun.py): a Gloo group would wait for N - 1 ranks that never
+        # dry run (train/start/dryrun.py): a Gloo group would wait for N - 1 ranks that never
         # come, and the fake group carries CPU tensors as well (by moving nothing).
         side = self.device.type == "cuda" and not (dist.is_initialized()
                                                     and dist.get_backend() == "fake")

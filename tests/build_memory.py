@@ -18,7 +18,7 @@ import torch
 from shardtrain import config
 from shardtrain.plan.layout import config_layout
 from shardtrain.plan.memory import memory_per_gpu
-from shardtrain.train.dryrun import largest_tensor_bytes, rank0_trainer
+from shardtrain.train.start.dryrun import largest_tensor_bytes, rank0_trainer
 
 WORLD = 64
 # ~250M parameters (1 GB in fp32): the whole model stands far above any rank's share.

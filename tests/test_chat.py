@@ -25,7 +25,7 @@ from shardtrain.config.data import IGNORE
 from shardtrain.data.chat import load_chat_tokenizer, render
 from shardtrain.data.chat_rows import COUNTED, START, pack
 from shardtrain.data.rows import Rows
-from shardtrain.train.prepare import prepare_run
+from shardtrain.train.start.prepare import prepare_run
 from shardtrain.train.trainer import Trainer
 
 pytest.importorskip("transformers")

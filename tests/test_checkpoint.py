@@ -21,8 +21,8 @@ from parity import checkpoint_tensors, make_mesh, tiny, train_layouts
 from shardtrain import config
 from shardtrain.config import ConfigError
 from shardtrain.model.hf import save_hf
-from shardtrain.train import checkpoint as ckpt
-from shardtrain.train.export import export_checkpoint, load_checkpoint_model
+from shardtrain.train.checkpoint import checkpoint as ckpt
+from shardtrain.train.finetune.export import export_checkpoint, load_checkpoint_model
 from shardtrain.train.trainer import Trainer
 
 STEPS = ("--train.steps", "4", "--checkpoint.every", "2", "--checkpoint.keep", "2")

@@ -1,4 +1,4 @@
-"""A full disk during a checkpoint (train/diskspace.py): refused before writing when the
+"""A full disk during a checkpoint (train/checkpoint/diskspace.py): refused before writing when the
 free space is short, and an ENOSPC during a write (a patched writer raises it) stops every
 rank at the same save with one message on the main rank, the staging directory removed,
 the last good checkpoint intact; resume works once space is back."""
@@ -18,8 +18,8 @@ from shardtrain import config
 from shardtrain.ckpt.dcp import SavePlanned
 from shardtrain.ckpt.files import Reader
 from shardtrain.cli import main
-from shardtrain.train import checkpoint as ckpt
-from shardtrain.train.diskspace import DiskFull
+from shardtrain.train.checkpoint import checkpoint as ckpt
+from shardtrain.train.checkpoint.diskspace import DiskFull
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
@@ -72,7 +72,7 @@ def test_enospc_while_writing_stops_cleanly_and_resume_works(tmp_path, capsys):
 
 def test_free_space_is_checked_before_writing(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    with mock.patch("shardtrain.train.diskspace._free_bytes", return_value=1000):
+    with mock.patch("shardtrain.train.checkpoint.diskspace._free_bytes", return_value=1000):
         assert main(_args(tmp_path)) == 74
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err

@@ -1,5 +1,5 @@
 """`shardtrain train --dry-run-world N`: rank 0 of an N-rank layout in one process over a
-fake process group (train/dryrun.py). Its model-state bytes equal the planner's exact
+fake process group (train/start/dryrun.py). Its model-state bytes equal the planner's exact
 per-rank count (plan/rank_states.py: the runtime's padding restated torch-free) byte for
 byte, for the tiny model at dp=64 ZeRO-3 and at tp=2 x pp=2 x dp=16; what it cannot do
 it refuses; its report is written atomically."""
@@ -24,7 +24,7 @@ from shardtrain.cost.counts import param_counts
 from shardtrain.plan.layout import Layout, PlanError, config_layout
 from shardtrain.plan.memory import model_states
 from shardtrain.plan.rank_states import bucket_padded, rank0_states, rank0_tensors
-from shardtrain.train import dryrun
+from shardtrain.train.start import dryrun
 
 STATES = ("params", "grads", "master", "optimizer")
 LINK = runtime_link("cpu", gpu_name="", across_nodes=False)
@@ -121,7 +121,7 @@ def test_llama3_8b_tensor_parallel_slices_on_the_meta_device(tmp_path, tp):
     """At Llama-3-8B's shapes (8 kv heads: tp=16 shares each between two ranks), rank 0's
     tensor-parallel tensors, built on the meta device by the runtime, are the planner's."""
     from shardtrain.parallel.tensor.layers import apply_tensor_parallel
-    from shardtrain.train.finetune import build_skeleton
+    from shardtrain.train.finetune.finetune import build_skeleton
 
     cfg = config.load("llama3-8b", ["--parallel.tp", str(tp), "--train.run_dir",
                                     str(tmp_path)])

@@ -5,7 +5,7 @@ with a head size other than dim / n_heads (Qwen3) under tp=2 (each rank normalis
 its heads, so their gradients are summed over tp), llama3 RoPE scaling under cp=2 ring
 attention (positions of a zig-zag chunk index the scaled tables), and a Qwen3 checkpoint
 loaded sharded under tp=2 with a peft adapter continued on it (each rank takes its slice
-of the weights and of A or B: train/peft_format.py). One spawn."""
+of the weights and of A or B: train/finetune/peft_format.py). One spawn."""
 
 from __future__ import annotations
 

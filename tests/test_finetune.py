@@ -22,8 +22,8 @@ from parity import (BF16_LOSS_RTOL, assert_parity, make_mesh, tiny, train_layout
                     train_layouts, worst_loss_deviation)
 from shardtrain import cli, config
 from shardtrain.config import ConfigError
-from shardtrain.train.prepare import prepare_run
-from shardtrain.train.finetune import build_skeleton, resolve_init_from
+from shardtrain.train.start.prepare import prepare_run
+from shardtrain.train.finetune.finetune import build_skeleton, resolve_init_from
 from shardtrain.train.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")

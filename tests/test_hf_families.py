@@ -209,7 +209,7 @@ def test_planner_tensor_parallel_slices_are_the_runtimes(pieces):
     from shardtrain.cost.hardware import runtime_link
     from shardtrain.mesh import MeshShape, ParallelMesh
     from shardtrain.parallel.tensor.layers import apply_tensor_parallel
-    from shardtrain.train import dryrun
+    from shardtrain.train.start import dryrun
 
     cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, **pieces)
     dryrun.fake_world(2)

@@ -1,4 +1,4 @@
-"""Graceful interrupt (train/interrupt.py) on one process: Ctrl-C stops after the current
+"""Graceful interrupt (train/checkpoint/interrupt.py) on one process: Ctrl-C stops after the current
 step with a checkpoint, one line, exit 130, and the handlers are put back. The 2-process
 SIGTERM run, resumed bitwise against an uninterrupted run, is in test_restart.py (it shares
 that file's uninterrupted run)."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from parity import tiny_data
 from shardtrain.cli import main
-from shardtrain.train import checkpoint as ckpt
+from shardtrain.train.checkpoint import checkpoint as ckpt
 
 
 def _steps_done(run_dir: Path) -> int:

@@ -1,4 +1,4 @@
-"""LoRA and QLoRA (train/lora.py, quant/nf4.py): step 0 equals the base model, only the
+"""LoRA and QLoRA (train/finetune/lora.py, quant/nf4.py): step 0 equals the base model, only the
 adapters train, merge/unmerge agree, exports load in transformers, NF4 matches the paper."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 from shardtrain.config import Config, ConfigError
 from shardtrain.config.lora import LoRAConfig
 from shardtrain.model.transformer import build_model
-from shardtrain.train import lora as lora_mod
-from shardtrain.train.finetune import (build_start_model, export_hf, resolve_init_from,
+from shardtrain.train.finetune import lora as lora_mod
+from shardtrain.train.finetune.finetune import (build_start_model, export_hf, resolve_init_from,
                                        save_adapters)
 from shardtrain.quant.nf4 import NF4Weight, nf4_levels
 

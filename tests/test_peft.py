@@ -12,7 +12,7 @@ import torch
 
 from parity import make_mesh, tiny
 from shardtrain.config import ConfigError
-from shardtrain.train.finetune import build_start_model, export_hf, resolve_init_from, save_adapters
+from shardtrain.train.finetune.finetune import build_start_model, export_hf, resolve_init_from, save_adapters
 from shardtrain.train.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")

@@ -28,7 +28,7 @@ from shardtrain.comm import build_mesh
 from shardtrain.mesh import MeshShape
 from shardtrain.parallel.pipeline import schedules
 from shardtrain.parallel.pipeline.executor import PipelineExecutor
-from shardtrain.train.report import formula_bubble, mean_bubble, measured_bubbles, step_span
+from shardtrain.train.observe.report import formula_bubble, mean_bubble, measured_bubbles, step_span
 
 PP, M, V = 4, 8, 2
 LAYERS = PP * V  # two layers per stage: one chunk of two, or two chunks of one

@@ -11,7 +11,7 @@ import torch
 from parity import make_mesh, tiny
 from shardtrain.config import ConfigError
 from shardtrain.parallel.precision import LossScaler
-from shardtrain.train.metrics import device_peak_flops
+from shardtrain.train.observe.metrics import device_peak_flops
 from shardtrain.train.trainer import Trainer, format_record
 
 

@@ -187,13 +187,13 @@ def test_servers_outnumbering_parameters_and_good_layouts():
     cfg.model.n_heads = cfg.model.n_kv_heads = 1
     cfg.parallel.ps_servers = 4
     with pytest.raises(ConfigError, match="parallel.ps_servers=4 outnumbers the model's 3"):
-        check_servers(cfg)  # run by train/prepare.py prepare_run (it needs the parameter count)
+        check_servers(cfg)  # run by train/start/prepare.py prepare_run (it needs the parameter count)
 
 
 def test_slow_ranks_stretch_compute(monkeypatch):
     """A 1.5x straggler sleeps 0.5 x (forward + backward) after each forward, measured in
     thread CPU time (a fake clock here: 2 s per forward)."""
-    from shardtrain.train import straggler
+    from shardtrain.train.observe import straggler
 
     clock, slept = iter([10.0, 12.0, 20.0, 22.0]), []
     monkeypatch.setattr(straggler.time, "thread_time", lambda: next(clock))

@@ -16,7 +16,7 @@ from shardtrain import config
 from shardtrain.config import ConfigError
 from shardtrain.plan.layout import parse_layout
 from shardtrain.plan.ps import ps_summary
-from shardtrain.train.checkpoint import check_layout
+from shardtrain.train.checkpoint.checkpoint import check_layout
 from shardtrain.train.ps_server import run_server
 
 STEPS = "6"

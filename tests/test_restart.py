@@ -2,7 +2,7 @@
 
 Restart (`shardtrain train --max-restarts K`; `train.inject_kill`, train/guard.py): rank 1
 dies by SIGKILL after step 3; the launcher restarts the job, which resumes from the step-2
-checkpoint and finishes. Interrupt (train/interrupt.py): a SIGTERM to the launcher mid-run
+checkpoint and finishes. Interrupt (train/checkpoint/interrupt.py): a SIGTERM to the launcher mid-run
 (as a scheduler's preemption) makes every rank stop after the same step with a checkpoint
 of it, one line, exit 143, no traceback; the run then resumes. Both end with the
 uninterrupted run's final weights and optimizer state bitwise (fp32, CPU), and
@@ -27,7 +27,7 @@ import torch
 from shardtrain.ckpt.dcp import plan_save
 from shardtrain.ckpt.files import Piece
 from shardtrain.ckpt.regions import block_region
-from shardtrain.train import checkpoint as ckpt
+from shardtrain.train.checkpoint import checkpoint as ckpt
 from tests.parity import checkpoint_tensors, tiny, tiny_data
 
 ROOT = Path(__file__).resolve().parents[1]

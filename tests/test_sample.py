@@ -1,4 +1,4 @@
-"""The end of a run gathers nothing (train/sample.py): the sample of a data-parallel run
+"""The end of a run gathers nothing (train/finetune/sample.py): the sample of a data-parallel run
 (the default run's layout) comes from rank 0's own model, ZeRO-3's from every rank
 generating in lockstep through its sharded model, tensor parallelism's from the final
 checkpoint read on rank 0; `train.export_hf` streams that checkpoint. In every case no

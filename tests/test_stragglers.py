@@ -2,7 +2,7 @@
 steps, a rank persistently slower than its stage peers named in a warning and in
 metrics.jsonl, and `shardtrain report` showing both.
 
-The runs inject the straggler with `train.slow_ranks` (train/straggler.py). The assertions
+The runs inject the straggler with `train.slow_ranks` (train/observe/straggler.py). The assertions
 are about who is named, never about timings. Rank 2 sleeps 29 x 3 x its forward's CPU time
 per forward: if load stretches every rank's compute k-fold in wall time, rank 2's ratio to
 its peers is about 1 + 29 / k, above the rule's 3x (on 3 logged steps in a row) up to
@@ -23,7 +23,7 @@ import pytest
 
 from shardtrain.config import ConfigError
 from shardtrain.train.pace import TAG, Pace, StragglerRule
-from shardtrain.train.report import report
+from shardtrain.train.observe.report import report
 from tests.dist import run_distributed
 from tests.parity import make_mesh, tiny, tiny_data
 

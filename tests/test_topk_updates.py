@@ -27,7 +27,7 @@ from parity import assert_parity, make_mesh, tiny
 from shardtrain.comm.compress import TopKCompressor
 from shardtrain.config import ConfigError
 from shardtrain.parallel.data.topk import SparseUpdates, fraction_sent
-from shardtrain.train.checkpoint import check_layout
+from shardtrain.train.checkpoint.checkpoint import check_layout
 from shardtrain.train.trainer import Trainer
 
 WORLD = 2

@@ -14,8 +14,8 @@ from dist import run_distributed
 from parity import tiny, train_layouts
 from shardtrain import config
 from shardtrain.config import ConfigError
-from shardtrain.train.profile import StepProfiler
-from shardtrain.train.tracking import scalars_of
+from shardtrain.train.observe.profile import StepProfiler
+from shardtrain.train.observe.tracking import scalars_of
 
 pytest.importorskip("wandb", reason="the wandb package (shardtrain[test]) is not installed")
 pytest.importorskip("tensorboard", reason="the tensorboard package is not installed")
@@ -117,8 +117,8 @@ def test_trackio_receives_every_record_and_the_config(tmp_path):
     trackio = pytest.importorskip("trackio", reason="the trackio package is not installed")
     import sqlite3
 
-    from shardtrain.train.metrics import MetricsWriter
-    from shardtrain.train.tracking import open_trackers
+    from shardtrain.train.observe.metrics import MetricsWriter
+    from shardtrain.train.observe.tracking import open_trackers
 
     project = f"shardtrain-test-{tmp_path.name}"
     cfg = tiny(tmp_path, "run", "--train.tracker", "trackio", "--train.tracker_project", project)

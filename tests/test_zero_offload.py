@@ -22,7 +22,7 @@ import torch.distributed as dist
 from dist import run_distributed
 from parity import assert_parity, make_mesh, tiny, train_layout, train_layouts
 from shardtrain import config
-from shardtrain.train.prepare import prepare_run
+from shardtrain.train.start.prepare import prepare_run
 from shardtrain.config import ConfigError, OptimConfig
 from shardtrain.parallel.zero.offload import HostOptimizer
 from shardtrain.plan.layout import config_layout

@@ -114,10 +114,10 @@ def calibrate(argv: list[str]) -> int:
     """fp32 matmul FLOP/s per process, alpha/beta/gamma fitted from a comm bench of the
     fitted algorithms at --nproc processes (native's latency and staging from the backend's
     own calls), and the training-step efficiency of a reference transformer
-    (train/calibrate.py), saved where the planner's `cpu` preset reads."""
+    (train/start/calibrate.py), saved where the planner's `cpu` preset reads."""
     from shardtrain.bench import fit
     from shardtrain.cost import calibration
-    from shardtrain.train.calibrate import measure_compute
+    from shardtrain.train.start.calibrate import measure_compute
 
     parser = argparse.ArgumentParser(prog="shardtrain bench calibrate")
     _common(parser, "64M")

@@ -33,7 +33,7 @@ class CommFactory:
     timeout_s: float = 300.0
     check_sizes: str = "first"
     ledger: CommLedger = field(default_factory=CommLedger)
-    kind: type[Communicator] = Communicator  # the dry run's subclass (train/dryrun.py)
+    kind: type[Communicator] = Communicator  # the dry run's subclass (train/start/dryrun.py)
 
     def __call__(self, group: Group) -> Communicator:
         return self.kind(group.handle, name=group.name, ranks=group.ranks,

@@ -1,5 +1,5 @@
 """The `[lora]` section: low-rank adapters on frozen linears, optionally over an NF4 base
-(train/lora.py, quant/nf4.py). rank = 0 turns LoRA off (the whole model trains)."""
+(train/finetune/lora.py, quant/nf4.py). rank = 0 turns LoRA off (the whole model trains)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class LoRAConfig:
     quantize_base: Literal["none", "nf4"] = "none"
     # A peft adapter directory (adapter_config.json + adapter_model.safetensors) to continue
     # training: its r, lora_alpha and target_modules set rank, alpha and targets
-    # (train/peft_format.py); model.init_from is its base.
+    # (train/finetune/peft_format.py); model.init_from is its base.
     init_from: str = ""
 
     @property

@@ -1,5 +1,5 @@
-"""Checks of the train fields that watch a run: experiment trackers (train/tracking.py) and
-the profiler (train/profile.py). A tracker's package is looked up, not imported."""
+"""Checks of the train fields that watch a run: experiment trackers (train/observe/tracking.py) and
+the profiler (train/observe/profile.py). A tracker's package is looked up, not imported."""
 
 from __future__ import annotations
 

@@ -94,7 +94,7 @@ class ParallelConfig:
 
     def _validate_offload_and_zeropp(self) -> None:
         """Offload and ZeRO++ act on ZeRO's flat shards; hpZ on stage 3's backward gathers.
-        (The offload dir's existence and free space are checked by train/prepare.py prepare_run.)"""
+        (The offload dir's existence and free space are checked by train/start/prepare.py prepare_run.)"""
         if self.offload != "none" and self.zero == 0:
             raise ConfigError(f"parallel.offload={self.offload} moves ZeRO's sharded optimizer "
                               "state off the device: set parallel.zero to 1, 2 or 3")

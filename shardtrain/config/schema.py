@@ -69,18 +69,18 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: bool = True
     tensorboard: bool = False  # the same as listing tensorboard in train.tracker
-    # Experiment trackers, rank 0 only (train/tracking.py): none, or a comma-separated list
+    # Experiment trackers, rank 0 only (train/observe/tracking.py): none, or a comma-separated list
     # among tensorboard, wandb, trackio; W&B's mode: auto is offline when W&B is unreachable.
     tracker: str = "none"
     tracker_project: str = "shardtrain"
     wandb_mode: Literal["auto", "online", "offline"] = "auto"
-    # "A:B": a torch.profiler trace of steps A..B, one file per rank (train/profile.py);
+    # "A:B": a torch.profiler trace of steps A..B, one file per rank (train/observe/profile.py);
     # memory_snapshot: CUDA allocator history, dumped at the end and on out-of-memory.
     profile_steps: str = ""
     memory_snapshot: bool = False
     sample_tokens: int = 200  # generated after training; 0 disables
     # The end-of-run sample runs through the parallel model; where that needs one rank to
-    # hold the whole model (tp, pp, cp, ep), only up to this many parameters (train/sample.py).
+    # hold the whole model (tp, pp, cp, ep), only up to this many parameters (train/finetune/sample.py).
     sample_max_params: int = 2_000_000_000
     memory_check: bool = True  # refuse a layout whose planned memory exceeds the device (fits.py)
     sample_prompt: str = "def "

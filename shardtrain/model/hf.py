@@ -175,7 +175,7 @@ def save_hf(model: nn.Module | None, path: str | os.PathLike, *, cfg: ModelConfi
     (the fields of `base_config` kept, shape fields from the model), safetensors shards of
     at most `max_shard_bytes` (one file when it fits, else an index), the tokenizer.json.
     `read(name)`: each weight by our name, instead of a model (a checkpoint streamed:
-    train/export.py); one output shard is held at a time."""
+    train/finetune/export.py); one output shard is held at a time."""
     from safetensors.torch import save_file
 
     path = Path(path)

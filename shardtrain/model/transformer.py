@@ -186,7 +186,7 @@ def init_tensor(name: str, shape: tuple[int, ...], seed: int, cfg: ModelConfig) 
     (seed, name): ones for norm weights, zeros for biases, N(0, 0.02) for weights, with the
     residual output projections (wo, w2) at 0.02 / sqrt(2 n_layers) (GPT-2's scaled init).
     Stacked expert weights ([E, out, in], model/moe.py) are drawn slice by slice
-    (`init_expert`). LoRA adapters (train/lora.py): lora_a [r, in] Kaiming-uniform with
+    (`init_expert`). LoRA adapters (train/finetune/lora.py): lora_a [r, in] Kaiming-uniform with
     a = sqrt(5) (bound 1/sqrt(in), as nn.Linear and peft draw it), lora_b zero, so step 0
     is the base model."""
     leaf = name.rsplit(".", 1)[-1]

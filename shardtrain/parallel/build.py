@@ -11,7 +11,7 @@ Values arrive afterwards, one tensor at a time, through a `Target`: `wants(name)
 whether this rank keeps any of parameter `name` (a ZeRO-3 rank of a 256-way group keeps a
 few of each block's tensors, and need not draw or read the others), `write(name, value)`
 puts this rank's local tensor (its tp/ep block) where it lives. A value source
-(train/finetune.py `start_values`: the seeded draw by name, or a Hugging Face directory
+(train/finetune/finetune.py `start_values`: the seeded draw by name, or a Hugging Face directory
 streamed) is the same for every layout, so every layout starts from the single-process
 weights, and the build's peak is the rank's share plus the one tensor in hand.
 """

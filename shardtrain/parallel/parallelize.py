@@ -62,7 +62,7 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
     place: swap in tensor-parallel modules, give this rank's share storage on `device`
     (build.py: its stage, its slices, under ZeRO-3 only its shards) and fill it from
     `values(shards)` (default: the seeded slices of the single-process weights;
-    train/finetune.py `start_values` adds model.init_from and QLoRA's bases), then
+    train/finetune/finetune.py `start_values` adds model.init_from and QLoRA's bases), then
     checkpoint activations and hook data parallelism or ZeRO over the dp group.
     `make_optimizer` builds the torch optimizer of the replicated layout; ZeRO builds its
     shard optimizer from `cfg.optim` (the same update, weight decay on matrices only)."""

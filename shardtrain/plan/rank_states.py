@@ -23,7 +23,7 @@ runtime's padding to them, so the planner reproduces the runtime's ledger to the
 Covered: dense models (no experts, no LoRA), AdamW, no parameter server or ZeRO++ weight
 quantization; anything else raises PlanError naming what is not covered.
 Pure arithmetic, like the rest of plan/: the rules are restated here, and the dry run
-(train/dryrun.py, tests/test_dryrun.py) checks them against the runtime's ledger.
+(train/start/dryrun.py, tests/test_dryrun.py) checks them against the runtime's ledger.
 """
 
 from __future__ import annotations

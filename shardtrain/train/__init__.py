@@ -1,1 +1,2 @@
-"""The training loop and what it needs: optimizers, checkpoints, metrics."""
+"""The training loop and what it needs: the trainer, optimizers, pacing and guards; checkpoint/,
+finetune/, observe/ and start/ hold the concerns around the loop."""

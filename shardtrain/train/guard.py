@@ -28,7 +28,7 @@ from pathlib import Path
 from torch import nn
 
 from shardtrain.config.faults import parse_injection
-from shardtrain.train.checkpoint import checkpoint_root, list_checkpoints
+from shardtrain.train.checkpoint.checkpoint import checkpoint_root, list_checkpoints
 
 
 class NonFiniteError(RuntimeError):

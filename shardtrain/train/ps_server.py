@@ -25,7 +25,7 @@ from shardtrain.model.transformer import build_model
 from shardtrain.parallel.ps.groups import ps_comms
 from shardtrain.parallel.ps.server import ParameterServer
 from shardtrain.parallel.ps.update import ps_layout, push_codec
-from shardtrain.train import checkpoint as ckpt
+from shardtrain.train.checkpoint import checkpoint as ckpt
 from shardtrain.train.optim import lr_at
 
 

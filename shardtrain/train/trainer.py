@@ -28,20 +28,20 @@ from shardtrain.mesh import ParallelMesh
 from shardtrain.parallel.parallelize import parallelize
 from shardtrain.cost.counts import model_flops_per_token
 from shardtrain.ckpt.files import Reader
-from shardtrain.train import checkpoint as ckpt
+from shardtrain.train.checkpoint import checkpoint as ckpt
 from shardtrain.train.guard import BadStepGuard, hang_here, kill_here, nan_loss
-from shardtrain.train.finetune import build_skeleton, nf4_bytes, resolve_init_from, start_values
-from shardtrain.train.profile import StepProfiler
-from shardtrain.train.tracking import open_trackers
-from shardtrain.train.interrupt import Interrupt
-from shardtrain.train.metrics import (MetricsWriter, device_peak_flops, moe_fields, moe_totals,
+from shardtrain.train.finetune.finetune import build_skeleton, nf4_bytes, resolve_init_from, start_values
+from shardtrain.train.observe.profile import StepProfiler
+from shardtrain.train.observe.tracking import open_trackers
+from shardtrain.train.checkpoint.interrupt import Interrupt
+from shardtrain.train.observe.metrics import (MetricsWriter, device_peak_flops, moe_fields, moe_totals,
                                       peak_memory, reset_peak_memory)
 from shardtrain.train.optim import build_optimizer, lr_at
 from shardtrain.train.pace import Pace, busy_seconds
 from shardtrain.train.pending import PendingRecords, StepTimer
-from shardtrain.train.sample import end_export, end_sample
-from shardtrain.train.saver import Saver
-from shardtrain.train.straggler import slow_down
+from shardtrain.train.finetune.sample import end_export, end_sample
+from shardtrain.train.checkpoint.saver import Saver
+from shardtrain.train.observe.straggler import slow_down
 
 
 @dataclass
@@ -189,7 +189,7 @@ class Trainer:
     # ------------------------------------------------------------------ the run
 
     def run(self, interrupt: Interrupt | None = None) -> TrainResult:
-        """Train to train.steps; with `interrupt` (train/interrupt.py), a SIGINT or SIGTERM
+        """Train to train.steps; with `interrupt` (train/checkpoint/interrupt.py), a SIGINT or SIGTERM
         ends the run after the step every rank agrees on, with a checkpoint of it."""
         t = self.cfg.train
         result = TrainResult()
@@ -264,7 +264,7 @@ class Trainer:
         return path
 
     def save(self) -> None:
-        """Checkpoint this step (train/saver.py: sharded, synchronous or not)."""
+        """Checkpoint this step (train/checkpoint/saver.py: sharded, synchronous or not)."""
         p = self.cfg.parallel
         self.saver.save(self.step, self.parallel, sampler_state=self.sampler.state_dict(),
                         layout={"zero": p.zero, "pp": p.pp, "dp": self.dp.size, "tp": p.tp,
@@ -279,7 +279,7 @@ class Trainer:
 
     def sample(self, prompt: str, n_tokens: int) -> str | None:
         """Generated text on rank 0 (None elsewhere), through the parallel model or from the
-        final checkpoint: never a gathered model (train/sample.py). Every rank calls it."""
+        final checkpoint: never a gathered model (train/finetune/sample.py). Every rank calls it."""
         return end_sample(self, prompt, n_tokens)
 
 

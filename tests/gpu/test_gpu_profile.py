@@ -1,4 +1,4 @@
-"""GPU checks of the profiler (train/profile.py): a trace of steps 2..3 with CUDA kernels in
+"""GPU checks of the profiler (train/observe/profile.py): a trace of steps 2..3 with CUDA kernels in
 it, and the allocator's memory snapshot written at the end of the run.
 
 Run where CUDA exists: `python -m pytest tests/gpu -q -s`; skipped elsewhere (the CPU suite's

@@ -36,7 +36,7 @@ it stays identical there too.
 
 Each dp rank's optimizer state and residual are its own (they follow its local gradients):
 checkpoints hold one file per rank, and only the same layout and compression resume from
-them (train/checkpoint.py). Bytes per rank per step:
+them (train/checkpoint/checkpoint.py). Bytes per rank per step:
 (p-1) x 8k with k ~ ratio x n: n / (p k) times fewer than a ring all-reduce of fp32
 gradients (~50x at 1% on 2 ranks). The ledger records them under the tag "grad:topk", the
 data-parallel exchange they replace.

@@ -31,7 +31,7 @@ are seconds from the origin the pipeline group agreed once, right after a barrie
 first training step (so stages share a time origin up to that barrier's skew, and no step
 pays a barrier: the schedule's transfers already order the stages; a forward-only
 evaluation before any training step times from its own start, its timeline is not kept).
-A step's span is from its first forward to its last action (train/report.py). Transfers of
+A step's span is from its first forward to its last action (train/observe/report.py). Transfers of
 one batch share its start (posting) and end (all complete). On CPU the clock is
 time.perf_counter(); on CUDA each mark is an event recorded on the current stream (`Clock`),
 so the times are the GPU's, not those of the kernel launches, and the actions' times are

@@ -83,7 +83,7 @@ class Region:
 
 
 class LoRAFactors:
-    """A tensor-parallel linear's share of a LoRA update (train/lora.py): scaling * x A^T
+    """A tensor-parallel linear's share of a LoRA update (train/finetune/lora.py): scaling * x A^T
     B^T, A [r, in] and B [out, r] split as the base weight is: a column-parallel base splits
     B's rows (A whole), a row-parallel one A's columns (B whole; its products are partial
     sums, reduced with the base's). The whole factor's gradient is a part on each rank,

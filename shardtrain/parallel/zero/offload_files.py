@@ -38,7 +38,7 @@ def offload_bytes(numel: int, optim: OptimConfig) -> int:
 
 
 def check_offload_space(cfg: Config) -> None:
-    """Before launch (train/prepare.py prepare_run): with nvme offload, the directory must hold every
+    """Before launch (train/start/prepare.py prepare_run): with nvme offload, the directory must hold every
     rank's state files, (1 + moments) x 4 bytes per parameter in all."""
     if cfg.parallel.offload == "nvme":
         check_offload_dir(cfg.parallel.offload_dir,

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from shardtrain.config import ModelConfig
 from shardtrain.model.transformer import build_model
 from shardtrain.cost.counts import model_flops_per_token
-from shardtrain.train.metrics import measure_matmul_flops
+from shardtrain.train.observe.metrics import measure_matmul_flops
 
 REFERENCE = ModelConfig(style="llama", vocab_size=256, dim=384, n_layers=2, n_heads=6,
                         max_seq_len=128)

@@ -3,7 +3,7 @@
 Every rank plans its part of the save with the others (ckpt/dcp.py: the chunks several
 ranks hold are written once, spread over their holders), then writes its chunks plus any
 state that is its own (top-k's, a parameter server's) into the step's staging directory;
-the main rank commits the checkpoint once all have (train/checkpoint.py). Nothing is
+the main rank commits the checkpoint once all have (train/checkpoint/checkpoint.py). Nothing is
 gathered: a rank holds its own state plus one piece-sized buffer while it writes.
 
 Synchronously (the default), the ranks meet at a barrier once their files are staged and
@@ -31,8 +31,8 @@ from shardtrain.config import Config
 from shardtrain.mesh import ParallelMesh
 from shardtrain.parallel.pieces import gather_plans, model_key
 from shardtrain.parallel.strategy import Strategy
-from shardtrain.train import checkpoint as ckpt
-from shardtrain.train.diskspace import SpaceGuard, state_bytes
+from shardtrain.train.checkpoint import checkpoint as ckpt
+from shardtrain.train.checkpoint.diskspace import SpaceGuard, state_bytes
 
 
 class Saver:
@@ -60,7 +60,7 @@ class Saver:
         aliases = {model_key(k): model_key(v) for k, v in parallel.shards.tied_to.items()}
         files = parallel.optimizer_files(self.is_main)
         # A full disk: refused before writing, or every rank stops if a write fails
-        # (train/diskspace.py); the main rank then removes the staging directory.
+        # (train/checkpoint/diskspace.py); the main rank then removes the staging directory.
         copied = tokenizer_file.stat().st_size if tokenizer_file and self.is_main else 0
         self.space.check(step, copied + state_bytes([planned.nbytes], files), self.barrier)
         error = None

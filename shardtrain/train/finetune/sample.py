@@ -8,10 +8,10 @@ run never does it (ARCHITECTURE.md, "Nothing gathers the whole model on a traini
   already; under ZeRO-3 every rank of the group generates the same tokens in lockstep, its
   forward gathering one unit at a time as in training (zero/gather.py). Where the layers
   are split, rank 0 builds the plain model from the run's final checkpoint, one tensor at a
-  time from disk (train/export.py), if the model has at most `train.sample_max_params`
+  time from disk (train/finetune/export.py), if the model has at most `train.sample_max_params`
   parameters; a larger one is skipped with one line saying so.
 - `train.export_hf` streams the final checkpoint into a Hugging Face directory on rank 0
-  (train/export.py `export_checkpoint`: one weight in memory at a time).
+  (train/finetune/export.py `export_checkpoint`: one weight in memory at a time).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from shardtrain.cost.counts import param_counts
 from shardtrain.model.generate import generate
-from shardtrain.train import checkpoint as ckpt
+from shardtrain.train.checkpoint import checkpoint as ckpt
 
 if TYPE_CHECKING:
     from shardtrain.train.trainer import Trainer
@@ -51,7 +51,7 @@ def end_sample(trainer: Trainer, prompt: str, n_tokens: int) -> str | None:
               f"sample with shardtrain generate --checkpoint {final_checkpoint(trainer)}",
               flush=True)
         return None
-    from shardtrain.train.export import load_checkpoint_model
+    from shardtrain.train.finetune.export import load_checkpoint_model
 
     model, _ = load_checkpoint_model(final_checkpoint(trainer))
     return tok.decode(generate(model.to(trainer.device), tok.encode(prompt), n_tokens,
@@ -63,7 +63,7 @@ def end_export(trainer: Trainer, out: str) -> Path | None:
     rank 0 (None elsewhere)."""
     if not trainer.is_main:
         return None
-    from shardtrain.train.export import export_checkpoint
+    from shardtrain.train.finetune.export import export_checkpoint
 
     path = export_checkpoint(final_checkpoint(trainer), out)
     print(f"exported the model as a Hugging Face directory: {path}", flush=True)

@@ -4,7 +4,7 @@
 
 peft names an adapter by the Hugging Face module it wraps
 (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` [r, in], `...lora_B.weight`
-[out, r]) and scales it by lora_alpha / r, as train/lora.py does. The conversion is the base
+[out, r]) and scales it by lora_alpha / r, as train/finetune/lora.py does. The conversion is the base
 weight's (model/hf_names.py `tensor_maps`): B's rows are the weight's output rows, so q/k
 B rows are permuted between Hugging Face's rotate-half layout and shardtrain's interleaved
 pairs exactly as the weight's are; A works on the input side, which no map changes.

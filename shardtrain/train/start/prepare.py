@@ -15,15 +15,15 @@ def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool, local_ranks
                 main: bool = True) -> None:
     """Every check that can fail before training starts, and the token cache built once.
     `local_ranks`: the ranks this machine runs (they share its memory on CPU); `main`: the
-    one process of the job that may move a bad checkpoint aside (train/checkpoint.py)."""
+    one process of the job that may move a bad checkpoint aside (train/checkpoint/checkpoint.py)."""
     import torch
 
     from shardtrain.data import check_source, check_vocab, load_dataset, load_tokenizer
     from shardtrain.parallel.ps.layout import check_servers
     from shardtrain.parallel.zero.offload import check_offload_space
-    from shardtrain.train import checkpoint as ckpt
-    from shardtrain.train.finetune import resolve_init_from
-    from shardtrain.train.fits import check_fits
+    from shardtrain.train.checkpoint import checkpoint as ckpt
+    from shardtrain.train.finetune.finetune import resolve_init_from
+    from shardtrain.train.start.fits import check_fits
 
     try:
         resolve_init_from(cfg)  # before validation: the shape comes from model.init_from

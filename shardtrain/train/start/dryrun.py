@@ -179,7 +179,7 @@ def rank0_trainer(cfg: Config, world_size: int, device: torch.device) -> Iterato
     p = cfg.parallel
     shape = MeshShape(pp=p.pp, dp=p.resolved_dp(world_size), cp=p.cp, tp=p.tp, ep=p.ep)
     if device.type == "cpu":
-        from shardtrain.train.metrics import fixed_mmap_threshold
+        from shardtrain.train.observe.metrics import fixed_mmap_threshold
 
         fixed_mmap_threshold()
     fake_world(world_size)
@@ -198,7 +198,7 @@ def dry_run(cfg: Config, world_size: int, device: torch.device, *, steps: int = 
     """Build rank 0's Trainer on `device` (launch.pick_device's choice for a single local
     rank) in a fake world of `world_size`, run `steps` steps (at most train.steps), and
     return (and write) the report."""
-    from shardtrain.train.metrics import reset_peak_memory
+    from shardtrain.train.observe.metrics import reset_peak_memory
     from shardtrain.train.trainer import write_atomic
 
     check_dry_run(cfg, world_size)

@@ -18,7 +18,7 @@ import torch
 
 from shardtrain.data.fsutil import write_atomic
 from shardtrain.model.moe import moe_stats
-from shardtrain.train.tracking import Tracker, scalars_of
+from shardtrain.train.observe.tracking import Tracker, scalars_of
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 
@@ -153,7 +153,7 @@ class MetricsWriter:
                  trackers: Sequence[Tracker] = ()):
         """`resume`: keep the records of the steps up to `from_step` (the checkpoint's), drop
         later ones (an interrupted attempt's, redone now); else start the file afresh.
-        `trackers` (train/tracking.py) receive every record too."""
+        `trackers` (train/observe/tracking.py) receive every record too."""
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self.trackers = list(trackers)

@@ -22,8 +22,8 @@ from shardtrain.model.hf_names import model_config_from_hf
 from shardtrain.model.transformer import Transformer, init_tensor
 from shardtrain.parallel.build import Values
 from shardtrain.parallel.pipeline.state import StageShards
-from shardtrain.train.lora import apply_lora, lora_modules
-from shardtrain.train.peft_format import (peft_adapter_values, resolve_lora_init,
+from shardtrain.train.finetune.lora import apply_lora, lora_modules
+from shardtrain.train.finetune.peft_format import (peft_adapter_values, resolve_lora_init,
                                           save_peft_adapters)
 
 SHAPE_FIELDS = ("style", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",

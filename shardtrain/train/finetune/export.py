@@ -20,8 +20,8 @@ from shardtrain.ckpt.files import OLD_MANIFEST, SIDE, Reader
 from shardtrain.config import Config, ConfigError
 from shardtrain.model.hf import read_weight, save_hf, source_config
 from shardtrain.parallel.pieces import model_key
-from shardtrain.train import checkpoint as ckpt
-from shardtrain.train.finetune import build_skeleton
+from shardtrain.train.checkpoint import checkpoint as ckpt
+from shardtrain.train.finetune.finetune import build_skeleton
 
 
 def open_checkpoint(path: Path) -> tuple[Reader, Config]:
