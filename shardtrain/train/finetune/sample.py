@@ -38,8 +38,11 @@ def end_sample(trainer: Trainer, prompt: str, n_tokens: int) -> str | None:
     cfg, tok = trainer.cfg, trainer.data.tokenizer
     if layers_whole(trainer):
         if cfg.parallel.zero == 3 or trainer.is_main:  # ZeRO-3's forward is a collective
-            out = generate(trainer.parallel.module, tok.encode(prompt), n_tokens,
-                           seed=cfg.train.seed)
+            # Under the run's precision policy, as training ran: ZeRO-3 holds the weights
+            # autocast rounds in the compute dtype (parallel/zero/units.py).
+            with trainer.parallel.policy.autocast(trainer.device):
+                out = generate(trainer.parallel.module, tok.encode(prompt), n_tokens,
+                               seed=cfg.train.seed)
             return tok.decode(out) if trainer.is_main else None
         return None
     if not trainer.is_main:
