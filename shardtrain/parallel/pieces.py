@@ -125,10 +125,12 @@ def _check_shape(reader: Reader, key: str, want: tuple[int, ...]) -> None:
 def local_model_state(shards: StageShards, reader: Reader, skip: Iterable[str] = ()
                       ) -> dict[str, torch.Tensor]:
     """This rank's slices of the checkpoint's model tensors, by the stage's state-dict keys
-    (those in `skip` left out)."""
+    (those in `skip` left out, and a tied name whose first name is: under ZeRO-3 the tied
+    head is the embedding's unit parameter, its storage freed outside a gather)."""
     skip = set(skip)
     return {k: local_tensor(shards, reader, model_key(shards.tied_to.get(k, k)), k, v)
-            for k, v in shards.model.state_dict().items() if k not in skip}
+            for k, v in shards.model.state_dict().items()
+            if k not in skip and shards.tied_to.get(k, k) not in skip}
 
 
 def load_torch_optimizer(shards: StageShards, optimizer: torch.optim.Optimizer,
