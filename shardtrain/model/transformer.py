@@ -110,6 +110,12 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def tied_names(cfg: ModelConfig) -> dict[str, str]:
+    """The model's tied parameters, other name -> first name: one tensor, saved once under its
+    first name, whichever rank or stage holds which of the names."""
+    return {"head.weight": "tok_emb.weight"} if cfg.tie_embeddings else {}
+
+
 class Transformer(nn.Module):
     """tokens [B, S] (and positions [B, S] for packed documents) -> logits [B, S, V]."""
 
@@ -131,8 +137,8 @@ class Transformer(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
 
     def tie_weights(self) -> None:
-        if self.cfg.tie_embeddings:
-            self.head.weight = self.tok_emb.weight
+        for name, first in tied_names(self.cfg).items():
+            self.get_submodule(name.rpartition(".")[0]).weight = self.get_parameter(first)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None
                 ) -> torch.Tensor:

@@ -31,6 +31,7 @@ from shardtrain.config import Config
 from shardtrain.mesh import ParallelMesh
 from shardtrain.parallel.pieces import gather_plans, model_key
 from shardtrain.parallel.strategy import Strategy
+from shardtrain.model.transformer import tied_names
 from shardtrain.train.checkpoint import checkpoint as ckpt
 from shardtrain.train.checkpoint.diskspace import SpaceGuard, state_bytes
 
@@ -57,7 +58,9 @@ class Saver:
         comms = [self.mesh.comm(d) for d in ("dp", "cp", "tp", "pp")]
         planned = plan_save(staged, self.mesh.rank, pieces, partial(
             gather_plans, comms=comms, rank=self.mesh.rank, world_size=self.mesh.world_size))
-        aliases = {model_key(k): model_key(v) for k, v in parallel.shards.tied_to.items()}
+        # The model's ties, not this rank's: under pp the main rank's first stage holds no
+        # head, and a checkpoint read whole (generate, export) needs the alias.
+        aliases = {model_key(k): model_key(v) for k, v in tied_names(self.cfg.model).items()}
         files = parallel.optimizer_files(self.is_main)
         # A full disk: refused before writing, or every rank stops if a write fails
         # (train/checkpoint/diskspace.py); the main rank then removes the staging directory.
