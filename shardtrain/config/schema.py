@@ -111,6 +111,12 @@ class TrainConfig:
                               f"{model.max_seq_len}; lower it or raise model.max_seq_len")
         check_window(self.seq_len, model)
         check_observability(self)
+        if self.export_hf and model.n_experts:  # refused here, not after the training
+            raise ConfigError(f"train.export_hf={self.export_hf!r} with model.n_experts="
+                              f"{model.n_experts}: a mixture-of-experts model has no Hugging "
+                              "Face layout to export to; drop train.export_hf (the final "
+                              "checkpoint holds the model: shardtrain generate --checkpoint "
+                              "reads it)")
 
     def accumulation_steps(self, dp: int) -> int:
         return self.global_batch // (self.micro_batch * dp)
