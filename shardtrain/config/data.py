@@ -3,6 +3,7 @@ cache and streaming (shardtrain/data/, docs/data.md)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -84,11 +85,17 @@ class DataConfig:
                 value = float(weight)
             except ValueError:
                 value = -1.0
-            if not sep or not path or not value > 0:
+            # inf passes `> 0` but makes every share nan or 0 (data/mixture.py): refused here.
+            if not sep or not path or not value > 0 or not math.isfinite(value):
                 raise ConfigError(f"data.sources={self.sources!r}: {item.strip()!r} is not "
-                                  "PATH=WEIGHT with a weight > 0; write e.g. "
+                                  "PATH=WEIGHT with a finite weight > 0; write e.g. "
                                   "\"web.parquet=3, code=1\"")
             out.append((path.strip(), value))
+        total = sum(w for _, w in out)
+        if not math.isfinite(total):  # finite weights whose sum overflows: no share computes
+            raise ConfigError(f"data.sources={self.sources!r}: the weights add up to {total}, "
+                              "beyond the largest float, so their shares cannot be computed; "
+                              "scale them down (only their ratios matter), e.g. \"a=3, b=1\"")
         return out
 
     def source_list(self) -> list[str]:
@@ -111,7 +118,8 @@ def sources_text(tables: object) -> str:
         if not isinstance(path, str) or not path.strip() or "," in path:
             raise ConfigError(f"{where}: path must be a non-empty string without a comma "
                               f"(commas separate the sources){fix}")
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-            raise ConfigError(f"{where}: weight must be a number > 0{fix}")
+        if (isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0
+                or not math.isfinite(weight)):
+            raise ConfigError(f"{where}: weight must be a finite number > 0{fix}")
         items.append(f"{path}={weight!r}")
     return ", ".join(items)
