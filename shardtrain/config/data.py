@@ -35,6 +35,9 @@ class DataConfig:
     eval_source: str = ""  # a held-out set of its own, any source form ("": eval_fraction)
     cache_dir: str = "~/.cache/shardtrain"
     num_proc: int = 0  # processes tokenizing a corpus of more than one batch (0: the cores)
+    # How long a run waits for another process's build of a cache file (token cache, trained
+    # BPE, chat rows) before it gives up with an error naming the lock file (data/fsutil.py)
+    lock_timeout_s: float = 1800.0
     streaming: bool = False  # read and tokenize the source as training goes (data/stream.py)
     # text: documents of data.text_field. chat: conversations, rows whose data.messages_field
     # is a list of {role, content}, rendered by the tokenizer's chat template (data/chat.py)
@@ -56,6 +59,7 @@ class DataConfig:
             raise ConfigError("data.max_bytes must be >= 0 (0 reads everything)")
         if self.num_proc < 0:
             raise ConfigError("data.num_proc must be >= 0 (0: the cores available)")
+        positive("data", self, "lock_timeout_s")
         if self.streaming and (self.sources or not self.eval_source):
             raise ConfigError("data.streaming=true reads one data.source in order: it needs "
                               "data.eval_source for the eval set (a stream has no tail to hold "

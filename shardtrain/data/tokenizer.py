@@ -203,5 +203,5 @@ def train_bpe(cfg: DataConfig) -> Path:
         tok.train_from_iterator(docs, trainer)
         tok.save(str(tmp))
 
-    build_once(target, build)
+    build_once(target, build, timeout_s=cfg.lock_timeout_s)
     return target
