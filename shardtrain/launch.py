@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from shardtrain.comm.p2p import CommTimeout
 from shardtrain.comm.watchdog import NCCL_GRACE_S, Watchdog
+from shardtrain.data.workers import hidden_main
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,7 +134,10 @@ def launch_local(nproc: int, entrypoint, *args, max_restarts: int = 0,
     if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:  # torch >= 2.12
         config.shutdown_timeout = max(30, int(shutdown_timeout_s))
     _quiet_signal_warnings()
-    return elastic_launch(config, entrypoint)(*args)
+    # A forkserver child re-runs the entry script as spawn does: a console script without a
+    # __main__ guard ran the CLI again in every rank (data/workers.py).
+    with hidden_main():
+        return elastic_launch(config, entrypoint)(*args)
 
 
 class _SignalNotice(logging.Filter):

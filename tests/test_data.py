@@ -169,7 +169,7 @@ def test_build_once_under_concurrency(tmp_path):
 
     target = tmp_path / "shared" / "file.bin"
     with ThreadPoolExecutor(4) as pool:  # flock excludes separate opens, threads included
-        built = list(pool.map(lambda _: build_once(target, build), range(4)))
+        built = list(pool.map(lambda _: build_once(target, build, timeout_s=60), range(4)))
     assert built.count(True) == 1 and len(builds) == 1
     assert target.read_text() == "done" and not list(target.parent.glob("*.tmp"))
     mask = os.umask(0)

@@ -76,8 +76,10 @@ def test_mixture_as_a_toml_list_of_tables(tmp_path):
     assert config.load(str(path)).data.mixture() == [("a.jsonl", 1.0), ("b", 2.0)]
     for bad, match in [('[{path = "a"}]', "entry 1 .* must be a table of exactly path and weight"),
                        ('[{path = "a", weight = 2}, {path = "b", weight = 0}]',
-                        "entry 2 .*weight must be a number > 0"),
-                       ('[{path = "a", weight = true}]', "weight must be a number > 0"),
+                        "entry 2 .*weight must be a finite number > 0"),
+                       ('[{path = "a", weight = true}]', "weight must be a finite number > 0"),
+                       ('[{path = "a", weight = inf}, {path = "b", weight = 1}]',
+                        "entry 1 .*weight must be a finite number > 0"),
                        ('[{path = "a,b", weight = 1}]', "path must be a non-empty string "
                                                         "without a comma"),
                        ("[]", "is not a list of {path, weight} tables")]:
@@ -93,6 +95,35 @@ def test_bad_mixtures():
         DataConfig(sources="a.jsonl=1, b.jsonl").validate()
     with pytest.raises(ConfigError, match="data.source=.* and data.sources=.* are both set"):
         DataConfig(source="x.txt", sources="a.jsonl=1").validate()
+
+
+@pytest.mark.parametrize("sources, match", [
+    ("a=inf, b=1", r"'a=inf' is not PATH=WEIGHT with a finite weight > 0"),
+    ("a=1, b=nan", r"'b=nan' is not PATH=WEIGHT with a finite weight > 0"),
+    ("a=1e308, b=1e308", r"the weights add up to inf, beyond the largest float.*scale them"),
+])
+def test_non_finite_mixture_weights_are_refused_by_the_config(sources, match):
+    with pytest.raises(ConfigError, match=rf"data.sources={sources!r}: {match}"):
+        DataConfig(sources=sources).validate()
+
+
+def test_bad_mixture_weights_are_refused_before_launch(tmp_path, capsys):
+    """Exit 2 with one line and no run dir: the non-finite weight (config validation) and
+    the weight too small to be sampled (the pre-launch source check) alike."""
+    from shardtrain.cli import main
+
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("alpha beta " * 50)
+    b.write_text("gamma delta " * 50)
+    for weights, needle in [(("inf", "1"), "is not PATH=WEIGHT with a finite weight"),
+                            (("1e308", "1e308"), "the weights add up to inf"),
+                            (("1", "1e-9"), "would never be sampled")]:
+        run = tmp_path / "run"
+        assert main(["train", "--config", "tiny", "--train.run_dir", str(run), "--data.sources",
+                     f"{a}={weights[0]}, {b}={weights[1]}"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("shardtrain train: error: data.sources") and needle in err, err
+        assert err.count("\n") == 1 and not run.exists()
 
 
 def test_a_mixture_run_prints_its_shares(tmp_path, capsys):

@@ -29,7 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "parallel": {"comm", "mesh", "model", "config", "cost", "quant", "ckpt"},
     "train": {"parallel", "comm", "mesh", "model", "data", "config", "cost", "plan", "quant",
               "ckpt"},
-    "launch": {"train", "mesh", "comm", "config", "cost", "plan"},
+    "launch": {"train", "mesh", "comm", "data", "config", "cost", "plan"},  # data: workers.py
     "bench": {"launch", "train", "comm", "mesh", "config", "cost", "plan"},
     "cli": {"launch", "train", "parallel", "comm", "mesh", "model", "data", "config", "cost",
             "plan", "bench", "quant", "ckpt"},

@@ -3,6 +3,7 @@ cache and streaming (shardtrain/data/, docs/data.md)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -34,6 +35,9 @@ class DataConfig:
     eval_source: str = ""  # a held-out set of its own, any source form ("": eval_fraction)
     cache_dir: str = "~/.cache/shardtrain"
     num_proc: int = 0  # processes tokenizing a corpus of more than one batch (0: the cores)
+    # How long a run waits for another process's build of a cache file (token cache, trained
+    # BPE, chat rows) before it gives up with an error naming the lock file (data/fsutil.py)
+    lock_timeout_s: float = 1800.0
     streaming: bool = False  # read and tokenize the source as training goes (data/stream.py)
     # text: documents of data.text_field. chat: conversations, rows whose data.messages_field
     # is a list of {role, content}, rendered by the tokenizer's chat template (data/chat.py)
@@ -55,6 +59,7 @@ class DataConfig:
             raise ConfigError("data.max_bytes must be >= 0 (0 reads everything)")
         if self.num_proc < 0:
             raise ConfigError("data.num_proc must be >= 0 (0: the cores available)")
+        positive("data", self, "lock_timeout_s")
         if self.streaming and (self.sources or not self.eval_source):
             raise ConfigError("data.streaming=true reads one data.source in order: it needs "
                               "data.eval_source for the eval set (a stream has no tail to hold "
@@ -84,11 +89,17 @@ class DataConfig:
                 value = float(weight)
             except ValueError:
                 value = -1.0
-            if not sep or not path or not value > 0:
+            # inf passes `> 0` but makes every share nan or 0 (data/mixture.py): refused here.
+            if not sep or not path or not value > 0 or not math.isfinite(value):
                 raise ConfigError(f"data.sources={self.sources!r}: {item.strip()!r} is not "
-                                  "PATH=WEIGHT with a weight > 0; write e.g. "
+                                  "PATH=WEIGHT with a finite weight > 0; write e.g. "
                                   "\"web.parquet=3, code=1\"")
             out.append((path.strip(), value))
+        total = sum(w for _, w in out)
+        if not math.isfinite(total):  # finite weights whose sum overflows: no share computes
+            raise ConfigError(f"data.sources={self.sources!r}: the weights add up to {total}, "
+                              "beyond the largest float, so their shares cannot be computed; "
+                              "scale them down (only their ratios matter), e.g. \"a=3, b=1\"")
         return out
 
     def source_list(self) -> list[str]:
@@ -111,7 +122,8 @@ def sources_text(tables: object) -> str:
         if not isinstance(path, str) or not path.strip() or "," in path:
             raise ConfigError(f"{where}: path must be a non-empty string without a comma "
                               f"(commas separate the sources){fix}")
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-            raise ConfigError(f"{where}: weight must be a number > 0{fix}")
+        if (isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0
+                or not math.isfinite(weight)):
+            raise ConfigError(f"{where}: weight must be a finite number > 0{fix}")
         items.append(f"{path}={weight!r}")
     return ", ".join(items)

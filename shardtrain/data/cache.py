@@ -40,7 +40,7 @@ def load_tokens(cfg: DataConfig, tokenizer: Tokenizer, source: str | None = None
             for ids in encode_stream(cfg, tokenizer, sources.iter_documents(cfg, source)):
                 f.write(ids.astype(dtype).tobytes())
 
-    build_once(path, build)
+    build_once(path, build, timeout_s=cfg.lock_timeout_s)
     if path.stat().st_size == 0:  # mmap refuses empty files
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r")

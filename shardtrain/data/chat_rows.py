@@ -125,7 +125,7 @@ def load_chat_rows(cfg: DataConfig, tokenizer: Tokenizer, source: str, seq_len: 
         with open(tmp, "wb") as f:
             np.save(f, table)
 
-    build_once(path, build)
+    build_once(path, build, timeout_s=cfg.lock_timeout_s)
     table = np.load(path, mmap_mode="r")
     stats = json.loads(stats_path.read_text())
     targets = table.shape[1] * seq_len

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from shardtrain.config import ConfigError
+
 BLOCK = 1000  # sequences per block: weights are realised to 0.1%
 
 
@@ -29,7 +31,7 @@ class Mixture:
         quota[order[:block - int(quota.sum())]] += 1
         if (quota == 0).any():
             s = int(np.flatnonzero(quota == 0)[0])
-            raise ValueError(f"data.sources: weight {weights[s]} of source {s + 1} is below "
+            raise ConfigError(f"data.sources: weight {weights[s]} of source {s + 1} is below "
                              f"1/{block} of the total, so it would never be sampled; raise it")
         self.quota = quota  # [n_sources] sequences of each source per block
         self.block = block

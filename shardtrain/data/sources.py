@@ -89,7 +89,11 @@ def source_files(source: str) -> list[Path]:
 
 def check_source(cfg: DataConfig) -> None:
     """Cheap pre-launch check: the source resolves, its columns hold `data.text_field`, and
-    it yields some text (chat: data/chat.py's check)."""
+    it yields some text (chat: data/chat.py's check); a mixture's every source gets a share."""
+    if cfg.sources:  # a weight too small ever to be sampled: refused here, not at step 0
+        from shardtrain.data.mixture import Mixture
+
+        Mixture([w for _, w in cfg.mixture()], seed=0)
     if cfg.format == "chat":
         from shardtrain.data.chat import check_chat  # chat imports this module
 

@@ -15,14 +15,15 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future
 from itertools import chain, islice
-from multiprocessing import current_process, get_context
+from multiprocessing import current_process
 
 import numpy as np
 
 from shardtrain.config import DataConfig
 from shardtrain.data.tokenizer import Tokenizer, encode_documents, load_tokenizer
+from shardtrain.data.workers import process_pool
 
 BATCH_CHARS = 1 << 20  # characters per batch: enough for encode_batch to parallelise; a BPE
 # batch of 1 M characters takes about 90 MiB to encode (4 M: 180 MiB), 1 M is no slower
@@ -45,10 +46,8 @@ def encode_stream(cfg: DataConfig, tokenizer: Tokenizer, docs: Iterable[str]
         for batch in chain(head, batches):
             yield encode_documents(tokenizer, batch)
         return
-    # spawn, not fork: the parent may hold threads (tokenizers' pool, torch's) a fork copies
-    # in whatever state they were.
-    with ProcessPoolExecutor(n_proc, mp_context=get_context("spawn"), initializer=_start,
-                             initargs=(cfg,)) as pool:
+    # Spawned workers that never re-run the entry script (data/workers.py).
+    with process_pool(n_proc, _start, (cfg,)) as pool:
         pending: deque[Future[np.ndarray]] = deque()
         for batch in chain(head, batches):
             pending.append(pool.submit(_encode, batch))

@@ -1,9 +1,10 @@
 """Tokenizers: raw UTF-8 bytes, or byte-level BPE (trained here or loaded from tokenizer.json);
 a Hugging Face tokenizer directory, SentencePiece and tiktoken files in data/tokenizer_files.py.
 
-Every tokenizer says which id ends a document (`eos_id`) and whether a document starts with
-a BOS id (`bos_id`, set only when the tokenizer's config asks for one): the token cache puts
-them between documents, so the model learns where a document ends.
+Every tokenizer says which id separates documents (`eos_id`) and which ids its own
+post-processor puts around a text (`head`, `tail`: Llama 3's BOS before it): the token cache
+frames each document so, and puts EOS between documents, so the model learns where a
+document ends and sees the ids it was (or will be) trained on elsewhere.
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ class Tokenizer(Protocol):
     vocab_size: int
     name: str  # stable identity: equal names encode identically (part of cache keys)
     eos_id: int | None  # ends every document in the token stream (None: a newline does)
-    bos_id: int | None  # starts every document, where the tokenizer's config asks for it
+    # The ids the tokenizer's own post-processor puts before and after a text (tokenizers'
+    # `encode(text)`, transformers' `tokenizer(text)`): Llama 3's head is its BOS; GPT-2's
+    # and Qwen2.5's are empty. encode/encode_each leave them out.
+    head: tuple[int, ...]
+    tail: tuple[int, ...]
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -45,17 +50,23 @@ class Tokenizer(Protocol):
 
 
 def encode_documents(tokenizer: Tokenizer, docs: Sequence[str]) -> np.ndarray:
-    """The token stream of `docs`: [BOS] doc EOS for each, or doc + "\\n" where the
-    tokenizer has no EOS (a tokenizer.json naming none of the usual EOS tokens)."""
-    if tokenizer.eos_id is None:
-        return tokenizer.encode_concat([doc + "\n" for doc in docs])
+    """The token stream of `docs`: each document as the tokenizer's post-processor frames it
+    (head ids tail: exactly its library's ids with special tokens), then EOS, the separator,
+    unless the tail already ends with it (no EOS twice); doc + "\\n" in place of EOS where
+    the tokenizer has none (a tokenizer.json naming none of the usual EOS tokens)."""
+    eos, head, tail = tokenizer.eos_id, tokenizer.head, tokenizer.tail
     if isinstance(tokenizer, ByteTokenizer):  # one join: bytes never merge across documents
         return np.frombuffer(b"".join(d.encode("utf-8") + _BYTE_EOS for d in docs), np.uint8)
+    if eos is None:
+        docs, end = [doc + "\n" for doc in docs], tail
+    else:
+        end = tail if tail[-1:] == (eos,) else (*tail, eos)
+    if not head and not end:
+        return tokenizer.encode_concat(docs)
+    before, after = np.asarray(head, np.int64), np.asarray(end, np.int64)
     pieces: list[np.ndarray] = []
-    head = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     for ids in tokenizer.encode_each(docs):
-        pieces += [np.asarray(head, np.int64), np.asarray(ids, np.int64),
-                   np.asarray([tokenizer.eos_id], np.int64)]
+        pieces += [before, np.asarray(ids, np.int64), after]
     return np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
 
 
@@ -71,7 +82,8 @@ class ByteTokenizer:
     vocab_size = 256
     name = "byte"
     eos_id: int | None = 0xFF
-    bos_id: int | None = None
+    head: tuple[int, ...] = ()
+    tail: tuple[int, ...] = ()
 
     def encode(self, text: str) -> list[int]:
         return self.encode_concat([text]).tolist()
@@ -89,12 +101,12 @@ class ByteTokenizer:
 
 
 class BPETokenizer:
-    """A `tokenizers` tokenizer read from a tokenizer.json; named by the file's hash (and the
-    special-token settings). `eos`/`bos` name the tokens (a tokenizer_config.json's); with no
-    `eos` given, the first added special token with a usual EOS name is taken."""
+    """A `tokenizers` tokenizer read from a tokenizer.json; named by the file's hash (and its
+    EOS). `eos` names the EOS token (a tokenizer_config.json's); with none given, the first
+    added special token with a usual EOS name is taken. Head and tail are its post-processor's
+    (`_frame`)."""
 
-    def __init__(self, path: Path, *, eos: str | None = None, bos: str | None = None,
-                 add_bos: bool = False) -> None:
+    def __init__(self, path: Path, *, eos: str | None = None) -> None:
         self.path = path  # checkpoints carry a copy, so a model stays decodable on its own
         self._tok = HFTokenizer.from_file(str(path))
         # A corpus that spells "<|endoftext|>" holds text, not a boundary: special tokens are
@@ -104,9 +116,11 @@ class BPETokenizer:
         specials = [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
         eos = eos or next((n for n in _EOS_NAMES if n in specials), None)
         self.eos_id = None if eos is None else self._tok.token_to_id(eos)
-        self.bos_id = self._tok.token_to_id(bos) if add_bos and bos else None
+        self.head, self.tail = _frame(self._tok)
         digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-        self.name = f"bpe-{digest}-eos{self.eos_id}-bos{self.bos_id}"
+        # The frame is in the name: streams framed before it was read (Llama 3 files lost
+        # their BOS) are not reused from the cache.
+        self.name = f"bpe-{digest}-eos{self.eos_id}-head{list(self.head)}-tail{list(self.tail)}"
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -122,6 +136,18 @@ class BPETokenizer:
 
     def encode_concat(self, texts: Sequence[str]) -> np.ndarray:
         return concat_ids(self.encode_each(texts))
+
+
+def _frame(tok: HFTokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ids the post-processor puts before and after a text, read off the library's own
+    encoding of one (whatever the post-processor: Llama 3's TemplateProcessing, BERT's,
+    none); the ids it marks as no sequence's are the frame. tokenizer_config.json's
+    add_bos_token is not asked: transformers (5) also encodes by the post-processor alone."""
+    enc = tok.encode("a", add_special_tokens=True)
+    inside = [i for i, s in enumerate(enc.sequence_ids) if s is not None]
+    if not inside:  # the probe encoded to nothing: all the frame goes first
+        return tuple(enc.ids), ()
+    return tuple(enc.ids[:inside[0]]), tuple(enc.ids[inside[-1] + 1:])
 
 
 def concat_ids(each: list[list[int]]) -> np.ndarray:
@@ -177,5 +203,5 @@ def train_bpe(cfg: DataConfig) -> Path:
         tok.train_from_iterator(docs, trainer)
         tok.save(str(tmp))
 
-    build_once(target, build)
+    build_once(target, build, timeout_s=cfg.lock_timeout_s)
     return target

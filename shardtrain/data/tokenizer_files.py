@@ -1,5 +1,5 @@
 """Tokenizers read from files other libraries wrote: a Hugging Face tokenizer directory
-(tokenizer.json + tokenizer_config.json: special tokens, BOS, chat template), a SentencePiece
+(tokenizer.json + tokenizer_config.json: EOS, chat template), a SentencePiece
 `.model`, and a tiktoken BPE ranks file (`.tiktoken`). Each encodes exactly as its own library
 does (tests/test_tokenizers.py checks that); sentencepiece and tiktoken are optional
 dependencies (`pip install 'shardtrain[tokenizer-files]'`), imported only when such a file is named.
@@ -38,8 +38,9 @@ def load_tokenizer_file(path: Path, given: str) -> Tokenizer:
 
 
 class HFDirTokenizer(BPETokenizer):
-    """tokenizer.json with its tokenizer_config.json: EOS/BOS by name (BOS added when the
-    config's add_bos_token says so) and the chat template (`chat_template`, or None)."""
+    """tokenizer.json with its tokenizer_config.json: EOS by name, and the chat template
+    (`chat_template`, or None). BOS is added where tokenizer.json's post-processor adds it
+    (Llama 3's), as transformers does, whatever the config's add_bos_token says."""
 
     def __init__(self, path: Path, given: str) -> None:
         tok_file, config_file = path / "tokenizer.json", path / "tokenizer_config.json"
@@ -54,9 +55,7 @@ class HFDirTokenizer(BPETokenizer):
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{config_file}: invalid JSON ({e.msg}); fix or remove "
                                   "it") from None
-        super().__init__(tok_file, eos=_token(config.get("eos_token")),
-                         bos=_token(config.get("bos_token")),
-                         add_bos=bool(config.get("add_bos_token", False)))
+        super().__init__(tok_file, eos=_token(config.get("eos_token")))
         self.directory = path
         template = path / "chat_template.jinja"  # newer transformers write it beside the config
         self.chat_template: str | None = (template.read_text() if template.is_file()
@@ -80,7 +79,9 @@ class SentencePieceTokenizer:
         self.vocab_size: int = self._sp.get_piece_size()
         eos = self._sp.eos_id()
         self.eos_id = eos if eos >= 0 else None
-        self.bos_id = None  # a .model carries no config asking for one
+        # Its library's encode adds no BOS or EOS unless asked (add_bos, add_eos): none here.
+        self.head: tuple[int, ...] = ()
+        self.tail: tuple[int, ...] = ()
         self.name = "spm-" + hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
     def encode(self, text: str) -> list[int]:
@@ -118,7 +119,8 @@ class TiktokenTokenizer:
                                       mergeable_ranks=ranks, special_tokens={EOS_TEXT: eos})
         self.vocab_size: int = self._enc.n_vocab
         self.eos_id: int | None = eos
-        self.bos_id: int | None = None
+        self.head: tuple[int, ...] = ()
+        self.tail: tuple[int, ...] = ()
         self.name = "tiktoken-" + hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
     def encode(self, text: str) -> list[int]:
