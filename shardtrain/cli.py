@@ -165,7 +165,7 @@ def cmd_generate(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     from shardtrain.data import load_tokenizer
-    from shardtrain.data.tokenizer import BPETokenizer
+    from shardtrain.data.tokenizer import BPETokenizer, prompt_ids
     from shardtrain.model.generate import generate
     from shardtrain.train.checkpoint import checkpoint as ckpt
 
@@ -183,9 +183,9 @@ def cmd_generate(argv: list[str]) -> int:
         model, cfg = load_checkpoint_model(path)
         saved = path / ckpt.TOKENIZER_FILE
         tokenizer = BPETokenizer(saved) if saved.is_file() else load_tokenizer(cfg.data)
-    out = generate(model, tokenizer.encode(args.prompt), args.tokens,
+    out = generate(model, prompt_ids(tokenizer, args.prompt), args.tokens,
                    temperature=args.temperature, top_k=args.top_k, seed=args.seed)
-    print(tokenizer.decode(out))
+    print(tokenizer.decode(out[len(tokenizer.head):]))
     return 0
 
 

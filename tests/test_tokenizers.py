@@ -11,6 +11,7 @@ import pytest
 
 from shardtrain.config import ConfigError, DataConfig
 from shardtrain.data import load_dataset, load_tokenizer
+from shardtrain.data.tokenizer import prompt_ids
 
 TEXT = "def héllo(x):\n    return x * 2  # ☃ the quick brown fox\n"
 CORPUS = [TEXT, "the lazy dog sleeps in the sun", "return the value of x to the caller"] * 30
@@ -137,6 +138,9 @@ def test_document_streams_match_tokenizers_and_transformers(tmp_path, family):
     assert expected.count(ours.eos_id) == 80
     assert ours.head == ((bos,) if family == "llama3" else ())
     assert ours.tail == ((ours.eos_id,) if family == "eos-appending" else ())
+    # A prompt starts as a document does (generate, the end-of-run sample): Llama 3's BOS.
+    assert prompt_ids(ours, "first doc") == library.encode("first doc").ids[:len(
+        library.encode("first doc").ids) - len(ours.tail)]
     if bos is not None and bos != ours.eos_id:
         assert expected.count(bos) == (80 if family == "llama3" else 0)
     if family == "llama3":  # chat rows: the template's BOS once per conversation, no other

@@ -49,6 +49,12 @@ class Tokenizer(Protocol):
         """Each text encoded on its own, the ids concatenated (1-D integer array)."""
 
 
+def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """A prompt as a document starts in the token stream (`encode_documents`): the
+    tokenizer's head (Llama 3's BOS), then the text; decode the reply past len(head)."""
+    return [*tokenizer.head, *tokenizer.encode(text)]
+
+
 def encode_documents(tokenizer: Tokenizer, docs: Sequence[str]) -> np.ndarray:
     """The token stream of `docs`: each document as the tokenizer's post-processor frames it
     (head ids tail: exactly its library's ids with special tokens), then EOS, the separator,

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardtrain.cost.counts import param_counts
+from shardtrain.data.tokenizer import prompt_ids
 from shardtrain.model.generate import generate
 from shardtrain.train.checkpoint import checkpoint as ckpt
 
@@ -41,9 +42,9 @@ def end_sample(trainer: Trainer, prompt: str, n_tokens: int) -> str | None:
             # Under the run's precision policy, as training ran: ZeRO-3 holds the weights
             # autocast rounds in the compute dtype (parallel/zero/units.py).
             with trainer.parallel.policy.autocast(trainer.device):
-                out = generate(trainer.parallel.module, tok.encode(prompt), n_tokens,
+                out = generate(trainer.parallel.module, prompt_ids(tok, prompt), n_tokens,
                                seed=cfg.train.seed)
-            return tok.decode(out) if trainer.is_main else None
+            return tok.decode(out[len(tok.head):]) if trainer.is_main else None
         return None
     if not trainer.is_main:
         return None
@@ -57,8 +58,9 @@ def end_sample(trainer: Trainer, prompt: str, n_tokens: int) -> str | None:
     from shardtrain.train.finetune.export import load_checkpoint_model
 
     model, _ = load_checkpoint_model(final_checkpoint(trainer))
-    return tok.decode(generate(model.to(trainer.device), tok.encode(prompt), n_tokens,
-                               seed=cfg.train.seed))
+    out = generate(model.to(trainer.device), prompt_ids(tok, prompt), n_tokens,
+                   seed=cfg.train.seed)
+    return tok.decode(out[len(tok.head):])
 
 
 def end_export(trainer: Trainer, out: str) -> Path | None:
