@@ -167,7 +167,6 @@ def cmd_generate(argv: list[str]) -> int:
     from shardtrain.data import load_tokenizer
     from shardtrain.data.tokenizer import BPETokenizer, prompt_ids
     from shardtrain.model.generate import generate
-    from shardtrain.train.checkpoint import checkpoint as ckpt
 
     path = Path(args.checkpoint)
     if (path / "config.json").is_file():  # a Hugging Face directory (shardtrain export's)
@@ -178,11 +177,10 @@ def cmd_generate(argv: list[str]) -> int:
         tok_file = hf_tokenizer(path)
         tokenizer = BPETokenizer(tok_file) if tok_file else ByteTokenizer()
     else:
-        from shardtrain.train.finetune.export import load_checkpoint_model
+        from shardtrain.train.finetune.export import checkpoint_tokenizer, load_checkpoint_model
 
         model, cfg = load_checkpoint_model(path)
-        saved = path / ckpt.TOKENIZER_FILE
-        tokenizer = BPETokenizer(saved) if saved.is_file() else load_tokenizer(cfg.data)
+        tokenizer = checkpoint_tokenizer(path, cfg) or load_tokenizer(cfg.data)
     out = generate(model, prompt_ids(tokenizer, args.prompt), args.tokens,
                    temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     print(tokenizer.decode(out[len(tokenizer.head):]))

@@ -18,6 +18,7 @@ from torch import nn
 
 from shardtrain.ckpt.files import OLD_MANIFEST, SIDE, Reader
 from shardtrain.config import Config, ConfigError
+from shardtrain.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
 from shardtrain.model.hf import read_weight, save_hf, source_config
 from shardtrain.parallel.pieces import model_key
 from shardtrain.train.checkpoint import checkpoint as ckpt
@@ -66,8 +67,27 @@ def export_checkpoint(path: Path, out: str | Path, *, dtype: torch.dtype = torch
         finally:
             owner.to("meta")  # released: the next weight's module takes its place
 
-    base = source_config(Path(cfg.model.init_from).expanduser()) if cfg.model.init_from else None
+    base = source_config(Path(cfg.model.init_from).expanduser()) if cfg.model.init_from \
+        else special_token_ids(checkpoint_tokenizer(path, cfg))
     tokenizer = path / ckpt.TOKENIZER_FILE
     return save_hf(None, out, cfg=cfg.model, dtype=dtype, max_shard_bytes=max_shard_bytes,
                    base_config=base, tokenizer_file=tokenizer if tokenizer.is_file() else None,
                    read=read)
+
+
+def checkpoint_tokenizer(path: Path, cfg: Config) -> Tokenizer | None:
+    """The tokenizer a checkpoint was trained with: the tokenizer.json it carries, or the byte
+    tokenizer; None for a tokenizer file it does not carry (data.tokenizer names it)."""
+    saved = path / ckpt.TOKENIZER_FILE
+    if saved.is_file():
+        return BPETokenizer(saved)
+    return ByteTokenizer() if cfg.data.tokenizer == "byte" else None
+
+
+def special_token_ids(tokenizer: Tokenizer | None) -> dict[str, int | None]:
+    """config.json's token ids of a fresh export: the run's own, where transformers' defaults
+    (GPT-2's 50256, Llama's 1 and 2) would be another tokenizer's."""
+    if tokenizer is None:
+        return {}
+    return {"bos_token_id": tokenizer.head[0] if tokenizer.head else None,
+            "eos_token_id": tokenizer.eos_id}
