@@ -125,8 +125,9 @@ def launch_local(nproc: int, entrypoint, *args, max_restarts: int = 0,
 
     # Workers fork from a server that imported torch and the trainer once (a spawned
     # worker imports them itself: seconds each, on every start and restart), yet start
-    # clean: nothing but imports ran in the server, no thread, no CUDA.
-    multiprocessing.set_forkserver_preload(["torch", "shardtrain.train.trainer"])
+    # clean: nothing but imports ran in the server, no thread, no CUDA. torch._dynamo too:
+    # every torch optimizer's constructor imports it (1.3-2 s), compiling or not.
+    multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "shardtrain.train.trainer"])
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
                           run_id=f"shardtrain-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", max_restarts=max_restarts,

@@ -45,9 +45,11 @@ def _entry(rank: int, world_size: int, port: int, fn, args, results) -> None:
 def _context():
     """Forkserver with torch preloaded: each rank is forked from a process that imported
     torch once (a spawn re-imports it in every rank, the slow part of a spawn), yet starts
-    clean, as nothing but imports ran before the fork."""
+    clean, as nothing but imports ran before the fork. torch._dynamo as launch.py preloads it:
+    each rank's optimizer would import it (1.3-2 s a rank)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "shardtrain.train.trainer"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
+                                "shardtrain.train.trainer"])
     return ctx
 
 
