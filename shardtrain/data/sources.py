@@ -8,6 +8,7 @@ reads them); the resolution is what the pre-launch check, the cache key and the 
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import json
@@ -45,7 +46,7 @@ def resolve(source: str) -> list[Part]:
     """The source's parts; raises ConfigError naming the source when it matches nothing, is a
     file of no supported format, or is not a local path (a hub dataset name)."""
     if source == "stdlib":
-        return [Part("text", tuple(sorted(_stdlib_files(Path(sysconfig.get_paths()["stdlib"])))))]
+        return [Part("text", _stdlib_files())]
     path = Path(os.path.expanduser(source))
     if path.is_file():
         kind = _file_kind(path)
@@ -133,14 +134,17 @@ def fingerprint(cfg: DataConfig, source: str | None = None) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _stdlib_files(root: Path) -> Iterator[Path]:
-    """The *.py files under the stdlib's root, site-packages left out. site-packages is
-    pruned from the walk, not filtered after it: it can hold tens of thousands of files,
+@functools.cache  # the interpreter's own files: fixed while it runs, listed once
+def _stdlib_files() -> tuple[Path, ...]:
+    """The *.py files under the stdlib's root, sorted, site-packages left out. site-packages
+    is pruned from the walk, not filtered after it: it can hold tens of thousands of files,
     and every trainer lists the source (about a second per trainer when it was walked)."""
+    root, files = Path(sysconfig.get_paths()["stdlib"]), []
     for folder, dirs, names in os.walk(root):
         dirs[:] = [d for d in dirs if d != "site-packages"]
-        yield from (Path(folder, n) for n in names
-                    if n.endswith(".py") and Path(folder, n).is_file())
+        files += [Path(folder, n) for n in names
+                  if n.endswith(".py") and Path(folder, n).is_file()]
+    return tuple(sorted(files))
 
 
 def _file_kind(path: Path) -> str | None:
