@@ -89,6 +89,11 @@ def cmd_train(argv: list[str]) -> int:
         if args.nproc and args.nproc != info.local_world_size:
             raise ConfigError(f"--nproc {args.nproc} conflicts with the launcher's "
                               f"{info.local_world_size} processes per node; drop --nproc")
+        from shardtrain.train.checkpoint.checkpoint import resume_after_restart
+        from shardtrain.train.guard import restart_count
+
+        # torchrun runs this command again for each restart: it resumes this job's run.
+        cfg = resume_after_restart(cfg, restart_count())
         prepare_run(cfg, info.world_size, prepare_data=info.local_rank == 0,
                     local_ranks=info.local_world_size, main=info.rank == 0)
         return _exit_status(run_worker(config_mod.to_toml(cfg)))
@@ -106,7 +111,7 @@ def cmd_train(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from shardtrain.train.checkpoint.diskspace import EXIT_CODE as DISK_FULL_EXIT
+    from shardtrain.train.checkpoint.agree import EXIT_CODE as SAVE_FAILED_EXIT
     from shardtrain.train.checkpoint.interrupt import EXIT_CODES, exit_code
 
     try:
@@ -115,8 +120,8 @@ def cmd_train(argv: list[str]) -> int:
                                shutdown_timeout_s=cfg.comm.timeout_s)
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
-        if len(codes) == 1 and codes <= {*EXIT_CODES, DISK_FULL_EXIT}:
-            return codes.pop()  # a signal (they saved) or a full disk: rank 0 said so
+        if len(codes) == 1 and codes <= {*EXIT_CODES, SAVE_FAILED_EXIT}:
+            return codes.pop()  # a signal (they saved) or a failed save: rank 0 said so
         print(f"shardtrain train: a worker failed:\n{e}", file=sys.stderr)
         return 1
     except SignalException as e:  # the workers saved and said where (train/checkpoint/interrupt.py)
@@ -125,8 +130,8 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def _exit_status(result: dict) -> int:
-    """0; 130 / 143 when a SIGINT / SIGTERM stopped the run (train/checkpoint/interrupt.py); 74 when a
-    checkpoint did not fit on the disk (train/checkpoint/diskspace.py)."""
+    """0; 130 / 143 when a SIGINT / SIGTERM stopped the run (train/checkpoint/interrupt.py);
+    74 when a checkpoint could not be written (train/checkpoint/agree.py)."""
     from shardtrain.train.checkpoint.interrupt import exit_code
 
     if result.get("interrupted"):
@@ -143,7 +148,7 @@ def dry_run(cfg: Config, world_size: int, *, nproc: int) -> int:
         raise ConfigError("--dry-run-world runs one process standing for rank 0 of N: drop "
                           "--nproc and run it outside torchrun")
     check_dry_run(cfg, world_size)
-    prepare_run(cfg, world_size, prepare_data=True, local_ranks=1)
+    prepare_run(cfg, world_size, prepare_data=True, local_ranks=1, claim=False)
     device = pick_device(cfg.train.device, ProcessInfo(world_size=world_size))
     check_device(cfg, device)
     run_dry(cfg, world_size, device)

@@ -144,10 +144,10 @@ def launch_local(nproc: int, entrypoint, *args, max_restarts: int = 0,
 class _SignalNotice(logging.Filter):
     """Drops the elastic agent's warnings that it got a signal and passes it on, and its
     traceback for a worker that exited on purpose (a signal after saving, 130 / 143; a
-    full disk, 74): the workers' rank 0 prints the one line that matters."""
+    failed checkpoint save, 74): the workers' rank 0 prints the one line that matters."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from shardtrain.train.checkpoint.diskspace import EXIT_CODE
+        from shardtrain.train.checkpoint.agree import EXIT_CODE
         from shardtrain.train.checkpoint.interrupt import EXIT_CODES
 
         msg = str(record.msg)
@@ -188,7 +188,7 @@ def run_worker(config_text: str) -> dict:
     from shardtrain.mesh import MeshShape
     from shardtrain.train.checkpoint.checkpoint import resume_after_restart
     from shardtrain.train.guard import restart_count
-    from shardtrain.train.checkpoint.diskspace import EXIT_CODE as DISK_FULL_EXIT, DiskFull
+    from shardtrain.train.checkpoint.agree import EXIT_CODE as SAVE_FAILED_EXIT, SaveFailed
     from shardtrain.train.checkpoint.interrupt import Interrupt, exit_code
     from shardtrain.train.trainer import Trainer
 
@@ -225,12 +225,12 @@ def run_worker(config_text: str) -> dict:
         if watchdog is None:
             raise
         watchdog.abort(str(e).splitlines()[0])  # every rank exits, naming who hung
-    except DiskFull as e:  # every rank stopped at the same save (train/checkpoint/diskspace.py)
+    except SaveFailed as e:  # every rank stopped at the same save (train/checkpoint/agree.py)
         if info.rank == 0:
             print(f"shardtrain train: error: {e}", file=sys.stderr, flush=True)
         if under_launcher():
-            sys.exit(DISK_FULL_EXIT)
-        return {"exit_code": DISK_FULL_EXIT}
+            sys.exit(SAVE_FAILED_EXIT)
+        return {"exit_code": SAVE_FAILED_EXIT}
     finally:
         if watchdog is not None:
             watchdog.stop()

@@ -1,7 +1,8 @@
-"""A full disk during a checkpoint (train/checkpoint/diskspace.py): refused before writing when the
-free space is short, and an ENOSPC during a write (a patched writer raises it) stops every
-rank at the same save with one message on the main rank, the staging directory removed,
-the last good checkpoint intact; resume works once space is back."""
+"""A failed checkpoint save (train/checkpoint/diskspace.py): refused before writing when the
+free space is short; an ENOSPC or any other error during a write (a patched writer raises
+it), synchronous or asynchronous, stops every rank at the same point with the same error
+naming the rank and the cause, one message on the main rank, the staging directory
+removed, the last good checkpoint intact; resume works once space is back."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ from shardtrain.ckpt.dcp import SavePlanned
 from shardtrain.ckpt.files import Reader
 from shardtrain.cli import main
 from shardtrain.train.checkpoint import checkpoint as ckpt
-from shardtrain.train.checkpoint.diskspace import DiskFull
+from shardtrain.train.checkpoint.diskspace import SaveFailed
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+EIO = OSError(errno.EIO, os.strerror(errno.EIO))
 
 
 def _args(tmp: Path, *extra: str) -> list[str]:
@@ -34,12 +36,12 @@ def _leftovers(run_dir: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.name.startswith("."))
 
 
-def _fail_at(step: int, real):
-    """`real` (SavePlanned.write), raising ENOSPC when it writes into step `step`'s
+def _fail_at(step: int, real, error: OSError = ENOSPC):
+    """`real` (SavePlanned.write), raising `error` when it writes into step `step`'s
     directory."""
     def write(planned, *args, **kwargs):
         if f"step_{step:08d}" in str(planned.directory):
-            raise ENOSPC
+            raise error
         return real(planned, *args, **kwargs)
     return write
 
@@ -81,29 +83,56 @@ def test_free_space_is_checked_before_writing(tmp_path, capsys):
     assert not (run_dir / "checkpoints").exists() or _leftovers(run_dir) == []
 
 
-def stale_staging_and_enospc_on_rank_1(rank: int, world_size: int, tmp: str) -> dict:
-    """Worker: rank 1's shard write fails at step 4; what each rank saw."""
-    cfg = config.loads(config.to_toml(tiny(Path(tmp), "run", "--train.steps", "6",
-                                           "--checkpoint.every", "2")))
+SCENARIOS = {  # run dir: (checkpoint.async_save, the error of rank 1's write at step 4)
+    "sync-full": ("false", ENOSPC), "sync-eio": ("false", EIO),
+    "async-eio": ("true", EIO), "async-full": ("true", ENOSPC),
+}
+
+
+def failures_on_rank_1(rank: int, world_size: int, tmp: str) -> dict:
+    """Worker: in each scenario rank 1's shard write fails at step 4; where each rank
+    stopped and with what."""
     from shardtrain.train.trainer import Trainer
 
-    real = SavePlanned.write
-    patched = _fail_at(4, real) if rank == 1 else real
-    with mock.patch.object(SavePlanned, "write", patched):
-        trainer = Trainer(cfg, make_mesh(cfg, rank, world_size), torch.device("cpu"))
-        try:
-            trainer.run()
-        except DiskFull as e:
-            return {"step": trainer.step, "message": str(e)}
-    return {"step": trainer.step, "message": None}
+    seen = {}
+    for name, (async_save, error) in SCENARIOS.items():
+        cfg = config.loads(config.to_toml(tiny(Path(tmp), name, "--train.steps", "6",
+                                               "--checkpoint.every", "2",
+                                               "--checkpoint.async_save", async_save)))
+        real = SavePlanned.write
+        patched = _fail_at(4, real, error) if rank == 1 else real
+        with mock.patch.object(SavePlanned, "write", patched):
+            trainer = Trainer(cfg, make_mesh(cfg, rank, world_size), torch.device("cpu"))
+            try:
+                trainer.run()
+            except SaveFailed as e:
+                seen[name] = {"step": trainer.step, "kind": type(e).__name__, "message": str(e)}
+                continue
+        seen[name] = {"step": trainer.step, "kind": None, "message": None}
+    return seen
 
 
-def test_enospc_on_one_rank_of_two_stops_both_at_the_same_save(tmp_path):
-    stale = tmp_path / "run" / "checkpoints" / ".staged-step_00000009"
+def test_a_write_error_on_one_rank_of_two_stops_both_at_the_same_save(tmp_path):
+    """A full disk or an I/O error in rank 1's write, in a synchronous or an asynchronous
+    save: both ranks raise the same error, naming the rank and the cause, at the same
+    point -- that save, or for an asynchronous one the next save -- within the test's
+    short timeout (the communication timeout is 300 s: nobody waits for it)."""
+    stale = tmp_path / "sync-full" / "checkpoints" / ".staged-step_00000009"
     stale.mkdir(parents=True)  # left by an earlier crash: removed at start
-    results = run_distributed(stale_staging_and_enospc_on_rank_1, 2, str(tmp_path))
-    assert [r["step"] for r in results] == [4, 4]
-    assert all(r["message"] and "on 1 rank(s)" in r["message"] for r in results)
-    assert _leftovers(tmp_path / "run") == []
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")] == \
-        ["step_00000002"]
+    results = run_distributed(failures_on_rank_1, 2, str(tmp_path), timeout_s=120)
+    for name, (async_save, error) in SCENARIOS.items():
+        first, second = (r[name] for r in results)
+        assert first == second, name  # the same step, error and message on both ranks
+        assert first["step"] == (6 if async_save == "true" else 4), (name, first)
+        message = first["message"]
+        assert "checkpoint of step 4 not written" in message, message
+        assert "step_00000002, is intact" in message, message
+        if error is ENOSPC:
+            assert first["kind"] == "DiskFull" and "(on 1 rank(s), rank 1 among them)" in message
+        else:
+            assert first["kind"] == "SaveFailed", first
+            assert "rank 1 could not write its part ([Errno 5] Input/output error)" in message
+        run_dir = tmp_path / name
+        assert _leftovers(run_dir) == []
+        assert [p.name for p in ckpt.list_checkpoints(run_dir / "checkpoints")] == \
+            ["step_00000002"]

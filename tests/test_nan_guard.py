@@ -77,7 +77,7 @@ def test_a_nan_on_one_rank_skips_the_step_everywhere_then_stops_the_run(tmp_path
 
 
 def test_the_guard_counts_bad_steps_in_a_row(tmp_path):
-    guard = BadStepGuard(1, tmp_path, "bf16")
+    guard = BadStepGuard(1, "bf16", last_good=lambda: None)
     record = lambda step, bad: {"step": step, "loss": float("nan") if bad else 1.0,  # noqa
                                 "grad_norm": 1.0, "bad_step": bad}
     for step, bad in enumerate([True, False, True, False], 1):

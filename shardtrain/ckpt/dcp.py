@@ -19,6 +19,10 @@ rather than all landing on the lowest rank. Each rank writes its files through D
 those into `.metadata` (`finish`). Nothing is gathered: values are fetched piece by piece
 as they are written.
 
+Each stored chunk's CRC-32 is computed as its bytes go to the file (`_Summed`: the stream
+DCP's writer hands each chunk to), never by reading the files back; the main rank merges
+them into `checksums.json`, with the CRC-32 of each rank's own state files (`finish`).
+
 `Reader` (files.py) reads by region: it reads only the stored chunks that overlap it (DCP's load planning), so a rank resuming in any layout reads about its own
 share.
 """
@@ -26,17 +30,18 @@ share.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import os
 import pickle
-import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
@@ -130,15 +135,22 @@ class SavePlanned:
             self.copied = torch.cuda.Event()
             self.copied.record()
 
-    def write(self) -> None:
-        """Write this rank's files (fsynced) and, last, its write results."""
+    def write(self, own_sums: dict[str, str] | None = None) -> None:
+        """Write this rank's files (fsynced) and, last, its write results: the chunks'
+        storage and CRC-32s, with `own_sums` (the CRC-32 of each of this rank's own state
+        files, train/checkpoint/checkpoint.py `stage_files`)."""
         if self.copied is not None:
             self.copied.synchronize()
         writer = _writer(self.directory, self.rank)
+        writer.transforms = summed = _Summed()
         results = writer.write_data(self.plan, self.planner).value()
         self.planner._held = None
+        sums = {_key(r.storage_data): summed.sums[_key(r.storage_data)] for r in results
+                if _key(r.storage_data) in summed.sums}
+        if len(sums) < len(results):  # a torch whose writer no longer streams each item
+            sums.update(_read_back(self.directory, results))  # through `transforms`
         write_synced(self.directory / results_name(self.rank),
-                     pickle.dumps((results, _checksums(self.directory, results))))
+                     pickle.dumps((results, {**sums, **(own_sums or {})})))
 
 
 def plan_save(directory: Path, rank: int, pieces: list[Piece],
@@ -183,16 +195,57 @@ def finish(directory: Path, metadata: Metadata, world_size: int) -> None:
         (Path(directory) / results_name(rank)).unlink()
 
 
-def _checksums(directory: Path, results: list) -> dict[str, str]:
-    """CRC-32 of each stored chunk's bytes ({"file:offset": hex}), read back from the files
-    just written (still in the page cache): torch.load checks none, and a flipped bit in a
-    chunk would otherwise load silently (ckpt/files.py checks them as it reads)."""
+def _key(info) -> str:
+    """A stored chunk's name in checksums.json: "file:offset"."""
+    return f"{info.relative_path}:{info.offset}"
+
+
+class _CrcStream(io.RawIOBase):
+    """The stream one chunk is written through: its bytes go on to the file, their CRC-32
+    is kept under the chunk's key when DCP's writer closes it (which leaves the file open,
+    as torch's own per-item wrapper does)."""
+
+    def __init__(self, raw, sums: dict[str, str]):
+        self.raw, self.sums, self.crc = raw, sums, 0
+        self.key = f"{os.path.basename(raw.name)}:{raw.tell()}"
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.crc = zlib.crc32(b, self.crc)
+        return self.raw.write(b)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.raw.flush()
+            self.sums[self.key] = f"{self.crc:08x}"
+        super().close()
+
+
+class _Summed(_StorageWriterTransforms):
+    """DCP's per-item stream transforms (an experimental hook of its FileSystemWriter):
+    none that changes a byte or is recorded in the metadata (plain DCP files, as
+    `dcp.load` reads them), only the CRC-32 of each chunk as it is written."""
+
+    def __init__(self):
+        super().__init__(())
+        self.sums: dict[str, str] = {}
+
+    def transform_save_stream(self, write_item, raw_stream):
+        return _CrcStream(raw_stream, self.sums), []
+
+
+def _read_back(directory: Path, results: list) -> dict[str, str]:
+    """CRC-32s read back from the files just written: the fallback of `SavePlanned.write`
+    if torch's writer ever stops streaming chunks through `_Summed` (not taken on the
+    torch this was written for: tests/test_checkpoint.py checks)."""
     out = {}
     for result in results:
         info = result.storage_data
         with open(Path(directory) / info.relative_path, "rb") as f:
             f.seek(info.offset)
-            out[f"{info.relative_path}:{info.offset}"] = f"{zlib.crc32(f.read(info.length)):08x}"
+            out[_key(info)] = f"{zlib.crc32(f.read(info.length)):08x}"
     return out
 
 
@@ -213,18 +266,6 @@ def _check_duplicates(plans: list[SavePlan]) -> None:
                 raise RuntimeError(f"{item.index.fqn}: two ranks hold different chunks at "
                                    f"offsets {tuple(item.index.offset)} ({tuple(sizes)} and "
                                    f"{tuple(seen[item.index])}); their regions must match")
-
-
-def wait_for_results(directory: Path, world_size: int, timeout_s: float) -> None:
-    """Until every rank's write results are in `directory` (an asynchronous save's commit)."""
-    deadline = time.monotonic() + timeout_s
-    missing = list(range(world_size))
-    while missing:
-        missing = [r for r in missing if not (Path(directory) / results_name(r)).is_file()]
-        if missing and time.monotonic() > deadline:
-            raise TimeoutError(f"{directory}: ranks {missing} did not write their part within "
-                               f"{timeout_s:.0f} s; the checkpoint is not committed")
-        time.sleep(0.05 if missing else 0)
 
 
 def write_synced(path: Path, data: bytes) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import json
 import math
 import pickle
@@ -33,7 +34,7 @@ from shardtrain.config import ConfigError
 
 METADATA = ".metadata"  # DCP's
 SIDE = "shardtrain.json"  # our own: the format, tied aliases, small JSON state
-CHECKSUMS = "checksums.json"  # ours: each stored chunk's CRC-32 (dcp.py)
+CHECKSUMS = "checksums.json"  # ours: each stored chunk's and own state file's CRC-32 (dcp.py)
 FORMAT = "shardtrain-dcp/1"
 OLD_MANIFEST = "manifest.json"  # the format before DCP (shardtrain-sharded/1)
 
@@ -48,7 +49,8 @@ class Piece:
 def validate(directory: Path) -> None:
     """Raise ConfigError, naming the file and the fix, unless `directory` is a whole
     checkpoint: its side file and metadata readable, every data file present and at least
-    as long as the metadata says. (A corrupt byte inside a file is found when read.)"""
+    as long as the metadata says. (A corrupt byte inside a file: `verify`, and the reader's
+    check of each chunk it reads.)"""
     directory = Path(directory)
     if (directory / OLD_MANIFEST).is_file() and not (directory / METADATA).is_file():
         raise ConfigError(
@@ -72,6 +74,48 @@ def validate(directory: Path) -> None:
                               "checkpoint is incomplete: resume from another one")
 
 
+def verify(directory: Path, rank: int = 0, size: int = 1) -> None:
+    """Read share `rank` of `size` of the checkpoint's checksummed bytes (the stored chunks,
+    and the own state files: top-k's, a parameter server's) and check each against its
+    CRC-32; raise ConfigError naming the first file that differs. The shares are contiguous
+    runs of the files in name and offset order, of about equal bytes: together the ranks
+    read the checkpoint once, each about 1/size of it, sequentially. A file whose CRC-32 was
+    not recorded (an own state file of a checkpoint written before they were) is not read."""
+    directory = Path(directory)
+    try:
+        _verify(directory, rank, size)
+    except OSError as e:
+        raise ConfigError(f"{e.filename or directory}: cannot be read ({e.strerror}); the "
+                          "checkpoint is incomplete: resume from another one") from None
+    except ValueError as e:  # checksums.json
+        raise ConfigError(f"{directory / CHECKSUMS}: not readable ({e}); the checkpoint is "
+                          "incomplete: resume from another one") from None
+
+
+def _verify(directory: Path, rank: int, size: int) -> None:
+    sums = json.loads((directory / CHECKSUMS).read_text())
+    items = {(i.relative_path, i.offset, i.length, f"{i.relative_path}:{i.offset}")
+             for i in _metadata(directory).storage_data.values()}
+    items |= {(name, 0, (directory / name).stat().st_size, name)
+              for name in sums if ":" not in name}
+    total, at, mine = sum(item[2] for item in items), 0, []
+    for item in sorted(items):  # an item is rank r's where its first byte falls in r's share
+        if at * size // max(total, 1) == rank:
+            mine.append(item)
+        at += item[2]
+    for name, group in itertools.groupby(mine, key=lambda item: item[0]):
+        with open(directory / name, "rb") as f:
+            for _, offset, length, key in group:
+                f.seek(offset)
+                crc, left = 0, length
+                while left and (data := f.read(min(left, 16 << 20))):  # a chunk may be large
+                    crc, left = zlib.crc32(data, crc), left - len(data)
+                if left or sums.get(key) != f"{crc:08x}":
+                    raise ConfigError(f"{directory / name}: the bytes at {offset} do not "
+                                      "match their checksum; the file is corrupt: resume "
+                                      "from another checkpoint")
+
+
 def _metadata(directory: Path):
     path = Path(directory) / METADATA
     try:
@@ -83,7 +127,8 @@ def _metadata(directory: Path):
 
 class _Checked(FileSystemReader):
     """DCP's file reader, checking each stored chunk against its CRC-32 as it is read
-    (dcp.py `_checksums`), counting the bytes read and naming the file it is in."""
+    (computed as it was written: dcp.py `_Summed`), counting the bytes read and naming the
+    file it is in."""
 
     def __init__(self, directory: Path, checksums: dict[str, str]):
         super().__init__(directory)

@@ -48,6 +48,9 @@ class TrainConfig:
     """The loop: batch geometry, precision, schedule of eval, logging and samples."""
 
     run_dir: str = "runs/default"
+    # A run into a run dir that holds another run's checkpoints is refused (they would mix:
+    # train/checkpoint/rundir.py); true moves that run aside to <run_dir>.old-N first.
+    overwrite: bool = False
     steps: int = 300
     global_batch: int = 16  # sequences per optimizer step, across all data-parallel ranks
     micro_batch: int = 8  # sequences per forward/backward on one rank

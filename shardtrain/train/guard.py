@@ -22,13 +22,13 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
 from torch import nn
 
 from shardtrain.config.faults import parse_injection
-from shardtrain.train.checkpoint.checkpoint import checkpoint_root, list_checkpoints
 
 
 class NonFiniteError(RuntimeError):
@@ -36,10 +36,12 @@ class NonFiniteError(RuntimeError):
 
 
 class BadStepGuard:
-    """Counts bad steps in a row (`consecutive`) and in all (`total`)."""
+    """Counts bad steps in a row (`consecutive`) and in all (`total`). `last_good`: the
+    run's last checkpoint (train/checkpoint/saver.py `committed`: the one this run wrote or
+    resumed from, not the newest name in the directory), or None."""
 
-    def __init__(self, limit: int, run_dir: str | Path, precision: str):
-        self.limit, self.run_dir, self.precision = limit, Path(run_dir), precision
+    def __init__(self, limit: int, precision: str, *, last_good: Callable[[], Path | None]):
+        self.limit, self.precision, self.last_good = limit, precision, last_good
         self.consecutive = self.total = 0
 
     def check(self, record: dict) -> None:
@@ -51,8 +53,8 @@ class BadStepGuard:
         self.total += 1
         if self.consecutive <= self.limit:
             return
-        found = list_checkpoints(checkpoint_root(self.run_dir))
-        last = (f"The last good checkpoint is {found[-1]} (resume from it with "
+        found = self.last_good()
+        last = (f"The last good checkpoint is {found} (resume from it with "
                 "--checkpoint.resume latest, after the fix)") if found else \
             "There is no checkpoint yet (checkpoint.every sets how often one is saved)"
         scale = f", loss scale {record.get('loss_scale', 1.0):g}" \

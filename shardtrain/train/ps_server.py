@@ -26,6 +26,7 @@ from shardtrain.parallel.ps.groups import ps_comms
 from shardtrain.parallel.ps.server import ParameterServer
 from shardtrain.parallel.ps.update import ps_layout, push_codec
 from shardtrain.train.checkpoint import checkpoint as ckpt
+from shardtrain.train.checkpoint.agree import Agreement
 from shardtrain.train.optim import lr_at
 
 
@@ -37,7 +38,9 @@ def run_server(cfg: Config, mesh: ParallelMesh) -> dict:
     shapes = [q for q in build_model(cfg.model, seed=None).parameters() if q.requires_grad]
     layout = ps_layout(cfg, shapes, world_size)
     index = rank - layout.workers
-    start, resume = 0, ckpt.resolve_resume(cfg, main=False)
+    # With the workers, every server checks its share of the checkpoint's bytes.
+    job = Agreement("resume", rank, world_size)
+    start, resume = 0, ckpt.resolve_resume(cfg, main=False, agreement=job)
     if resume is not None:
         start = ckpt.read_meta(resume)["step"]
     every = cfg.checkpoint.every

@@ -29,6 +29,7 @@ from shardtrain.parallel.parallelize import parallelize
 from shardtrain.cost.counts import model_flops_per_token
 from shardtrain.ckpt.files import Reader
 from shardtrain.train.checkpoint import checkpoint as ckpt
+from shardtrain.train.checkpoint.agree import Agreement
 from shardtrain.train.guard import BadStepGuard, hang_here, kill_here, nan_loss
 from shardtrain.train.finetune.finetune import build_skeleton, nf4_bytes, resolve_init_from, start_values
 from shardtrain.train.observe.profile import StepProfiler
@@ -84,7 +85,8 @@ class Trainer:
             print(self.data.summary, flush=True)  # chat: conversations, rows, counted share
         self.step = 0
         self.resume_bytes: dict[str, int] = {}
-        resume = ckpt.resolve_resume(cfg, main=self.is_main)
+        job = Agreement("resume", mesh.rank, mesh.world_size + cfg.parallel.ps_servers)
+        resume = ckpt.resolve_resume(cfg, main=self.is_main, agreement=job)  # servers too
         if resume is not None:
             ckpt.check_compatible(resume, cfg, mesh.world_size)
             meta = ckpt.read_meta(resume)
@@ -100,8 +102,9 @@ class Trainer:
         self.tokens_per_step = t.global_batch * t.seq_len
         self.flops_per_step = model_flops_per_token(cfg.model, t.seq_len) * self.tokens_per_step
         self.peak_flops = device_peak_flops(device, t.peak_flops, t.precision)  # None: unknown
-        self.guard = BadStepGuard(t.max_bad_steps, t.run_dir, t.precision)
-        self.saver = Saver(cfg, mesh)
+        self.saver = Saver(cfg, mesh, resumed=resume)  # knows the run's last checkpoint
+        self.guard = BadStepGuard(t.max_bad_steps, t.precision,  # (no cycle through self)
+                                  last_good=lambda saver=self.saver: saver.committed)
         self.pace = Pace(cfg, mesh)  # compute and wait per rank, stragglers named (pace.py)
         self.metrics = MetricsWriter(t.run_dir, enabled=self.is_main, resume=resume is not None,
                                      from_step=self.step,
@@ -223,8 +226,7 @@ class Trainer:
                 self.saver.wait()
                 self.metrics.close()
                 bar.close()
-                result.interrupted = interrupt.describe(self.step, str(ckpt.checkpoint_root(
-                    t.run_dir) / f"step_{self.step:08d}"))
+                result.interrupted = interrupt.describe(self.step, str(self.saver.committed))
                 return result
             kill_here(t.inject_kill, self.mesh.rank, self.step)  # a test hook (guard.py)
             bar.update(1)

@@ -12,9 +12,11 @@ tokenizer, so `shardtrain generate` needs nothing but the checkpoint.
 
 Durable: every file is fsynced as it is written (DCP's `sync_files`, and ours), the
 staging directory before its rename, the checkpoints directory after it; only then are
-older checkpoints removed, so a power or node loss leaves the previous checkpoint at
-worst. `resume = latest` takes the newest checkpoint that validates (ckpt/files.py
-`validate`), moving any newer bad one aside (`bad-step_*`) with one line saying why.
+older checkpoints removed (never the one just committed), so a power or node loss leaves
+the previous checkpoint at worst. A run dir holds one run's checkpoints only
+(train/checkpoint/rundir.py). `resume = latest` takes the newest checkpoint that validates
+(ckpt/files.py `validate`) and whose bytes match their CRC-32s (`verify`, split over the
+ranks), moving any newer bad one aside (`bad-step_*`) with one line saying why.
 
 Any checkpoint resumes in any layout (parallel/pieces.py), except state that is one rank's
 own: top-k update compression's optimizer state and residual (comm.compress=topk) and a
@@ -29,6 +31,7 @@ import io
 import json
 import os
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +40,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from shardtrain import config as config_mod
 from shardtrain.ckpt.dcp import finish, write_synced
-from shardtrain.ckpt.files import FORMAT, SIDE, validate
+from shardtrain.ckpt.files import FORMAT, SIDE, validate, verify
 from shardtrain.config import Config, ConfigError
+from shardtrain.train.checkpoint.agree import Agreement
 
 _PREFIX = "step_"
 _ASIDE = "bad-"
@@ -49,9 +53,14 @@ def checkpoint_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def step_name(step: int) -> str:
+    """The directory name of step `step`'s checkpoint."""
+    return f"{_PREFIX}{step:08d}"
+
+
 def staging_dir(cfg: Config, step: int, *, create: bool = True) -> Path:
     """Where every rank writes its part of the step's checkpoint before it is committed."""
-    staged = checkpoint_root(cfg.train.run_dir) / f".staged-{_PREFIX}{step:08d}"
+    staged = checkpoint_root(cfg.train.run_dir) / f".staged-{step_name(step)}"
     if create:
         staged.mkdir(parents=True, exist_ok=True)
     return staged
@@ -64,14 +73,17 @@ def clear_staging(cfg: Config) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def stage_files(cfg: Config, step: int, files: dict[str, Any]) -> Path:
-    """Write this rank's own state files ({file name: state}) into the staging directory."""
+def stage_files(cfg: Config, step: int, files: dict[str, Any]) -> dict[str, str]:
+    """Write this rank's own state files ({file name: state}) into the staging directory;
+    their CRC-32s ({file name: hex}, from the bytes written: ckpt/dcp.py `write`)."""
     staged = staging_dir(cfg, step)
+    sums = {}
     for name, state in files.items():
         buffer = io.BytesIO()
         torch.save(state, buffer)
         write_synced(staged / name, buffer.getvalue())
-    return staged
+        sums[name] = f"{zlib.crc32(buffer.getbuffer()):08x}"
+    return sums
 
 
 def save_checkpoint(cfg: Config, *, step: int, staged: Path, world_size: int,
@@ -80,9 +92,10 @@ def save_checkpoint(cfg: Config, *, step: int, staged: Path, world_size: int,
                     tokenizer_file: Path | None = None) -> Path:
     """On the main rank, once every rank has written its part: DCP's metadata and our side
     files, each fsynced, then the directory renamed into place and made durable; then
-    the checkpoints beyond `checkpoint.keep` go. `layout`: the layout that wrote it."""
+    the checkpoints beyond `checkpoint.keep` go, never this one (newest by name is not
+    always newest written). `layout`: the layout that wrote it."""
     root = checkpoint_root(cfg.train.run_dir)
-    final = root / f"{_PREFIX}{step:08d}"
+    final = root / step_name(step)
     finish(staged, metadata, world_size)
     write_synced(staged / "meta.json", json.dumps(
         {"step": step, "sampler": sampler_state, "layout": layout}, indent=1).encode())
@@ -96,7 +109,8 @@ def save_checkpoint(cfg: Config, *, step: int, staged: Path, world_size: int,
         shutil.rmtree(final)
     os.replace(staged, final)
     _fsync_dir(root)  # the rename itself durable before anything older is removed
-    for old in list_checkpoints(root)[:-cfg.checkpoint.keep]:
+    older = [p for p in list_checkpoints(root) if p != final]
+    for old in older[:max(0, len(older) - (cfg.checkpoint.keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -115,24 +129,27 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX))
 
 
-def resolve_resume(cfg: Config, *, main: bool = True) -> Path | None:
+def resolve_resume(cfg: Config, *, main: bool = True,
+                   agreement: Agreement | None = None) -> Path | None:
     """The checkpoint directory `checkpoint.resume` names, or None; errors name the field.
-    `latest`: the newest checkpoint that validates; on the `main` process the newer bad
-    ones are moved aside (`bad-step_*`, never deleted) with one line each saying why; with
-    none valid, the newest one's error. Every process skips the same bad ones, so all
-    resume from the same checkpoint."""
+    `latest`: the newest checkpoint that validates and, given the job's `agreement` (every
+    rank of the job calls this with one), whose bytes match their checksums, each rank
+    reading its share (ckpt/files.py `verify`); on the `main` process the newer bad ones
+    are moved aside (`bad-step_*`, never deleted) with one line each saying why; with none
+    usable, the newest one's error. Every process skips the same bad ones, so all resume
+    from the same checkpoint (a bad checkpoint is moved only after the last agreement)."""
     spec = cfg.checkpoint.resume
     if not spec:
         return None
     if spec != "latest":
         path = Path(spec)
-        check_checkpoint(path, f"checkpoint.resume={spec!r}")
+        check_checkpoint(path, f"checkpoint.resume={spec!r}", agreement)
         return path
     root = checkpoint_root(cfg.train.run_dir)
     found, bad = list_checkpoints(root), []
     for path in reversed(found):
         try:
-            check_checkpoint(path)
+            check_checkpoint(path, agreement=agreement)
         except ConfigError as e:
             bad.append((path, e))
             continue
@@ -147,9 +164,11 @@ def resolve_resume(cfg: Config, *, main: bool = True) -> Path | None:
                       "resume first")
 
 
-def check_checkpoint(path: Path, field: str = "") -> None:
-    """`path` is a whole checkpoint (ckpt/files.py `validate`, and our side files); an
-    error names `field` first when given."""
+def check_checkpoint(path: Path, field: str = "", agreement: Agreement | None = None) -> None:
+    """`path` is a whole checkpoint (ckpt/files.py `validate`, and our side files) and,
+    given an `agreement` (every rank calls this with it), its bytes match their checksums:
+    each rank verifies its share, and all raise the error of one that found a mismatch.
+    An error names `field` first when given."""
     try:
         if not path.is_dir():
             raise ConfigError(f"{path} is not a directory; give a step_* directory or 'latest'")
@@ -158,6 +177,14 @@ def check_checkpoint(path: Path, field: str = "") -> None:
             if not (path / name).is_file():
                 raise ConfigError(f"{path / name}: missing; {path} is not a whole checkpoint: "
                                   "give a step_* directory or 'latest'")
+        if agreement is not None:
+            error = ""
+            try:
+                verify(path, agreement.rank, agreement.size)
+            except ConfigError as e:
+                error = str(e)
+            if corrupt := agreement.outcome(error):
+                raise ConfigError(corrupt.error)
     except ConfigError as e:
         raise ConfigError(f"{field}: {e}" if field else str(e)) from None
 
@@ -184,14 +211,37 @@ def checkpoint_config(path: Path) -> Config:
     return config_mod.load(path / "config.toml")
 
 
+# The [model] fields that define the saved tensors -- which there are, their shapes, and
+# the function the weights compute -- compared on resume, the resolved value where a field
+# has a default rule (ffn_dim 0, n_kv_heads 0, head_size 0). Every other model field is a
+# choice of how to run or train them, free to change on resume: MODEL_FREE_FIELDS.
+MODEL_STATE_FIELDS = {
+    "style": "style", "vocab_size": "vocab_size", "dim": "dim", "n_layers": "n_layers",
+    "n_heads": "n_heads", "n_kv_heads": "kv_heads", "ffn_dim": "ffn_hidden",
+    "head_size": "head_dim", "max_seq_len": "max_seq_len", "tie_embeddings": "tie_embeddings",
+    "norm_eps": "norm_eps", "rope_theta": "rope_theta", "n_experts": "n_experts",
+    "moe_top_k": "moe_top_k", "qkv_bias": "qkv_bias", "qk_norm": "qk_norm",
+    "rope_scaling": "rope_scaling", "rope_factor": "rope_factor",
+    "rope_low_freq_factor": "rope_low_freq_factor",
+    "rope_high_freq_factor": "rope_high_freq_factor",
+    "rope_original_max_len": "rope_original_max_len",
+    "rope_attention_factor": "rope_attention_factor", "sliding_window": "sliding_window",
+}
+MODEL_FREE_FIELDS = (
+    "init_from",  # where the first weights came from: a path, moved or gone since
+    "moe_impl",  # grouped matmul or a loop: the same function
+    "moe_aux_loss_coef", "moe_z_loss_coef",  # training-loss weights, as the lr is
+    "moe_capacity_factor", "moe_drop_policy",  # routing under load in training
+)
+
+
 def check_compatible(path: Path, cfg: Config, world_size: int) -> None:
-    """Resume must not change the model's shape, nor the layout of a sharded optimizer
-    state; say which fields differ."""
+    """Resume must not change the saved tensors (MODEL_STATE_FIELDS), nor the layout of a
+    sharded optimizer state; say which fields differ."""
     check_layout(path, cfg, world_size)
-    saved = dataclasses.asdict(checkpoint_config(path).model)
-    wanted = dataclasses.asdict(cfg.model)
-    diff = [f"model.{k}: checkpoint {saved[k]!r} vs config {wanted[k]!r}"
-            for k in saved if saved[k] != wanted[k]]
+    saved, wanted = checkpoint_config(path).model, cfg.model
+    diff = [f"model.{k}: checkpoint {getattr(saved, v)!r} vs config {getattr(wanted, v)!r}"
+            for k, v in MODEL_STATE_FIELDS.items() if getattr(saved, v) != getattr(wanted, v)]
     if diff:
         raise ConfigError(f"cannot resume from {path}: the model shape differs ("
                           + "; ".join(diff) + "); use the checkpoint's model settings or "

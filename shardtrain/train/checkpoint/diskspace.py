@@ -1,36 +1,39 @@
-"""A full disk during a checkpoint: checked before the save, handled the same way on every
-rank when a write fails anyway.
+"""A failed checkpoint save -- a full disk, or any other error of a rank's write or of the
+main rank's commit -- handled the same way on every rank.
 
 Before each save the ranks add up the bytes they are about to write (known from the state:
 each piece's size, each own-state file's tensors) and the main rank compares the sum with
-the free space of the checkpoint directory. When a write still fails with ENOSPC (another
-process filled the disk, or the estimate was short), every rank learns it at the next
-meeting point, the main rank removes the staging directory, and all of them raise
-`DiskFull`: the run stops with one message on the main rank, naming the directory, the
-bytes needed and free, the last good checkpoint, and the fixes. Before this (issue 34) the
-failing rank ended in a traceback, its peers in a collective timeout, and the staging
-directory kept the space it had taken.
-
-The ranks agree through the job's key-value store (a counter per save, the main rank's
-decision as a value), not through collectives: the communication ledger is unchanged.
+the free space of the checkpoint directory. When a write still fails (ENOSPC because
+another process filled the disk or the estimate was short, EIO, anything else), every rank
+learns it at the end of that write (train/checkpoint/agree.py), the main rank removes the
+staging directory, and all of them raise the same error: `DiskFull` for a full disk,
+`SaveFailed` otherwise. The run stops with one message on the main rank, naming the
+directory, the failing rank and cause (for a full disk the bytes needed and free), the last
+good checkpoint, and the fixes. Before this (issues 34 and 39) the failing rank ended in a
+traceback, its peers in a collective timeout, and the staging directory kept the space it
+had taken.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from shardtrain.train.checkpoint.agree import EXIT_CODE, Agreement, SaveFailed, describe
+
+__all__ = ["EXIT_CODE", "DiskFull", "SaveFailed", "SpaceGuard", "state_bytes"]
 
 MARGIN_BYTES = 1 << 16  # safetensors headers, indexes, manifest, meta.json, config.toml
-EXIT_CODE = 74  # sysexits.h EX_IOERR: the run stopped on an I/O error (not a bad input: 2)
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
-class DiskFull(Exception):
+class DiskFull(SaveFailed):
     """The checkpoint does not fit: stop training; the message is for the main rank."""
 
 
@@ -50,8 +53,9 @@ def state_bytes(sizes: Iterable[int], files: dict[str, Any]) -> int:
     return total
 
 
-def is_disk_full(error: BaseException) -> bool:
-    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+def _full_code(text: str) -> int | None:
+    """The errno of a full disk in an agreed error (OSError's "[Errno N] ..."), else None."""
+    return next((code for code in _FULL if text.startswith(f"[Errno {code}]")), None)
 
 
 def _free_bytes(directory: Path) -> int:
@@ -62,24 +66,28 @@ def _free_bytes(directory: Path) -> int:
 
 
 class SpaceGuard:
-    """One per Saver; every method is called by every rank at the same point of a save."""
+    """One per Saver; every method is called by every rank at the same point of a save
+    (on an asynchronous save's thread for the write and the commit)."""
 
     def __init__(self, root: Path, *, rank: int, world_size: int, keep: int,
-                 last_good: Callable[[], Path | None]):
+                 last_good: Path | None):
+        """`last_good`: the run's last good checkpoint (the Saver keeps it up to date)."""
         self.root, self.rank, self.keep, self.last_good = root, rank, keep, last_good
-        self.store = dist.distributed_c10d._get_default_store() if world_size > 1 else None
+        self.agreement = Agreement("save", rank, world_size)
+
+    def _kept(self) -> str:
+        last = self.last_good
+        return f"the last good checkpoint, {last}, is intact" if last else \
+            "no checkpoint was written yet"
 
     def _advice(self) -> str:
-        last = self.last_good()
-        kept = f"the last good checkpoint, {last}, is intact" if last else \
-            "no checkpoint was written yet"
-        return (f"{kept}; free space on that filesystem (older checkpoints there can go), "
-                f"lower checkpoint.keep (now {self.keep}: a save needs room for one more before "
-                "it removes the oldest), or give another train.run_dir")
+        return (f"{self._kept()}; free space on that filesystem (older checkpoints there can "
+                f"go), lower checkpoint.keep (now {self.keep}: a save needs room for one more "
+                "before it removes the oldest), or give another train.run_dir")
 
-    def check(self, step: int, own_bytes: int, barrier: Callable[[], None]) -> None:
+    def check(self, step: int, own_bytes: int) -> None:
         """Before writing: the sum of every rank's bytes fits in the free space."""
-        needed = self._sum(f"shardtrain/ckpt/{step}/bytes", own_bytes, barrier)
+        needed = self.agreement.total(own_bytes)
         verdict = ""
         if self.rank == 0:
             free = _free_bytes(self.root)
@@ -87,40 +95,29 @@ class SpaceGuard:
                 verdict = (f"checkpoint of step {step} not written: {self.root} needs "
                            f"{needed + MARGIN_BYTES:,} bytes and has {free:,} free; "
                            + self._advice())
-        verdict = self._share(f"shardtrain/ckpt/{step}/space", verdict)
-        if verdict:
-            raise DiskFull(verdict)
+        refused = self.agreement.outcome(verdict)  # the main rank's verdict, on every rank
+        if refused:
+            raise DiskFull(refused.error)
 
     def agree(self, step: int, phase: str, error: BaseException | None,
-              barrier: Callable[[], None], clean_up: Callable[[], None]) -> None:
-        """After a write phase (each rank's `error`: None, or its ENOSPC): if any rank
-        failed, the main rank removes the staging directory and every rank raises."""
-        if error is not None and not is_disk_full(error):
-            raise error
-        failed = self._sum(f"shardtrain/ckpt/{step}/{phase}", int(error is not None), barrier)
+              clean_up: Callable[[], None]) -> None:
+        """After a phase of the save ("write": every rank's files; "commit": the main
+        rank's), each rank's `error` or None: if any rank failed, the main rank removes the
+        staging directory and every rank raises the same error."""
+        failed = self.agreement.outcome(describe(error) if error is not None else "")
         if not failed:
             return
         if self.rank == 0:
             clean_up()
-        reason = f"{error.strerror}" if error is not None else "no space left on device"
-        raise DiskFull(f"checkpoint of step {step} not written: {reason} in {self.root} "
-                       f"(on {failed} rank(s)); its staging directory was removed; "
-                       + self._advice())
-
-    def _sum(self, key: str, value: int, barrier: Callable[[], None]) -> int:
-        """Every rank's `value` added up (the barrier: every rank has added its own)."""
-        if self.store is None:
-            return value
-        self.store.add(key, value)
-        barrier()
-        return self.store.add(key, 0)
-
-    def _share(self, key: str, verdict: str) -> str:
-        """The main rank's verdict, on every rank ("": go on)."""
-        if self.store is None:
-            return verdict
-        if self.rank == 0:
-            self.store.set(key, verdict or "ok")
-            return verdict
-        value = self.store.get(key).decode()  # waits for the main rank's
-        return "" if value == "ok" else value
+        code = _full_code(failed.error)
+        if code is not None:
+            raise DiskFull(f"checkpoint of step {step} not written: {os.strerror(code)} in "
+                           f"{self.root} (on {failed.failed} rank(s), rank {failed.rank} among "
+                           "them); its staging directory was removed; " + self._advice()) \
+                from error
+        did = "could not commit it" if phase == "commit" else "could not write its part"
+        more = f"; on {failed.failed} rank(s) in all" if failed.failed > 1 else ""
+        raise SaveFailed(f"checkpoint of step {step} not written: rank {failed.rank} {did} "
+                         f"({failed.error}){more}; its staging directory was removed; "
+                         f"{self._kept()}; fix the cause, then resume with "
+                         "--checkpoint.resume latest") from error

@@ -6,48 +6,62 @@ state that is its own (top-k's, a parameter server's) into the step's staging di
 the main rank commits the checkpoint once all have (train/checkpoint/checkpoint.py). Nothing is
 gathered: a rank holds its own state plus one piece-sized buffer while it writes.
 
-Synchronously (the default), the ranks meet at a barrier once their files are staged and
-again once the main rank has committed. With `checkpoint.async_save` the planning (a
-collective) and a copy of what the rank writes into host memory (pinned, on a GPU) happen
-on the training thread -- the one extra copy an asynchronous save needs: the step loop
-goes on changing the live tensors -- and a thread writes them; the main rank's thread
-commits once every rank's write results are in the staging directory. One save is in
-flight at a time: the next save, and the end of the run, wait for it (`wait`).
+The ranks agree on the outcome after the write (every rank's) and after the commit (the
+main rank's), through the job's store (train/checkpoint/diskspace.py, agree.py): if any
+rank failed, every rank raises the same error, naming the failing rank and the cause, and
+none is left waiting. Synchronously (the default) that happens on the training thread.
+With `checkpoint.async_save` the planning (a collective) and a copy of what the rank
+writes into host memory (pinned, on a GPU) happen on the training thread -- the one extra
+copy an asynchronous save needs: the step loop goes on changing the live tensors -- and a
+thread writes them, agrees, and on the main rank commits; its error, the same on every
+rank, is raised by `wait`, which the next save and the end of the run call: every rank
+stops at that same point. One save is in flight at a time.
+
+`committed` is the checkpoint this run committed last (or resumed from, before its first
+save): what the end-of-run sample and export read and the fault messages name, never
+"the newest in the directory".
 
 What a killed attempt left half-written is cleared when the next one starts, by the main
-rank: stale write results there would make an asynchronous commit take a file being
-rewritten. No rank can save before then, as no step completes without the main rank.
+rank: stale write results there would make a commit take a file being rewritten. No rank
+can save before then, as no step completes without the main rank.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from shardtrain.ckpt.dcp import plan_save, wait_for_results
+from shardtrain.ckpt.dcp import SavePlanned, plan_save
 from shardtrain.config import Config
 from shardtrain.mesh import ParallelMesh
 from shardtrain.parallel.pieces import gather_plans, model_key
 from shardtrain.parallel.strategy import Strategy
 from shardtrain.model.transformer import tied_names
 from shardtrain.train.checkpoint import checkpoint as ckpt
+from shardtrain.train.checkpoint.agree import SaveFailed
 from shardtrain.train.checkpoint.diskspace import SpaceGuard, state_bytes
 
 
 class Saver:
-    def __init__(self, cfg: Config, mesh: ParallelMesh):
+    def __init__(self, cfg: Config, mesh: ParallelMesh, *, resumed: Path | None = None):
+        """`resumed`: the checkpoint the run resumed from, its last good one until it saves."""
         self.cfg, self.mesh = cfg, mesh
         self.is_main = mesh.rank == 0
         if self.is_main:
             ckpt.clear_staging(cfg)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        root = ckpt.checkpoint_root(cfg.train.run_dir)
-        self.space = SpaceGuard(root, rank=mesh.rank, world_size=mesh.world_size,
-                                keep=cfg.checkpoint.keep,
-                                last_good=lambda: (ckpt.list_checkpoints(root) or [None])[-1])
+        self.space = SpaceGuard(ckpt.checkpoint_root(cfg.train.run_dir), rank=mesh.rank,
+                                world_size=mesh.world_size, keep=cfg.checkpoint.keep,
+                                last_good=resumed)
+
+    @property
+    def committed(self) -> Path | None:
+        """The run's last good checkpoint: committed by it, or resumed from (module doc)."""
+        return self.space.last_good
 
     def save(self, step: int, parallel: Strategy, *, sampler_state: dict[str, Any],
              layout: dict[str, int], tokenizer_file: Path | None) -> None:
@@ -62,61 +76,65 @@ class Saver:
         # head, and a checkpoint read whole (generate, export) needs the alias.
         aliases = {model_key(k): model_key(v) for k, v in tied_names(self.cfg.model).items()}
         files = parallel.optimizer_files(self.is_main)
-        # A full disk: refused before writing, or every rank stops if a write fails
-        # (train/checkpoint/diskspace.py); the main rank then removes the staging directory.
+        # A full disk is refused before writing, on every rank (train/checkpoint/diskspace.py).
         copied = tokenizer_file.stat().st_size if tokenizer_file and self.is_main else 0
-        self.space.check(step, copied + state_bytes([planned.nbytes], files), self.barrier)
-        error = None
+        self.space.check(step, copied + state_bytes([planned.nbytes], files))
+        error, sums = None, {}
         try:
-            ckpt.stage_files(self.cfg, step, files)
-        except OSError as e:
+            sums = ckpt.stage_files(self.cfg, step, files)
+        except Exception as e:  # agreed with the write's outcome: every rank raises
             error = e
         commit = partial(ckpt.save_checkpoint, self.cfg, step=step, staged=staged,
                          world_size=self.mesh.world_size, metadata=planned.metadata,
                          aliases=aliases, extra=extra, sampler_state=sampler_state,
                          layout=layout, tokenizer_file=tokenizer_file)
-        clean_up = partial(ckpt.clear_staging, self.cfg)
+        finish = partial(self._write_and_commit, step, planned, sums, error, commit)
         if not self.cfg.checkpoint.async_save:
-            try:
-                if error is None:
-                    planned.write()
-            except OSError as e:
-                error = e
-            self.space.agree(step, "write", error, self.barrier, clean_up)  # all staged
-            try:
-                if self.is_main:
-                    commit()
-            except OSError as e:
-                error = e
-            self.space.agree(step, "commit", error, self.barrier, clean_up)  # committed
+            finish()
             return
-        self.space.agree(step, "stage", error, self.barrier, clean_up)
-        planned.snapshot()
+        if error is None:
+            planned.snapshot()
 
-        def write() -> None:
+        def in_background() -> None:
             try:
-                planned.write()
-                if self.is_main:
-                    wait_for_results(staged, self.mesh.world_size, self.cfg.comm.timeout_s)
-                    commit()
+                finish()
             except BaseException as e:  # raised by `wait`, on the training thread
                 self._error = e
 
-        self._thread = threading.Thread(target=write, name=f"checkpoint-{step}", daemon=True)
+        self._thread = threading.Thread(target=in_background, name=f"checkpoint-{step}",
+                                        daemon=True)
         self._thread.start()
 
-    def barrier(self) -> None:
-        """All ranks: a dp, a cp, a tp, then a pp barrier (pp x dp x cp x tp is the
-        world): a rank passes the last only once every rank has entered the first."""
-        for dim in ("dp", "cp", "tp", "pp"):
-            self.mesh.comm(dim).barrier()
+    def _write_and_commit(self, step: int, planned: SavePlanned, sums: dict[str, str],
+                          error: BaseException | None, commit: Callable[[], Path]) -> None:
+        """Every rank: write its part (unless staging its own files failed: `error`), agree;
+        the main rank commits, agree; `committed` is the new checkpoint. A failure anywhere
+        raises the same SaveFailed on every rank, the staging directory removed."""
+        clean_up = partial(ckpt.clear_staging, self.cfg)
+        try:
+            if error is None:
+                planned.write(sums)
+        except Exception as e:
+            error = e
+        self.space.agree(step, "write", error, clean_up)  # every rank's part staged
+        final = None
+        try:
+            if self.is_main:
+                final = commit()
+        except Exception as e:
+            error = e
+        self.space.agree(step, "commit", error, clean_up)  # committed
+        self.space.last_good = final or ckpt.checkpoint_root(self.cfg.train.run_dir) / \
+            ckpt.step_name(step)
 
     def wait(self) -> None:
-        """Until the asynchronous save in flight (if any) is written (and, on the main
-        rank, committed); its error, if it failed."""
+        """Until the asynchronous save in flight (if any) is written and committed; its
+        error, the same on every rank, if it failed."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, SaveFailed):
+                raise error
             raise RuntimeError(f"the asynchronous checkpoint save failed: {error}") from error

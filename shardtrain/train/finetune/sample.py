@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 from shardtrain.cost.counts import param_counts
 from shardtrain.data.tokenizer import prompt_ids
 from shardtrain.model.generate import generate
-from shardtrain.train.checkpoint import checkpoint as ckpt
 
 if TYPE_CHECKING:
     from shardtrain.train.trainer import Trainer
@@ -76,5 +75,6 @@ def end_export(trainer: Trainer, out: str) -> Path | None:
 
 
 def final_checkpoint(trainer: Trainer) -> Path:
-    """The checkpoint the run wrote at its last step (committed: Saver.wait has returned)."""
-    return ckpt.list_checkpoints(ckpt.checkpoint_root(trainer.cfg.train.run_dir))[-1]
+    """The checkpoint this run committed at its last step (Saver.wait has returned), or
+    resumed from when it had no step left to run: never merely the newest in the run dir."""
+    return trainer.saver.committed

@@ -3,9 +3,10 @@ memory ledger comes from Parallelized.memory)."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
-import ctypes
+import os
 import resource
 import sys
 import time
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 
+from shardtrain.config import ConfigError
 from shardtrain.data.fsutil import write_atomic
 from shardtrain.model.moe import moe_stats
 from shardtrain.train.observe.tracking import Tracker, scalars_of
@@ -146,14 +148,37 @@ def clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def read_records(path: Path) -> tuple[list[str], str]:
+    """metrics.jsonl's lines, each one JSON object, and a note ("" if none) when its last
+    line is torn -- cut short by a crash or a full disk during an append: dropped. A line
+    that is not JSON anywhere else is no crash's doing (an append only ever touches the
+    end): ConfigError naming the file and the line, before any process starts
+    (train/start/prepare.py)."""
+    if not path.exists():
+        return [], ""
+    lines = path.read_text().splitlines()
+    for number, line in enumerate(lines, 1):
+        try:
+            json.loads(line)
+        except ValueError as e:
+            if number == len(lines):
+                return lines[:-1], (f"{path}: its last line (line {number}) is torn, as a "
+                                    "crash during an append leaves it; dropped")
+            raise ConfigError(f"{path}:{number}: not a JSON record ({e}); the file was changed "
+                              "by hand or damaged: repair or delete that line, or give another "
+                              "train.run_dir") from None
+    return lines, ""
+
+
 class MetricsWriter:
     """Appends one JSON object per optimizer step to <run_dir>/metrics.jsonl (rank 0)."""
 
     def __init__(self, run_dir: str | Path, *, enabled: bool, resume: bool, from_step: int = 0,
                  trackers: Sequence[Tracker] = ()):
         """`resume`: keep the records of the steps up to `from_step` (the checkpoint's), drop
-        later ones (an interrupted attempt's, redone now); else start the file afresh.
-        `trackers` (train/observe/tracking.py) receive every record too."""
+        later ones (an interrupted attempt's, redone now) and a torn last line, saying so;
+        else start the file afresh. `trackers` (train/observe/tracking.py) receive every
+        record too."""
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self.trackers = list(trackers)
@@ -162,16 +187,32 @@ class MetricsWriter:
         if not resume:
             self.path.unlink(missing_ok=True)
         elif self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if json.loads(line).get("step", 0) <= from_step]
+            lines, torn = read_records(self.path)
+            if torn:
+                print(torn, flush=True)
+            kept = [line for line in lines if json.loads(line).get("step", 0) <= from_step]
             write_atomic(self.path, "".join(line + "\n" for line in kept))
 
     def write(self, *records: dict[str, Any]) -> None:
-        """Append `records` (steps in order: a flush reads several, train/pending.py)."""
+        """Append `records` (steps in order: a flush reads several, train/pending.py) in one
+        write call, so that a killed process leaves all or none of them; a failed write
+        (a full disk) is cut back to the file's previous end before its error is raised.
+        Only a power loss can still tear the last line, which a resume drops."""
         if not self.enabled or not records:
             return
-        with open(self.path, "a") as f:
-            f.write("".join(json.dumps(record) + "\n" for record in records))
+        data = "".join(json.dumps(record) + "\n" for record in records).encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            end = os.fstat(fd).st_size
+            try:
+                written = os.write(fd, data)
+                while written < len(data):  # a regular file takes it whole but on error
+                    written += os.write(fd, data[written:])
+            except BaseException:
+                os.ftruncate(fd, end)
+                raise
+        finally:
+            os.close(fd)
         for record in records:
             for tracker in self.trackers:
                 tracker.log(record["step"], scalars_of(record))

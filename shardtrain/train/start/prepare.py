@@ -1,6 +1,7 @@
 """Every check that can fail before a training run starts, run before any process or
-directory is made: a bad config, source, tokenizer, layout, resume target or disk is one
-line and exit 2 with nothing written (cli.py `shardtrain train` calls `prepare_run`)."""
+directory is made: a bad config, source, tokenizer, layout, resume target, run dir (one
+that holds another run's checkpoints: train/checkpoint/rundir.py) or disk is one line and
+exit 2 with nothing written (cli.py `shardtrain train` calls `prepare_run`)."""
 
 from __future__ import annotations
 
@@ -12,17 +13,21 @@ from shardtrain.config import Config, ConfigError
 
 
 def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool, local_ranks: int = 1,
-                main: bool = True) -> None:
+                main: bool = True, claim: bool = True) -> None:
     """Every check that can fail before training starts, and the token cache built once.
     `local_ranks`: the ranks this machine runs (they share its memory on CPU); `main`: the
-    one process of the job that may move a bad checkpoint aside (train/checkpoint/checkpoint.py)."""
+    one process of the job that may move a bad checkpoint, or with train.overwrite the
+    earlier run, aside (train/checkpoint/checkpoint.py, rundir.py); `claim`: the run will
+    write checkpoints into its run dir (not a dry run), which must not hold another run's."""
     import torch
 
     from shardtrain.data import check_source, check_vocab, load_dataset, load_tokenizer
     from shardtrain.parallel.ps.layout import check_servers
     from shardtrain.parallel.zero.offload import check_offload_space
     from shardtrain.train.checkpoint import checkpoint as ckpt
+    from shardtrain.train.checkpoint.rundir import claim_run_dir, move_run_aside
     from shardtrain.train.finetune.finetune import resolve_init_from
+    from shardtrain.train.observe.metrics import read_records
     from shardtrain.train.start.fits import check_fits
 
     try:
@@ -38,9 +43,12 @@ def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool, local_ranks
     check_writable(Path(cfg.train.run_dir))
     check_offload_space(cfg)
     check_servers(cfg)
+    move_aside = claim and claim_run_dir(cfg)
     resume = ckpt.resolve_resume(cfg, main=main)
     if resume is not None:
         ckpt.check_compatible(resume, cfg, world_size)
+        if not move_aside:  # a torn last line is dropped at start; a bad one elsewhere stops
+            read_records(Path(cfg.train.run_dir) / "metrics.jsonl")
     if cfg.train.tensorboard:
         try:
             import tensorboard  # noqa: F401
@@ -50,6 +58,8 @@ def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool, local_ranks
     if prepare_data:
         check_vocab(load_dataset(cfg.data, seq_len=cfg.train.seq_len), cfg.model.vocab_size)
     # Only now, every check passed: a rejected input leaves no empty run dir behind.
+    if move_aside and main:
+        move_run_aside(cfg.train.run_dir)
     Path(cfg.train.run_dir).mkdir(parents=True, exist_ok=True)
 
 
