@@ -41,7 +41,14 @@ def test_variants_count_forward_and_backward(cfg):
     if cfg.n_experts:
         assert counts.active < counts.total
     tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+    # Every module that holds parameters is called (layouts hook the calls: a parameter
+    # server's pull waits there; GPT-2's position table was read without one, a race).
+    called = set()
+    owners = [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
+    for m in owners:
+        m.register_forward_pre_hook(lambda m, _args: called.add(m))
     logits = model(tokens)
+    assert called == set(owners)
     assert logits.shape == (2, 16, cfg.vocab_size)
     logits.sum().backward()
     # Every parameter gets a gradient (experts are stacked: an expert no token picked has

@@ -58,14 +58,14 @@ class Routing:
     experts: torch.Tensor  # [T, K] int64, the chosen experts
 
 
-def route(tokens: torch.Tensor, router_weight: torch.Tensor, top_k: int) -> Routing:
+def route(tokens: torch.Tensor, router: nn.Linear, top_k: int) -> Routing:
     """Router in fp32 (autocast off: small logit differences decide the choice). The gates:
     for top-k > 1 the chosen probabilities renormalised over the k chosen (Mixtral's); for
     top-1 the chosen probability itself, as Switch Transformer gates (Fedus et al. 2021,
     sec. 2.1) -- renormalised over one choice every gate would be p / p = 1, a constant,
     and the router would learn nothing from the task loss."""
-    with torch.autocast(tokens.device.type, enabled=False):
-        logits = F.linear(tokens.float(), router_weight.float())  # [T, E]
+    with torch.autocast(tokens.device.type, enabled=False):  # called: layouts hook modules
+        logits = router(tokens.float()).float()  # [T, E]
     probs = logits.softmax(-1)
     weights, experts = probs.topk(top_k, dim=-1)  # [T, K]
     if top_k > 1:
@@ -247,7 +247,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         tokens = x.reshape(-1, x.shape[-1])  # [T, C]
-        r = route(tokens, self.router.weight, cfg.moe_top_k)
+        r = route(tokens, self.router, cfg.moe_top_k)
         xs, d = dispatch(tokens, r, capacity(cfg, tokens.shape[0]), cfg.moe_drop_policy)
         out = combine(self.experts(xs, d), d, tokens.shape[0]).to(x.dtype).view_as(x)
         if not self.training:  # the auxiliary losses and stats are training's

@@ -100,6 +100,14 @@ def position_index(module: nn.Module, seq_len: int, positions: torch.Tensor | No
     return positions
 
 
+def position_ids(module: nn.Module, seq_len: int, positions: torch.Tensor | None,
+                 device: torch.device) -> torch.Tensor:
+    """`position_index` as ids, [S] or [B, S]: the input of GPT-2's position embedding, which
+    is called as a module (layouts hook its forward: a parameter server's pull waits there)."""
+    at = position_index(module, seq_len, positions)
+    return torch.arange(seq_len, device=device) if isinstance(at, slice) else at
+
+
 def document_mask(positions: torch.Tensor) -> torch.Tensor:
     """The attention mask of packed documents, bool [B, 1, S, S] (True: may attend): causal
     and within the document, a document starting wherever its position is 0."""

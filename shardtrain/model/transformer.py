@@ -18,7 +18,8 @@ from torch import nn
 
 from shardtrain.config import ModelConfig
 from shardtrain.model.moe import MoE
-from shardtrain.model.positions import apply_rope, document_mask, position_index, rope_tables
+from shardtrain.model.positions import (apply_rope, document_mask, position_ids, position_index,
+                                        rope_tables)
 
 
 def sdpa_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -148,7 +149,7 @@ class Transformer(nn.Module):
         x = self.tok_emb(tokens)  # [B, S, C]
         rope = None
         if self.pos_emb is not None:
-            x = x + self.pos_emb.weight[at]
+            x = x + self.pos_emb(position_ids(self, tokens.shape[1], positions, x.device))
         else:
             rope = (self.rope_cos[at], self.rope_sin[at])
         mask = None if positions is None else document_mask(positions)

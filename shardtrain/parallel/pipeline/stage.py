@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from shardtrain.config import Config
-from shardtrain.model.positions import document_mask, position_index
+from shardtrain.model.positions import document_mask, position_ids, position_index
 from shardtrain.model.transformer import Transformer, init_parameters
 from shardtrain.parallel.pipeline.partition import layer_ranges, stage_costs
 
@@ -89,7 +89,7 @@ class StageChunk(nn.Module):
             seq_len = x.shape[1]
             x = stage.tok_emb(x)  # [B, S, C]
             if hasattr(stage, "pos_emb"):
-                x = x + stage.pos_emb.weight[position_index(stage, seq_len, positions)]
+                x = x + stage.pos_emb(position_ids(stage, seq_len, positions, x.device))
         else:  # x: activations [B, S / seq_shards, C]
             seq_len = x.shape[1] * stage.seq_shards
         rope = stage.rope(seq_len, positions)
