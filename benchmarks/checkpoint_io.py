@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from teardown import run_then_leave
 from shardtrain import config
 from shardtrain.ckpt.files import Reader
 from shardtrain.comm import build_mesh
@@ -40,6 +41,11 @@ LAYOUTS = {"dp": "0", "zero3": "3"}
 def worker(name: str, run_root: str, repeats: int) -> dict:
     info = ProcessInfo.from_env()
     init_distributed(info, torch.device("cpu"), 300.0)
+    # teardown.py: the exit without a hang
+    return run_then_leave(measure, name, run_root, repeats, info)
+
+
+def measure(name: str, run_root: str, repeats: int, info: ProcessInfo) -> dict:
     out = {}
     for layout, zero in LAYOUTS.items():
         run_dir = Path(run_root) / layout

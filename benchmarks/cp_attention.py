@@ -35,19 +35,28 @@ HERE = Path(__file__).resolve().parents[1]
 
 def worker(cfg_text: str) -> dict:
     import torch
-    import torch.distributed as dist
 
     from shardtrain import config
-    from shardtrain.comm import build_mesh
     from shardtrain.launch import ProcessInfo, init_distributed
+    from teardown import run_then_leave  # this checkout's, whichever tree is measured
+
+    cfg = config.loads(cfg_text)
+    info = ProcessInfo.from_env()
+    init_distributed(info, torch.device("cpu"), 600.0)
+    return run_then_leave(one_step, cfg, info.rank)  # teardown.py: the exit without a hang
+
+
+def one_step(cfg, rank: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from shardtrain.comm import build_mesh
     from shardtrain.mesh import MeshShape
     from shardtrain.train.observe.metrics import peak_memory, reset_peak_memory
     from shardtrain.train.trainer import Trainer
 
-    cfg = config.loads(cfg_text)
-    info, device = ProcessInfo.from_env(), torch.device("cpu")
-    init_distributed(info, device, 600.0)
-    mesh = build_mesh(MeshShape(dp=1, cp=cfg.parallel.cp), rank=info.rank, timeout_s=600.0)
+    device = torch.device("cpu")
+    mesh = build_mesh(MeshShape(dp=1, cp=cfg.parallel.cp), rank=rank, timeout_s=600.0)
     trainer = Trainer(cfg, mesh, device)
     dist.barrier()
     before = reset_peak_memory(device)
@@ -55,7 +64,6 @@ def worker(cfg_text: str) -> dict:
     trainer.train_step()
     step_s = time.perf_counter() - start
     peak = peak_memory(device)["peak_mem_bytes"]
-    dist.destroy_process_group()
     return {"rss_before": before, "peak": peak, "step_s": step_s}
 
 

@@ -24,8 +24,8 @@ import json
 import time
 
 import torch
-import torch.distributed as dist
 
+from teardown import run_then_leave
 from shardtrain.comm import build_mesh
 from shardtrain.launch import ProcessInfo, init_distributed, launch_local
 from shardtrain.mesh import MeshShape
@@ -44,8 +44,11 @@ def work_units(split: SequenceSplit, rank: int) -> int:
 
 def worker(args: dict) -> dict:
     info = ProcessInfo.from_env()
-    device = torch.device("cpu")
-    init_distributed(info, device, 600.0)
+    init_distributed(info, torch.device("cpu"), 600.0)
+    return run_then_leave(measure, args, info)  # teardown.py: the exit without a hang
+
+
+def measure(args: dict, info: ProcessInfo) -> dict:
     n, rank = info.world_size, info.rank
     comm = build_mesh(MeshShape(cp=n), rank=rank, timeout_s=600.0).comm("cp")
     gen = torch.Generator().manual_seed(rank)
@@ -72,7 +75,6 @@ def worker(args: dict) -> dict:
     result = {name: core.compute_s / args["iters"] for name, core in cores.items()}
     result["work"] = {name: work_units(core.split, rank) for name, core in cores.items()}
     result["cpu"] = {name: t / args["iters"] for name, t in cpu.items()}
-    dist.destroy_process_group()
     return result
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from interleave import interleaved_tokens_per_s
+from teardown import run_then_leave
 from shardtrain import config
 from shardtrain.launch import ProcessInfo, init_distributed, launch_local
 from shardtrain.comm import build_mesh
@@ -46,8 +47,12 @@ def torch_ddp_step(ddp, optimizer, micro_batches, accum: int, clip: float) -> No
 def worker(cfg_text: str, steps: int) -> dict:
     cfg = config.loads(cfg_text)
     info = ProcessInfo.from_env()
+    init_distributed(info, torch.device("cpu"), cfg.comm.timeout_s)
+    return run_then_leave(measure, cfg, info, steps)  # teardown.py: the exit without a hang
+
+
+def measure(cfg: config.Config, info: ProcessInfo, steps: int) -> dict:
     device = torch.device("cpu")
-    init_distributed(info, device, cfg.comm.timeout_s)
     mesh = build_mesh(MeshShape(dp=info.world_size), rank=info.rank)
     ours = Trainer(cfg, mesh, device)
     model = build_model(cfg.model, seed=cfg.train.seed)
@@ -60,10 +65,8 @@ def worker(cfg_text: str, steps: int) -> dict:
         "torch_ddp": lambda: torch_ddp_step(ddp, optimizer, ours.sampler.next_step(), ours.accum,
                                             cfg.optim.grad_clip),
     }
-    result = interleaved_tokens_per_s(
+    return interleaved_tokens_per_s(
         runners, steps=steps, tokens_per_step=cfg.train.global_batch * cfg.train.seq_len)
-    torch.distributed.destroy_process_group()
-    return result
 
 
 def main() -> None:

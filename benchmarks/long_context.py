@@ -24,8 +24,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from teardown import run_then_leave
 from shardtrain import config
 from shardtrain.comm import build_mesh
 from shardtrain.launch import ProcessInfo, init_distributed, launch_local
@@ -51,8 +51,12 @@ def overrides(run_dir: Path, seq: int, cp: int, split: str, steps: int) -> list[
 def worker(cfg_text: str) -> dict:
     cfg = config.loads(cfg_text)
     info = ProcessInfo.from_env()
+    init_distributed(info, torch.device("cpu"), 600.0)
+    return run_then_leave(measure, cfg, info)  # teardown.py: the exit without a hang
+
+
+def measure(cfg: config.Config, info: ProcessInfo) -> dict:
     device = torch.device("cpu")
-    init_distributed(info, device, 600.0)
     p = cfg.parallel
     mesh = build_mesh(MeshShape(dp=1, cp=p.cp), rank=info.rank, timeout_s=600.0)
     trainer = Trainer(cfg, mesh, device)
@@ -69,8 +73,6 @@ def worker(cfg_text: str) -> dict:
         attention.append(trainer.parallel.timeline.get("attention_s"))
     trainer.write_timeline()
     peak = trainer.memory_ledger()["peak_mem_bytes"]
-    if dist.is_initialized():
-        dist.destroy_process_group()
     # The first step warms up; of the rest the least: other load only adds time (cp=1
     # has no context-parallel core, so no attention_s).
     timed = [t for t in attention[1:] or attention if t is not None]

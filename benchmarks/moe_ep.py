@@ -25,8 +25,8 @@ import statistics
 import tempfile
 
 import torch
-import torch.distributed as dist
 
+from teardown import run_then_leave
 from shardtrain import config
 from shardtrain.comm import build_mesh
 from shardtrain.launch import ProcessInfo, init_distributed, launch_local
@@ -51,9 +51,13 @@ def build_config(args: dict, ep: int, run_dir: str) -> config.Config:
 
 def worker(args: dict) -> dict:
     info = ProcessInfo.from_env()
-    device = torch.device("cpu")
-    init_distributed(info, device, 600.0)
+    init_distributed(info, torch.device("cpu"), 600.0)
     torch.set_num_threads(1)  # two processes on a small machine: one core each
+    return run_then_leave(measure, args, info)  # teardown.py: the exit without a hang
+
+
+def measure(args: dict, info: ProcessInfo) -> dict:
+    device = torch.device("cpu")
     trainers = {}
     for ep in (1, 2):
         cfg = build_config(args, ep, args["run_dir"])
@@ -70,7 +74,6 @@ def worker(args: dict) -> dict:
                 times[ep].append(record["step_time_s"])
                 ep_bytes[ep].append(sum(r.sent_bytes for r in trainer.mesh.ledger.records[first:]
                                         if r.tag == "ep"))
-    dist.destroy_process_group()
     return {"times": times, "ep_bytes": ep_bytes}
 
 

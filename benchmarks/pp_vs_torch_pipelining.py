@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from interleave import interleaved_tokens_per_s
+from teardown import run_then_leave
 from shardtrain import config
 from shardtrain.data import TokenSampler
 from shardtrain.launch import ProcessInfo, init_distributed, launch_local
@@ -94,8 +95,12 @@ class TorchPipeline:
 def worker(cfg_text: str, steps: int) -> dict:
     cfg = config.loads(cfg_text)
     info = ProcessInfo.from_env()
+    init_distributed(info, torch.device("cpu"), cfg.comm.timeout_s)
+    return run_then_leave(measure, cfg, info, steps)  # teardown.py: the exit without a hang
+
+
+def measure(cfg: config.Config, info: ProcessInfo, steps: int) -> dict:
     device = torch.device("cpu")
-    init_distributed(info, device, cfg.comm.timeout_s)
     mesh = build_mesh(MeshShape(pp=info.world_size), rank=info.rank)
     ours = Trainer(cfg, mesh, device)
     t = cfg.train
@@ -109,7 +114,6 @@ def worker(cfg_text: str, steps: int) -> dict:
     }
     result = interleaved_tokens_per_s(
         runners, steps=steps, tokens_per_step=t.global_batch * t.seq_len)
-    dist.destroy_process_group()
     return {"tokens_per_s": result, "first_loss": {k: v[0] for k, v in losses.items()},
             "microbatches": ours.accum}
 

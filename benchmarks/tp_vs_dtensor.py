@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 
 from interleave import interleaved_tokens_per_s
+from teardown import run_then_leave
 from shardtrain import config
 from shardtrain.launch import ProcessInfo, init_distributed, launch_local
 from shardtrain.comm import build_mesh
@@ -61,8 +62,12 @@ def dtensor_step(model, optimizer, micro_batches, accum: int) -> None:
 def worker(cfg_text: str, steps: int) -> dict:
     cfg = config.loads(cfg_text)
     info = ProcessInfo.from_env()
+    init_distributed(info, torch.device("cpu"), cfg.comm.timeout_s)
+    return run_then_leave(measure, cfg, info, steps)  # teardown.py: the exit without a hang
+
+
+def measure(cfg: config.Config, info: ProcessInfo, steps: int) -> dict:
     device = torch.device("cpu")
-    init_distributed(info, device, cfg.comm.timeout_s)
     mesh = build_mesh(MeshShape(tp=info.world_size), rank=info.rank)
     ours = Trainer(cfg, mesh, device)
     model = dtensor_model(cfg, info.world_size)
@@ -71,10 +76,8 @@ def worker(cfg_text: str, steps: int) -> dict:
         "ours": lambda: ours.train_step(),
         "dtensor": lambda: dtensor_step(model, optimizer, ours.sampler.next_step(), ours.accum),
     }
-    result = interleaved_tokens_per_s(
+    return interleaved_tokens_per_s(
         runners, steps=steps, tokens_per_step=cfg.train.global_batch * cfg.train.seq_len)
-    torch.distributed.destroy_process_group()
-    return result
 
 
 def main() -> None:

@@ -26,8 +26,8 @@ import tempfile
 import time
 
 import torch
-import torch.distributed as dist
 
+from teardown import run_then_leave
 from shardtrain import config
 from shardtrain.comm import build_mesh
 from shardtrain.launch import ProcessInfo, init_distributed, launch_local
@@ -38,9 +38,13 @@ OFFLOADS = ("none", "cpu", "nvme")
 
 
 def worker(cfg_text: str, steps: int, offload_dir: str) -> dict[str, dict[str, float]]:
-    base = config.loads(cfg_text)
     info = ProcessInfo.from_env()
-    init_distributed(info, torch.device("cpu"), base.comm.timeout_s)
+    init_distributed(info, torch.device("cpu"), config.loads(cfg_text).comm.timeout_s)
+    return run_then_leave(measure, cfg_text, info, steps, offload_dir)  # teardown.py: the exit without a hang
+
+
+def measure(cfg_text: str, info: ProcessInfo, steps: int,
+            offload_dir: str) -> dict[str, dict[str, float]]:
     runners = {}
     for offload in OFFLOADS:
         cfg = config.loads(cfg_text)
@@ -62,7 +66,6 @@ def worker(cfg_text: str, steps: int, offload_dir: str) -> dict[str, dict[str, f
            for name in runners}
     for name in ("cpu", "nvme"):
         out[name]["staging_cpu_s"] = staging_cpu_s(runners[name].__self__)
-    dist.destroy_process_group()
     return out
 
 

@@ -44,6 +44,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from interleave import interleaved_tokens_per_s
+from teardown import run_then_leave
 from shardtrain import config
 from shardtrain.config import Config
 from shardtrain.data import TokenSampler, load_dataset
@@ -104,26 +105,30 @@ def throughput_worker(cfg_text: str, steps: int) -> dict[str, float]:
     cfg = config.loads(cfg_text)
     info = ProcessInfo.from_env()
     init_distributed(info, torch.device("cpu"), cfg.comm.timeout_s)
+    return run_then_leave(throughput, cfg, info, steps)  # teardown.py: the exit without a hang
+
+
+def throughput(cfg: Config, info: ProcessInfo, steps: int) -> dict[str, float]:
     runners = {name: build_runner(name, cfg, info.rank, info.world_size)
                for pair in PAIRS for name in pair}
-    result = interleaved_tokens_per_s(
+    return interleaved_tokens_per_s(
         runners, steps=steps, tokens_per_step=cfg.train.global_batch * cfg.train.seq_len)
-    dist.destroy_process_group()
-    return result
 
 
 def memory_worker(cfg_text: str, name: str, steps: int) -> dict[str, int]:
     cfg = config.loads(cfg_text)
     info = ProcessInfo.from_env()
     init_distributed(info, torch.device("cpu"), cfg.comm.timeout_s)
+    return run_then_leave(memory, cfg, info, name, steps)  # teardown.py: the exit without a hang
+
+
+def memory(cfg: Config, info: ProcessInfo, name: str, steps: int) -> dict[str, int]:
     before, resident = malloc_in_use_bytes(), rss_anon_bytes()
     with PeakAllocated() as peak:
         run = build_runner(name, cfg, info.rank, info.world_size)
         for _ in range(steps):
             run()
-    grown = {"allocated": peak.peak - before, "resident": rss_anon_bytes() - resident}
-    dist.destroy_process_group()
-    return grown
+    return {"allocated": peak.peak - before, "resident": rss_anon_bytes() - resident}
 
 
 class _MallInfo2(ctypes.Structure):
