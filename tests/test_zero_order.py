@@ -95,38 +95,44 @@ def _grad_records(trainer) -> list[int]:
             if r.op == "reduce_scatter" and r.tag == "grad" and r.group == "dp"]
 
 
-@pytest.mark.parametrize("zero, pp", [(1, 1), (2, 1), (3, 1), (3, 2)])
-def test_bucket_mb_sizes_zero_reduce_scatters(tmp_path, zero, pp):
-    """One step at three bucket sizes: alone (10 KiB), 300 KiB, and the default 25 MiB
+@pytest.mark.parametrize("zero, pp, reduce", [(1, 1, "fp32"), (2, 1, "bf16"), (3, 1, "fp32"),
+                                               (3, 2, "bf16")])
+def test_bucket_mb_sizes_zero_reduce_scatters(tmp_path, zero, pp, reduce):
+    """One step at three bucket sizes: alone (10 KiB), 300 KiB (150 in bf16), and 25 MiB
     (the whole tiny model in one). The collectives are the planner's buckets of the runtime's
-    units; bytes, and the shards they leave, are the same."""
+    units (their gradient bytes in the reduce dtype); bytes, and the shards they leave, are
+    the same."""
     layout = ("--parallel.zero", str(zero), "--model.n_layers", "4")  # 2 micro-batches:
     layout += ("--parallel.pp", "2", "--parallel.microbatches", "2") if pp > 1 else \
         ("--train.global_batch", str(4 * WORLD))
+    if reduce == "bf16":
+        layout += ("--train.precision", "bf16", "--train.grad_reduce_dtype", "bf16")
+    width = 4 if reduce == "fp32" else 2
     runs = {}
-    for mb in ("0.01", "0.3", "25"):
+    middle = "0.3" if reduce == "fp32" else "0.15"  # the same units in half the bytes
+    for mb in ("0.01", middle, "25"):
         with _rank0(tmp_path, f"b{zero}{pp}-{mb}", *layout, "--comm.bucket_mb", mb) as trainer:
             trainer.train_step()
             z = trainer.parallel.update
-            sizes = [4 * u.padded for u in z.reducer.order]
+            sizes = [width * u.padded for u in z.reducer.order]
             buckets = coalesce(sizes, float(mb) * 2**20)
             runs[mb] = (_grad_records(trainer), buckets, sizes,
                         torch.cat([u.grad_shard for u in z.units]))
         calls, buckets, sizes, _ = runs[mb]
-        print(f"zero{zero} pp{pp} bucket_mb {mb}: {len(calls)} reduce-scatters {calls} "
+        print(f"zero{zero} pp{pp} {reduce} bucket_mb {mb}: {len(calls)} reduce-scatters {calls} "
               f"of {len(sizes)} units")
         # one reduce-scatter per bucket (per micro-batch for ZeRO-2/3 without a pipeline)
         syncs = 2 if zero >= 2 and pp == 1 else 1
-        assert calls == [sum(sizes[i] for i in b) // 4 for b in buckets] * syncs
-    alone, middle, whole = (runs[mb] for mb in ("0.01", "0.3", "25"))
+        assert calls == [sum(sizes[i] for i in b) // width for b in buckets] * syncs
+    alone, middle, whole = (runs[mb] for mb in ("0.01", middle, "25"))
     assert len(alone[0]) > len(middle[0]) > len(whole[0]) == (2 if zero >= 2 and pp == 1 else 1)
     assert sum(alone[0]) == sum(middle[0]) == sum(whole[0])
     assert torch.equal(alone[3], whole[3]) and torch.equal(alone[3], middle[3])
     # the planner counts the same collectives for uniform units of the same total
     units = len(alone[2])
-    plan = data_parallel_ops(params=sum(alone[2]) / 4, size=WORLD // pp, zero=zero,
+    plan = data_parallel_ops(params=sum(alone[2]) / width, size=WORLD // pp, zero=zero,
                              precision="fp32", layers=units, bucket_bytes=25 * 2**20,
-                             pipelined=pp > 1, microbatches=2)
+                             pipelined=pp > 1, microbatches=2, reduce_dtype=reduce)
     assert [op.calls for op in plan if op.op == "reduce_scatter"] == [len(whole[0])]
 
 
