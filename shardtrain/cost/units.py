@@ -19,6 +19,9 @@ table's gradient hook runs), so the tied unit is reduced last although it is the
 Launched in its forward place, first, it would hold back every unit's reduce-scatter (and
 under ZeRO-3 every unit's release) until the end of backward.
 
+Gradients are reduce-scattered in buckets of whole consecutive units in that order
+(`coalesce`, comm.bucket_mb), so the planner counts the runtime's collectives.
+
 Under ZeRO-3 with a 16-bit compute dtype each unit is split in two, gathered in two dtypes
 (`rounded`): the parameters autocast rounds to the compute dtype before every use
 (`rounded_for_compute`: the weights of linears and experts, LoRA's factors) are gathered

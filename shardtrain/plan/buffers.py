@@ -56,13 +56,17 @@ def loss_moment(cfg: ModelConfig, layout: Layout, *, seq_len: int) -> float:
         + (loss_bytes(cfg, layout, seq_len=seq_len) / 2 if tp and amp else 0.0)
 
 
-def held_buckets(sizes: list[float], cap: float) -> list[float]:
+def held_buckets(sizes: list[float], cap: float) -> tuple[list[float], bool]:
     """Full-gradient bytes the ZeRO-2/3 reducer holds while each bucket fills (sizes: the
     units' gradient bytes in backward order): the bucket, plus the previous one when it
-    was left in flight (no larger than this one; zero/reducer.py)."""
-    buckets = [sum(sizes[i] for i in b) for b in coalesce(sizes, cap)]
-    return [b + (buckets[k - 1] if k and buckets[k - 1] <= b else 0.0)
+    was left in flight (no larger than this one; zero/reducer.py); and whether the last
+    bucket packs several units (a unit alone is reduced from its own gradient; packed,
+    the last unit's gradient is copied in beside itself)."""
+    groups = coalesce(sizes, cap)
+    buckets = [sum(sizes[i] for i in b) for b in groups]
+    held = [b + (buckets[k - 1] if k and buckets[k - 1] <= b else 0.0)
             for k, b in enumerate(buckets)]
+    return held, len(groups[-1]) > 1
 
 
 def zero_moments(cfg: ModelConfig, layout: Layout, ranks: RankParams, *, seq_len: int,
@@ -76,11 +80,11 @@ def zero_moments(cfg: ModelConfig, layout: Layout, ranks: RankParams, *, seq_len
         sizes = blocks + [GRAD_BYTES * vocab]
     else:
         sizes = [GRAD_BYTES * vocab] + blocks + [GRAD_BYTES * table]
-    held = held_buckets(sizes, bucket_bytes)
+    held, packed = held_buckets(sizes, bucket_bytes)
     z3 = layout.zero == 3
     head = GRAD_BYTES * vocab + (gather_bytes * vocab if z3 else 0.0)
     during = max(held) + (2 * gather_bytes * ranks.layer if z3 else 0.0)
-    end = held[-1] + GRAD_BYTES * table * (2 if cfg.tie_embeddings else 1) \
+    end = held[-1] + GRAD_BYTES * table * (int(cfg.tie_embeddings) + int(packed)) \
         + (gather_bytes * table if z3 else 0.0)
     return max(loss_moment(cfg, layout, seq_len=seq_len), head, during, end - activations)
 

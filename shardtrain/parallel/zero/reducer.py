@@ -8,7 +8,8 @@ every unit is reduce-scattered at once. Stages 2 and 3: as soon as a unit's grad
 complete in backward it is reduce-scattered asynchronously (units launched strictly in
 backward order, ready.py: reverse forward order, a tied token table's unit last, as its
 gradient completes only with the embedding's backward, cost/units.py `launch_order`) and
-the full gradients are dropped; the fp32 shard exists from
+the full gradients are dropped (consecutive units of at most comm.bucket_mb in all
+share one reduce-scatter: buckets.py); the fp32 shard exists from
 the step's first reduce-scatter until the next zero_grad (model.py says why). Under
 pipeline parallelism (`per_step`) stages 2 and 3 take stage 1's path -- full gradients
 accumulated over the step's micro-batches, one reduce-scatter after the last -- and then
