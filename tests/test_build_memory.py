@@ -77,10 +77,10 @@ def test_vocabulary_units_hand_their_gradient_over_uncopied():
     class Recording(UnitComm):  # one rank: the reduce-scatter keeps the whole gradient
         def __init__(self):
             super().__init__(None)
-            self.reduced: dict[str, int] = {}
+            self.reduced: set[int] = set()  # the buffers reduce-scattered
 
-        def reduce_grads(self, unit, shard, full, *, async_op=True):
-            self.reduced[unit.names[-1]] = full.data_ptr()
+        def reduce_grads(self, shard, full, *, async_op=True):
+            self.reduced.add(full.data_ptr())
             shard.copy_(full)
             return Done()
 
@@ -100,12 +100,11 @@ def test_vocabulary_units_hand_their_gradient_over_uncopied():
         p = model.get_parameter(name)
         p.register_post_accumulate_grad_hook(
             lambda p, name=name: grads.__setitem__(name, p.grad.data_ptr()))
-    reducer = ZeroReducer(units, stage=2, gatherer=None)
+    reducer = ZeroReducer(units, stage=2, gatherer=None)  # no buckets: each unit alone
     reducer.zero_grad()
     F.cross_entropy(model(torch.randint(0, 96, (2, 8))).flatten(0, 1),
                     torch.randint(0, 96, (16,))).backward()
     reducer.finish()
-    assert comm.reduced["tok_emb.weight"] == grads["tok_emb.weight"]
-    assert comm.reduced["head.weight"] == grads["head.weight"]
-    assert comm.reduced["norm.weight"] != grads["norm.weight"]  # several: copied
+    assert grads["tok_emb.weight"] in comm.reduced and grads["head.weight"] in comm.reduced
+    assert grads["norm.weight"] not in comm.reduced  # several: copied
     assert all(u.grad_shard is not None and u.grad_shard.abs().sum() > 0 for u in units)

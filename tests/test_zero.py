@@ -88,7 +88,10 @@ def _cfg(tmp, name: str, *overrides: str):
 
 
 def _one_step(tmp, rank: int, world_size: int, zero: int) -> dict:
-    cfg = _cfg(tmp, f"mech-z{zero}-r{rank}", "--parallel.zero", str(zero))
+    # Buckets of 10 KiB: every unit of the tiny model is larger, so each is reduced alone
+    # (the default 25 MiB would coalesce them all: test_zero_order.py).
+    cfg = _cfg(tmp, f"mech-z{zero}-r{rank}", "--parallel.zero", str(zero),
+               "--comm.bucket_mb", "0.01")
     trainer = Trainer(cfg, make_mesh(cfg, rank, world_size), torch.device("cpu"))
     pending_at_launch = []  # gradients still due in backward when each reduce-scatter starts
     if zero:

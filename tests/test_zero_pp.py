@@ -79,7 +79,9 @@ def _ledger(rank: int, tmp) -> dict:
     for zero, reduce in ((2, "fp32"), (3, "fp32"), (3, "bf16")):
         more = ("--train.precision", "bf16", "--train.grad_reduce_dtype", "bf16") \
             if reduce == "bf16" else ()
-        cfg = _cfg(tmp, f"ledger-z{zero}-{reduce}-r{rank}", *_pp(zero, "1f1b", 2), *more)
+        # buckets of 10 KiB: each unit reduced alone (the rows above coalesce them all)
+        cfg = _cfg(tmp, f"ledger-z{zero}-{reduce}-r{rank}", *_pp(zero, "1f1b", 2), *more,
+                   "--comm.bucket_mb", "0.01")
         trainer = Trainer(cfg, make_mesh(cfg, rank, WORLD), torch.device("cpu"))
         record = trainer.train_step()
         z = trainer.parallel.update

@@ -31,7 +31,8 @@ class ParallelConfig:
     cp_split: Literal["zigzag", "contiguous"] = "zigzag"
     node_size: int = 0  # ranks per (virtual) node; 0: LOCAL_WORLD_SIZE from the launcher
     # ZeRO over the dp group: 1 shards optimizer state and master weights, 2 also gradients,
-    # 3 also parameters (gathered unit by unit, zero_prefetch units ahead).
+    # 3 also parameters (gathered unit by unit, zero_prefetch units ahead; under pp the
+    # step's one gather of each unit, in the stage's first forward).
     zero: int = 0
     zero_prefetch: int = 1
     offload: Literal["none", "cpu", "nvme"] = "none"  # where optimizer state and step live
@@ -113,6 +114,9 @@ class ParallelConfig:
 @dataclass(kw_only=True)
 class CommConfig:
     """How bytes move: the collective algorithm, gradient bucketing and compression.
+
+    bucket_mb: the gradient buckets, in MiB: data parallelism's all-reduce buckets, and
+    ZeRO's reduce-scatter buckets of whole consecutive units (parallel/zero/buckets.py).
 
     algorithm: the backend's own (native), one of ours on point-to-point messages, or auto
     (the cost model picks per call). compress: what data parallelism sends. int8: the

@@ -12,6 +12,16 @@ copied into one flat buffer, holding the model's largest gradient twice at the s
 (zero/reducer.py). The untied embedding is one parameter for the same reason (GPT-2's
 position table, small, joins it).
 
+Backward completes the units in reverse forward order, with one exception
+(`launch_order`): a tied table's gradient is complete only after the embedding's backward,
+the last of all (autograd sums the head's and the embedding's contributions before the
+table's gradient hook runs), so the tied unit is reduced last although it is the head's.
+Launched in its forward place, first, it would hold back every unit's reduce-scatter (and
+under ZeRO-3 every unit's release) until the end of backward.
+
+Gradients are reduce-scattered in buckets of whole consecutive units in that order
+(`coalesce`, comm.bucket_mb), so the planner counts the runtime's collectives.
+
 Under ZeRO-3 with a 16-bit compute dtype each unit is split in two, gathered in two dtypes
 (`rounded`): the parameters autocast rounds to the compute dtype before every use
 (`rounded_for_compute`: the weights of linears and experts, LoRA's factors) are gathered
@@ -58,3 +68,38 @@ def unit_key(name: str, *, tied: bool, n_layers: int, rounded: bool = False
     if name.startswith("pos_emb.") or (name.startswith("tok_emb.") and not tied):
         return (EMBEDDING, 0, half)
     return (HEAD, 0, half)
+
+
+def completes_last(name: str, *, tied: bool) -> bool:
+    """Whether parameter `name`'s gradient is complete only at the end of backward: a tied
+    token table, used by the embedding (first in forward, last in backward) and the head."""
+    return tied and name == "tok_emb.weight"
+
+
+def launch_order(units: list[list[str]], *, tied: bool) -> list[int]:
+    """Indices of `units` (each its parameter names; the units in forward order) in the
+    order backward completes their gradients: reverse forward order, the unit holding a
+    tied token table last (module docstring)."""
+    backward = list(reversed(range(len(units))))
+    return sorted(backward, key=lambda i: any(completes_last(n, tied=tied) for n in units[i]))
+
+
+def coalesce(sizes: list[float], cap: float, groups: list[object] | None = None
+             ) -> list[list[int]]:
+    """Buckets of consecutive units (indices into `sizes`, each unit's gradient bytes on the
+    wire, in launch order) that one reduce-scatter reduces together (comm.bucket_mb): a
+    unit joins the open bucket while the bucket stays within `cap` bytes and the unit
+    belongs to the same group (`groups[i]`: the ranks it is sharded over); a unit larger
+    than `cap` is a bucket of its own. Units are never split or reordered, so each bucket
+    is launched as soon as its last unit's gradients are complete."""
+    buckets: list[list[int]] = []
+    held = 0.0
+    for i, size in enumerate(sizes):
+        same = groups is None or (buckets and groups[buckets[-1][0]] is groups[i])
+        if buckets and same and held + size <= cap:
+            buckets[-1].append(i)
+            held += size
+        else:
+            buckets.append([i])
+            held = size
+    return buckets

@@ -24,6 +24,8 @@ the tensor-by-tensor list). One layer, one micro-batch of b sequences of s local
   (n H D v): the s^2 term Korthikanti's 5 a s^2 b counts.
 - MLP: SwiGLU keeps w1 x, w3 x, silu(w1 x) and their product (4 n F v); GELU keeps w1 x
   and its GELU (2 n F v).
+- qk-norm (Qwen3, model.qk_norm): the RMSNorm of each query and key head keeps its input
+  and x * rstd (2 r D per head and token) and rstd (4): n (H + G) (2 r D + 4).
 - context parallelism (parallel/context/): the ring core saves q, k, v, out and the lse
   (the flash terms) and returns out as [b, H, s, D], so wo keeps a copy (+ n H D v). Its
   chunk pairs run fused flash kernels forward and backward: no [c, c] scores are kept
@@ -48,6 +50,13 @@ Selective recomputation (the core under a checkpoint) keeps only the core's inpu
 v; wo still keeps out: with `flash` it saves exactly the lse, with `math` the s^2 term.
 A context-parallel core is never wrapped (`recomputes_in_backward`: it manages its own
 backward). Full recomputation keeps the block input (n / t r C with sp).
+
+Outside the blocks (`head_activation_bytes`, the rank holding the head): the final norm (as
+a block's), the head's input (fp32: n r C; autocast: its 16-bit cast; under tp the
+region's input, n / t v C under sp), the token indices (int64), and the loss's fp32 [n, V']
+(V' = V / t under tp): the log-probabilities cross-entropy keeps (tp: the softmax, with
+an int64 column and a bool mask per token, parallel/tensor/vocab.py). With a large
+vocabulary and few layers the loss is the largest tensor backward starts with.
 """
 
 from __future__ import annotations
@@ -100,6 +109,8 @@ def runtime_activation_bytes(cfg: ModelConfig, *, s: int, b: int, t: int = 1,
         mlp = moe_block_bytes(cfg, tokens=local, precision=precision, ep=ep)
         mlp_in = local * c * r  # the router keeps its fp32 input, not the MLP's casts
     inputs = attn_in + mlp_in
+    if cfg.qk_norm:  # the query and key heads' RMSNorms (module docstring)
+        inputs += n * (heads + kv) * (2 * r * d + 4)
     lse = 4 * b * heads * s
     out = n * heads * d * v
     qkv = n * (heads + 2 * kv) * d * v
@@ -140,3 +151,20 @@ def moe_block_bytes(cfg: ModelConfig, *, tokens: float, precision: str = "fp32",
     else:  # rows, the bias rows' expert index, GELU's fp32 input and its output
         rows, out = slots * c * v + slots * 8 + slots * f * (4 + v), 4
     return router + dispatch + rows + slots * out * (1 + 2 * c)  # combine: weights, 2 rows
+
+
+def head_activation_bytes(cfg: ModelConfig, *, s: int, b: int, t: int = 1, sp: bool = False,
+                          precision: str = "fp32") -> float:
+    """Bytes the rank holding the head keeps for backward outside the blocks, per
+    micro-batch of b sequences of s local tokens (module docstring)."""
+    v, r = (4 if precision == "fp32" else 2), 4
+    n, c = b * s, cfg.dim
+    local = n / t if sp else n
+    norm = local * ((2 * r * c + 4) if cfg.style == "llama" else (r * c + 8))
+    if t > 1:  # the head's region input, in the compute dtype
+        head_in = local * c * v
+    else:  # fp32: the norm's output; autocast: its 16-bit cast
+        head_in = n * c * (r if v == 4 else v)
+    vocab = -(-cfg.vocab_size // t)
+    loss = 4 * n * vocab + (9 * n if t > 1 else 0)
+    return norm + head_in + 8 * n + loss

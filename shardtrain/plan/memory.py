@@ -25,13 +25,21 @@ context-parallel mode). Times the layers of the first stage, times the micro-bat
 holds in flight (m under GPipe, min(m, p) under 1F1B, (1 + (p-1)/(p v)) x min(m, p)
 interleaved); full recomputation adds one layer's full activations, rebuilt during its
 backward. cp splits the sequence: s -> s / cp.
-Buffers: two gradient buckets when gradients are synchronised (DDP's 25 MB default), for
-ZeRO-3 two layers of gathered parameters (current + prefetched; under amp the weights
-autocast rounds gathered in 16 bits, `zero3_gather_bytes`) and one layer of full
-gradients; with pp > 1, ZeRO-2 and 3 instead hold the stage's full gradients (and ZeRO-3
-its full parameters) from the step's first micro-batch to its reduce-scatter (zero/model.py):
-the step's peak is ZeRO-1's, the sharded states are what stays between steps; and for
-pp > 1 a send and a receive buffer of one boundary activation.
+Under fp32 and amp without a pipeline (shardtrain's runtime) activations also count what
+the head and the loss keep (`activations.head_activation_bytes`: the loss's fp32 [n, V/t]
+log-probabilities above all), and buffers are the largest of backward's moments
+(buffers.py): the loss's two gradients [n, V/t]; under ZeRO-2/3 the full gradients the
+reducer's buckets hold (comm.bucket_mb), the head's gathered weight and gradient, two
+gathered blocks (ZeRO-3), the embedding's gradients at backward's end; under DP and ZeRO-1
+the larger of the loss's and two gradient buckets' copies; under amp autocast's 16-bit
+copies of the weights it rounds, which the linears keep for backward. Otherwise (the published `bf16`
+convention, pipelines): two gradient buckets when gradients are synchronised (DDP's 25 MB
+default), for ZeRO-3 two layers of gathered parameters (current + prefetched; under amp
+the weights autocast rounds gathered in 16 bits, `zero3_gather_bytes`) and one layer of
+full gradients; with pp > 1, ZeRO-2 and 3 instead hold the stage's full gradients (and
+ZeRO-3 its full parameters) from the step's first micro-batch to its reduce-scatter
+(zero/model.py): the step's peak is ZeRO-1's, the sharded states are what stays between
+steps; and for pp > 1 a send and a receive buffer of one boundary activation.
 """
 
 from __future__ import annotations
@@ -39,7 +47,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardtrain.config import ModelConfig
-from shardtrain.plan.activations import moe_block_bytes, runtime_activation_bytes
+from shardtrain.plan.activations import (head_activation_bytes, moe_block_bytes,
+                                         runtime_activation_bytes)
+from shardtrain.plan.buffers import loss_moment, weight_casts, zero_moments
 from shardtrain.plan.layout import Layout
 from shardtrain.plan.partition import rank_params
 
@@ -206,17 +216,32 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
     if lay.recompute == "full":
         activations += layer_activation_bytes(cfg, lay, seq_len=seq_len, recompute="none")
     buffers = 0.0
-    if lay.replicas > 1:
-        buffers += 2 * min(bucket_bytes, STATE_BYTES[lay.precision][1] * ranks.total)
-        if lay.pp > 1 and lay.zero >= 2:  # full copies held through the step (docstring)
+    # shardtrain's own runtime without a pipeline: the head's activations and the step's
+    # largest transient (activations.py, buffers.py)
+    mine = lay.pp == 1 and lay.precision != "bf16"
+    if mine:
+        activations += head_activation_bytes(cfg, s=s, b=lay.micro_batch, t=lay.tp, sp=lay.sp,
+                                             precision=lay.precision)
+    if mine and lay.zero >= 2:  # full gradients only in the buckets
+        buffers += zero_moments(cfg, lay, ranks, seq_len=seq_len, activations=activations,
+                                bucket_bytes=bucket_bytes,
+                                gather_bytes=STATE_BYTES[lay.precision][0])
+    else:
+        if lay.replicas > 1:  # the gradient buckets' copies
+            buffers += 2 * min(bucket_bytes, STATE_BYTES[lay.precision][1] * ranks.total)
+        if mine:  # held at backward's end, the loss's gradients at its start
+            buffers = max(buffers, loss_moment(cfg, lay, seq_len=seq_len))
+        if lay.replicas > 1 and lay.pp > 1 and lay.zero >= 2:  # full copies held all step
             buffers += ranks.total * STATE_BYTES[lay.precision][1]
             if lay.zero == 3:
                 buffers += zero3_gather_bytes(ranks.total, ranks.kept + ranks.kept_expert,
                                               lay.precision)
-        elif lay.zero == 3:  # the layer's kept share taken as the rank's
+        elif lay.replicas > 1 and lay.zero == 3:  # the layer's kept share taken as the rank's
             kept = ranks.layer * (ranks.kept + ranks.kept_expert) / ranks.total
             buffers += 2 * zero3_gather_bytes(ranks.layer, kept, lay.precision) \
                 + ranks.layer * STATE_BYTES[lay.precision][1]
+    if mine and lay.precision == "amp":  # held beside every moment above
+        buffers += weight_casts(cfg, lay, ranks)
     if lay.pp > 1:
         boundary = value_bytes * s * lay.micro_batch * cfg.dim
         buffers += 2 * boundary / (lay.tp if lay.sp else 1)

@@ -9,9 +9,11 @@ one micro-batch, s = seq / cp; P, G = this rank's parameter and gradient bytes):
   every micro-batch: 1.5x DP's bytes when m = 1 (under amp it gathers the weights autocast
   rounds in 16 bits, the rest in fp32: cost/units.py). With pp > 1 (zero/model.py) ZeRO-2
   and 3 reduce-scatter G once per step, after the last micro-batch, and ZeRO-3 all-gathers P once
-  per step, before the first: ZeRO-2 moves ZeRO-1's bytes, ZeRO-3 DP's. Gradients travel
-  in 25 MB buckets, ZeRO-3 parameters one layer at a time. `edp` is the same for expert
-  parameters (dp x cp / ep).
+  per step, before the first: ZeRO-2 moves ZeRO-1's bytes, ZeRO-3 DP's. DP's gradients
+  travel in buckets of comm.bucket_mb (25 MB); ZeRO's in buckets of whole consecutive
+  units of at most that size (a larger unit alone: cost/units.py `coalesce`), its
+  parameters one unit (layer) at a time. `edp` is the same for expert parameters
+  (dp x cp / ep).
 - tp (Megatron-LM; Korthikanti et al. 2022): per layer and micro-batch, all-reduces of X,
   2 forward + 2 backward (+2 with full recomputation); with sp, all-gathers and
   reduce-scatters of X instead, and the backward's re-gather of each region's input;
@@ -52,6 +54,7 @@ import math
 
 from shardtrain.config import ModelConfig
 from shardtrain.cost.hardware import Hardware
+from shardtrain.cost.units import coalesce
 from shardtrain.plan.activations import kv_heads_per_rank, ulysses_kv_heads
 from shardtrain.plan.layout import Layout
 from shardtrain.plan.memory import (BUCKET_BYTES, REDUCE_BYTES, STATE_BYTES,
@@ -71,7 +74,8 @@ def data_parallel_ops(*, params: float, size: int, zero: int, microbatches: int 
                       reduce_dtype: str = "", pipelined: bool = False,
                       kept: float = 0.0) -> list[CommOp]:
     """Gradient synchronisation and ZeRO parameter traffic of `params` parameters held by
-    each of `size` ranks (see the module docstring); `layers` is ZeRO-3's gather unit;
+    each of `size` ranks (see the module docstring); `layers`: ZeRO's units (ZeRO-3 gathers
+    one at a time, ZeRO-1/2 after the step; their gradients go in `bucket_bytes` buckets);
     `pipelined` (pp > 1): ZeRO-2/3 reduce (and ZeRO-3 gathers) once per step.
     Parameters travel in the precision's parameter bytes (STATE_BYTES), except ZeRO-3's
     gathers under amp (`zero3_gather_bytes`: `kept` of them in fp32, the rest 16-bit);
@@ -83,23 +87,24 @@ def data_parallel_ops(*, params: float, size: int, zero: int, microbatches: int 
         p_bytes = zero3_gather_bytes(params, kept, precision)
     if reduce_dtype:
         g_bytes = REDUCE_BYTES[reduce_dtype] * params
-    buckets = max(1, math.ceil(g_bytes / bucket_bytes))
     m = microbatches
     if zero == 0:
+        buckets = max(1, math.ceil(g_bytes / bucket_bytes))
         return [collective(group, "all_reduce", size, g_bytes / buckets, buckets, where, "step")]
+    # ZeRO reduces its units' gradients in buckets of consecutive units (cost/units.py
+    # `coalesce`; a unit larger than the bucket alone) and gathers parameters per unit
+    buckets = len(coalesce([g_bytes / layers] * layers, bucket_bytes))
+    syncs = 1 if zero == 1 or pipelined else m
+    reduce = collective(group, "reduce_scatter", size, g_bytes / buckets, buckets * syncs,
+                        where, "step" if syncs == 1 else "backward")
     if zero == 3 and pipelined:  # gathered before the stage's first forward, kept all step
         return [collective(group, "all_gather", size, p_bytes / layers, layers, where, "none"),
-                collective(group, "reduce_scatter", size, g_bytes / layers, layers, where,
-                            "step")]
+                reduce]
     if zero in (1, 2):
-        syncs = 1 if zero == 1 or pipelined else m
-        return [collective(group, "reduce_scatter", size, g_bytes / buckets, buckets * syncs,
-                            where, "step" if syncs == 1 else "backward"),
-                collective(group, "all_gather", size, p_bytes / buckets, buckets, where, "none")]
+        return [reduce, collective(group, "all_gather", size, p_bytes / layers, layers, where,
+                                   "none")]
     return [collective(group, "all_gather", size, p_bytes / layers, 2 * m * layers, where,
-                        "compute"),
-            collective(group, "reduce_scatter", size, g_bytes / layers, m * layers, where,
-                        "backward")]
+                        "compute"), reduce]
 
 
 def step_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, seq_len: int,

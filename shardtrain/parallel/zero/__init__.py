@@ -5,8 +5,10 @@ also the gradients, stage 3 also the parameters (FSDP's flat-parameter design, Z
 
 - units.py:   flat units (a block's parameters as views of one padded buffer) and UnitComm
 - reducer.py: gradients to fp32 shards (reduce-scatters launched as backward completes units)
+- buckets.py: consecutive units reduce-scattered by one collective (comm.bucket_mb)
 - gather.py:  ZeRO-3's gather-before-use, free-after-use parameter life cycle with prefetch;
               under a pipeline, gathered once per step (`StepGatherer`)
+- events.py:  the forward events a model or pipeline chunk gathers its units at
 - optim.py:   the shard optimizer interface and its on-device implementation
 - offload.py: the optimizer state and step on the host (ZeRO-Offload) or NVMe (ZeRO-Infinity)
 - zeropp.py:  ZeRO++ (Wang et al. 2023): int8 weights (qwZ), node-local secondary shards (hpZ),

@@ -19,7 +19,10 @@ too, or, for an event with a midpoint (a transformer block: its MLP, which backw
 first), once the gradient has passed the midpoint: a block's backward is most of the step's
 activation peak, and its MLP half then runs without the next unit's buffer (nor the
 collective filling it) alive, while its attention half still hides the gather. The engine
-frees a unit once its gradients are complete and reduce-scattered. Under activation
+frees a unit once its gradients are complete and reduce-scattered; a tied token table's
+unit, whose gradient completes only with the embedding's backward (the last), is freed
+once the head's backward is done and gathered again for the embedding's, as an untied
+embedding's unit is. Under activation
 checkpointing the recompute happens inside the block's backward, after its backward event,
 so it finds the units gathered. Every rank of a group issues the same gathers in the same
 order: the events are the same.
@@ -32,8 +35,9 @@ the device, a unit's shard exists only while the unit is in flight.
 
 Under pipeline parallelism (`StepGatherer`) a stage runs m forwards and m backwards per step,
 interleaved by the schedule: a unit is gathered at the first forward of its stage in the
-step and kept until the step's gradients are reduced (model.py, "With pipeline
-parallelism" in docs/zero.md says why), as torchtitan's FSDP under pipelining keeps them.
+step that uses it, `prefetch` events ahead as without a pipeline, and kept until the
+step's gradients are reduced (model.py, "With pipeline parallelism" in docs/zero.md says
+why), as torchtitan's FSDP under pipelining keeps them.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ import torch
 from torch import nn
 
 from shardtrain.comm import Handle
-from shardtrain.cost.units import BLOCK
+from shardtrain.parallel.zero.events import forward_events, stage_events
 from shardtrain.parallel.zero.units import FlatUnit
 
 
@@ -114,23 +118,31 @@ class UnitGatherer:
 
 
 class StepGatherer(UnitGatherer):
-    """ZeRO-3 under pipeline parallelism: before a chunk's forward every unit of the stage
-    is gathered (a no-op once they are), and they stay gathered through the step's
-    micro-batches, freed by `free_all` once the step's gradients are reduced
-    (model.py). A forward-only run (evaluation, under no_grad) frees them after the stage's
-    last chunk. Every rank of a dp group runs the same stage: the same gathers, in order."""
+    """ZeRO-3 under pipeline parallelism: each unit is gathered at the stage's first
+    forward of the step that needs it, the next `prefetch` events' units (events.py, over
+    the stage's chunks in order) gathered ahead while an event computes, as without a
+    pipeline; they stay gathered through the step's micro-batches (later forwards find
+    them so), freed by `free_all` once the step's gradients are reduced (model.py). A
+    forward-only run (evaluation, under no_grad) frees them after the stage's last chunk.
+    Every rank of a dp group runs the same stage: the same gathers, in order."""
 
-    def __init__(self, units: list[FlatUnit], chunks: list[nn.Module]):
+    def __init__(self, units: list[FlatUnit], chunks: list[nn.Module], *, prefetch: int = 1):
         super().__init__(units)
-        for chunk in chunks:
-            chunk.register_forward_pre_hook(lambda module, args: self.gather_all())
+        self.prefetch = prefetch
+        events = stage_events(chunks, units)
+        self.events = [event_units for _, event_units in events]
+        for k, (module, _) in enumerate(events):
+            module.register_forward_pre_hook(self._pre_forward_hook(k))
         chunks[-1].register_forward_hook(self._after_last_chunk)
 
-    def gather_all(self) -> None:
-        for unit in self.units:  # launched together, waited for in order
-            self.start(unit, "forward")
-        for unit in self.units:
-            self.ready(unit, "forward")
+    def _pre_forward_hook(self, k: int):
+        def hook(module: nn.Module, args: tuple) -> None:
+            for event_units in self.events[k:k + self.prefetch + 1]:
+                for unit in event_units:  # a no-op once gathered
+                    self.start(unit, "forward")
+            for unit in self.events[k]:
+                self.ready(unit, "forward")
+        return hook
 
     def _after_last_chunk(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         if not torch.is_grad_enabled():
@@ -153,6 +165,11 @@ class ParamGatherer(UnitGatherer):
         # weight's whole gradient, a vocabulary-sized pair: the next event's prefetch
         # waits until both are released (`backward_done`) rather than adding to them.
         self.deferred = len(self.events) - 1
+        # A tied token table's unit computes in the first event (the embedding) and the
+        # last (the head), and its gradient completes only at the end of backward
+        # (zero/reducer.py): it is freed, and the deferred prefetch started, as soon as the
+        # head's backward is done, not when it is reduced.
+        self.shared = [u for u in self.events[self.deferred] if u in self.events[0]]
         for k, (module, _) in enumerate(events):
             module.register_forward_pre_hook(self._pre_forward_hook(k))
         for k, module in midpoints.items():
@@ -162,20 +179,10 @@ class ParamGatherer(UnitGatherer):
     @classmethod
     def for_model(cls, model: nn.Module, units: list[FlatUnit], *, prefetch: int
                   ) -> ParamGatherer:
-        """The events of the whole transformer: the embedding's units (the position
-        table's, and the token table's: the head's, when tied), each block's units (its
-        dense unit, and under expert parallelism its experts' unit, gathered together: the
-        experts run inside the block; the last block's holds the final norm; each unit's
-        two halves when split by dtype, cost/units.py), the head's; each block's midpoint
-        is its MLP's norm."""
-        unit_of = {n: u for u in units for n in u.names}
-        first = [unit_of[n] for n in ("pos_emb.weight", "tok_emb.weight") if n in unit_of]
-        events = [(model, list(dict.fromkeys(first)))]
-        events += [(block, [u for u in units if u.key[:2] == (BLOCK, i)])
-                   for i, block in enumerate(model.layers)]
-        head = "tok_emb.weight" if model.cfg.tie_embeddings else "head.weight"
-        events.append((model.head, [unit_of[head]]))  # the head's unit is that one tensor
-        midpoints = {1 + i: block.mlp_norm for i, block in enumerate(model.layers)}
+        """The events of the whole transformer (events.py): the embedding's units, each
+        block's, the head's; each block's midpoint is its MLP's norm."""
+        events = forward_events(model, units)
+        midpoints = {k: m.mlp_norm for k, (m, _) in enumerate(events) if hasattr(m, "mlp_norm")}
         return cls(model, units, prefetch=prefetch, events=events, midpoints=midpoints)
 
     # ------------------------------------------------------------------ hooks
@@ -209,6 +216,10 @@ class ParamGatherer(UnitGatherer):
         return hook
 
     def _pre_backward(self, k: int) -> None:
+        if k + 1 == self.deferred and self.shared:  # the head's backward is done
+            for unit in self.shared:
+                self.free(unit)
+            self._prefetch_backward(self.deferred)
         for unit in self.events[k]:
             self.start(unit, "backward")
         if k not in self.midpoints and k != self.deferred:
@@ -218,7 +229,7 @@ class ParamGatherer(UnitGatherer):
 
     def backward_done(self, unit: FlatUnit) -> None:
         super().backward_done(unit)
-        if unit in self.events[self.deferred]:
+        if unit in self.events[self.deferred] and unit not in self.shared:
             self._prefetch_backward(self.deferred)
 
     def _prefetch_backward(self, k: int) -> None:

@@ -124,11 +124,13 @@ class ZeroModel:
         # step, not once per micro-batch (module docstring).
         per_step = shards.pp.size > 1
         if self.stage == 3 and per_step:
-            self.gatherer = StepGatherer(self.units, model.chunks)
+            self.gatherer = StepGatherer(self.units, model.chunks, prefetch=p.zero_prefetch)
         elif self.stage == 3:
             self.gatherer = ParamGatherer.for_model(model, self.units, prefetch=p.zero_prefetch)
         self.reducer = ZeroReducer(self.units, stage=self.stage, gatherer=self.gatherer,
-                                   reduce_dtype=policy.reduce_dtype, per_step=per_step)
+                                   reduce_dtype=policy.reduce_dtype, per_step=per_step,
+                                   tied=model.cfg.tie_embeddings,
+                                   bucket_bytes=cfg.comm.bucket_mb * 2**20)
         aliased = fp32
         if p.zero_quantized_weights and self.stage < 3 and fp32:
             # qwZ's post-step gather writes dequantized values over this rank's slice of the

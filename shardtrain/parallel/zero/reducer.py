@@ -6,7 +6,10 @@ replica group; an expert unit's edp group, its average then scaled by the unit's
 Stage 1: the parameters' .grad are views into full flat buffers; after the last micro-batch
 every unit is reduce-scattered at once. Stages 2 and 3: as soon as a unit's gradients are
 complete in backward it is reduce-scattered asynchronously (units launched strictly in
-backward order, ready.py) and the full gradients are dropped; the fp32 shard exists from
+backward order, ready.py: reverse forward order, a tied token table's unit last, as its
+gradient completes only with the embedding's backward, cost/units.py `launch_order`) and
+the full gradients are dropped (consecutive units of at most comm.bucket_mb in all
+share one reduce-scatter: buckets.py); the fp32 shard exists from
 the step's first reduce-scatter until the next zero_grad (model.py says why). Under
 pipeline parallelism (`per_step`) stages 2 and 3 take stage 1's path -- full gradients
 accumulated over the step's micro-batches, one reduce-scatter after the last -- and then
@@ -24,8 +27,10 @@ from contextlib import contextmanager
 
 import torch
 
+from shardtrain.cost.units import launch_order
 from shardtrain.parallel.ready import ReadyInOrder
 from shardtrain.parallel.strategy import nbytes
+from shardtrain.parallel.zero.buckets import Bucket, make_buckets
 from shardtrain.parallel.zero.gather import UnitGatherer
 from shardtrain.parallel.zero.units import FlatUnit
 
@@ -43,16 +48,23 @@ class ZeroReducer:
     """The gradients of the units: .grad views (stage 1, and every stage with `per_step`)
     or backward hooks (stages 2, 3) that leave each rank with its fp32 gradient shard of
     every unit, reduced over the unit's group (`FlatUnit.comm`). `per_step`: reduce once per
-    step, after the last micro-batch (set under pipeline parallelism)."""
+    step, after the last micro-batch (set under pipeline parallelism). `tied`: the model
+    ties its token table to its head (its unit is launched last). `bucket_bytes`
+    (comm.bucket_mb): consecutive units of at most that many gradient bytes in all are
+    reduce-scattered together (buckets.py); 0: one reduce-scatter per unit."""
 
     def __init__(self, units: list[FlatUnit], *, stage: int,
                  gatherer: UnitGatherer | None, reduce_dtype: torch.dtype = torch.float32,
-                 per_step: bool = False):
+                 per_step: bool = False, tied: bool = False, bucket_bytes: float = 0.0):
         self.units, self.stage, self.gatherer = units, stage, gatherer
         self.reduce_dtype = reduce_dtype
         self.per_step = per_step or stage == 1
-        self.order = list(reversed(units))  # backward produces the last unit's grads first
-        self._inflight: list[tuple[FlatUnit, object, torch.Tensor, torch.Tensor]] = []
+        # the order backward completes them: the last unit's first, a tied table's last
+        self.order = [units[i] for i in launch_order([u.names for u in units], tied=tied)]
+        self.buckets = make_buckets(self.order, cap_bytes=bucket_bytes,
+                                    element_size=reduce_dtype.itemsize)
+        self._bucket_of = {u: b for b in self.buckets for u in b.units}
+        self._inflight: list[tuple[Bucket, object, torch.Tensor, torch.Tensor]] = []
         self.launcher: ReadyInOrder | None = None
         for u in units:
             if self.per_step:  # full gradients accumulate in place, in fp32 (the shard's)
@@ -101,42 +113,63 @@ class ZeroReducer:
                 u.grad_shard.mul_(u.comm.grad_scale)
 
     def _reduce_all(self) -> None:
-        launched = []  # every unit at once, in order, then wait
-        for u in self.order:
-            out = torch.empty(u.shard_numel, dtype=self.reduce_dtype, device=u.flat.device)
-            wire = u.grad_flat.to(self.reduce_dtype)  # [padded] (itself when already so)
-            launched.append((u, u.comm.reduce_grads(u, out, wire), out))
-        for u, handle, out in launched:
-            handle.wait()
+        """Every bucket at once, in order, then wait; at most two packed copies exist at
+        a time (a bucket alone reduces its unit's buffer itself)."""
+        launched: list[tuple[Bucket, object, torch.Tensor]] = []
+        for b in self.buckets:
+            while not b.alone and sum(not x.alone for x, _, _ in launched) >= 2:
+                self._reduced(*launched.pop(0))
+            for u in b.units:  # [padded] in the reduce dtype (itself when already so)
+                wire = u.grad_flat.to(self.reduce_dtype)
+                if not b.alone:
+                    b.pack(u, wire)
+            wire = wire if b.alone else b.take()
+            out = torch.empty(b.numel, dtype=self.reduce_dtype, device=wire.device)
+            launched.append((b, b.comm.reduce_grads(out, wire), out))
+        for item in launched:
+            self._reduced(*item)
+
+    def _reduced(self, b: Bucket, handle, out: torch.Tensor) -> None:
+        handle.wait()
+        for u, shard in b.shards(out):
             if self.stage == 1:
-                u.grad_shard.copy_(out)
+                u.grad_shard.copy_(shard)
                 continue
-            u.grad_shard = out.float()  # [shard] (out itself when it is fp32)
+            u.grad_shard = shard.float()  # [shard] (a view of out when it is fp32)
             u.grad_flat.untyped_storage().resize_(0)  # the views stay, storage-less
 
     # ------------------------------------------------------------------ stages 2 and 3
 
     @torch.no_grad()
     def _launch(self, i: int) -> None:
-        """Reduce-scatter unit order[i]'s full gradients (zeros for parameters that got
-        none) asynchronously and drop them. The earlier unit's reduce-scatter, which had
-        this unit's backward to finish in, is waited for first: one unit's flat gradient
-        exists at a time (a vocabulary-sized one is a model's largest tensor), and it is
-        left in flight only if the next unit's is at least as large."""
+        """Unit order[i]'s gradients are complete: into its bucket, and once the bucket is
+        full, reduce-scatter it (zeros for parameters that got none) asynchronously and
+        drop the full gradients. The earlier bucket's reduce-scatter, which had this
+        bucket's backward to finish in, is waited for first: one bucket's full gradients
+        exist at a time (a vocabulary-sized unit, alone in its bucket, is a model's largest
+        tensor), and it is left in flight only if the next bucket is at least as large."""
         u = self.order[i]
         if self.gatherer is not None:  # its backward is done: free the parameters before
             self.gatherer.backward_done(u)  # the flat gradient is allocated (a vocabulary-
             # sized head would otherwise hold parameters, gradients and flat gradient at once)
-        while self._inflight:
-            self._complete(self._inflight.pop(0))
+        b = self._bucket_of[u]
+        if u is b.units[0]:
+            while self._inflight:
+                self._complete(self._inflight.pop(0))
         full = self._flat_gradient(u)  # [padded]
-        out = torch.empty(u.shard_numel, dtype=full.dtype, device=full.device)
-        handle = u.comm.reduce_grads(u, out, full)
-        self._inflight.append((u, handle, out, full))
-        following = self.order[i + 1] if i + 1 < len(self.order) else None
-        if following is not None and u.padded > following.padded:
-            # In flight, this buffer would sit under the next unit's whole backward: kept
-            # only when no larger than that unit's own (the head's, vocabulary-sized, is not).
+        if not b.alone:
+            b.pack(u, full)
+            if u is not b.units[-1]:
+                return
+            full = b.take()  # [size * numel]
+        out = torch.empty(b.numel, dtype=full.dtype, device=full.device)
+        handle = b.comm.reduce_grads(out, full)
+        self._inflight.append((b, handle, out, full))
+        k = self.buckets.index(b)
+        following = self.buckets[k + 1] if k + 1 < len(self.buckets) else None
+        if following is not None and b.numel > following.numel:
+            # In flight, this buffer would sit under the next bucket's whole backward: kept
+            # only when no larger than that bucket's own (the head's, vocabulary-sized, is not).
             self._complete(self._inflight.pop())
 
     def _flat_gradient(self, u: FlatUnit) -> torch.Tensor:
@@ -158,12 +191,13 @@ class ZeroReducer:
         return full
 
     def _complete(self, item) -> None:
-        u, handle, out, _ = item
+        b, handle, out, _ = item
         handle.wait()
-        if u.grad_shard is None:  # the step's first micro-batch
-            u.grad_shard = out.float()
-        else:
-            u.grad_shard.add_(out)
+        for u, shard in b.shards(out):
+            if u.grad_shard is None:  # the step's first micro-batch
+                u.grad_shard = shard.float()
+            else:
+                u.grad_shard.add_(shard)
 
     def _drain(self) -> None:
         """Launch the units whose gradients never all arrived (unused parameters), in

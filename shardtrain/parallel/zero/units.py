@@ -209,9 +209,10 @@ class UnitComm:
         return self.comm.all_gather(full, on_wire(shard, full), async_op=async_op,
                                     tag="param")
 
-    def reduce_grads(self, unit: FlatUnit, shard: torch.Tensor, full: torch.Tensor, *,
+    def reduce_grads(self, shard: torch.Tensor, full: torch.Tensor, *,
                      async_op: bool = True) -> Handle:
-        """shard [padded / dp] <- this rank's chunk of the dp average of full [padded]."""
+        """shard [n] <- this rank's chunk of the dp average of full [dp * n] (one unit's
+        gradient, or a bucket's: zero/buckets.py)."""
         return self.comm.reduce_scatter(shard, full, "avg", async_op=async_op, tag="grad")
 
     @property

@@ -116,13 +116,13 @@ class ZeroPlusPlusComm(UnitComm):
 
         return self.comm.composite(job, async_op=async_op)
 
-    def reduce_grads(self, unit: FlatUnit, shard: torch.Tensor, full: torch.Tensor, *,
+    def reduce_grads(self, shard: torch.Tensor, full: torch.Tensor, *,
                      async_op: bool = True) -> Handle:
-        """shard [padded / dp] <- this rank's chunk of the dp average of full [padded]."""
+        """shard [n] <- this rank's chunk of the dp average of full [dp * n]."""
         if self.quantize_gradients:
             return quantized_reduce_scatter(self.comm, shard, full, "avg", block=self.block,
                                             async_op=async_op)
-        return super().reduce_grads(unit, shard, full, async_op=async_op)
+        return super().reduce_grads(shard, full, async_op=async_op)
 
     @property
     def held_param_bytes(self) -> int:

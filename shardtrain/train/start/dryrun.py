@@ -6,10 +6,13 @@ for rank 0 of the configured layout, and runs a few training steps. What rank 0 
 is then real: its parameter, gradient, optimizer and master-weight shards
 (`Trainer.memory_ledger`), its peak memory while built and while stepping (CUDA: the
 allocator's peak; CPU: the process's resident high-water mark, reset at each, the Python
-and torch runtime included) and the bytes autograd saved
-for backward during one step (parallel/activation.py's SavedActivations). Beside them it
-puts the planner's prediction for the same layout: the exact model-state bytes the
-runtime's padding implies (plan/rank_states.py) and the estimate of plan/memory.py.
+and torch runtime included), the last step's peak (the model states held plus the most
+bytes allocated at once above the step's start, meters.py: on CPU malloc's count, so no
+runtime and no cache in it) and the bytes autograd saved for backward during one step
+(meters.py's LiveSavedActivations). Beside them it puts the planner's prediction for the
+same layout: the exact model-state bytes the runtime's padding implies
+(plan/rank_states.py) and the estimate of plan/memory.py, whose total the step peak is
+compared with (tests/test_dryrun_matrix.py, per model family).
 
 What it cannot show: communication (nothing is sent, so no time and no traffic), step time,
 the other ranks (the last pipeline stage holds the head; their imbalance is not seen),
@@ -34,11 +37,11 @@ import torch.distributed as dist
 
 from shardtrain.comm import CommFactory, Communicator
 from shardtrain.config import Config, ConfigError
-from shardtrain.parallel.activation import SavedActivations
 from shardtrain.plan.layout import PlanError, config_layout
 from shardtrain.plan.memory import memory_per_gpu
 from shardtrain.plan.partition import layers_per_stage
 from shardtrain.plan.rank_states import rank0_states
+from shardtrain.train.start.meters import LiveSavedActivations, StepGrowth
 
 STATES = ("params", "grads", "master", "optimizer")
 NOT_SHOWN = ["communication volume and time (collectives move nothing)", "step time",
@@ -89,51 +92,6 @@ class ZeroFilledCommunicator(Communicator):
         for _, tensor, _ in recvs:
             tensor.zero_()
         return super().exchange(sends, recvs)
-
-
-class _Held:
-    """A saved tensor while autograd holds it; its release is the graph letting go."""
-
-    def __init__(self, tensor: torch.Tensor, meter: "LiveSavedActivations", key: int):
-        self.tensor, self.meter, self.key = tensor, meter, key
-
-    def __del__(self) -> None:
-        self.meter.release(self.key)
-
-
-class LiveSavedActivations(SavedActivations):
-    """`peak`: the most bytes autograd held for backward at one moment, counted as
-    SavedActivations counts them (each storage once; parameters, `exclude`'s tensors and
-    autocast's copies of parameters left out). A storage stays counted while any saved
-    tensor of it is alive in the graph, so micro-batches in flight add up and a released
-    layer's activations leave: the peak the planner's `activations` predicts."""
-
-    def __init__(self, exclude: torch.nn.Module):
-        super().__init__(exclude)
-        self._live: dict[int, list[int]] = {}  # storage address -> [saved refs, bytes]
-        self.live = self.peak = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(
-            self._hold, lambda x: x.tensor if isinstance(x, _Held) else x)
-
-    def _hold(self, t: torch.Tensor) -> Any:
-        if t.device.type == "meta" or not t.numel() or isinstance(t, torch.nn.Parameter):
-            return t
-        key = t.untyped_storage().data_ptr()
-        if key in self._skip or self._cast_of_param(t):
-            return t
-        entry = self._live.setdefault(key, [0, t.untyped_storage().nbytes()])
-        if entry[0] == 0:
-            self.live += entry[1]
-            self.peak = max(self.peak, self.live)
-        entry[0] += 1
-        return _Held(t, self, key)
-
-    def release(self, key: int) -> None:
-        entry = self._live[key]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.live -= entry[1]
-            del self._live[key]
 
 
 def check_dry_run(cfg: Config, world_size: int) -> None:
@@ -204,13 +162,17 @@ def dry_run(cfg: Config, world_size: int, device: torch.device, *, steps: int = 
     check_dry_run(cfg, world_size)
     with rank0_trainer(cfg, world_size, device) as trainer:
         reset_peak_memory(device)  # so that the steps' peak is their own
-        saved, skipped = 0, 0
-        for _ in range(max(1, min(steps, cfg.train.steps))):
-            with LiveSavedActivations(exclude=trainer.parallel.module) as meter:
+        saved, skipped, n = 0, 0, max(1, min(steps, cfg.train.steps))
+        for i in range(n):  # the last step's allocations measured (meters.py)
+            held = sum(trainer.memory_ledger()[f"{k}_bytes"] for k in STATES)
+            with LiveSavedActivations(exclude=trainer.parallel.module) as meter, \
+                    StepGrowth(device, enabled=i == n - 1) as growth:
                 skipped += bool(trainer.train_step()["skipped"])
             saved = max(saved, meter.peak)
         ledger = trainer.memory_ledger()
         layers = stage_layers(trainer.parallel.module)
+    ledger["step_peak_bytes"] = None if growth.bytes is None else held + growth.bytes
+    ledger["peak_mem_bytes"] = max(ledger["peak_mem_bytes"], growth.earlier_peak)
     report = build_report(cfg, world_size, ledger, saved=saved, layers=layers,
                           steps=trainer.step, device=device)
     report["skipped_steps"] = skipped  # non-finite gradients: the optimizer state not built
@@ -223,7 +185,8 @@ def build_report(cfg: Config, world_size: int, ledger: dict[str, Any], *, saved:
                  layers: int, steps: int, device: torch.device) -> dict[str, Any]:
     layout = config_layout(cfg, world_size)
     measured = {k: int(ledger[f"{k}_bytes"]) for k in STATES}
-    estimate = memory_per_gpu(cfg.model, layout, seq_len=cfg.train.seq_len).to_dict()
+    estimate = memory_per_gpu(cfg.model, layout, seq_len=cfg.train.seq_len,
+                              bucket_bytes=cfg.comm.bucket_mb * 2**20).to_dict()
     try:
         states = rank0_states(cfg.model, layout, layers=layers,
                               bucket_mb=cfg.comm.bucket_mb, optimizer=cfg.optim.name)
@@ -240,6 +203,7 @@ def build_report(cfg: Config, world_size: int, ledger: dict[str, Any], *, saved:
         "measured": {**measured, "model_states": sum(measured.values()),
                      "offloaded": int(ledger.get("offloaded_bytes") or 0),
                      "peak_mem": ledger["peak_mem_bytes"],
+                     "step_peak": ledger["step_peak_bytes"],
                      "build_peak_mem": ledger["build_peak_bytes"],
                      "build_growth": ledger["build_peak_bytes"] - ledger["build_base_bytes"],
                      "peak_reserved": ledger["peak_reserved_bytes"],
@@ -277,8 +241,10 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append(f"{'saved activations':<18}{m['saved_activations']:>16,}{'':>16}"
                  f"{e['activations']:>18,.0f}")
     lines.append(f"{'buffers':<18}{'':>16}{'':>16}{e['buffers']:>18,.0f}")
-    lines.append(f"{'peak':<18}{m['peak_mem']:>16,}{'':>16}{e['total']:>18,.0f}"
-                 f"   ({r['peak_meaning']})")
+    step = "n/a" if m["step_peak"] is None else f"{m['step_peak']:,}"
+    lines.append(f"{'step peak':<18}{step:>16}{'':>16}{e['total']:>18,.0f}"
+                 "   (model states held + the last step's allocated growth)")
+    lines.append(f"{'peak':<18}{m['peak_mem']:>16,}{'':>16}{'':>18}   ({r['peak_meaning']})")
     lines.append(f"{'peak while built':<18}{m['build_peak_mem']:>16,}   (of which the build "
                  f"added {m['build_growth']:,}; the largest tensor is {r['largest_tensor']:,})")
     if x is None:

@@ -42,7 +42,8 @@ def check_fits(cfg: Config, world_size: int, *, device_kind: str, local_ranks: i
         return
     try:
         estimate = memory_per_gpu(cfg.model, config_layout(cfg, world_size),
-                                  seq_len=cfg.train.seq_len)
+                                  seq_len=cfg.train.seq_len,
+                                  bucket_bytes=cfg.comm.bucket_mb * 2**20)
     except PlanError:
         return
     capacity, what = rank_capacity(device_kind, local_ranks)
