@@ -57,10 +57,11 @@ def train_tokenizer(path: Path, vocab_size: int, max_bytes: int):
         tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
                                             show_progress=False)
-        tok.train_from_iterator(iter_documents(DataConfig(max_bytes=max_bytes)), trainer)
+        tok.train_from_iterator(iter_documents(data), trainer)
         tok.save(str(tmp))
 
-    build_once(path, build)
+    data = DataConfig(max_bytes=max_bytes)
+    build_once(path, build, timeout_s=data.lock_timeout_s)
     return Tokenizer.from_file(str(path))
 
 
