@@ -132,7 +132,12 @@ class SparseUpdates:
         state = load(self.file)
         self.optimizer.load_state_dict(state["optimizer"])
         updates = state["updates"]
-        self.compressor.residual, self.steps = updates["residual"], updates["steps"]
+        # Loaded to the host (map_location="cpu"): the residual joins the updates it is added
+        # to, on the parameters' device (the optimizer's load moves its own state there).
+        residual = updates["residual"]
+        if residual is not None:
+            residual = residual.to(self.params[0].device)
+        self.compressor.residual, self.steps = residual, updates["steps"]
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
