@@ -2,17 +2,26 @@
 
 Statically, over every package the training step runs (SCANNED), in *step code*: every
 function there except those OFF_STEP names (build, checkpoint, export, generation: each
-with the reason it runs outside the step). Three rules:
+with the reason it runs outside the step). Four rules:
 
 - a tensor factory names its device: `torch.zeros(n)` or a bare imported `zeros(n)`
   (`from torch import zeros`) without `device=` is flagged (`*_like` and `Tensor.new_*`
   take their argument's device); FACTORIES_ALLOWED says why where one may not;
+- no blocking copy between host and device: a factory from Python data onto a device
+  (`torch.tensor(list, device=d)`, `as_tensor`, `x.new_tensor(v)`: a copy from pageable
+  memory the host waits for; `new_full` fills on the device instead), and a move
+  (`.to(device)`, `.to(device=...)`, `.cuda()`) that does not say `non_blocking=True`
+  (from pinned memory: parallel/pipeline/executor.py `_Feed`); COPIES_ALLOWED says why
+  where one may. A factory onto a module constant naming host memory makes no copy;
 - no literal CPU device: `device="cpu"`, `torch.device("cpu")` in a call, `.to("cpu")` --
   host memory is named once, as a module constant saying why (ps/worker.py WIRE);
-- no host sync: `.item()`, `.tolist()`, `.cpu()`, `.numpy()`, `synchronize()`, and
+- no host sync: `.item()`, `.tolist()`, `.cpu()`, `.numpy()`, `synchronize()`,
   `bool`/`float`/`int` of a tensor expression (one that names torch or calls a tensor
-  reduction: all, any, sum, mean, norm, isfinite, max, min) -- except the calls
-  shardtrain/train/syncs.py STEP_SYNCS lists, each with its reason (docs/performance.md).
+  reduction: all, any, sum, mean, norm, isfinite, max, min), and the implicit bool() of a
+  truth test (`if`, `while`, `assert`, `not`, `and`/`or`, `a if t else b`) of a tensor
+  (a torch function or tensor method returning one, an operation on one, or a name the
+  function bound to one) -- except the calls shardtrain/train/syncs.py STEP_SYNCS lists,
+  each with its reason (docs/performance.md).
 
 Every allow-list entry must match a call (or, OFF_STEP, a flagged function): a stale entry
 is an error, so the lists stay true. At run time, each collective refuses a tensor not on
@@ -26,7 +35,8 @@ import re
 import pytest
 import torch
 
-from device_scan import CPU_ALLOWED, FACTORIES_ALLOWED, OFF_STEP, ROOT, SCANNED, scan
+from device_allowed import COPIES_ALLOWED, CPU_ALLOWED, FACTORIES_ALLOWED, OFF_STEP
+from device_scan import ROOT, SCANNED, scan
 from shardtrain.comm import Communicator, CommLedger, build_mesh
 from shardtrain.mesh import MeshShape
 from shardtrain.train.syncs import STEP_SYNCS
@@ -35,10 +45,11 @@ from shardtrain.train.syncs import STEP_SYNCS
 def test_step_code_names_devices_and_makes_only_the_listed_syncs():
     found, used = scan()
     assert not found, ("step code breaks a device rule (fix it, or add an entry saying why "
-                       "to OFF_STEP, FACTORIES_ALLOWED, CPU_ALLOWED or train/syncs.py "
-                       "STEP_SYNCS):\n" + "\n".join(found))
+                       "to tests/device_allowed.py or train/syncs.py STEP_SYNCS):\n"
+                       + "\n".join(found))
     every = {("off", k) for k in OFF_STEP} | {("sync", k) for k in STEP_SYNCS} | \
-        {("factory", k) for k in FACTORIES_ALLOWED} | {("cpu", k) for k in CPU_ALLOWED}
+        {("factory", k) for k in FACTORIES_ALLOWED} | {("cpu", k) for k in CPU_ALLOWED} | \
+        {("copy", k) for k in COPIES_ALLOWED}
     assert used == every, f"entries that match no call: {sorted(every - used)}"
 
 
@@ -68,11 +79,35 @@ PLANTED = {  # rule -> (source, the finding it must make)
                          "step/bad.py:3 sync bool (in f)"),
     "float of a reduction": ("def f(x):\n    return float(x.norm())\n",
                              "step/bad.py:2 sync float (in f)"),
+    # blocking copies (issue 40: parallel/pipeline/executor.py, parallel/tensor/sharding.py)
+    "to a device": ("def f(x, device):\n    return x.to(device)\n",
+                    "step/bad.py:2 copy to (in f)"),
+    "to device=": ("def f(x, ex):\n    return x.to(device=ex.device)\n",
+                   "step/bad.py:2 copy to (in f)"),
+    "to, not non-blocking": ("def f(x, y):\n    return x.to(y.device, non_blocking=False)\n",
+                             "step/bad.py:2 copy to (in f)"),
+    "cuda()": ("def f(x):\n    return x.cuda()\n", "step/bad.py:2 copy cuda (in f)"),
+    "list factory": ("import torch\ndef f(xs, d):\n    return torch.tensor([x for x in xs], "
+                     "device=d)\n", "step/bad.py:3 copy tensor (in f)"),
+    "new_tensor": ("def f(x):\n    return x.new_tensor(2.0)\n",
+                   "step/bad.py:2 copy new_tensor (in f)"),
+    # implicit bool() (issue 40: parallel/data/topk.py)
+    "not a bound tensor": ("import torch\ndef f(x):\n    o = (~torch.isfinite(x)).float()\n"
+                           "    return x if not o else 0\n", "step/bad.py:4 sync bool (in f)"),
+    "if a reduction": ("def f(x):\n    if x.any():\n        return 1\n",
+                       "step/bad.py:2 sync bool (in f)"),
+    "while a comparison": ("def f(x):\n    while x.norm() > 1:\n        x = x / 2\n",
+                           "step/bad.py:2 sync bool (in f)"),
+    "ternary on a torch test": ("import torch\ndef f(x):\n    return 1 if torch.isnan(x) "
+                                "else 0\n", "step/bad.py:3 sync bool (in f)"),
+    "assert": ("import torch\ndef f(x, y):\n    assert torch.equal(x, y)\n",
+               "step/bad.py:3 sync bool (in f)"),
+    "or": ("def f(x, y):\n    return y or x.sum()\n", "step/bad.py:2 sync bool (in f)"),
 }
 
 
-NONE = dict(off_step={}, syncs={}, factories={}, cpu={})  # empty allow-lists
-LIST_OF = {"factory": "factories", "cpu": "cpu", "sync": "syncs"}  # rule -> its list
+NONE = dict(off_step={}, syncs={}, factories={}, cpu={}, copies={})  # empty allow-lists
+LIST_OF = {"factory": "factories", "cpu": "cpu", "sync": "syncs", "copy": "copies"}
 
 
 @pytest.mark.parametrize("rule", PLANTED)
@@ -90,17 +125,22 @@ def test_each_rule_fails_on_a_planted_violation(tmp_path, rule):
 
 
 def test_the_scan_leaves_alone_what_is_fine(tmp_path):
-    """Not flagged: device=, *_like, new_*, a module constant for host memory, float of a
-    plain number, nested functions under their own name, OFF_STEP functions."""
+    """Not flagged: device=, *_like, new_*, a module constant for host memory (its own or
+    imported), float of a plain number, a non-blocking move, a dtype cast, truth tests of
+    host values (None, sizes, numbers), nested functions under their own name, OFF_STEP
+    functions."""
     (tmp_path / "step").mkdir()
+    (tmp_path / "step" / "wire.py").write_text("import torch\nHOST = torch.device('cpu')\n")
     (tmp_path / "step" / "ok.py").write_text(
-        "import torch\nWIRE = torch.device('cpu')\n\n"
-        "def f(n, x, ratio):\n"
+        "import torch\nfrom step.wire import HOST\nWIRE = torch.device('cpu')\n\n"
+        "def f(n, x, ratio, device, y=None):\n"
         "    a = torch.zeros(n, device=x.device), torch.zeros_like(x), x.new_empty(n)\n"
-        "    b = torch.empty(n, device=WIRE), float(ratio), int(n)\n"
+        "    b = torch.empty(n, device=WIRE), float(ratio), int(n), x.new_full((), n)\n"
+        "    c = torch.tensor([ratio], device=HOST).pin_memory().to(device, non_blocking=True)\n"
+        "    d = x.to(torch.float32) if y is None and x.numel() > 0 and n else x.shape[0] > 1\n"
         "    def setup():\n"
         "        return x.item()\n"
-        "    return a, b\n")
+        "    return a, b, c, d\n")
     found, used = scan(tmp_path, ("step",), **(NONE | {"off_step": {("step/ok.py", "setup"):
                                                                        "why"}}))
     assert not found and used == {("off", ("step/ok.py", "setup"))}

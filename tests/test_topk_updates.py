@@ -11,7 +11,8 @@ one spawn of 2 processes runs every check that needs a real dp group.
 - at 1% after a sparsity warm-up: replicas stay bit-identical, the ledger shows (p-1) x 8k
   bytes per step (k following the warm-up), and 4 straight steps equal 2 steps + checkpoint
   + resume + 2 steps bitwise (each rank's optimizer state, residual and step count are
-  saved); resuming in another layout is refused, naming the fields.
+  saved); resuming in another layout is refused, naming the fields; a resumed residual
+  joins its parameters' device.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 
 from dist import run_distributed
 from parity import assert_parity, make_mesh, tiny
+from shardtrain.comm import CommLedger, Communicator
 from shardtrain.comm.compress import TopKCompressor
 from shardtrain.config import ConfigError
 from shardtrain.parallel.data.topk import SparseUpdates, fraction_sent
@@ -210,3 +212,17 @@ def test_resume_in_another_layout_is_refused(runs, tmp):
     with pytest.raises(ConfigError, match="no comm.compress=topk"):
         check_layout(tmp / "sgd-dense" / "checkpoints" / "step_00000004",
                      tiny(tmp, "other", *TOPK), WORLD)
+
+
+def test_a_resumed_residual_joins_its_parameters_device():
+    """Checkpoints are read to the host (map_location="cpu"); the residual, added to each
+    step's update on the parameters' device, goes there (a meta device stands in for a
+    GPU: a host residual added to a GPU update would raise at the first step)."""
+    layer = nn.Linear(3, 2, device="meta")
+    optimizer = torch.optim.AdamW(layer.parameters())
+    comm = Communicator(None, name="dp", ranks=[0], ledger=CommLedger())
+    updates = SparseUpdates(comm, optimizer, None, ratio=0.5)
+    saved = {"optimizer": optimizer.state_dict(),
+             "updates": {"residual": torch.ones(8), "steps": 3}}  # as read: on the host
+    updates.load_optimizer_files(lambda name: saved)
+    assert updates.compressor.residual.device.type == "meta" and updates.steps == 3

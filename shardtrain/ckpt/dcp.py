@@ -107,9 +107,10 @@ class SavePlanned:
     (the same on every rank)."""
 
     def __init__(self, directory: Path, rank: int, planner: _PiecesPlanner, plan: SavePlan,
-                 metadata: Metadata):
+                 metadata: Metadata, device: torch.device | None = None):
         self.directory, self.rank = Path(directory), rank
         self.planner, self.plan, self.metadata = planner, plan, metadata
+        self.device = device  # where the pieces' values live (None: the host)
         self.copied: torch.cuda.Event | None = None
 
     @property
@@ -125,15 +126,19 @@ class SavePlanned:
         blocking where the values are on a GPU; `write` waits for the copies."""
         used = {self.planner.where[MetadataIndex(item.index.fqn, item.index.offset)][0]
                 for item in self.plan.items}
+        cuda = None  # the device the copies were queued on, if any
         for k in sorted(used):
             piece = self.planner.pieces[k]
             values = piece.fetch().detach().reshape(-1)  # [numel]
             host = torch.empty(values.numel(), dtype=piece.dtype, pin_memory=values.is_cuda)
             host.copy_(values, non_blocking=values.is_cuda)
+            cuda = values.device if values.is_cuda else cuda
             self.planner.pieces[k] = dataclasses.replace(piece, fetch=lambda host=host: host)
-        if torch.cuda.is_available():
+        # Only copies queued on a GPU need an event (a CPU save touches no GPU), recorded
+        # on their device's stream: the writer thread waits on it.
+        if cuda is not None:
             self.copied = torch.cuda.Event()
-            self.copied.record()
+            self.copied.record(torch.cuda.current_stream(cuda))
 
     def write(self, own_sums: dict[str, str] | None = None) -> None:
         """Write this rank's files (fsynced) and, last, its write results: the chunks'
@@ -141,7 +146,10 @@ class SavePlanned:
         files, train/checkpoint/checkpoint.py `stage_files`)."""
         if self.copied is not None:
             self.copied.synchronize()
-        writer = _writer(self.directory, self.rank)
+        # DCP's own loader, wherever a GPU exists, copies values ahead on the current CUDA
+        # stream; host values (a CPU run, a snapshot) take its serial one, which uses none.
+        on_gpu = self.device is not None and self.device.type == "cuda" and self.copied is None
+        writer = _writer(self.directory, self.rank, copy_ahead=on_gpu)
         writer.transforms = summed = _Summed()
         results = writer.write_data(self.plan, self.planner).value()
         self.planner._held = None
@@ -154,16 +162,17 @@ class SavePlanned:
 
 
 def plan_save(directory: Path, rank: int, pieces: list[Piece],
-              gather: Callable[[list[tuple]], list[list[tuple]]]) -> SavePlanned:
+              gather: Callable[[list[tuple]], list[list[tuple]]],
+              device: torch.device | None = None) -> SavePlanned:
     """Plan this rank's part of the save (a collective: `gather` returns every rank's
-    plain items, in rank order)."""
+    plain items, in rank order); `device`: where the pieces' values live (None: the host)."""
     planner = _PiecesPlanner(pieces)
     plans = [_plan(items) for items in gather(planner.plain)]
     _check_duplicates(plans)
     plans = dedup_save_plans(plans)  # each shared chunk to the least loaded of its holders
     plans, metadata = create_default_global_save_plan(plans)
     plans = _writer(directory, rank).prepare_global_plan(plans)
-    return SavePlanned(directory, rank, planner, plans[rank], metadata)
+    return SavePlanned(directory, rank, planner, plans[rank], metadata, device)
 
 
 def _plan(plain: list[tuple]) -> SavePlan:
@@ -249,8 +258,10 @@ def _read_back(directory: Path, results: list) -> dict[str, str]:
     return out
 
 
-def _writer(directory: Path, rank: int) -> FileSystemWriter:
-    writer = FileSystemWriter(directory, sync_files=True, overwrite=True)
+def _writer(directory: Path, rank: int, copy_ahead: bool = False) -> FileSystemWriter:
+    """`copy_ahead`: DCP's default loader (values on a GPU); else its serial one."""
+    serial = {} if copy_ahead else {"per_thread_copy_ahead": 0}
+    writer = FileSystemWriter(directory, sync_files=True, overwrite=True, **serial)
     writer.set_up_storage_writer(rank == 0, rank=rank)
     return writer
 

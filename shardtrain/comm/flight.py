@@ -90,7 +90,8 @@ class FlightRecorder:
         yet finished stays pending until `poll` sees the work finish. On Gloo the host's
         wait is the answer: a Gloo work that failed (timed out) also reports completion to
         the query, and some never report it at all."""
-        if entry.streamed and entry.work is not None and not _finished(entry.work):
+        work = entry.work  # read once: the watchdog's `poll` may clear it meanwhile
+        if entry.streamed and work is not None and not _finished(work):
             return
         entry.state, entry.end = "completed", time.monotonic()
         entry.work = None  # hold no backend object longer than needed
@@ -103,8 +104,10 @@ class FlightRecorder:
         oldest = None
         for entry in list(self.pending.values()):
             # Any backend: a work that says it finished well has (an async Gloo call may
-            # finish long before the host waits for it).
-            if entry.work is not None and _finished(entry.work):
+            # finish long before the host waits for it). Read once: the thread that waits
+            # for the call clears it when the wait returns (`complete`).
+            work = entry.work
+            if work is not None and _finished(work):
                 entry.work = None
                 self.complete(entry)
             elif oldest is None or entry.start < oldest.start:

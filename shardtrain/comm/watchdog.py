@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from shardtrain.comm.flight import Entry, FlightRecorder, missing_ranks, number
+from shardtrain.comm.threads import device_thread
 
 PREFIX = "shardtrain/flight/"
 EXIT_CODE = 1
@@ -62,8 +63,9 @@ class Watchdog:
         self._stop = threading.Event()
         self._aborting = threading.Lock()
         self._published = ""
-        self._thread = threading.Thread(target=self._loop, name="shardtrain-watchdog",
-                                        daemon=True)
+        # Polling an NCCL work reaches the rank's GPU: the thread runs with it current, the
+        # one current here (comm/threads.py).
+        self._thread = device_thread(self._loop, name="shardtrain-watchdog")
 
     def start(self) -> Watchdog:
         self.publish()

@@ -285,6 +285,7 @@ def moe_stats(module: nn.Module, device: torch.device) -> torch.Tensor:
                 continue
             counts = stats[3:]
             cv = counts.std(correction=0) / counts.mean().clamp(min=1)
-            total += torch.stack([stats[0], stats[1], total.new_tensor(forwards), stats[2],
-                                  cv, total.new_tensor(1.0)])
+            # new_full fills on the device; new_tensor would copy a host scalar there, blocking
+            total += torch.stack([stats[0], stats[1], total.new_full((), forwards), stats[2],
+                                  cv, total.new_ones(())])
     return total

@@ -101,7 +101,8 @@ class SparseUpdates:
         norm = self.shards.clip_grad_norm(max_norm)
         overflow = (~torch.isfinite(norm)).float()
         self.comm.all_reduce(overflow, "max", tag="metric")
-        return norm if not overflow else norm.new_tensor(float("inf"))
+        # On the device: a truth test of `overflow` would make the host wait for it.
+        return norm.masked_fill(overflow > 0, float("inf"))
 
     def memory(self) -> dict[str, int]:
         residual = self.compressor.residual
@@ -132,7 +133,12 @@ class SparseUpdates:
         state = load(self.file)
         self.optimizer.load_state_dict(state["optimizer"])
         updates = state["updates"]
-        self.compressor.residual, self.steps = updates["residual"], updates["steps"]
+        # Loaded to the host (map_location="cpu"): the residual joins the updates it is added
+        # to, on the parameters' device (the optimizer's load moves its own state there).
+        residual = updates["residual"]
+        if residual is not None:
+            residual = residual.to(self.params[0].device)
+        self.compressor.residual, self.steps = residual, updates["steps"]
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
@@ -155,7 +161,7 @@ class SparseUpdates:
             p.copy_(b + update[offset:offset + n].view_as(p))
             for key in MOMENTUM_KEYS:
                 if key in self.optimizer.state[p]:
-                    self.optimizer.state[p][key].view(-1)[sent[offset:offset + n]] = 0
+                    self.optimizer.state[p][key].view(-1).masked_fill_(sent[offset:offset + n], 0)
             offset += n
 
 

@@ -37,6 +37,9 @@ time.perf_counter(); on CUDA each mark is an event recorded on the current strea
 so the times are the GPU's, not those of the kernel launches, and the actions' times are
 filled in by `settle()` (the strategy calls it after the step's agreed decision, when
 every mark has passed: no wait).
+
+The micro-batches' host tensors reach the device through `_Feed`, pinned and one ahead: a
+`.to(device)` from pageable memory would block the host until the device reached the copy.
 """
 
 from __future__ import annotations
@@ -134,7 +137,8 @@ class PipelineExecutor:
             self.comm.barrier()
             self.origin = Clock.stamp(self.device.type == "cuda")
         run = _Run(self, m, backward, loss_scale)
-        run.positions, run.weights = positions, weights
+        run.feed = _Feed(self.device, inputs=inputs, targets=targets, positions=positions)
+        run.weights = weights
         final_backward = {a.chunk: a.mb for a in actions if a.op == "B"}  # the last per chunk
         i = 0
         while i < len(actions):
@@ -142,7 +146,7 @@ class PipelineExecutor:
             if a.op in COMPUTE:
                 start = run.clock.mark()
                 if a.op == "F":
-                    run.forward(a, inputs, targets)
+                    run.forward(a)
                 else:
                     last = final_backward[a.chunk] == a.mb
                     with nullcontext() if last or no_sync is None else no_sync():
@@ -191,23 +195,22 @@ class _Run:
         self.clock = Clock(ex.device, ex.origin)
         self.spans: list[tuple[Action, int, int]] = []  # (action, start mark, end mark)
         self.peak_live = 0
-        self.positions: Sequence[torch.Tensor] | None = None  # per micro-batch, or none
+        self.feed: _Feed | None = None  # the micro-batches' inputs, targets, positions
         self.weights: Sequence[float] | None = None  # per micro-batch; None: all 1
 
-    def forward(self, a: Action, inputs: Sequence[torch.Tensor],
-                targets: Sequence[torch.Tensor]) -> None:
+    def forward(self, a: Action) -> None:
         ex, g = self.ex, self.ex._virtual(a.chunk)
         if g == 0:
-            x = inputs[a.mb].to(ex.device)
+            x = self.feed.take("inputs", a.mb)
         else:
             x = self.received.pop(("act", a.mb, a.chunk)).to(ex.act_dtype)  # upcast
             x.requires_grad_(self.backward_pass)
         # The MoE auxiliary losses' gradients are scaled as this loss's is (model/moe.py).
-        extra = () if self.positions is None else (self.positions[a.mb].to(ex.device),)
+        extra = (self.feed.take("positions", a.mb),) if self.feed.has("positions") else ()
         with ex.autocast, loss_grad_scale(self.loss_scale / self.m):
             out = ex.chunks[a.chunk](x, *extra)
         if g == self.last_virtual:
-            loss = ex.loss(out, targets[a.mb].to(ex.device))
+            loss = ex.loss(out, self.feed.take("targets", a.mb))
             # A weight of exactly 1 (every token counted) leaves both products unchanged.
             w = 1.0 if self.weights is None else self.weights[a.mb]
             self.loss_sum += loss.detach() * w
@@ -258,3 +261,39 @@ class _Run:
         t = self.clock.seconds()
         return [{"op": a.op, "mb": a.mb, "chunk": a.chunk, "start": t[start], "end": t[end]}
                 for a, start, end in self.spans]
+
+
+class _Feed:
+    """The micro-batches' host tensors on the device, each copied one micro-batch ahead of
+    its use (taking micro-batch i of a kind issues the copy of i + 1). On a GPU a host
+    tensor is pinned first (on the host) and copied with non_blocking=True on the current
+    stream, which orders it before the kernels reading it; torch's host allocator keeps
+    the pinned block from reuse until the copy has run. On CPU pinning is skipped and the
+    copy is none (the tensor is already there): the same code path."""
+
+    def __init__(self, device: torch.device, **tensors: Sequence[torch.Tensor] | None):
+        """`tensors`: kind -> one host tensor per micro-batch (None: the kind is absent)."""
+        self.device, self.pin = device, device.type == "cuda"
+        self.host = {kind: ts for kind, ts in tensors.items() if ts is not None}
+        self.staged: dict[tuple[str, int], torch.Tensor] = {}
+
+    def has(self, kind: str) -> bool:
+        return kind in self.host
+
+    def take(self, kind: str, mb: int) -> torch.Tensor:
+        """Micro-batch `mb`'s `kind` on the device. Inputs and targets are read once;
+        positions go to every local chunk, so they stay."""
+        x = self._stage(kind, mb)
+        if kind != "positions":
+            del self.staged[(kind, mb)]
+        if mb + 1 < len(self.host[kind]):
+            self._stage(kind, mb + 1)
+        return x
+
+    def _stage(self, kind: str, mb: int) -> torch.Tensor:
+        if (kind, mb) not in self.staged:
+            x = self.host[kind][mb]
+            if self.pin and x.device.type == "cpu" and not x.is_pinned():
+                x = x.pin_memory()
+            self.staged[(kind, mb)] = x.to(self.device, non_blocking=True)
+        return self.staged[(kind, mb)]

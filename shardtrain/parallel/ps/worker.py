@@ -26,11 +26,13 @@ import heapq
 import threading
 import time
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 from torch import nn
 
 from shardtrain.comm import Communicator
+from shardtrain.comm.threads import device_thread
 from shardtrain.parallel.ps.codec import PushCodec
 from shardtrain.parallel.ps.layout import HEAD, INIT, PULL, PSLayout
 
@@ -179,8 +181,8 @@ class PSWorker:
                                                  tag=self.layout.pull_tag[part.index]), buf, flat)
         arrivals: list[tuple[int, float]] = []
         self.timeline.append(arrivals)
-        self._puller = threading.Thread(target=self._pull, args=(works, arrivals),
-                                        name="ps-pull", daemon=True)
+        # Its copies reach the parameters' GPU, the one current here (comm/threads.py).
+        self._puller = device_thread(partial(self._pull, works, arrivals), name="ps-pull")
         self._puller.start()
 
     def _pull(self, works: dict, arrivals: list[tuple[int, float]]) -> None:

@@ -164,10 +164,16 @@ class TensorShards:
         """The squared L2 norm of the gradients this rank's tp group holds, parameters in
         `skip` left out. A block held by r ranks counts 1/r on each; the tp ranks' sums are
         added."""
-        named = [(n, p) for n, p in self.named.items() if p.grad is not None and n not in skip]
-        share = torch.tensor([self.norm_share(n) for n, _ in named], device=self.comm.device)
-        norms = torch.stack(torch._foreach_norm([p.grad for _, p in named])).float()  # [P]
-        return self.sum_norm_squared((norms.square() * share.to(norms.device)).sum())
+        # Grouped by share, each group's sum scaled by a Python float: a per-parameter share
+        # vector would be a list copied to the device at every clip, blocking the host.
+        groups: dict[float, list[torch.Tensor]] = {}
+        for n, p in self.named.items():
+            if p.grad is not None and n not in skip:
+                groups.setdefault(self.norm_share(n), []).append(p.grad)
+        sums = [torch.stack(torch._foreach_norm(grads)).float().square().sum() * share
+                for share, grads in groups.items()]  # [P] norms per group, summed
+        total = torch.stack(sums).sum() if sums else torch.zeros((), device=self.comm.device)
+        return self.sum_norm_squared(total)
 
     def sum_norm_squared(self, total: torch.Tensor) -> torch.Tensor:
         """A squared norm summed over the ranks holding the other shards (in place)."""

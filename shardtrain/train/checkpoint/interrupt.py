@@ -6,11 +6,18 @@ completed step. On one process the answer is immediate. On several, the ranks mu
 after the *same* step (a rank that stops early leaves its peers blocked in the next step's
 collectives), and they see the signal at different moments, or not at all (a `kill` of
 the launcher reaches the workers through it). So a rank that saw a signal proposes, at the
-end of its step s, to stop after step s + 1 through the job's key-value store (the first
-proposal wins: compare-and-set); every rank reads that key at the end of each step. No rank
-can have finished step s + 1 before the proposal exists: that step's collectives need the
-proposer, which proposed before starting it. The store, not a collective, carries it, so
-the communication ledger of a step is unchanged.
+end of its step s, to stop after step s + LAG (2) through the job's key-value store (the
+first proposal wins: compare-and-set). The store, not a collective, carries it, so the
+communication ledger of a step is unchanged.
+
+No step waits for the store: every rank reads the key on a thread of its own, started at
+the end of each step, and takes the answer at the end of the next (a step later it has
+long arrived; the step never waits on a round-trip to the store, which one server answers
+for every rank of the job). Why that read sees a proposal in time: a rank finishing step
+s + 1 needed the proposer in that step's collectives, and the proposer proposed before
+starting it, so the read started then sees the proposal, and is taken at the end of step
+s + 2 = s + LAG, the step every rank stops after. (Stopping after s + 1 would need a read
+the end of step s + 1 waits for: a round-trip per step, on every rank.)
 
 A second signal aborts at once (exit 128 + signal number, no checkpoint). A signal that
 comes within `DUPLICATE_S` of the first is the same interrupt delivered twice, not a
@@ -29,6 +36,7 @@ import time
 import torch.distributed as dist
 
 KEY = "shardtrain/interrupt/stop_after"
+LAG = 2  # steps from the proposal to the stop (module doc)
 DUPLICATE_S = 1.0
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -54,6 +62,7 @@ class Interrupt:
         self._first_at = 0.0
         self._proposed = False
         self._stop_after: int | None = None
+        self._read: _Read | None = None  # the store read started at the last step's end
         self._previous = {}
 
     def __enter__(self) -> "Interrupt":
@@ -80,21 +89,50 @@ class Interrupt:
 
     def stop_after(self, step: int) -> bool:
         """At the end of completed step `step` (every rank calls this at every step):
-        whether every rank stops now. On several ranks this reads the job's store."""
+        whether every rank stops now. On several ranks the job's store says, read a step
+        ahead on a thread (module doc)."""
         if self.world_size == 1:
             return bool(self.signum)
         store = dist.distributed_c10d._get_default_store()
-        if self.signum and not self._proposed:
-            self._proposed = True
-            # The first proposal stays; a later one (another rank's) is ignored.
-            store.compare_set(KEY, "", f"{step + 1}:{self.signum}")
-        if self._stop_after is None and store.check([KEY]):
-            stop_after, signum = store.get(KEY).decode().split(":")
+        if self.signum and not self._proposed and self._stop_after is None:
+            self._proposed = True  # once: the first proposal stays, and this tells which
+            self._learn(store.compare_set(KEY, "", f"{step + LAG}:{self.signum}"))
+        if self._stop_after is None:
+            if self._read is not None:
+                self._learn(self._read.result())
+            self._read = _Read(store) if self._stop_after is None else None
+        return self._stop_after is not None and step >= self._stop_after
+
+    def _learn(self, value: bytes | None) -> None:
+        if value:
+            stop_after, signum = value.decode().split(":")
             self._stop_after = int(stop_after)
             self.signum = self.signum or int(signum)  # it may have reached another rank only
-        return self._stop_after is not None and step >= self._stop_after
 
     def describe(self, step: int, checkpoint: str) -> str:
         """The one line rank 0 prints: what stopped the run, where it saved, how to resume."""
         return (f"{signal_name(self.signum)}: stopped after step {step}, checkpoint "
                 f"{checkpoint}; resume with the same command and --checkpoint.resume latest")
+
+
+class _Read:
+    """One read of the proposal (None: none yet) on a thread of its own."""
+
+    def __init__(self, store):
+        self.value: bytes | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(store,), daemon=True,
+                                       name="shardtrain-interrupt")
+        self.thread.start()
+
+    def _run(self, store) -> None:
+        try:
+            self.value = store.get(KEY) if store.check([KEY]) else None
+        except Exception as e:  # raised on the training thread, as a direct read's would be
+            self.error = e
+
+    def result(self) -> bytes | None:
+        self.thread.join()  # started a step ago: done long since
+        if self.error is not None:
+            raise self.error
+        return self.value

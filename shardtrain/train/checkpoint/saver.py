@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from shardtrain.ckpt.dcp import SavePlanned, plan_save
+from shardtrain.comm.threads import device_thread
 from shardtrain.config import Config
 from shardtrain.mesh import ParallelMesh
 from shardtrain.parallel.pieces import gather_plans, model_key
@@ -71,7 +72,8 @@ class Saver:
         staged = ckpt.staging_dir(self.cfg, step, create=False)  # made by stage_files
         comms = [self.mesh.comm(d) for d in ("dp", "cp", "tp", "pp")]
         planned = plan_save(staged, self.mesh.rank, pieces, partial(
-            gather_plans, comms=comms, rank=self.mesh.rank, world_size=self.mesh.world_size))
+            gather_plans, comms=comms, rank=self.mesh.rank, world_size=self.mesh.world_size),
+            device=self.mesh.device)
         # The model's ties, not this rank's: under pp the main rank's first stage holds no
         # head, and a checkpoint read whole (generate, export) needs the alias.
         aliases = {model_key(k): model_key(v) for k, v in tied_names(self.cfg.model).items()}
@@ -101,8 +103,9 @@ class Saver:
             except BaseException as e:  # raised by `wait`, on the training thread
                 self._error = e
 
-        self._thread = threading.Thread(target=in_background, name=f"checkpoint-{step}",
-                                        daemon=True)
+        # DCP's writer takes the current stream: the rank's device's (comm/threads.py).
+        self._thread = device_thread(in_background, name=f"checkpoint-{step}",
+                                     device=self.mesh.device)
         self._thread.start()
 
     def _write_and_commit(self, step: int, planned: SavePlanned, sums: dict[str, str],
