@@ -94,3 +94,13 @@ def test_the_model_finds_the_hang_of_gloo_only_groups():
     assert problems(splits(3, build)) == [
         "ranks make different numbers of world splits: [2, 2, 4] (rank: count "
         "{0: 2, 1: 2, 2: 4}); the ranks with fewer leave the others waiting"]
+
+
+def test_mesh_communicators_on_cuda_stream_their_payload_over_nccl():
+    """One group, two backends: the communicator reads its device's (NCCL: stream waits, no
+    lane thread) and sends metadata to the same group (its Gloo backend)."""
+    meshes = []
+    splits(4, lambda rank: meshes.append(build_mesh(MeshShape(dp=2, tp=2), rank=rank,
+                                                    device=torch.device("cuda", 0), link=LINK)))
+    comms = [mesh.comm(dim) for mesh in meshes for dim in ("dp", "tp")]
+    assert all(c.streamed and c.meta is c.group for c in comms)
