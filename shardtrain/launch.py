@@ -10,6 +10,7 @@ once, and passed on explicitly.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
@@ -181,16 +182,13 @@ def start_watchdog(mesh, cfg, info: ProcessInfo):
 
 
 def run_worker(config_text: str) -> dict:
-    """One training process: join the group, build the mesh, train. `config_text` is the
-    resolved config as TOML (it travels to workers by value, not through files or env)."""
+    """One training process: join the group, build the mesh, train, leave. `config_text` is
+    the resolved config as TOML (it travels to workers by value, not through files or env)."""
     from shardtrain import config as config_mod
-    from shardtrain.comm import build_mesh
-    from shardtrain.mesh import MeshShape
+    from shardtrain.train.checkpoint.agree import EXIT_CODE as SAVE_FAILED_EXIT
     from shardtrain.train.checkpoint.checkpoint import resume_after_restart
+    from shardtrain.train.checkpoint.interrupt import exit_code
     from shardtrain.train.guard import restart_count
-    from shardtrain.train.checkpoint.agree import EXIT_CODE as SAVE_FAILED_EXIT, SaveFailed
-    from shardtrain.train.checkpoint.interrupt import Interrupt, exit_code
-    from shardtrain.train.trainer import Trainer
 
     cfg = config_mod.loads(config_text)
     restarts = restart_count()
@@ -205,6 +203,42 @@ def run_worker(config_text: str) -> dict:
     # NCCL's own timeout is a backstop behind the hang watchdog's (comm/watchdog.py).
     group_timeout = cfg.comm.timeout_s + (NCCL_GRACE_S if device.type == "cuda" else 0.0)
     init_distributed(info, device, group_timeout)
+    outcome = _train(cfg, info, device, group_timeout)  # a failure propagates: no leave()
+    leave()
+    if "server" in outcome:
+        return outcome
+    if "exit_code" in outcome:  # a failed save, said by rank 0 (train/checkpoint/agree.py)
+        if under_launcher():
+            sys.exit(SAVE_FAILED_EXIT)
+        return outcome
+    result, signum = outcome["result"], outcome["signum"]
+    if result.interrupted is not None:
+        if info.rank == 0:
+            print(result.interrupted, flush=True)
+        if under_launcher():  # exit now: a launcher that was signalled too reads no result
+            sys.exit(exit_code(signum))
+        return {"losses": result.losses, "interrupted": signum}
+    if info.rank == 0:
+        last = result.history[-1] if result.history else {}
+        print(f"done: step {last.get('step', 0)}  loss {last.get('loss', float('nan')):.4f}  "
+              f"eval_loss {result.eval_loss if result.eval_loss is not None else float('nan'):.4f}"
+              f"  run dir {cfg.train.run_dir}", flush=True)
+        if result.sample is not None:
+            print("--- sample ---\n" + result.sample + "\n--------------", flush=True)
+    return {"losses": result.losses, "eval_loss": result.eval_loss}
+
+
+def _train(cfg, info: ProcessInfo, device: torch.device, group_timeout: float) -> dict:
+    """Build the mesh and train (or serve, on a parameter server's rank); plain values out.
+    Everything that holds a process group (the mesh, its communicators, the watchdog, the
+    trainer) lives in this frame only, so it is freed when the frame returns, before
+    run_worker leaves the group (`leave`)."""
+    from shardtrain.comm import build_mesh
+    from shardtrain.mesh import MeshShape
+    from shardtrain.train.checkpoint.agree import EXIT_CODE as SAVE_FAILED_EXIT, SaveFailed
+    from shardtrain.train.checkpoint.interrupt import Interrupt
+    from shardtrain.train.trainer import Trainer
+
     p = cfg.parallel
     shape = MeshShape(pp=p.pp, dp=p.resolved_dp(info.world_size), cp=p.cp, tp=p.tp, ep=p.ep)
     node_size = p.node_size or info.local_world_size
@@ -221,6 +255,7 @@ def run_worker(config_text: str) -> dict:
             return {"server": run_server(cfg, mesh)}
         with Interrupt(info.world_size) as interrupt:  # SIGINT/SIGTERM: save, then stop
             result = Trainer(cfg, mesh, device).run(interrupt)
+        return {"result": result, "signum": interrupt.signum}
     except CommTimeout as e:
         if watchdog is None:
             raise
@@ -228,25 +263,20 @@ def run_worker(config_text: str) -> dict:
     except SaveFailed as e:  # every rank stopped at the same save (train/checkpoint/agree.py)
         if info.rank == 0:
             print(f"shardtrain train: error: {e}", file=sys.stderr, flush=True)
-        if under_launcher():
-            sys.exit(SAVE_FAILED_EXIT)
         return {"exit_code": SAVE_FAILED_EXIT}
     finally:
         if watchdog is not None:
             watchdog.stop()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    if result.interrupted is not None:
-        if info.rank == 0:
-            print(result.interrupted, flush=True)
-        if under_launcher():  # exit now: a launcher that was signalled too reads no result
-            sys.exit(exit_code(interrupt.signum))
-        return {"losses": result.losses, "interrupted": interrupt.signum}
-    if info.rank == 0:
-        last = result.history[-1] if result.history else {}
-        print(f"done: step {last.get('step', 0)}  loss {last.get('loss', float('nan')):.4f}  "
-              f"eval_loss {result.eval_loss if result.eval_loss is not None else float('nan'):.4f}"
-              f"  run dir {cfg.train.run_dir}", flush=True)
-        if result.sample is not None:
-            print("--- sample ---\n" + result.sample + "\n--------------", flush=True)
-    return {"losses": result.losses, "eval_loss": result.eval_loss}
+
+
+def leave() -> None:
+    """Leave the process group in the order that cannot deadlock (benchmarks/teardown.py
+    says why; the benchmarks keep their own copy, as they also measure other trees): what
+    held a group is already out of scope and freed here (collect: reference cycles too),
+    then a barrier (every rank's collectives done, waited for with the GIL released), then
+    destroy_process_group, whose destructors find the groups' threads idle. Only after a
+    clean return: a failure propagates without a barrier its peers may never reach."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -33,3 +33,50 @@ def test_more_local_ranks_than_gpus_is_an_error_naming_nproc(kind, monkeypatch):
     assert chosen == []  # refused before touching a GPU
     ok = ProcessInfo(rank=1, world_size=2, local_rank=1, local_world_size=2)
     assert pick_device(kind, ok) == torch.device("cuda", 1) and chosen == [1]
+
+
+def test_run_worker_frees_what_holds_a_group_before_it_leaves(tmp_path, monkeypatch):
+    """The mesh (its communicators hold the groups), the watchdog and the trainer die before
+    the barrier and destroy_process_group (benchmarks/teardown.py: a group's destructor run
+    after destroy, from its last holder's, deadlocked against the group's own thread)."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from shardtrain import launch
+    from shardtrain.train import trainer as trainer_mod
+
+    held: list[weakref.ref] = []
+
+    class Holder:  # in a reference cycle: freed by the garbage collector only
+        def __init__(self, *args):
+            self.me, self.args = self, args
+            held.append(weakref.ref(self))
+
+        def run(self, interrupt):
+            return trainer_mod.TrainResult(history=[{"step": 1, "loss": 1.0}], eval_loss=1.0)
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(trainer_mod, "Trainer", Holder)
+    monkeypatch.setattr(launch, "start_watchdog", lambda mesh, cfg, info: Holder(mesh))
+    seen = []
+    barrier, destroy = dist.barrier, dist.destroy_process_group
+    monkeypatch.setattr(dist, "barrier", lambda: (seen.append(
+        ("barrier", [r() is None for r in held])), barrier()))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: (seen.append(
+        ("destroy", [r() is None for r in held])), destroy()))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    text = config.to_toml(config.load("tiny", ["--train.run_dir", str(tmp_path / "run"),
+                                               "--train.device", "cpu"]))
+    gc.disable()  # only run_worker's own collection may free the cycles
+    try:
+        assert launch.run_worker(text) == {"losses": [1.0], "eval_loss": 1.0}
+    finally:
+        gc.enable()
+        if dist.is_initialized():
+            destroy()
+    assert seen == [("barrier", [True, True]), ("destroy", [True, True])]
