@@ -25,6 +25,7 @@ import torch.distributed as dist
 from shardtrain.comm.p2p import CommTimeout
 from shardtrain.comm.watchdog import NCCL_GRACE_S, Watchdog
 from shardtrain.data.workers import hidden_main
+from shardtrain.train.start.device import check_device, gpu_ordinal
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,13 +34,17 @@ class ProcessInfo:
     world_size: int = 1
     local_rank: int = 0
     local_world_size: int = 1
+    # Started by an elastic agent (torchrun, or --nproc: launch_local): the node's workers
+    # share the agent's environment, so they all see the same GPUs.
+    agent: bool = False
 
     @staticmethod
     def from_env() -> "ProcessInfo":
         env = os.environ
         return ProcessInfo(rank=int(env.get("RANK", 0)), world_size=int(env.get("WORLD_SIZE", 1)),
                            local_rank=int(env.get("LOCAL_RANK", 0)),
-                           local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)))
+                           local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+                           agent="TORCHELASTIC_RUN_ID" in env)
 
 
 def under_launcher() -> bool:
@@ -48,42 +53,29 @@ def under_launcher() -> bool:
 
 
 def pick_device(kind: str, info: ProcessInfo) -> torch.device:
-    """This process's device: its local rank's GPU on CUDA (one GPU per local rank: NCCL
-    cannot put two ranks of a group on one GPU), else the CPU."""
+    """This process's device: its GPU on CUDA (train/start/device.py `gpu_ordinal`; one GPU
+    per rank: NCCL cannot put two ranks of a group on one GPU), else the CPU."""
     from shardtrain.config import ConfigError
 
     if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("train.device=cuda but no CUDA device is visible; use "
                               "--train.device cpu")
-        gpus = torch.cuda.device_count()
-        if info.local_world_size > gpus:
-            raise ConfigError(f"--nproc {info.local_world_size} starts {info.local_world_size} "
-                              f"ranks on this node but it has {gpus} GPU(s) visible; use "
-                              f"--nproc {gpus} or fewer (one GPU per rank), or "
-                              "--train.device cpu")
-        torch.cuda.set_device(info.local_rank)
+        torch.cuda.set_device(gpu_ordinal(info.local_rank, info.local_world_size,
+                                          torch.cuda.device_count(), shared=info.agent))
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def check_device(cfg, device: torch.device) -> None:
-    """The config checks that need the device: our point-to-point collective algorithms run
-    on CPU tensors over Gloo, so a CUDA run (NCCL) takes comm.algorithm=native only."""
-    from shardtrain.config import ConfigError
-
-    if device.type == "cuda" and cfg.comm.algorithm != "native":
-        raise ConfigError(f"comm.algorithm={cfg.comm.algorithm} runs shardtrain's own "
-                          "point-to-point algorithms, which run on CPU (Gloo) only; this run "
-                          f"is on CUDA (train.device={cfg.train.device}): set "
-                          "--comm.algorithm native, or --train.device cpu")
 
 
 def init_distributed(info: ProcessInfo, device: torch.device, timeout_s: float) -> None:
     """Join the process group (NCCL on CUDA, Gloo on CPU) when there is more than one rank,
     and share the CPU cores fairly among the local processes."""
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
+    # On GPUs too: their host work (ZeRO-Offload's Adam, a parameter server, the data) would
+    # otherwise run ranks x cores threads. torchrun sets OMP_NUM_THREADS=1 for this; torch's
+    # elastic API, which --nproc uses, sets nothing. The cores this process may run on: a
+    # scheduler's CPU binding (Slurm's cgroups) leaves fewer than the machine has.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cores or 1) // info.local_world_size))
     if info.world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         store = _attempt_store(info, timeout_s)
