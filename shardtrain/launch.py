@@ -10,6 +10,7 @@ once, and passed on explicitly.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from shardtrain.comm.p2p import CommTimeout
 from shardtrain.comm.watchdog import NCCL_GRACE_S, Watchdog
 from shardtrain.data.workers import hidden_main
+from shardtrain.train.start.device import check_device, gpu_ordinal
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,13 +34,17 @@ class ProcessInfo:
     world_size: int = 1
     local_rank: int = 0
     local_world_size: int = 1
+    # Started by an elastic agent (torchrun, or --nproc: launch_local): the node's workers
+    # share the agent's environment, so they all see the same GPUs.
+    agent: bool = False
 
     @staticmethod
     def from_env() -> "ProcessInfo":
         env = os.environ
         return ProcessInfo(rank=int(env.get("RANK", 0)), world_size=int(env.get("WORLD_SIZE", 1)),
                            local_rank=int(env.get("LOCAL_RANK", 0)),
-                           local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)))
+                           local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+                           agent="TORCHELASTIC_RUN_ID" in env)
 
 
 def under_launcher() -> bool:
@@ -47,42 +53,29 @@ def under_launcher() -> bool:
 
 
 def pick_device(kind: str, info: ProcessInfo) -> torch.device:
-    """This process's device: its local rank's GPU on CUDA (one GPU per local rank: NCCL
-    cannot put two ranks of a group on one GPU), else the CPU."""
+    """This process's device: its GPU on CUDA (train/start/device.py `gpu_ordinal`; one GPU
+    per rank: NCCL cannot put two ranks of a group on one GPU), else the CPU."""
     from shardtrain.config import ConfigError
 
     if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("train.device=cuda but no CUDA device is visible; use "
                               "--train.device cpu")
-        gpus = torch.cuda.device_count()
-        if info.local_world_size > gpus:
-            raise ConfigError(f"--nproc {info.local_world_size} starts {info.local_world_size} "
-                              f"ranks on this node but it has {gpus} GPU(s) visible; use "
-                              f"--nproc {gpus} or fewer (one GPU per rank), or "
-                              "--train.device cpu")
-        torch.cuda.set_device(info.local_rank)
+        torch.cuda.set_device(gpu_ordinal(info.local_rank, info.local_world_size,
+                                          torch.cuda.device_count(), shared=info.agent))
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def check_device(cfg, device: torch.device) -> None:
-    """The config checks that need the device: our point-to-point collective algorithms run
-    on CPU tensors over Gloo, so a CUDA run (NCCL) takes comm.algorithm=native only."""
-    from shardtrain.config import ConfigError
-
-    if device.type == "cuda" and cfg.comm.algorithm != "native":
-        raise ConfigError(f"comm.algorithm={cfg.comm.algorithm} runs shardtrain's own "
-                          "point-to-point algorithms, which run on CPU (Gloo) only; this run "
-                          f"is on CUDA (train.device={cfg.train.device}): set "
-                          "--comm.algorithm native, or --train.device cpu")
 
 
 def init_distributed(info: ProcessInfo, device: torch.device, timeout_s: float) -> None:
     """Join the process group (NCCL on CUDA, Gloo on CPU) when there is more than one rank,
     and share the CPU cores fairly among the local processes."""
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
+    # On GPUs too: their host work (ZeRO-Offload's Adam, a parameter server, the data) would
+    # otherwise run ranks x cores threads. torchrun sets OMP_NUM_THREADS=1 for this; torch's
+    # elastic API, which --nproc uses, sets nothing. The cores this process may run on: a
+    # scheduler's CPU binding (Slurm's cgroups) leaves fewer than the machine has.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cores or 1) // info.local_world_size))
     if info.world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         store = _attempt_store(info, timeout_s)
@@ -181,16 +174,13 @@ def start_watchdog(mesh, cfg, info: ProcessInfo):
 
 
 def run_worker(config_text: str) -> dict:
-    """One training process: join the group, build the mesh, train. `config_text` is the
-    resolved config as TOML (it travels to workers by value, not through files or env)."""
+    """One training process: join the group, build the mesh, train, leave. `config_text` is
+    the resolved config as TOML (it travels to workers by value, not through files or env)."""
     from shardtrain import config as config_mod
-    from shardtrain.comm import build_mesh
-    from shardtrain.mesh import MeshShape
+    from shardtrain.train.checkpoint.agree import EXIT_CODE as SAVE_FAILED_EXIT
     from shardtrain.train.checkpoint.checkpoint import resume_after_restart
+    from shardtrain.train.checkpoint.interrupt import exit_code
     from shardtrain.train.guard import restart_count
-    from shardtrain.train.checkpoint.agree import EXIT_CODE as SAVE_FAILED_EXIT, SaveFailed
-    from shardtrain.train.checkpoint.interrupt import Interrupt, exit_code
-    from shardtrain.train.trainer import Trainer
 
     cfg = config_mod.loads(config_text)
     restarts = restart_count()
@@ -205,6 +195,42 @@ def run_worker(config_text: str) -> dict:
     # NCCL's own timeout is a backstop behind the hang watchdog's (comm/watchdog.py).
     group_timeout = cfg.comm.timeout_s + (NCCL_GRACE_S if device.type == "cuda" else 0.0)
     init_distributed(info, device, group_timeout)
+    outcome = _train(cfg, info, device, group_timeout)  # a failure propagates: no leave()
+    leave()
+    if "server" in outcome:
+        return outcome
+    if "exit_code" in outcome:  # a failed save, said by rank 0 (train/checkpoint/agree.py)
+        if under_launcher():
+            sys.exit(SAVE_FAILED_EXIT)
+        return outcome
+    result, signum = outcome["result"], outcome["signum"]
+    if result.interrupted is not None:
+        if info.rank == 0:
+            print(result.interrupted, flush=True)
+        if under_launcher():  # exit now: a launcher that was signalled too reads no result
+            sys.exit(exit_code(signum))
+        return {"losses": result.losses, "interrupted": signum}
+    if info.rank == 0:
+        last = result.history[-1] if result.history else {}
+        print(f"done: step {last.get('step', 0)}  loss {last.get('loss', float('nan')):.4f}  "
+              f"eval_loss {result.eval_loss if result.eval_loss is not None else float('nan'):.4f}"
+              f"  run dir {cfg.train.run_dir}", flush=True)
+        if result.sample is not None:
+            print("--- sample ---\n" + result.sample + "\n--------------", flush=True)
+    return {"losses": result.losses, "eval_loss": result.eval_loss}
+
+
+def _train(cfg, info: ProcessInfo, device: torch.device, group_timeout: float) -> dict:
+    """Build the mesh and train (or serve, on a parameter server's rank); plain values out.
+    Everything that holds a process group (the mesh, its communicators, the watchdog, the
+    trainer) lives in this frame only, so it is freed when the frame returns, before
+    run_worker leaves the group (`leave`)."""
+    from shardtrain.comm import build_mesh
+    from shardtrain.mesh import MeshShape
+    from shardtrain.train.checkpoint.agree import EXIT_CODE as SAVE_FAILED_EXIT, SaveFailed
+    from shardtrain.train.checkpoint.interrupt import Interrupt
+    from shardtrain.train.trainer import Trainer
+
     p = cfg.parallel
     shape = MeshShape(pp=p.pp, dp=p.resolved_dp(info.world_size), cp=p.cp, tp=p.tp, ep=p.ep)
     node_size = p.node_size or info.local_world_size
@@ -221,6 +247,7 @@ def run_worker(config_text: str) -> dict:
             return {"server": run_server(cfg, mesh)}
         with Interrupt(info.world_size) as interrupt:  # SIGINT/SIGTERM: save, then stop
             result = Trainer(cfg, mesh, device).run(interrupt)
+        return {"result": result, "signum": interrupt.signum}
     except CommTimeout as e:
         if watchdog is None:
             raise
@@ -228,25 +255,20 @@ def run_worker(config_text: str) -> dict:
     except SaveFailed as e:  # every rank stopped at the same save (train/checkpoint/agree.py)
         if info.rank == 0:
             print(f"shardtrain train: error: {e}", file=sys.stderr, flush=True)
-        if under_launcher():
-            sys.exit(SAVE_FAILED_EXIT)
         return {"exit_code": SAVE_FAILED_EXIT}
     finally:
         if watchdog is not None:
             watchdog.stop()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    if result.interrupted is not None:
-        if info.rank == 0:
-            print(result.interrupted, flush=True)
-        if under_launcher():  # exit now: a launcher that was signalled too reads no result
-            sys.exit(exit_code(interrupt.signum))
-        return {"losses": result.losses, "interrupted": interrupt.signum}
-    if info.rank == 0:
-        last = result.history[-1] if result.history else {}
-        print(f"done: step {last.get('step', 0)}  loss {last.get('loss', float('nan')):.4f}  "
-              f"eval_loss {result.eval_loss if result.eval_loss is not None else float('nan'):.4f}"
-              f"  run dir {cfg.train.run_dir}", flush=True)
-        if result.sample is not None:
-            print("--- sample ---\n" + result.sample + "\n--------------", flush=True)
-    return {"losses": result.losses, "eval_loss": result.eval_loss}
+
+
+def leave() -> None:
+    """Leave the process group in the order that cannot deadlock (benchmarks/teardown.py
+    says why; the benchmarks keep their own copy, as they also measure other trees): what
+    held a group is already out of scope and freed here (collect: reference cycles too),
+    then a barrier (every rank's collectives done, waited for with the GIL released), then
+    destroy_process_group, whose destructors find the groups' threads idle. Only after a
+    clean return: a failure propagates without a barrier its peers may never reach."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

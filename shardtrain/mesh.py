@@ -18,10 +18,19 @@ communicator needs to know about one group, and the `communicator` the mesh is g
 (shardtrain.comm.CommFactory, or `shardtrain.comm.build_mesh` for both at once) turns each
 dim's Group into its Communicator.
 
-Devices: a group's payload lives on the mesh's device. On CUDA each NCCL group gets a Gloo
-group over the same ranks beside it (`meta`): the small CPU tensors of metadata (size
-agreement, the link figures, ...) travel there on purpose, as torchtitan's
-`cpu:gloo,cuda:nccl` process groups do, so no NCCL call ever sees a CPU tensor.
+Devices: a group's payload lives on the mesh's device. On CUDA each group is one
+`cpu:gloo,cuda:nccl` process group (torchtitan's): CUDA payload goes to its NCCL backend,
+the small CPU tensors of metadata (size agreement, the link figures, ...) to its Gloo
+backend, on purpose, so no NCCL call ever sees a CPU tensor (`meta` is the group itself).
+
+Why one group with two backends, not an NCCL group and a Gloo group beside it: with the
+device bound at init_process_group (launch.py), torch creates each new NCCL communicator by
+splitting the world's (ncclCommSplit, collective over every rank of the world): a member
+splits with the group's colour, every other rank joins with no colour, whatever the new
+group's backend. A Gloo-only group costs its non-members a split and its members none, so
+a rank outside every group (a parameter server) made two splits per group against the
+workers' one and every rank waited forever. Here every group costs every rank exactly one
+split, member or not; tests/test_nccl_splits.py counts them per rank for every layout.
 """
 
 from __future__ import annotations
@@ -39,6 +48,8 @@ from shardtrain.cost.hardware import runtime_link
 from shardtrain.cost.link import Link
 
 DIMS = ("pp", "dp", "cp", "tp")
+# A mesh group's backends on CUDA: payload over NCCL, CPU metadata over Gloo (module doc).
+CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,7 +121,7 @@ class Group:
     name: str  # the dim (or sub-group) it serves: dp, tp, dp_node, ...
     ranks: list[int]  # its global ranks, ascending
     handle: dist.ProcessGroup | None  # None: a group of one rank
-    meta: dist.ProcessGroup | None  # where CPU metadata goes: handle itself on Gloo
+    meta: dist.ProcessGroup | None  # where CPU metadata goes: handle itself (its Gloo backend)
     device: torch.device  # where its payload lives
     node_size: int  # ranks per node (runs of consecutive global ranks)
     link: Link  # what `auto` and the hierarchical phases price with
@@ -190,26 +201,26 @@ class ParallelMesh:
                 keyed.setdefault(part(r), []).append(r)
             parts += keyed.values()
         timeout = timedelta(seconds=self.timeout_s)
-        # NCCL payload: metadata on a Gloo group beside. Not under the fake backend of a
-        # dry run (train/start/dryrun.py): a Gloo group would wait for N - 1 ranks that never
-        # come, and the fake group carries CPU tensors as well (by moving nothing).
+        # NCCL payload: metadata on the same group's Gloo backend (module doc). Not under the
+        # fake backend of a dry run (train/start/dryrun.py): Gloo would wait for N - 1 ranks
+        # that never come, and the fake group carries CPU tensors as well (moving nothing).
         side = self.device.type == "cuda" and not (dist.is_initialized()
                                                     and dist.get_backend() == "fake")
         mine = None
         for ranks in parts:
-            handle = meta = None
+            handle = None
             if len(ranks) > 1:
                 # A group of its own even when it spans the world: two dims sharing one
                 # process group (dp and ep at ep = dp = world) would share its order of
                 # calls, and a call from dp's lane thread could cross the main thread's.
-                handle = dist.new_group(ranks, timeout=timeout)
-                meta = dist.new_group(ranks, timeout=timeout, backend="gloo") if side else handle
+                handle = dist.new_group(ranks, timeout=timeout,
+                                        backend=CUDA_BACKEND if side else None)
             if self.rank in ranks:
-                mine = (ranks, handle, meta)
+                mine = (ranks, handle)
         if mine is None:  # not a member of the mesh
             return None
-        ranks, handle, meta = mine
-        return Group(name=name, ranks=ranks, handle=handle, meta=meta, device=self.device,
+        ranks, handle = mine
+        return Group(name=name, ranks=ranks, handle=handle, meta=handle, device=self.device,
                      node_size=self.node_size, link=self._link or self._runtime_link(ranks))
 
     def node_group(self, dim: str) -> Group:

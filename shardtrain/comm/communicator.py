@@ -48,6 +48,14 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def payload_backend(group: dist.ProcessGroup, device: torch.device) -> str:
+    """The backend that carries `device`'s tensors in `group`: a mesh group on CUDA is
+    "cpu:gloo,cuda:nccl" (mesh.py), whose CUDA payload is NCCL's; else the group's one."""
+    name = str(dist.get_backend(group))
+    backends = dict(pair.split(":") for pair in name.split(",")) if ":" in name else {}
+    return backends.get(device.type, name)
+
+
 class Communicator(PeerOps):
     """The collectives of one group, each recorded in the ledger (point-to-point: peer.py)."""
 
@@ -62,8 +70,8 @@ class Communicator(PeerOps):
         agreed from group rank 0 where the algorithm prices); `check_sizes`: compare sizes
         across ranks before the first call of each op ("first"), every call ("all") or never
         ("off"); `device`: where the group's payload lives; `meta`: the group the CPU metadata
-        travels on (None: `group` itself, a Gloo group; beside an NCCL group, a Gloo group over
-        the same ranks)."""
+        travels on (None: `group` itself: a Gloo group, or a mesh group on CUDA, whose CPU
+        tensors go to its Gloo backend: mesh.py)."""
         if algorithm not in ALGORITHMS:
             raise ValueError(f"comm.algorithm={algorithm!r} is not one of {', '.join(ALGORITHMS)}")
         on_device(algorithm, torch.device(device), name)
@@ -82,7 +90,7 @@ class Communicator(PeerOps):
         # own message tag, so their point-to-point messages never match each other's.
         self.tag = zlib.crc32(name.encode()) & 0x7FFF
         # NCCL: every wait is a stream wait and no lane thread runs (dispatch.py).
-        self.streamed = group is not None and dist.get_backend(group) == "nccl"
+        self.streamed = group is not None and payload_backend(group, self.device) == "nccl"
         self.lane = Lane(name, threaded=not self.streamed)
         self.buffers: dict = {}  # (device, key) -> work buffer: p2p.scratch
         self.checked: set[str] = set()  # ops whose sizes were compared (dispatch.check_due)

@@ -56,7 +56,13 @@ class TrainConfig:
     micro_batch: int = 8  # sequences per forward/backward on one rank
     seq_len: int = 256
     seed: int = 1234
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # parallel/precision.py
+    # parallel/precision.py. auto: fp32 on a CPU; on a GPU bf16 where it computes in bf16
+    # natively, else fp32 (docs/precision.md, "Defaults"), resolved from the device before
+    # the run (train/start/device.py); config.toml holds the resolved value.
+    precision: Literal["fp32", "bf16", "fp16", "auto"] = "auto"
+    # fp32 matmuls on a GPU through TF32 tensor cores (10-bit mantissa, as cuBLAS rounds them;
+    # about 7x an H100's fp32 peak); false: IEEE fp32. No effect on a CPU.
+    tf32: bool = True
     grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # gradients on the wire; bf16 halves
     lr: float = 3e-3
     # none; selective: recompute the attention core (QK^T, softmax, over V) in backward
@@ -123,6 +129,12 @@ class TrainConfig:
 
     def accumulation_steps(self, dp: int) -> int:
         return self.global_batch // (self.micro_batch * dp)
+
+    def resolve_precision(self, *, cuda: bool, bf16: bool) -> None:
+        """precision=auto becomes the device's default (see the field), in place; `bf16`:
+        the GPU computes in bf16 natively. Any other value stays."""
+        if self.precision == "auto":
+            self.precision = "bf16" if cuda and bf16 else "fp32"
 
 
 @dataclass(kw_only=True)

@@ -27,8 +27,26 @@ def sdpa_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Causal attention of q [B, H, S, D] over k, v [B, G, S, D] -> [B, H, S, D] (G divides
     H: grouped-query attention, Ainslie et al. 2023); with `mask` (bool [B, 1, S, S], packed
     documents: model/positions.py) that mask instead of the plain causal one."""
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and not fused_gqa(q.device.type, q.dtype, q.shape[-1], masked=mask is not None):
+        # Each kv head repeated for its H / G query heads ([B, H, S, D], what enable_gqa
+        # means): a fused kernel then takes the call, at H / G x the k, v bytes.
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        gqa = False
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+                                          enable_gqa=gqa)
+
+
+def fused_gqa(device_type: str, dtype: torch.dtype, head_dim: int, *, masked: bool) -> bool:
+    """Whether SDPA runs grouped kv heads (enable_gqa) in a fused kernel, one that keeps no
+    [B, H, S, S] scores. On CPU its flash kernel does, in any float dtype, masked or not. On
+    CUDA only the flash and cuDNN kernels take GQA: 16-bit dtypes, head dims up to 256, no
+    arbitrary mask; the memory-efficient kernel takes fp32 and masks but no GQA. Anything
+    else falls to the math kernel, which materialises the scores: 8.6 GB per layer per
+    sequence at Llama-3-8B's 8192 tokens in fp32 (32 heads x 8192^2 x 4 bytes)."""
+    if device_type != "cuda":
+        return True
+    return dtype in (torch.float16, torch.bfloat16) and head_dim <= 256 and not masked
 
 
 # (q, k, v) -> out; a core that also takes a document mask is called (q, k, v, mask)

@@ -18,10 +18,19 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float) -> torch.opti
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+        return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                 **adamw_kernel(params))
     if cfg.name == "adamw8bit":
         return AdamW8bit(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum)
+
+
+def adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:
+    """torch's fused AdamW (one kernel for every tensor of the step) where every parameter
+    is on a GPU; torch's default elsewhere (foreach on CPU), so the CPU runs keep their
+    numbers. The update's arithmetic is AdamW's either way; fused rounds differently in the
+    last bits (fused multiply-adds) and keeps its step count on the device."""
+    return {"fused": True} if params and all(p.is_cuda for p in params) else {}
 
 
 def lr_at(step: int, *, base_lr: float, warmup: int, total: int, min_ratio: float) -> float:

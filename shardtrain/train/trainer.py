@@ -40,6 +40,7 @@ from shardtrain.train.observe.metrics import (MetricsWriter, device_peak_flops, 
 from shardtrain.train.optim import build_optimizer, lr_at
 from shardtrain.train.pace import Pace, busy_seconds
 from shardtrain.train.pending import PendingRecords, StepTimer
+from shardtrain.train.start.device import device_defaults
 from shardtrain.train.finetune.sample import end_export, end_sample
 from shardtrain.train.checkpoint.saver import Saver
 from shardtrain.train.observe.straggler import slow_down
@@ -65,6 +66,7 @@ class Trainer:
         self.dp = mesh.comm("dp")
         resolve_init_from(cfg)  # model.init_from: the shape from its config.json (idempotent)
         cfg.resolve_microbatches(self.dp.size)  # a no-op on a validated config
+        device_defaults(cfg, device.type)  # train.precision=auto; TF32 (idempotent)
         self.data = load_dataset(cfg.data, seq_len=t.seq_len)
         check_vocab(self.data, cfg.model.vocab_size)
         self.model = build_skeleton(cfg)  # shapes only (LoRA applied): parallelize materialises
@@ -116,8 +118,7 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def train_step(self) -> dict[str, Any]:
-        """One optimizer step and its record, read now (a host sync: `run` reads records
-        on logged steps only, train/pending.py)."""
+        """One optimizer step and its record, read now (a host sync; `run` reads logged ones)."""
         self.advance()
         return self.pending.flush()[-1]
 
@@ -192,8 +193,7 @@ class Trainer:
     # ------------------------------------------------------------------ the run
 
     def run(self, interrupt: Interrupt | None = None) -> TrainResult:
-        """Train to train.steps; with `interrupt` (train/checkpoint/interrupt.py), a SIGINT or SIGTERM
-        ends the run after the step every rank agrees on, with a checkpoint of it."""
+        """Train to train.steps; SIGINT or SIGTERM (`interrupt`) stop it at an agreed, saved step."""
         t = self.cfg.train
         result = TrainResult()
         if self.is_main:

@@ -15,6 +15,7 @@ import os
 import torch
 
 from shardtrain.config import Config, ConfigError
+from shardtrain.cost.hardware import gpu_preset
 from shardtrain.plan.layout import PlanError, config_layout
 from shardtrain.plan.memory import memory_per_gpu
 
@@ -22,12 +23,19 @@ TERMS = ("params", "grads", "optimizer", "master", "activations", "buffers")
 
 
 def rank_capacity(device_kind: str, local_ranks: int) -> tuple[int, str]:
-    """(bytes one rank can have, what they are): the smallest visible GPU's memory, or the
-    machine's physical memory over the ranks started on it."""
+    """(bytes one rank can have, what they are): the smallest visible GPU's usable memory,
+    or the machine's physical memory over the ranks started on it."""
     if device_kind == "cuda":
-        total = min(torch.cuda.get_device_properties(i).total_memory
-                    for i in range(torch.cuda.device_count()))
-        return total, "the GPU's memory"
+        # Not the whole card: the CUDA context (about 0.5 GiB), NCCL's buffers (NCCL_BUFFSIZE,
+        # 4 MiB, per channel and peer of each of the rank's communicators: up to a few hundred
+        # MiB each) and the caching allocator's fragmentation take the rest. The planner's own
+        # rule (cost/hardware.py `usable_fraction`, 90% of every GPU preset), so a layout the
+        # search says fits passes here and one it rejects is refused.
+        usable = min(gpu_preset(torch.cuda.get_device_name(i)).usable_fraction
+                     * torch.cuda.get_device_properties(i).total_memory
+                     for i in range(torch.cuda.device_count()))
+        return int(usable), ("the GPU's usable memory (the rest: the CUDA context, NCCL's "
+                             "buffers, fragmentation)")
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if local_ranks == 1:
         return total, "this machine's memory"

@@ -28,17 +28,19 @@ def prepare_run(cfg: Config, world_size: int, *, prepare_data: bool, local_ranks
     from shardtrain.train.checkpoint.rundir import claim_run_dir, move_run_aside
     from shardtrain.train.finetune.finetune import resolve_init_from
     from shardtrain.train.observe.metrics import read_records
+    from shardtrain.train.start.device import device_defaults
     from shardtrain.train.start.fits import check_fits
 
     try:
         resolve_init_from(cfg)  # before validation: the shape comes from model.init_from
     except ConfigError as e:  # a preset's value the user never typed: say where it came from
         raise config_mod.explain_origin(e, cfg) from None
+    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    device_defaults(cfg, "cuda" if cuda else "cpu")  # train.precision=auto: checked resolved
     cfg.validate(world_size)
     check_source(cfg.data)
     if cfg.data.tokenizer not in ("byte", "bpe"):
         load_tokenizer(cfg.data)  # a tokenizer.json path: fails fast if missing or invalid
-    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
     check_fits(cfg, world_size, device_kind="cuda" if cuda else "cpu", local_ranks=local_ranks)
     check_writable(Path(cfg.train.run_dir))
     check_offload_space(cfg)
