@@ -108,6 +108,8 @@ def test_refused_layout_names_both_fields(tmp_path):
     with pytest.raises(ConfigError, match=r"train.compile=true with parallel.ps_servers=1: .* "
                                           r"set parallel.ps_servers=0 or train.compile=false"):
         cfg.validate(3)
+    for _, overrides, *_ in ROWS:  # what the rows above train compiled is accepted
+        tiny(tmp_path, "ok", "--train.compile", "true", *overrides).validate(2)
     assert not tiny(tmp_path, "default").train.compile  # off unless asked for
 
 
