@@ -3,8 +3,8 @@
 Factors are what a user combines on the first day (layout, precision, model family,
 attention mask, compile, offload, asynchronous save); each value is a set of config
 overrides on the tiny preset. A row is valid when the config's own validation accepts it
-at the matrix's world size (`Config.validate`: the pairs it refuses, such as compile with
-tensor parallelism or fp16 with a parameter server, are excluded that way and no other).
+at the matrix's world size (`Config.validate`: the pairs it refuses, such as compile or
+fp16 with a parameter server, are excluded that way and no other).
 
 `covering(strength, seed)` picks rows greedily from every valid row until each
 `strength`-wise combination of values that some valid row holds appears in a chosen row

@@ -1,5 +1,6 @@
 """Tensor and sequence parallelism, layer by layer: every parallel layer equals its dense
-counterpart (outputs and gradients) at tp = 2 and 4, with and without sp; activation
+counterpart (outputs and gradients) at tp = 2 and 4, with and without sp; each collective
+op's shape function (what torch.compile traces with) matches the op; activation
 memory per layer follows Korthikanti et al. 2022's table; the per-layer communication
 from the ledger; and our layers equal DTensor's ColwiseParallel / RowwiseParallel."""
 
@@ -18,6 +19,7 @@ from shardtrain.comm import build_mesh
 from shardtrain.mesh import MeshShape, ParallelMesh
 from shardtrain.model.transformer import build_model
 from shardtrain.parallel.activation import SavedActivations
+from shardtrain.parallel.tensor import ops
 from shardtrain.parallel.tensor.sharding import Placement, TensorShards
 from shardtrain.parallel.tensor.layers import (ColumnParallelLinear, Region, RowParallelLinear,
                                         apply_tensor_parallel)
@@ -188,6 +190,16 @@ def _check_dtensor(comm) -> None:
                                    msg=lambda m: f"DTensor {name}: {m}")
 
 
+def _check_ops(comm) -> None:
+    """Each collective op's shape function (what a compiled graph plans with) agrees with what
+    the op returns: shape, strides, dtype (torch.library.opcheck, on fake tensors)."""
+    key = ops.handle(comm)
+    whole, chunk = _leaf(B, S, 64, seed=5).detach(), _leaf(B, S // comm.size, 64, seed=6).detach()
+    for op, x in ((ops.all_reduce, whole), (ops.gather_sequence, chunk),
+                  (ops.regather_sequence, chunk), (ops.reduce_scatter_sequence, whole)):
+        torch.library.opcheck(op, (x, key), test_utils=("test_schema", "test_faketensor"))
+
+
 def _tp_units(rank: int, world_size: int) -> dict:
     mesh = build_mesh(MeshShape(tp=world_size), rank=rank)
     comm = mesh.comm("tp")
@@ -197,6 +209,7 @@ def _tp_units(rank: int, world_size: int) -> dict:
         for cfg in MODELS.values():
             _check_model(comm, cfg, sp)
     _check_dtensor(comm)
+    _check_ops(comm)
     return _layer_costs(mesh)
 
 

@@ -145,22 +145,17 @@ def check_expert_parallel(cfg: Config) -> None:
 def check_compile(cfg: Config) -> None:
     """train.compile (parallel/compile.py) compiles each transformer block's forward and
     composes with the layouts whose hooks sit on or around the block (data parallelism,
-    ZeRO-1/2/3, the pipeline, activation checkpointing, LoRA/QLoRA) and with those whose
+    ZeRO-1/2/3, the pipeline, activation checkpointing, LoRA/QLoRA), with those whose
     exchanges inside the block are one call it can leave eager (context parallelism's
-    attention core, the MoE layer under expert parallelism). Refused: the layouts that
-    communicate around every linear inside the block, where the graph would break at
-    each one and dynamo would trace into the communication code in between."""
+    attention core, the MoE layer under expert parallelism), and with tensor and sequence
+    parallelism, whose collectives are custom ops the graph holds (parallel/tensor/ops.py).
+    Refused: a parameter server, whose worker communicates around every linear and norm
+    inside the block, in Python the graph would break at and trace through."""
     p = cfg.parallel
-    if not cfg.train.compile:
-        return
-    for field, value, why, fix in (
-            ("parallel.tp", p.tp if p.tp > 1 else 0, "tensor parallelism enters and leaves "
-             "each attention and MLP through collectives in forward hooks and autograd "
-             "functions", "1"),
-            ("parallel.ps_servers", p.ps_servers, "a parameter-server worker waits for each "
-             "module's pulled weights in a forward pre-hook on every linear and norm", "0")):
-        if value:
-            raise ConfigError(f"train.compile=true with {field}={value}: {why} inside the "
-                              "block, which would break the compiled block into a graph per "
-                              f"linear traced through the communication code; set {field}="
-                              f"{fix} or train.compile=false")
+    if cfg.train.compile and p.ps_servers:
+        raise ConfigError(f"train.compile=true with parallel.ps_servers={p.ps_servers}: a "
+                          "parameter-server worker waits for each module's pulled weights in "
+                          "a forward pre-hook on every linear and norm inside the block, which "
+                          "would break the compiled block into a graph per linear traced "
+                          "through the communication code; set parallel.ps_servers=0 or "
+                          "train.compile=false")

@@ -23,6 +23,13 @@ parallelism its all-to-alls). Their collectives are Python calls through the Com
 graphs; the MoE layer's routing has data-dependent group sizes, and torch's grouped matmul
 has no fp32 trace rule on the CPU. Each is one graph break: the block becomes two graphs.
 
+Tensor and sequence parallelism need no island: their collectives are custom ops
+(parallel/tensor/ops.py) that dynamo records as single nodes, and their autograd functions
+and region hooks trace, so each block stays one graph with its collectives in it (forward
+and backward), the Communicator called from inside the graph as eagerly (the same ledger
+records). Disabling at the boundary instead would cost a graph break at each region's entry
+and exit: five graphs per block, not one.
+
 Shapes are static (`dynamic=False`): a training step's blocks always see [micro_batch,
 seq_len, dim] (the tokens a rank holds under cp or sp). Forward-only calls -- evaluation,
 and sampling, whose context grows by one token per call -- run the same forward eagerly:

@@ -42,7 +42,7 @@ from shardtrain.model.transformer import Transformer
 from shardtrain.parallel.tensor.sharding import Placement
 from shardtrain.parallel.tensor.ops import (CopyToRegion, GatheredInput, GatherFromSequence,
                                             ReduceFromRegion, ReduceScatterToSequence,
-                                            ScatterToSequence)
+                                            ScatterToSequence, handle, regather_sequence)
 from shardtrain.parallel.tensor.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 
 # Region of a block -> {linear: how its weight is split}. kv: column, or shared kv heads.
@@ -62,7 +62,7 @@ class Region:
     are then summed in that dtype, one rounding more than autocast's fp32 sum."""
 
     def __init__(self, comm: Communicator, *, sp: bool):
-        self.comm, self.sp = comm, sp
+        self.comm, self.sp = handle(comm), sp
         self.chunk: torch.Tensor | None = None  # sp: this forward's input chunk [B, S/t, C]
         self.gathered: GatheredInput | None = None
 
@@ -75,7 +75,9 @@ class Region:
         x = to_compute(x)
         if not self.sp:
             return (CopyToRegion.apply(x, self.comm), *rest)  # [B, S, C]
-        self.chunk, self.gathered = x, GatheredInput(self.comm)
+        # Compiled, the re-gathers are merged in the graph instead (GatheredInput).
+        self.chunk = x
+        self.gathered = None if torch.compiler.is_compiling() else GatheredInput(self.comm)
         return (GatherFromSequence.apply(x, self.comm, self.gathered), *rest)  # [B, S, C]
 
     def _leave(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
@@ -116,7 +118,8 @@ class ColumnParallelLinear(LoRAFactors, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         r = self.region
         if r.sp:
-            y = _LinearOnGathered.apply(x, r.chunk, self.weight, self.bias, r.gathered)
+            y = _LinearOnGathered.apply(x, r.chunk, self.weight, self.bias, r.comm,
+                                        r.gathered)
         else:
             y = F.linear(x, self.weight, self.bias)
         return y if self.lora_a is None else y + self.lora_update(x)  # [B, S, out/t]
@@ -132,7 +135,7 @@ class RowParallelLinear(LoRAFactors, nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.bias = None if bias is None else nn.Parameter(bias)
-        self.comm, self.sp = comm, sp
+        self.comm, self.sp = handle(comm), sp
         self.no_lora()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,19 +152,22 @@ class _LinearOnGathered(Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, chunk: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None, gathered: GatheredInput) -> torch.Tensor:
+                bias: torch.Tensor | None, comm: str, gathered: GatheredInput | None
+                ) -> torch.Tensor:
         ctx.save_for_backward(chunk, weight)
-        ctx.gathered, ctx.has_bias = gathered, bias is not None
+        ctx.comm, ctx.gathered, ctx.has_bias = comm, gathered, bias is not None
         return F.linear(x, weight, bias)  # [B, S, out/t]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         chunk, weight = ctx.saved_tensors
-        x = ctx.gathered.rebuild(chunk).to(grad.dtype).flatten(0, -2)  # [B*S, in]
+        g = ctx.gathered
+        x = g.rebuild(chunk) if g is not None else regather_sequence(chunk, ctx.comm)
+        x = x.to(grad.dtype).flatten(0, -2)  # [B*S, in]
         rows = grad.flatten(0, -2)  # [B*S, out/t]
         grad_w = (rows.t() @ x).to(weight.dtype)  # [out/t, in]
         grad_b = rows.sum(0).to(weight.dtype) if ctx.has_bias else None
-        return grad @ weight.to(grad.dtype), None, grad_w, grad_b, None
+        return grad @ weight.to(grad.dtype), None, grad_w, grad_b, None, None
 
 
 def to_compute(x: torch.Tensor) -> torch.Tensor:
@@ -244,6 +250,7 @@ def apply_tensor_parallel(model: Transformer, comm: Communicator, *, sp: bool
     for n, p in model.named_parameters():
         p.requires_grad_(n not in frozen)
     if sp:  # the residual stream is split along the sequence from the first block on
+        key = handle(comm)
         model.layers[0].register_forward_pre_hook(
-            lambda module, args: (ScatterToSequence.apply(args[0], comm), *args[1:]))
+            lambda module, args: (ScatterToSequence.apply(args[0], key), *args[1:]))
     return places, VocabParallelCrossEntropy(start=start, vocab_size=cfg.vocab_size, comm=comm)

@@ -9,11 +9,18 @@ split each all-reduce into a reduce-scatter and an all-gather along the sequence
 norms between regions work on 1/t of the tokens: `g` becomes a reduce-scatter (backward:
 all-gather) and `f` an all-gather (backward: reduce-scatter).
 
-Every collective goes through the tensor-parallel Communicator with tag "tp". Tensors are
-[B, S, C] with the sequence on dim 1; a rank's sequence chunk is chunk `rank` of t.
+Every collective goes through the tensor-parallel Communicator with tag "tp", inside a
+custom op (torch.library) that torch.compile sees as one opaque node with a known output
+shape: a compiled block (train.compile, parallel/compile.py) then traces each region whole,
+the collectives included, into one graph, instead of breaking at each into the Python of
+the Communicator. A custom op takes tensors and plain values only, so it names its
+communicator by a handle (`handle`). Tensors are [B, S, C] with the sequence on dim 1; a
+rank's sequence chunk is chunk `rank` of t.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch.autograd import Function
@@ -22,28 +29,74 @@ from shardtrain.comm import Communicator
 
 TAG = "tp"
 
+# handle -> Communicator. The handle is passed explicitly in every op call (as torch's own
+# functional collectives pass a group name); the table only turns it back into the object,
+# and holds none alive.
+_COMMS: weakref.WeakValueDictionary[str, Communicator] = weakref.WeakValueDictionary()
 
-def all_reduce(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+
+def handle(comm: Communicator) -> str:
+    """The name the ops below reach `comm` by, for as long as it lives."""
+    key = f"{comm.name}@{id(comm):x}"
+    _COMMS[key] = comm
+    return key
+
+
+def _size(comm: str) -> int:
+    return _COMMS[comm].size
+
+
+@torch.library.custom_op("shardtrain::tp_all_reduce", mutates_args=())
+def all_reduce(x: torch.Tensor, comm: str) -> torch.Tensor:
     out = x.clone(memory_format=torch.contiguous_format)
-    comm.all_reduce(out, "sum", tag=TAG)
+    _COMMS[comm].all_reduce(out, "sum", tag=TAG)
     return out
 
 
-def gather_sequence(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+@torch.library.custom_op("shardtrain::tp_gather_sequence", mutates_args=())
+def gather_sequence(x: torch.Tensor, comm: str) -> torch.Tensor:
     """[B, S/t, C] chunks of every rank -> [B, S, C]."""
-    t = comm.size
-    out = x.new_empty(t, *x.shape)  # [t, B, S/t, C]
-    comm.all_gather(out, x.contiguous(), tag=TAG)
-    return out.transpose(0, 1).flatten(1, 2)  # [B, S, C]
+    c = _COMMS[comm]
+    out = x.new_empty(c.size, *x.shape)  # [t, B, S/t, C]
+    c.all_gather(out, x.contiguous(), tag=TAG)
+    return out.transpose(0, 1).flatten(1, 2).contiguous()  # [B, S, C]
 
 
-def reduce_scatter_sequence(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+@torch.library.custom_op("shardtrain::tp_regather_sequence", mutates_args=())
+def regather_sequence(x: torch.Tensor, comm: str) -> torch.Tensor:
+    """`gather_sequence` again, in backward: a separate op, so that a compiled graph's common
+    subexpressions merge the re-gathers of one region's linears (one per region, as
+    GatheredInput makes it eagerly) but never with the forward's gather (which would keep
+    the gathered input alive through the whole block, the memory sp saves)."""
+    return gather_sequence(x, comm)
+
+
+@torch.library.custom_op("shardtrain::tp_reduce_scatter_sequence", mutates_args=())
+def reduce_scatter_sequence(x: torch.Tensor, comm: str) -> torch.Tensor:
     """[B, S, C] partial sums on every rank -> this rank's [B, S/t, C] chunk of their sum."""
-    t = comm.size
-    chunks = x.unflatten(1, (t, -1)).transpose(0, 1).contiguous()  # [t, B, S/t, C]
+    c = _COMMS[comm]
+    chunks = x.unflatten(1, (c.size, -1)).transpose(0, 1).contiguous()  # [t, B, S/t, C]
     out = x.new_empty(chunks.shape[1:])
-    comm.reduce_scatter(out, chunks, "sum", tag=TAG)
+    c.reduce_scatter(out, chunks, "sum", tag=TAG)
     return out
+
+
+@all_reduce.register_fake
+def _(x: torch.Tensor, comm: str) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@gather_sequence.register_fake
+@regather_sequence.register_fake
+def _(x: torch.Tensor, comm: str) -> torch.Tensor:
+    b, s, *rest = x.shape
+    return x.new_empty(b, s * _size(comm), *rest)
+
+
+@reduce_scatter_sequence.register_fake
+def _(x: torch.Tensor, comm: str) -> torch.Tensor:
+    b, s, *rest = x.shape
+    return x.new_empty(b, s // _size(comm), *rest)
 
 
 def sequence_chunk(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
@@ -58,7 +111,7 @@ class CopyToRegion(Function):
     """Megatron's f: identity forward, all-reduce of the input gradient backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, comm: str) -> torch.Tensor:
         ctx.comm = comm
         return x
 
@@ -71,7 +124,7 @@ class ReduceFromRegion(Function):
     """Megatron's g: all-reduce forward, identity backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, comm: str) -> torch.Tensor:
         return all_reduce(x, comm)
 
     @staticmethod
@@ -85,15 +138,17 @@ class GatheredInput:
     The column-parallel linears of the region save only this rank's sequence chunk; the
     first of them to run backward all-gathers it again, the others reuse that, and the
     region's entry drops it once their gradients are summed (Korthikanti et al. 2022,
-    sec. 4.2.2: an extra all-gather in backward instead of t times the activation)."""
+    sec. 4.2.2: an extra all-gather in backward instead of t times the activation).
+    Eager only: a compiled region re-gathers in each linear's backward, and the graph's
+    common subexpressions make that one all-gather (`regather_sequence`)."""
 
-    def __init__(self, comm: Communicator):
+    def __init__(self, comm: str):
         self.comm = comm
         self.full: torch.Tensor | None = None
 
     def rebuild(self, chunk: torch.Tensor) -> torch.Tensor:
         if self.full is None:
-            self.full = gather_sequence(chunk, self.comm)
+            self.full = regather_sequence(chunk, self.comm)
         return self.full
 
 
@@ -101,13 +156,15 @@ class GatherFromSequence(Function):
     """Sequence-parallel f: all-gather along the sequence forward, reduce-scatter backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Communicator, gathered: GatheredInput) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, comm: str, gathered: GatheredInput | None
+                ) -> torch.Tensor:
         ctx.comm, ctx.gathered = comm, gathered
         return gather_sequence(x, comm)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.gathered.full = None  # every consumer of the region's input has run backward
+        if ctx.gathered is not None:
+            ctx.gathered.full = None  # every consumer of the region's input has run backward
         return reduce_scatter_sequence(grad, ctx.comm), None, None
 
 
@@ -115,7 +172,7 @@ class ReduceScatterToSequence(Function):
     """Sequence-parallel g: reduce-scatter along the sequence forward, all-gather backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, comm: str) -> torch.Tensor:
         ctx.comm = comm
         return reduce_scatter_sequence(x, comm)
 
@@ -129,9 +186,9 @@ class ScatterToSequence(Function):
     activation (no communication); backward all-gathers the chunks' gradients."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, comm: str) -> torch.Tensor:
         ctx.comm = comm
-        return sequence_chunk(x, comm)
+        return sequence_chunk(x, _COMMS[comm])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

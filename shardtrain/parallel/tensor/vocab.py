@@ -22,7 +22,7 @@ from torch.autograd import Function
 
 from shardtrain.comm import Communicator
 from shardtrain.config.data import IGNORE
-from shardtrain.parallel.tensor.ops import ReduceFromRegion, TAG
+from shardtrain.parallel.tensor.ops import ReduceFromRegion, TAG, handle
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -38,7 +38,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, weight: torch.Tensor, *, start: int, comm: Communicator):
         super().__init__()
         self.weight = nn.Parameter(weight)  # [V'/t, C]
-        self.start, self.comm = start, comm
+        self.start, self.comm = start, handle(comm)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         local = tokens - self.start  # [B, S]
