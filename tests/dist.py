@@ -14,6 +14,7 @@ import pickle
 import queue
 import socket
 import sys
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -72,18 +73,37 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 300.0) -> lis
     for p in procs:
         p.start()
     out: dict[int, object] = {}
+    deadline, dead_since = time.monotonic() + timeout_s, {}
     try:
-        for _ in range(world_size):
-            rank, ok, value = results.get(timeout=timeout_s)
+        while len(out) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+            except queue.Empty:
+                _check_alive(fn, procs, out, dead_since, deadline, timeout_s)
+                continue
             if not ok:
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
             out[rank] = pickle.loads(value)
-    except queue.Empty:
-        raise TimeoutError(f"{fn.__name__}: no result from ranks "
-                           f"{sorted(set(range(world_size)) - set(out))} in {timeout_s}s") from None
     finally:
-        for p in procs:
-            p.join(timeout=10)
+        for p in procs:  # after a failure the others may wait on the failed rank: no grace
+            p.join(timeout=10 if len(out) == world_size else 0)
             if p.is_alive():
                 p.kill()
     return [out[r] for r in range(world_size)]
+
+
+def _check_alive(fn, procs: list, out: dict, dead_since: dict, deadline: float,
+                 timeout_s: float) -> None:
+    """Raise now if a rank without a result died (a crash that sent nothing, such as a
+    segmentation fault: its peers would otherwise wait out the timeout) over 2 s ago (a
+    result put just before its exit may still be in the pipe), or if the time is up."""
+    missing = [r for r in range(len(procs)) if r not in out]
+    for r in missing:
+        code = procs[r].exitcode
+        if code is None:
+            continue
+        if time.monotonic() - dead_since.setdefault(r, time.monotonic()) > 2.0:
+            why = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            raise RuntimeError(f"{fn.__name__}: rank {r} of {len(procs)} {why} without a result")
+    if time.monotonic() > deadline:
+        raise TimeoutError(f"{fn.__name__}: no result from ranks {missing} in {timeout_s}s")

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import ast
 import gc
+import os
+import signal
 import sys
+import time
 import weakref
 from pathlib import Path
 
@@ -89,3 +92,18 @@ def test_a_failure_propagates_without_a_barrier(group, monkeypatch):
     with pytest.raises(ValueError, match="measured nothing"):
         run_then_leave(measure)
     assert dist.is_initialized()  # left as it is: the process is on its way out
+
+
+def _crash(rank: int, world_size: int) -> None:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)  # dies sending nothing, as a crash does
+    time.sleep(60)  # a peer left waiting
+
+
+def test_a_rank_that_dies_without_a_result_fails_the_spawn_at_once():
+    from dist import run_distributed
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 of 2 killed by signal 11 without a result"):
+        run_distributed(_crash, 2, timeout_s=120)
+    assert time.monotonic() - start < 60  # not the timeout, nor the peer's sleep
