@@ -21,3 +21,22 @@ def token_cache(tmp_path_factory) -> None:
     from parity import CACHE_ENV
 
     os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("token-cache"))
+
+
+_SUMMARY = pytest.StashKey[list]()
+
+
+@pytest.fixture
+def summary(request):
+    """`summary(line)`: a line for the end of the run's output, before pytest's count (the
+    lifecycle matrix's rows and the pairs they cover), shown whether the test passed or not."""
+    lines = request.config.stash.setdefault(_SUMMARY, [])
+    return lines.append
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    lines = config.stash.get(_SUMMARY, [])
+    if lines:
+        terminalreporter.section("shardtrain")
+        for line in lines:
+            terminalreporter.write_line(line)

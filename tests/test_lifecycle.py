@@ -36,18 +36,18 @@ def _run_matrix(tmp_path, rows: list, backend: str) -> None:
     assert not failures, "\n".join(failures)
 
 
-def test_every_pair_of_values_runs_a_whole_lifecycle(tmp_path):
+def test_every_pair_of_values_runs_a_whole_lifecycle(tmp_path, summary):
     pytest.importorskip("transformers")
     rows, pairs = covering(strength=2, seed=0)
-    print(f"lifecycle matrix: {len(rows)} rows cover all {pairs} pairs of values that the "
-          f"config allows together ({len(excluded_pairs())} pairs it refuses)")
+    summary(f"lifecycle matrix: {len(rows)} rows cover all {pairs} pairs of values that the "
+            f"config allows together ({len(excluded_pairs())} pairs it refuses)")
     _run_matrix(tmp_path, rows, "aot_eager")
 
 
 @pytest.mark.slow
-def test_every_triple_of_values_runs_a_whole_lifecycle(tmp_path):
+def test_every_triple_of_values_runs_a_whole_lifecycle(tmp_path, summary):
     pytest.importorskip("transformers")
     rows, triples = covering(strength=3, seed=1)
-    print(f"lifecycle matrix (slow): {len(rows)} rows cover all {triples} triples of values "
-          "that the config allows together")
+    summary(f"lifecycle matrix (slow): {len(rows)} rows cover all {triples} triples of values "
+            "that the config allows together")
     _run_matrix(tmp_path, rows, "inductor")
