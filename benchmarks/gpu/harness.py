@@ -14,12 +14,15 @@ check and writes its row whatever happens, so one failure costs one row, not the
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import statistics
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from unittest import mock
 from typing import Any
 
 import torch
@@ -31,16 +34,22 @@ from shardtrain.mesh import MeshShape
 from shardtrain.train.trainer import Trainer
 
 MIB = 2**20
+# torch.compile's backend per device: inductor's kernels on a GPU; on a CPU twin dynamo and
+# AOT autograd without code generation (inductor's C++ compile takes minutes cold on a busy
+# 2-core machine; tests/test_compile.py checks inductor's CPU kernels).
+COMPILE_BACKEND = {"cuda": "inductor", "cpu": "aot_eager"}
 
 
 def device_of(name: str) -> torch.device:
     """"cuda": this process's current GPU (as launch.pick_device gives a one-process run);
-    "cpu": the CPU twin of a GPU check."""
+    "cpu": the CPU twin of a GPU check, on one thread as the test suite runs (tiny models
+    on two threads spend most of their time in thread hand-offs on a busy machine)."""
     if name == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: no CUDA device is visible; use --device cpu "
                              "(the CPU twins: benchmarks/gpu/check.sh --dry-run)")
         return torch.device("cuda", torch.cuda.current_device())
+    torch.set_num_threads(1)
     return torch.device("cpu")
 
 
@@ -63,6 +72,14 @@ def one_process(cfg: Config, device: torch.device) -> Trainer:
                       timeout_s=cfg.comm.timeout_s)
     assert mesh.comm("dp").device.type == device.type, (mesh.comm("dp").device, device)
     return Trainer(cfg, mesh, device)
+
+
+@contextlib.contextmanager
+def compile_backend(device: torch.device) -> Iterator[str]:
+    """train.compile's torch.compile calls made with COMPILE_BACKEND[device.type]."""
+    backend = COMPILE_BACKEND[device.type]
+    with mock.patch.object(torch, "compile", functools.partial(torch.compile, backend=backend)):
+        yield backend
 
 
 def figures(history: list[dict[str, Any]]) -> dict[str, Any]:
@@ -99,7 +116,7 @@ class Rows:
         self.path, self.part = Path(path), part
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
-    def add(self, name: str, ok: bool, error: str | None = None, **fields: Any) -> dict:
+    def add(self, name: str, ok: bool, error: str | None = None, /, **fields: Any) -> dict:
         row = {"part": self.part, "name": name, "ok": ok, "error": error, **fields}
         with self.path.open("a") as f:
             f.write(json.dumps(row, default=str) + "\n")

@@ -42,7 +42,7 @@ def _cfg(run_dir: Path, size: tuple[str, int], device: torch.device, cache_dir: 
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_default_model_numbers(tmp_path, device, precision):
+def test_default_model_numbers(tmp_path, device, precision, record_property):
     from parity import tiny_data  # the test session's token cache (tests/conftest.py)
 
     cfg = _cfg(tmp_path / "run", SIZES[device.type], device, tiny_data(tmp_path)[1],
@@ -53,6 +53,9 @@ def test_default_model_numbers(tmp_path, device, precision):
     reference = REFERENCE[SIZES[device.type]]
     print(f"\n{device.type} {precision}: eval loss {result.eval_loss:.4f} (CPU fp32 "
           f"{reference}), {summary(fig)}")
+    for name, value in {"eval_loss": result.eval_loss, **fig}.items():
+        if value is not None:  # the GPU check's table (benchmarks/gpu/report.py)
+            record_property(name, value)
     assert all(math.isfinite(r["loss"]) for r in result.history if not r["skipped"]), \
         result.losses
     assert abs(result.eval_loss - reference) <= BOUND * reference, (result.eval_loss, reference)
