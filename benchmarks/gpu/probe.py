@@ -8,7 +8,8 @@ total and free, bf16, the fp32 matmul precision); the backends torch.distributed
 collective names the communicator picks between (comm/communicator.py); then one row per
 kernel the training step relies on, tried on small inputs: each SDPA backend in bf16 and
 fp32 with grouped-query heads (the presets' shape), the grouped matmul of MoE in bf16 and
-fp32, fused AdamW. A kernel that refuses its inputs is a failed row with torch's reason.
+fp32, fused AdamW. Such a row says whether the kernel is available, and if not torch's
+reason: a finding, not a failure of the check (flash takes no fp32, for one).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from harness import MIB, Rows, device_of
+from harness import MIB, Rows, device_of, error_line
 
 OPTIONAL = ("numpy", "tokenizers", "safetensors", "tqdm", "datasets", "transformers", "peft",
             "triton", "tensorboard", "matplotlib")
@@ -94,6 +95,14 @@ def fused_adamw(device: torch.device) -> dict:
     return {}
 
 
+def available(kernel) -> dict:
+    """Whether `kernel()` runs here, and torch's reason where it does not."""
+    try:
+        return {"available": True, **kernel()}
+    except Exception as e:  # noqa: BLE001 -- a refusal is what the row reports
+        return {"available": False, "reason": error_line(e)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -108,9 +117,10 @@ def main() -> None:
     for dtype in (torch.bfloat16, torch.float32):
         name = str(dtype).removeprefix("torch.")
         for backend in backends:
-            rows.guarded(f"sdpa {backend.lower()} {name} gqa", lambda: sdpa(device, backend, dtype))
-        rows.guarded(f"grouped_mm {name}", lambda: grouped_mm(device, dtype))
-    rows.guarded("fused adamw", lambda: fused_adamw(device))
+            rows.guarded(f"sdpa {backend.lower()} {name} gqa",
+                         lambda: available(lambda: sdpa(device, backend, dtype)))
+        rows.guarded(f"grouped_mm {name}", lambda: available(lambda: grouped_mm(device, dtype)))
+    rows.guarded("fused adamw", lambda: available(lambda: fused_adamw(device)))
 
 
 if __name__ == "__main__":

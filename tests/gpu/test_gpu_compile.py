@@ -27,8 +27,8 @@ SIZES = {"cuda": ("default", 20, 3), "cpu": ("tiny", 2, 1)}  # preset, steps, wa
 def test_compiled_tokens_per_s(tmp_path, device, record_property):
     preset, steps, warmup = SIZES[device.type]
     with compile_backend(device) as backend:
-        r = compare(preset, ["--train.device", device.type, *tiny_data(tmp_path)],
-                    steps=steps, warmup=warmup, run_dir=tmp_path)
+        r = compare(preset, ["--train.device", device.type, "--train.precision", "fp32",
+                             *tiny_data(tmp_path)], steps=steps, warmup=warmup, run_dir=tmp_path)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"\n{preset} model on {name} ({backend}): eager {r['eager_tokens_per_s']:.0f} "
           f"tokens/s, compiled {r['compiled_tokens_per_s']:.0f} (x{r['ratio']:.2f}), compile "
@@ -36,5 +36,6 @@ def test_compiled_tokens_per_s(tmp_path, device, record_property):
     for key in ("eager_tokens_per_s", "compiled_tokens_per_s", "ratio", "compile_s"):
         record_property(key, r[key])  # the GPU check's table (benchmarks/gpu/report.py)
     assert r["device"].startswith(device.type)
-    # fp32: inductor's fused kernels reorder sums (and a GPU's matmuls may run in TF32).
-    assert r["worst_loss_deviation"] < 1e-3
+    # fp32: inductor's fused kernels reorder sums, which 23 steps of training amplify (and a
+    # GPU's fp32 matmuls may round to TF32: 2e-3 allows that).
+    assert r["worst_loss_deviation"] < 2e-3

@@ -23,10 +23,10 @@ from shardtrain.parallel.context import SequenceSplit, simulated_ring_attention
 # device -> (batch, query heads, kv heads, sequence, head dim) of the accuracy checks
 SHAPES = {"cuda": (2, 8, 2, 1000, 64), "cpu": (1, 4, 2, 40, 16)}
 SPEED = {"cuda": (1, 16, 4, 8192, 128), "cpu": (1, 4, 2, 64, 16)}  # of the speed check
-# Error bounds, relative to the largest magnitude of the fp32 reference: bf16's 8-bit
-# mantissa (the CPU suite's bound); fp32's TF32-level (10 bits), which a GPU's fp32 matmuls
-# may run in, far below what misread padded lse rows would give.
-BOUNDS = {torch.bfloat16: 2 ** -6, torch.float32: 2 ** -10}
+# Error bounds, relative to the largest magnitude of the fp64 reference: bf16's 8-bit
+# mantissa (the CPU suite's bound); for fp32 a GPU's kernels may round their products to
+# TF32 (10 bits): 2^-8 allows it, far below the O(1) errors of misread padded lse rows.
+BOUNDS = {torch.bfloat16: 2 ** -6, torch.float32: 2 ** -8}
 
 
 def _inputs(device: torch.device, shape: tuple[int, ...], dtype: torch.dtype):
@@ -45,15 +45,15 @@ def _dense(q, k, v, causal: bool):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_matches_dense_sdpa(device, dtype, cp, causal):
-    """Outputs and input gradients: the reference is dense attention in fp32 (fp64 on the
-    CPU) on the same inputs."""
+    """Outputs and input gradients: the reference is dense attention in fp64 (SDPA's math
+    kernel) on the same inputs."""
     q, k, v = _inputs(device, SHAPES[device.type], dtype)
     seq = q.shape[2]
     split = SequenceSplit(seq, cp, zigzag=True)
     assert (seq // (2 * cp)) % 32, "a chunk length that is not a multiple of 32"
     out = simulated_ring_attention(q, k, v, split=split, causal=causal)
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-    wide = torch.float64 if device.type == "cpu" else torch.float32
+    wide = torch.float64
     q32, k32, v32 = (t.detach().to(wide).requires_grad_() for t in (q, k, v))
     ref = _dense(q32, k32, v32, causal)
     ref_grads = torch.autograd.grad(ref, (q32, k32, v32), torch.ones_like(ref))
