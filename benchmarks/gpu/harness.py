@@ -30,6 +30,7 @@ import torch
 from shardtrain import config
 from shardtrain.comm import build_mesh
 from shardtrain.config import Config
+from shardtrain.launch import ProcessInfo, pick_device
 from shardtrain.mesh import MeshShape
 from shardtrain.train.trainer import Trainer
 
@@ -41,14 +42,15 @@ COMPILE_BACKEND = {"cuda": "inductor", "cpu": "aot_eager"}
 
 
 def device_of(name: str) -> torch.device:
-    """"cuda": this process's current GPU (as launch.pick_device gives a one-process run);
-    "cpu": the CPU twin of a GPU check, on one thread as the test suite runs (tiny models
-    on two threads spend most of their time in thread hand-offs on a busy machine)."""
+    """"cuda": the GPU a one-process run takes (shardtrain.launch.pick_device, which also
+    makes it current); "cpu": the CPU twin of a GPU check, on one thread as the test suite
+    runs (tiny models on two threads spend most of their time in thread hand-offs on a busy
+    machine)."""
     if name == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: no CUDA device is visible; use --device cpu "
                              "(the CPU twins: benchmarks/gpu/check.sh --dry-run)")
-        return torch.device("cuda", torch.cuda.current_device())
+        return pick_device("cuda", ProcessInfo())
     torch.set_num_threads(1)
     return torch.device("cpu")
 

@@ -25,11 +25,10 @@ def _device_type(config) -> str:
 
 @pytest.fixture(scope="session")
 def device(request) -> torch.device:
-    """The device of every test here: cuda (this process's current GPU, as
-    shardtrain.launch.pick_device gives a one-process run) or cpu."""
-    if _device_type(request.config) == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """The device of every test here: cuda (the GPU a one-process run takes) or cpu."""
+    from harness import device_of
+
+    return device_of(_device_type(request.config))
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m 'not slow'` deselects (pyproject.toml)
