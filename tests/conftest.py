@@ -23,6 +23,20 @@ def token_cache(tmp_path_factory) -> None:
     os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("token-cache"))
 
 
+def pytest_addoption(parser) -> None:
+    # Here, not in tests/gpu/conftest.py: pytest reads options only from the conftests it
+    # loads first, and a run of the whole suite loads tests/gpu's later.
+    parser.addoption("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                     help="where tests/gpu runs: cuda, or cpu (its CPU twins: the same code "
+                          "paths at tiny size); auto (default): cuda where a GPU is visible")
+
+
+def pytest_configure(config) -> None:
+    if config.getoption("--device") == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError("--device cuda: no CUDA device is visible here; use "
+                                "--device cpu (tests/gpu's CPU twins) or leave it out")
+
+
 _SUMMARY = pytest.StashKey[list]()
 
 

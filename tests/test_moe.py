@@ -103,9 +103,12 @@ def test_capacity_policies_hand_built():
         assert out[:, 0].tolist() == [float(i in kept) * i for i in range(4)], policy
 
 
-def _model_grads(cfg: ModelConfig, tokens: torch.Tensor):
-    model = build_model(cfg, seed=0)
-    out = model(tokens)
+def _model_grads(cfg: ModelConfig, tokens: torch.Tensor, autocast: torch.dtype | None = None):
+    """The model's output and parameter gradients on `tokens`' device (tests/gpu's MoE
+    check runs it there), under autocast to `autocast` if given."""
+    model = build_model(cfg, device=tokens.device, seed=0)
+    with torch.autocast(tokens.device.type, dtype=autocast, enabled=autocast is not None):
+        out = model(tokens)
     (out.float().square().mean()).backward()
     return out.detach(), {n: p.grad for n, p in model.named_parameters()}
 

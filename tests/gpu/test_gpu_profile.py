@@ -1,32 +1,33 @@
-"""GPU checks of the profiler (train/observe/profile.py): a trace of steps 2..3 with CUDA kernels in
-it, and the allocator's memory snapshot written at the end of the run.
+"""GPU checks of the profiler (train/observe/profile.py): a trace of steps 2..3 with the
+step's operators and, on a GPU, its CUDA kernels in it (read by the GPU check's audit,
+benchmarks/gpu/audit.py), and the allocator's memory snapshot written at the end of the run.
 
-Run where CUDA exists: `python -m pytest tests/gpu -q -s`; skipped elsewhere (the CPU suite's
-tests/test_tracking.py checks the CPU trace and that the snapshot is skipped there)."""
+The CPU twin trains the same config on the CPU: a trace with the same ranges and operators;
+no kernels, and the snapshot is skipped there (it records the CUDA caching allocator)."""
 
 from __future__ import annotations
 
 import json
 import pickle
 
-import pytest
-import torch
-
+from audit import trace_audit
+from harness import one_process
 from parity import tiny
-from shardtrain.mesh import MeshShape, ParallelMesh
-from shardtrain.train.trainer import Trainer
-
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="no CUDA device: these checks profile a GPU run")
 
 
-def test_cuda_trace_and_memory_snapshot(tmp_path):
-    cfg = tiny(tmp_path, "run", "--train.steps", "4", "--train.device", "cuda",
+def test_trace_and_memory_snapshot(tmp_path, device):
+    cfg = tiny(tmp_path, "run", "--train.steps", "4", "--train.device", device.type,
                "--train.profile_steps", "2:3", "--train.memory_snapshot", "true")
-    Trainer(cfg, ParallelMesh(MeshShape()), torch.device("cuda")).run()
+    one_process(cfg, device).run()
     profile = tmp_path / "run" / "profile"
-    events = json.loads((profile / "trace_rank0.json").read_text())["traceEvents"]
-    assert {"step 2", "step 3"} <= {e.get("name") for e in events}
-    assert any(e.get("cat") == "kernel" for e in events)  # CUDA activity recorded
-    snapshot = pickle.loads((profile / "memory_snapshot_rank0.pickle").read_bytes())
-    assert snapshot["segments"] and snapshot["device_traces"][0]
+    found = trace_audit(json.loads((profile / "trace_rank0.json").read_text()), 2)
+    print(f"\n{device.type}: {found}")
+    assert found["steps_traced"] == ["step 2", "step 3"]
+    assert found["attention"], "no attention operator in the trace"
+    snapshots = list(profile.glob("memory_snapshot_rank*.pickle"))
+    if device.type == "cuda":
+        assert found["kernels_per_step"] > 0  # CUDA activity recorded
+        snapshot = pickle.loads(snapshots[0].read_bytes())
+        assert snapshot["segments"] and snapshot["device_traces"][0]
+    else:
+        assert not snapshots

@@ -75,7 +75,9 @@ class StageShards(TensorShards):
 def all_gather_objects(comm: Communicator, obj: object) -> list:
     """Every group rank's `obj` (tensors and plain containers), in group rank order, through
     the communicator: serialised, sizes all-gathered, then the bytes padded to the largest;
-    on the communicator's device (an NCCL group takes no CPU tensor)."""
+    on the communicator's device (an NCCL group takes no CPU tensor). Tensors come back on
+    this rank's device: a peer's were saved on the peer's own GPU, and loading them there
+    would put a context on another rank's GPU (or fail where only this rank's is visible)."""
     if comm.size == 1:
         return [obj]
     buffer = io.BytesIO()
@@ -90,4 +92,4 @@ def all_gather_objects(comm: Communicator, obj: object) -> list:
     comm.all_gather(gathered, padded, tag="state")
     gathered, sizes = gathered.cpu(), sizes.cpu()  # the bytes are read on the host
     return [torch.load(io.BytesIO(gathered[r, :int(sizes[r])].numpy().tobytes()),
-                       weights_only=True) for r in range(comm.size)]
+                       weights_only=True, map_location=comm.device) for r in range(comm.size)]
