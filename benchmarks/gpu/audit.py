@@ -14,14 +14,13 @@ twin) the tiny preset, and only the value reads and operators mean anything.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
 from collections import Counter
 from pathlib import Path
 
-from harness import Rows, device_of, one_process, run_config
+from harness import one_process, part_main, run_config
 
 PRESETS = {"cuda": "default", "cpu": "tiny"}
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
@@ -64,12 +63,7 @@ def audit(device, precision: str, run_dir: Path, cache: str | None) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--rows", required=True, help="the JSON-lines file the rows go to")
-    p.add_argument("--cache", default=None, help="token cache directory")
-    args = p.parse_args()
-    device, rows = device_of(args.device), Rows(args.rows, "audit")
+    device, rows, args = part_main(__doc__, "audit", cache=True)
     with tempfile.TemporaryDirectory() as tmp:
         for precision in ("bf16", "fp32"):
             rows.guarded(f"{PRESETS[device.type]} {precision}",

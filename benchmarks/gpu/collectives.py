@@ -15,14 +15,13 @@ NCCL), and its result is checked against what one rank must get. One row per cal
 
 from __future__ import annotations
 
-import argparse
 import socket
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from harness import Rows, device_of, error_line
+from harness import error_line, part_main
 from shardtrain.comm.communicator import _ALL_GATHER, _REDUCE_SCATTER  # the runtime's picks
 from shardtrain.comm.p2p import post_messages, wait_native
 
@@ -130,11 +129,7 @@ def calls(device: torch.device, group, meta) -> dict[str, Callable[[], None]]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--rows", required=True, help="the JSON-lines file the rows go to")
-    args = p.parse_args()
-    device, rows = device_of(args.device), Rows(args.rows, "collectives")
+    device, rows, _ = part_main(__doc__, "collectives")
     backend = "nccl" if device.type == "cuda" else "gloo"
     try:
         group, meta = _init(device)

@@ -13,12 +13,11 @@ estimate against the card's memory). On a CPU (`--device cpu`) the tiny preset i
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
 
-from harness import Rows, device_of
+from harness import part_main
 from shardtrain.cli import main as cli
 from shardtrain.train.start.fits import rank_capacity
 
@@ -49,12 +48,7 @@ def dry_run(device, run_dir: Path, cache: str | None) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--rows", required=True, help="the JSON-lines file the rows go to")
-    p.add_argument("--cache", default=None, help="token cache directory")
-    args = p.parse_args()
-    device, rows = device_of(args.device), Rows(args.rows, "dryrun")
+    device, rows, args = part_main(__doc__, "dryrun", cache=True)
     with tempfile.TemporaryDirectory() as tmp:
         rows.guarded(f"{PRESETS[device.type]} dry-run-world 8 zero3 bf16",
                      lambda: dry_run(device, Path(tmp) / "run", args.cache))

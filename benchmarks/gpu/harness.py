@@ -14,6 +14,8 @@ check and writes its row whatever happens, so one failure costs one row, not the
 
 from __future__ import annotations
 
+import argparse
+
 import contextlib
 import functools
 import json
@@ -53,6 +55,23 @@ def device_of(name: str) -> torch.device:
         return pick_device("cuda", ProcessInfo())
     torch.set_num_threads(1)
     return torch.device("cpu")
+
+
+def part_main(doc: str, part: str, *, cache: bool = False,
+              more: Callable[[argparse.ArgumentParser], None] | None = None
+              ) -> tuple[torch.device, Rows, argparse.Namespace]:
+    """The command line every part of check.sh takes: --device (cuda, or cpu: its twin),
+    --rows (the JSON-lines file its rows go to), --cache (the token cache, where the part
+    trains); `more` adds a part's own options. Returns the device, the part's Rows, the args."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--rows", required=True, help="the JSON-lines file the rows go to")
+    if cache:
+        p.add_argument("--cache", default=None, help="token cache directory")
+    if more is not None:
+        more(p)
+    args = p.parse_args()
+    return device_of(args.device), Rows(args.rows, part), args
 
 
 def run_config(preset: str, run_dir: Path, device: torch.device, *overrides: str,

@@ -15,7 +15,6 @@ for shardtrain. On a CPU (`--device cpu`) a tiny model of the same family is the
 
 from __future__ import annotations
 
-import argparse
 import gc
 import statistics
 import tempfile
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from harness import MIB, Rows, compile_backend, device_of, one_process, run_config
+from harness import MIB, compile_backend, one_process, part_main, run_config
 from shardtrain.config import ModelConfig
 from shardtrain.cost.counts import model_flops_per_token
 from shardtrain.train.observe.metrics import device_peak_flops
@@ -105,12 +104,7 @@ def _sync(device) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--rows", required=True, help="the JSON-lines file the rows go to")
-    p.add_argument("--cache", default=None, help="token cache directory")
-    args = p.parse_args()
-    device, rows = device_of(args.device), Rows(args.rows, "mfu")
+    device, rows, args = part_main(__doc__, "mfu", cache=True)
     name = SIZES[device.type][0]
     with tempfile.TemporaryDirectory() as tmp:
         a = rows.guarded(f"shardtrain {name} bf16 compiled",

@@ -14,7 +14,6 @@ reason: a finding, not a failure of the check (flash takes no fp32, for one).
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import importlib.util
 import platform
@@ -23,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from harness import MIB, Rows, device_of, error_line
+from harness import MIB, error_line, part_main
 
 OPTIONAL = ("numpy", "tokenizers", "safetensors", "tqdm", "datasets", "transformers", "peft",
             "triton", "tensorboard", "matplotlib")
@@ -104,11 +103,7 @@ def available(kernel) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--rows", required=True, help="the JSON-lines file the rows go to")
-    args = ap.parse_args()
-    device, rows = device_of(args.device), Rows(args.rows, "probe")
+    device, rows, _ = part_main(__doc__, "probe")
     rows.guarded("versions", versions)
     rows.guarded(f"device {device.type}", lambda: device_row(device))
     rows.guarded("collectives", collectives)

@@ -18,13 +18,12 @@ twin of the GPU's (compile through harness.COMPILE_BACKEND).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import math
 import tempfile
 from pathlib import Path
 
-from harness import Rows, compile_backend, device_of, figures, one_process, run_config
+from harness import compile_backend, figures, one_process, part_main, run_config
 
 BF16 = ("--train.precision", "bf16")
 ROWS: dict[str, tuple[str, ...]] = {
@@ -94,13 +93,8 @@ def row(device, overrides: tuple[str, ...], tmp: Path, cache: str | None) -> dic
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--rows", required=True, help="the JSON-lines file the rows go to")
-    p.add_argument("--cache", default=None, help="token cache directory")
-    p.add_argument("--only", action="append", choices=list(ROWS), help="run these rows only")
-    args = p.parse_args()
-    device, rows = device_of(args.device), Rows(args.rows, "sweep")
+    device, rows, args = part_main(__doc__, "sweep", cache=True, more=lambda p: p.add_argument(
+        "--only", action="append", choices=list(ROWS), help="run these rows only"))
     with tempfile.TemporaryDirectory() as tmp, compile_backend(device):
         for i, name in enumerate(args.only or ROWS):
             rows.guarded(name, lambda: row(device, ROWS[name], Path(tmp) / str(i), args.cache))
