@@ -15,7 +15,6 @@ check and writes its row whatever happens, so one failure costs one row, not the
 from __future__ import annotations
 
 import argparse
-
 import contextlib
 import functools
 import json
