@@ -62,7 +62,7 @@ def references(tmp):
     return reference_runs(lambda name, *overrides: _text(tmp, name, *overrides))
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_cp_parity_with_single_process(tmp, references, world_size):
     layouts = LAYOUTS[world_size]
     refs = [references(ref) for _, ref, _ in layouts]

@@ -120,7 +120,7 @@ def _check_groups(run: dict, label: str, *, edp: int) -> None:
         assert ("reduce_scatter", "edp") in ops and ("all_gather", "edp") in ops, (label, ops)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_zero_with_expert_parallelism_matches_single_process(tmp, references, world):
     rows = ROWS[world]
     texts = [_text(tmp, f"w{world}-{i}", *ref, *layout)

@@ -111,7 +111,7 @@ def _check_timelines(cfg: config.Config, world_size: int) -> None:
         assert all(0 <= a["start"] <= a["end"] for a in t["actions"])
 
 
-@pytest.mark.parametrize("world_size", [2, 4, 8])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow), 8])
 def test_pipeline_parity_with_single_process(tmp, references, world_size):
     layouts = LAYOUTS[world_size]
     cfgs = [_cfg(tmp, f"w{world_size}-{i}", *model, *layout)

@@ -22,7 +22,7 @@ CASES = [  # preset, hardware, gpus, global batch, sequence, model overrides
     ("llama3-8b", "h100", 64, 256, 8192, ()),  # cp (ring and Ulysses) candidates, GQA, tp
     ("llama3-70b", "h100", 256, 512, 8192, ()),
     ("gpt3-175b", "a100", 1024, 1536, 2048, ()),
-    ("llama3-8b", "h100", 64, 256, 8192, MOE),  # ep candidates with dp, cp, tp, pp, zero
+    ("llama3-8b", "h100", 32, 256, 8192, MOE),  # ep candidates with dp, cp, tp, pp, zero
     ("llama3-8b", "a100", 256, 1024, 4096, MOE),
     ("tiny", "a100", 8, 8, 64, MOE),
 ]

@@ -61,7 +61,7 @@ def _step4(tmp, name: str) -> str:
     return str(tmp / name / "checkpoints" / "step_00000004")
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_tp_parity_with_single_process(tmp, references, world_size):
     layouts = LAYOUTS[world_size]
     refs = [references(model) for _, model, _ in layouts]

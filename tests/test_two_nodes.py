@@ -42,6 +42,7 @@ def _losses(run_dir: Path) -> tuple[list[float], float]:
     return [r["loss"] for r in rows], rows[-1]["eval_loss"]
 
 
+@pytest.mark.slow  # three launches of fresh interpreters: 25 s of the README command's 10 minutes
 def test_two_nodes_train_as_one(tmp_path):
     reason = _can_make_namespaces()
     if reason:
