@@ -4,15 +4,12 @@ Where a seed's figure is wrong, the test asserts the project's value and says wh
 
 Seconds in all: pure arithmetic (cost/, plan/), torch for the bf16 bytes, and the
 collectives and tensor-parallel layers run by threads of this process over an in-memory
-transport (`_Teams`): the project's ring algorithm and layers, no process spawned.
+transport (tests/thread_teams.py): the project's ring algorithm and layers, no process spawned.
 Seed 004's size-to-strategy table is checked against the planner's search at the end."""
 
 from __future__ import annotations
 
 import dataclasses
-import queue
-import threading
-from collections import defaultdict
 
 import pytest
 import torch
@@ -30,6 +27,7 @@ from shardtrain.plan.layout import Layout
 from shardtrain.plan.memory import activation_bytes_per_layer, model_states
 from shardtrain.plan.traffic import data_parallel_ops, step_ops
 from shardtrain.train.optim import build_optimizer
+from thread_teams import Teams, TpComm
 
 GB, TB = 1e9, 1e12
 TINY = load("tiny").model
@@ -149,68 +147,6 @@ def test_boundary_activation_is_32_mib_seed_003():
 
 # --- collectives, data parallelism, tensor parallelism (threads, no processes) -----------
 
-class _Teams:
-    """`size` Teams whose messages travel through queues between threads of this process,
-    matched per (sender, receiver) in posting order as Gloo matches them: the project's
-    algorithms run unchanged on them."""
-
-    def __init__(self, size: int):
-        self.size, self.lock = size, threading.Lock()
-        self.boxes: dict = defaultdict(queue.Queue)
-        self.sent: dict = defaultdict(int)
-        self.wanted: dict = defaultdict(int)
-
-    def team(self, rank: int) -> Team:
-        return _QueueTeam(group=None, where="test", timeout_s=10, node_of=(0,) * self.size,
-                          members=tuple(range(self.size)), index=rank, buffers={},
-                          device=torch.device("cpu"), net=self)
-
-    def run(self, fn, inputs: list) -> list:
-        """fn(team, input) on every rank at once; the results in rank order."""
-        out: list = [None] * self.size
-        errors: list = []
-
-        def body(rank: int) -> None:
-            try:
-                out[rank] = fn(self.team(rank), inputs[rank])
-            except BaseException as e:  # noqa: BLE001 (re-raised below)
-                errors.append(e)
-
-        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(20)
-        if errors:
-            raise errors[0]
-        return out
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _QueueTeam(Team):
-    net: _Teams | None = None
-
-    def post(self, sends, recvs):
-        me, net = self.members[self.index], self.net
-        with net.lock:
-            for i, t in sends:
-                if t.numel():
-                    key = (me, self.members[i])
-                    net.boxes[key + (net.sent[key],)].put(t.clone())
-                    net.sent[key] += 1
-            pending = []
-            for i, t in recvs:
-                if t.numel():
-                    key = (self.members[i], me)
-                    pending.append((net.boxes[key + (net.wanted[key],)], t))
-                    net.wanted[key] += 1
-        return pending
-
-    def wait(self, pending):
-        for box, t in pending:
-            t.copy_(box.get(timeout=10))
-
-
 def _all_reduce(team: Team, x: torch.Tensor) -> torch.Tensor:
     ring.all_reduce(team, x, "sum")
     return x
@@ -221,7 +157,7 @@ def test_gradient_average_and_sgd_step_seed_003():
     0.40, the average 0.10, and SGD at lr 0.001 moves the parameter by -0.0001. The sum
     runs through the project's ring all-reduce, the step through its optimizer builder."""
     grads = [torch.tensor([g], dtype=torch.float64) for g in (0.20, 0.10, -0.05, 0.15)]
-    summed = _Teams(4).run(_all_reduce, grads)
+    summed = Teams(4).run(_all_reduce, grads)
     assert all(s.item() == pytest.approx(0.40) for s in summed)
     average = summed[0] / 4
     assert average.item() == pytest.approx(0.10)
@@ -246,9 +182,9 @@ def test_all_gather_concatenates_all_reduce_adds_seed_003():
         ring.all_gather(team, x, bounds)
         return x
 
-    for out in _Teams(2).run(gather, shards):
+    for out in Teams(2).run(gather, shards):
         assert out.tolist() == [1.0, 2.0, 3.0, 4.0]
-    for out in _Teams(2).run(_all_reduce, [s.clone() for s in shards]):
+    for out in Teams(2).run(_all_reduce, [s.clone() for s in shards]):
         assert out.tolist() == [4.0, 6.0]
 
 
@@ -264,18 +200,6 @@ def test_bf16_byte_layout_seed_003():
     assert sum(s.numel() * s.element_size() for s in shards) == 16 == x.numel() * 2
 
 
-class _Comm:
-    """The slice of a Communicator the tensor-parallel layers call, over a `_QueueTeam`."""
-
-    name = "tp"
-
-    def __init__(self, team: Team):
-        self.team, self.size, self.rank = team, team.size, team.index
-
-    def all_reduce(self, x: torch.Tensor, op: str, tag: str = "") -> None:
-        ring.all_reduce(self.team, x.view(-1), op)
-
-
 def test_tensor_parallel_toy_shapes_seed_003():
     """S3's toy: X [1, 8] times the MLP expansion W [8, 16] on two workers. Column
     parallelism splits W into two [8, 8] column blocks: worker i computes Y_i = X W_i
@@ -289,23 +213,86 @@ def test_tensor_parallel_toy_shapes_seed_003():
 
     def column(team: Team, _: None) -> torch.Tensor:
         place = Placement(dim=0, size=16, parts=2, index=team.index)
-        comm = _Comm(team)  # the layers reach it by a weak reference: held here
+        comm = TpComm(team)  # the layers reach it by a weak reference: held here
         layer = ColumnParallelLinear(place.shard(weight), None, Region(comm, sp=False))
         assert tuple(layer.weight.shape) == (8, 8)
         return layer(x).detach()
 
-    blocks = _Teams(2).run(column, [None, None])
+    blocks = Teams(2).run(column, [None, None])
     assert [tuple(b.shape) for b in blocks] == [(1, 8), (1, 8)]
     torch.testing.assert_close(torch.cat(blocks, dim=1), x @ w)
 
     def row(team: Team, _: None) -> tuple:
         place = Placement(dim=1, size=8, parts=2, index=team.index)
-        comm = _Comm(team)
+        comm = TpComm(team)
         layer = RowParallelLinear(place.shard(weight), None, comm, sp=False)
         mine = Placement(dim=1, size=8, parts=2, index=team.index).shard(x)
         partial = torch.nn.functional.linear(mine, layer.weight).detach()
         return tuple(layer.weight.shape), tuple(mine.shape), partial, layer(mine).detach()
 
-    for shape, x_shape, partial, y in _Teams(2).run(row, [None, None]):
+    for shape, x_shape, partial, y in Teams(2).run(row, [None, None]):
         assert shape == (16, 4) and x_shape == (1, 4) and tuple(partial.shape) == (1, 16)
         torch.testing.assert_close(y, x @ w)
+
+
+# --- seed 004's size-to-strategy table against the planner (docs/planner.md) -------------
+
+_SMALL = ("--model.dim", "1024", "--model.n_layers", "24", "--model.n_heads", "16",
+          "--model.ffn_dim", "4096")  # GPT-2 medium's shape: 0.36B parameters
+_MOE = ("--model.n_experts", "24", "--model.moe_top_k", "2")  # Llama-3 8B, 24 experts: 138B
+# row, (preset, overrides, H100s, seq), the search's pick (2^22-token batches), the seed's
+# strategy at its best settings (the fastest that fits, or the least memory when none fits)
+GUIDE = [
+    ("<1B on 1-8: FSDP + ZeRO-2", ("gpt3-175b", _SMALL, 8, 2048),
+     Layout(dp=8, zero=3, microbatches=256), Layout(dp=8, zero=2, microbatches=256)),
+    ("1-10B on 8-64: FSDP + ZeRO-3", ("llama3-8b", (), 32, 8192),
+     Layout(dp=4, cp=8, zero=3, micro_batch=4, microbatches=32),
+     Layout(dp=32, zero=3, microbatches=16, recompute="selective")),
+    ("10-70B on 64-512: tp=8, pp=4, dp", ("llama3-70b", (), 256, 8192),
+     Layout(dp=2, pp=16, cp=8, zero=1, microbatches=256),
+     Layout(dp=8, tp=8, pp=4, microbatches=64, sp=True, recompute="selective",
+            schedule="interleaved", v=4)),
+    ("70-175B on 512-2048: 3D + ZeRO-3", ("gpt3-175b", (), 1024, 2048),
+     Layout(dp=32, tp=2, pp=16, zero=1, microbatches=64, sp=True, recompute="selective",
+            schedule="interleaved", v=6),
+     Layout(dp=16, tp=8, pp=8, zero=3, microbatches=128, sp=True, schedule="interleaved",
+            v=4)),
+    ("175B+ on 2000+: 3D + ZeRO-3 + ZeRO++", ("llama3-405b", (), 2048, 8192),
+     Layout(dp=256, tp=2, cp=4, zero=3, micro_batch=2, microbatches=1, sp=True,
+            recompute="full"),
+     Layout(dp=128, tp=8, pp=2, zero=3, microbatches=4, sp=True, recompute="full")),
+    ("MoE 100B+ on 512+: 3D + EP", ("llama3-8b", _MOE, 512, 8192),
+     Layout(dp=4, pp=16, cp=8, ep=4, zero=1, microbatches=128, schedule="interleaved", v=2),
+     Layout(dp=32, tp=2, pp=8, ep=4, zero=1, microbatches=16, sp=True,
+            recompute="selective", schedule="interleaved", v=4)),
+]
+H100 = hardware.get("h100")
+
+
+def _plan(case, layout):
+    preset, extra, _, seq = case
+    return evaluate(load(preset, list(extra)).model, layout, H100,
+                    global_batch=2 ** 22 // seq, seq_len=seq)
+
+
+@pytest.mark.parametrize("row, case, pick, seed", GUIDE, ids=[g[0] for g in GUIDE])
+def test_guideline_table_seed_004(row, case, pick, seed):
+    """Each row's disagreement, as docs/planner.md explains it: the search's pick is at
+    least as fast as the seed's strategy; the 405B row's 3D + ZeRO-3 does not fit."""
+    ours, theirs = _plan(case, pick), _plan(case, seed)
+    assert ours.fits and ours.layout.gpus == theirs.layout.gpus == case[2]
+    if row.startswith("175B+"):  # tp=8 leaves pp <= 2 (pp | 126 layers, dp | 512)
+        assert not theirs.fits
+    else:
+        assert theirs.fits and ours.time.step_s <= theirs.time.step_s
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row, case, pick, seed", GUIDE, ids=[g[0] for g in GUIDE])
+def test_search_proposes_the_recorded_pick(row, case, pick, seed):
+    from shardtrain.plan.search import search
+
+    preset, extra, gpus, seq = case
+    best = search(load(preset, list(extra)).model, H100, gpus=gpus, global_batch=2 ** 22 // seq,
+                  seq_len=seq, top=1).ranked[0].layout
+    assert best == dataclasses.replace(pick, precision=best.precision)
