@@ -84,16 +84,17 @@ def roofline_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, global_batch
     scale = cfg.n_layers / lay.pp * lay.microbatches
     outside = lay.microbatches / lay.pp  # embedding, head and loss: one stage's, spread
     slots = T * (cfg.moe_top_k if cfg.n_experts else 1)  # rows through the MLP's hidden
-    mlp_in = 3 if cfg.style == "llama" else 2  # SwiGLU: w1, w3 read x; w2 reads the hidden
+    mlp_linears = 3 if cfg.style == "llama" else 2  # SwiGLU: w1, w3 (h -> f) and w2 (f -> h)
 
     tokens = global_batch * seq_len
     core_flops = attention_core_flops_per_token(cfg, seq_len, lay.recompute, lay.attention)
     hw_flops = hardware_flops_per_token(cfg, seq_len, lay.recompute, lay.attention)
     per_rank = tokens / lay.gpus
-    # linears: each layer's weights once per pass, their inputs and outputs
+    # linears: each layer's weights once per pass, their inputs and outputs (elements):
+    # qkv [T, h] -> [T, q + 2 kv], wo [T, q] -> [T, h], the MLP's up and down projections
     params = rank_params(cfg, lay)
     layer_io = (T * h + T * (q + 2 * kv)) + (T * q + T * h) \
-        + slots * (mlp_in - 1) * (h + f / t) + slots * (f / t + h)
+        + slots * (mlp_linears - 1) * (h + f / t) + slots * (f / t + h)
     head_io = v / t * h + T * (h + v / t)
     linear_bytes = act * (block_passes * scale * (params.layer + layer_io)
                           + 3.0 * outside * head_io)
