@@ -36,7 +36,8 @@ CONVENTIONS = {
     "time": "step = (compute + exposed pipeline comm) / (1 - bubble_fraction) + exposed dp "
             "comm + optimizer + offload; compute and optimizer: each op at max(FLOPs / "
             "(peak x efficiency), bytes / memory_bw) (roofline); bubble_fraction = "
-            "(p-1)/(m+p-1) of the pipeline time, bubble_ratio = (p-1)/m of the ideal time; MFU/HFU against the precision's peak",
+            "(p-1)/(m+p-1) of the pipeline time, bubble_ratio = (p-1)/m of the ideal time; "
+            "MFU/HFU against the precision's peak",
 }
 
 
