@@ -127,10 +127,20 @@ def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "n
     base = model_flops_per_token(cfg, seq_len)
     if recompute == "none":
         return base
-    attention_core = 4.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim  # forward
     if recompute == "selective":
-        return base + attention_core * (1.0 if attention == "flash" else 0.5)
+        return base + attention_core_flops_per_token(cfg, seq_len, recompute, attention) \
+            - attention_core_flops_per_token(cfg, seq_len)
     if recompute == "full":
         last = 0.0 if cfg.n_experts else 2.0 * cfg.n_layers * cfg.dim * cfg.ffn_hidden
         return base + forward_flops_per_token(cfg, seq_len) - 2.0 * cfg.vocab_size * cfg.dim - last
     raise ValueError(f"recompute={recompute!r} is not one of none, selective, full")
+
+
+def attention_core_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "none",
+                                   attention: str = "flash") -> float:
+    """The attention core's share of `hardware_flops_per_token`: QK^T and the weighted sum
+    of V, 4 s q per layer forward, three passes, plus what recomputation reruns of it (full
+    and flash-selective: its forward; math-selective: QK^T only). The rest is the linears'."""
+    forward = 4.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+    rerun = {"none": 0.0, "full": 1.0, "selective": 1.0 if attention == "flash" else 0.5}
+    return forward * (3.0 + rerun[recompute])

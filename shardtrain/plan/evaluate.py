@@ -13,6 +13,7 @@ from shardtrain.plan.layout import Layout
 from shardtrain.plan.memory import BUCKET_BYTES, STATE_BYTES, MemoryBreakdown, memory_per_gpu
 from shardtrain.plan.partition import rank_params
 from shardtrain.plan.ps import ps_summary
+from shardtrain.plan.roofline import RoofOp, roofline_ops
 from shardtrain.plan.timing import StepTime, step_time, utilization
 from shardtrain.plan.traffic import CommOp, bytes_per_step, step_ops
 
@@ -33,8 +34,10 @@ CONVENTIONS = {
             "all-gather / reduce-scatter (n-1)/n S); alpha-beta-gamma times from "
             "shardtrain.cost.collectives",
     "time": "step = (compute + exposed pipeline comm) / (1 - bubble_fraction) + exposed dp "
-            "comm + offload; bubble_fraction = (p-1)/(m+p-1) of the pipeline time, "
-            "bubble_ratio = (p-1)/m of the ideal time; MFU/HFU against the precision's peak",
+            "comm + optimizer + offload; compute and optimizer: each op at max(FLOPs / "
+            "(peak x efficiency), bytes / memory_bw) (roofline); bubble_fraction = "
+            "(p-1)/(m+p-1) of the pipeline time, bubble_ratio = (p-1)/m of the ideal time; "
+            "MFU/HFU against the precision's peak",
 }
 
 
@@ -49,6 +52,7 @@ class Plan:
     memory: MemoryBreakdown
     ops: tuple[CommOp, ...]
     time: StepTime
+    roof: tuple[RoofOp, ...]  # one rank's ops on the roofline (plan/roofline.py)
     model_flops: float  # per step
     hardware_flops: float
 
@@ -78,6 +82,7 @@ class Plan:
                      "time_s": sum(op.time_s for op in self.ops),
                      "ops": [op.to_dict() for op in self.ops]},
             "time": self.time.to_dict(),
+            "roofline": [op.to_dict() for op in self.roof],
         }
         if self.layout.ps_servers:
             out["ps"] = ps_summary(self.cfg, self.layout)
@@ -116,15 +121,15 @@ def evaluate(cfg: ModelConfig, layout: Layout, hw: Hardware, *, global_batch: in
     memory = memory or memory_per_gpu(cfg, lay, seq_len=seq_len, bucket_bytes=bucket_bytes)
     ops = step_ops(cfg, lay, hw, seq_len=seq_len, bucket_bytes=bucket_bytes)
     peak = hw.flops(lay.precision)
-    compute_s = hardware_flops / (lay.gpus * peak * hw.efficiency)
-    time = step_time(ops=ops, compute_s=compute_s,
+    roof = roofline_ops(cfg, lay, hw, global_batch=global_batch, seq_len=seq_len)
+    time = step_time(ops=ops, roof=roof,
                      backward_share=(hardware_flops - model_flops / 3) / hardware_flops,
                      pp=lay.pp, microbatches=lay.microbatches, v=lay.v,
                      offload_s=_offload_seconds(cfg, lay, hw, memory), tokens=tokens,
                      model_flops=model_flops, hardware_flops=hardware_flops, gpus=lay.gpus,
                      peak_flops=peak)
     return Plan(name=name, cfg=cfg, hw=hw, layout=lay, global_batch=global_batch,
-                seq_len=seq_len, memory=memory, ops=tuple(ops), time=time,
+                seq_len=seq_len, memory=memory, ops=tuple(ops), time=time, roof=tuple(roof),
                 model_flops=model_flops, hardware_flops=hardware_flops)
 
 

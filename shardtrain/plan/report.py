@@ -65,7 +65,7 @@ def details(plan: Plan, *, tokens: float | None = None,
                    [[o.group, o.op, o.ranks, o.algorithm, o.calls, o.message_bytes / 1e6,
                      o.bytes_sent / GB, o.time_s, o.overlap] for o in plan.ops]
                    or [["-", "none", 1, "-", 0, 0.0, 0.0, 0.0, "-"]]),
-             "", "time per step"]
+             "", roofline(plan), "", "time per step"]
     t = plan.time
     rows = [["predicted", t.step_s, t.compute_s, t.exposed_comm_s, t.bubble_fraction,
              t.tokens_per_s, t.mfu, t.hfu]]
@@ -81,6 +81,22 @@ def details(plan: Plan, *, tokens: float | None = None,
                      + (f", {doc['measured']['training_days']:,.3g} at the measured one"
                         if measured_step_s is not None else ""))
     return "\n".join(parts)
+
+
+def roofline(plan: Plan) -> str:
+    """One rank's ops at max(FLOPs / achievable rate, bytes / memory bandwidth), and the
+    step's compute-bound and memory-bound seconds."""
+    hw, t = plan.hw, plan.time
+    ridge = hw.flops(plan.layout.precision) * hw.efficiency / hw.memory_bw
+    rows = [[o.name, o.flops / GB, o.bytes / GB, o.intensity, o.time_s, o.bound]
+            for o in plan.roof]
+    share = t.memory_bound_s / (t.compute_bound_s + t.memory_bound_s)
+    return "\n".join([
+        f"roofline per step (one rank; ridge {ridge:,.3g} FLOP/byte = peak x efficiency / "
+        "memory bandwidth)",
+        table(["op", "GFLOP", "GB moved", "FLOP/byte", "time s", "bound"], rows),
+        f"compute-bound {t.compute_bound_s:,.4g} s, memory-bound {t.memory_bound_s:,.4g} s "
+        f"({share:.1%} of compute + optimizer)"])
 
 
 def ranking(result: SearchResult) -> str:

@@ -1,9 +1,15 @@
 """Step time: compute, exposed communication, pipeline bubble; throughput, MFU and HFU.
 
     step = (compute + exposed pipeline comm) / (1 - bubble_fraction) + exposed dp comm
-           + offload
-- compute: the step's hardware FLOPs spread evenly over the GPUs at the achievable rate
-  (peak x efficiency of the hardware preset).
+           + optimizer + offload
+- compute: the forward and backward's ops on one rank, each at the roofline's max(FLOPs /
+  (peak x efficiency), bytes / memory bandwidth) (plan/roofline.py): the linears and the
+  attention core carry the step's hardware FLOPs spread evenly over the GPUs; norms,
+  residual adds, activation functions, rotary, an unfused softmax, the embedding and the
+  loss's softmax their bytes. `compute_bound_s` and `memory_bound_s` split compute +
+  optimizer by the ceiling that set each op's time.
+- optimizer: the optimizer step on the rank's shard, memory-bound, after the pipeline
+  (none under offload: the host runs it).
 - exposed communication: tp, pp and ep ops are on the critical path; cp's ring and ZeRO-3's
   prefetched all-gathers hide under all compute; gradient buckets hide under the last
   micro-batch's backward (once-per-step syncs) or under every backward (ZeRO-2/3
@@ -21,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from shardtrain.plan.roofline import RoofOp, split
 from shardtrain.plan.traffic import CommOp
 
 _PIPELINE_GROUPS = ("tp", "pp", "cp", "ep")
@@ -29,7 +36,10 @@ _PIPELINE_GROUPS = ("tp", "pp", "cp", "ep")
 @dataclass(frozen=True, kw_only=True)
 class StepTime:
     step_s: float
-    compute_s: float
+    compute_s: float  # forward + backward ops (roofline), before the bubble
+    compute_bound_s: float  # of compute + optimizer: ops whose FLOPs set their time
+    memory_bound_s: float  # of compute + optimizer: ops whose bytes set their time
+    optimizer_s: float
     exposed_comm_s: float
     bubble_fraction: float
     bubble_ratio: float
@@ -82,17 +92,22 @@ def exposed(ops: list[CommOp], *, compute_s: float, backward_s: float,
     return inside, outside
 
 
-def step_time(*, ops: list[CommOp], compute_s: float, backward_share: float, pp: int,
+def step_time(*, ops: list[CommOp], roof: list[RoofOp], backward_share: float, pp: int,
               microbatches: int, v: int, offload_s: float, tokens: int, model_flops: float,
               hardware_flops: float, gpus: int, peak_flops: float) -> StepTime:
     """Compose the step (module docstring); backward_share: backward's part of compute."""
+    compute_s = sum(o.time_s for o in roof if o.in_pipeline)
+    optimizer_s = sum(o.time_s for o in roof if not o.in_pipeline)
+    compute_bound, memory_bound = split(roof)
     backward_s = compute_s * backward_share
     inside, outside = exposed(ops, compute_s=compute_s, backward_s=backward_s,
                               last_backward_s=backward_s / microbatches)
     bubble = bubble_fraction(pp, microbatches, v=v)
     pipeline_s = (compute_s + inside) / (1 - bubble)
-    step = pipeline_s + outside + offload_s
-    return StepTime(step_s=step, compute_s=compute_s, exposed_comm_s=inside + outside,
+    step = pipeline_s + outside + optimizer_s + offload_s
+    return StepTime(step_s=step, compute_s=compute_s, compute_bound_s=compute_bound,
+                    memory_bound_s=memory_bound, optimizer_s=optimizer_s,
+                    exposed_comm_s=inside + outside,
                     bubble_fraction=bubble, bubble_ratio=(pp - 1) / (v * microbatches),
                     bubble_s=pipeline_s * bubble, offload_s=offload_s,
                     tokens_per_s=tokens / step,
