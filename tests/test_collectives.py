@@ -9,11 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from collectives_checks import REDUCE_OPS, world_checks
+from collectives_checks import BANDWIDTH_LINK, REDUCE_OPS, world_checks
 from dist import run_distributed
 from shardtrain.comm import CommLedger, Communicator
 from shardtrain.comm.algorithms import IMPLEMENTATIONS
 from shardtrain.comm.dispatch import ALGORITHMS, choose
+from shardtrain.cost.collectives import cost
 from shardtrain.cost.link import Link
 
 
@@ -88,6 +89,36 @@ def test_ledger_volumes_equal_theory(suite):
             assert v[("all_reduce", "torus2d")][2] == 2 * (rows - 1) * S // (rows * k)
 
 
+def test_grid_ledger_equals_cost_model_to_the_byte(suite):
+    """mesh2d, torus3d, ring_tree and gather_broadcast: the bytes each rank sent (the
+    ledger, counted message by message) against the cost model's busiest rank and mean,
+    on virtual nodes of 2 (p = 4, 8) and 3 (p = 6); S divides evenly. Across nodes: the
+    torus3d on 2 x 2 x 2 sends only its two outer rings' bytes, 3/4 S; mesh2d's column
+    line (4 x 2 grid, nodes of 2) is all of its inter-node traffic: 2 S from an interior
+    member, S from an end."""
+    S = 4 * 840 * 8
+    checked = set()
+    for p, node in ((4, 2), (6, 3), (8, 2)):
+        per_rank = [r["volumes"][p] for r in suite[:p]]
+        for (op, a) in per_rank[0]:
+            if a not in ("mesh2d", "torus3d", "ring_tree", "gather_broadcast"):
+                continue
+            sent = [v[(op, a)][0] for v in per_rank]
+            model = cost(op, S, p, BANDWIDTH_LINK, algorithm=a, local_size=node)
+            assert max(sent) == model.sent_bytes, (p, op, a, sent, model)
+            if a != "gather_broadcast" or p in (4, 8):  # its tree's mean is exact on 2^k
+                assert sum(sent) == p * model.sent_bytes_mean, (p, op, a, sent, model)
+            checked.add((op, a))
+    assert checked == {("all_reduce", "mesh2d"), ("all_reduce", "ring_tree"),
+                       ("all_gather", "gather_broadcast"), ("all_reduce", "torus3d"),
+                       ("reduce_scatter", "torus3d"), ("all_gather", "torus3d")}
+    for v in (r["volumes"][8] for r in suite):
+        assert v[("all_reduce", "torus3d")][2] == 3 * S // 4
+    for rank, v in enumerate(r["volumes"][8] for r in suite):  # column line of 4, rows of 2
+        interior = 0 < rank // 2 < 3  # sends 3 + 5 parts of S/4; an end 3 + 1
+        assert v[("all_reduce", "mesh2d")][2] == (2 * S if interior else S), rank
+
+
 def test_bad_input_fails_clearly(suite):
     e = suite[0]["errors"]
     assert "all_reduce on group err0: unknown algorithm 'warp'" in e["unknown"]
@@ -103,14 +134,17 @@ def test_bad_input_fails_clearly(suite):
         assert f"all_reduce on group err{1 if name == 'ring' else 2} (algorithm {name})" \
             in e[f"timeout_{name}"] and "comm.timeout_s" in e[f"timeout_{name}"]
         assert e[f"timeout_{name}_s"] < 3.0
+    assert ("ValueError: group err0: comm.algorithm=torus3d needs a 3D torus: a size with "
+            "three factors >= 2 (8, 12, 16, 18, 27, ...), and this group has 2 ranks; change "
+            "the layout") in e["grid"]
 
 
 def test_choice_and_names():
     link = Link(alpha_s=1e-4, beta_s_per_byte=1e-9, gamma_s_per_byte=1e-10)
     kw = dict(requested=None, group="dp", p=8, local_size=2, link=link)
     assert choose("all_reduce", 1024, default="auto", **kw) == "recursive_doubling"
-    assert choose("all_reduce", 2**28, default="auto", **kw) in ("ring", "rabenseifner",
-                                                                  "halving_doubling", "torus2d")
+    assert choose("all_reduce", 2**28, default="auto", **kw) in (
+        "ring", "rabenseifner", "halving_doubling", "torus2d", "torus3d")
     assert choose("all_to_all", 2**10, default="auto", **kw) == "recursive_doubling"
     assert choose("all_to_all", 2**10, default="auto", equal_splits=False, **kw) == "ring"
     assert choose("all_gather", 2**20, default="tree", **kw) == "native"  # run default

@@ -74,7 +74,10 @@ def test_unsupported_and_unknown_raise():
         cost("allreduce", N, 8, LINK)
     assert "hierarchical" not in supported("all_reduce", 8)
     assert "hierarchical" in supported("all_reduce", 16, local_size=8)
-    assert set(supported("all_reduce", 16, local_size=8)) == set(ALGORITHMS)
+    assert set(supported("all_reduce", 16, local_size=8)) == set(ALGORITHMS) - {
+        "gather_broadcast"}  # an all_gather only
+    assert "torus3d" not in supported("all_reduce", 6, local_size=3)  # 6 = 2 x 3: no 3D grid
+    assert "torus3d" in supported("all_gather", 12) and "mesh2d" not in supported("all_reduce", 7)
 
 
 def test_non_power_of_two_folds_extra_ranks():
@@ -87,8 +90,8 @@ def test_non_power_of_two_folds_extra_ranks():
 def test_best_algorithm_small_vs_large():
     slow_start = Link(alpha_s=1e-4, beta_s_per_byte=1e-10)
     assert best_algorithm("all_reduce", 64, 64, slow_start) in ("recursive_doubling", "tree")
-    assert best_algorithm("all_reduce", 1e9, 64, slow_start) in ("rabenseifner",
-                                                                  "halving_doubling", "torus2d")
+    assert best_algorithm("all_reduce", 1e9, 64, slow_start) in (
+        "rabenseifner", "halving_doubling", "torus2d", "torus3d")
     assert best_algorithm("all_reduce", 1e9, 7, slow_start) == "ring"
 
 

@@ -131,7 +131,8 @@ class CommConfig:
     local one, and bucket_mb does not apply (one exchange per step)."""
 
     algorithm: Literal["native", "ring", "tree", "recursive_doubling", "halving_doubling",
-                       "rabenseifner", "hierarchical", "torus2d", "auto"] = "native"
+                       "rabenseifner", "gather_broadcast", "hierarchical", "torus2d",
+                       "mesh2d", "torus3d", "ring_tree", "auto"] = "native"
     bucket_mb: float = 25.0
     timeout_s: float = 300.0
     compress: Literal["none", "int8", "topk"] = "none"
