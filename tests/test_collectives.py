@@ -11,7 +11,9 @@ import torch
 
 from collectives_checks import BANDWIDTH_LINK, REDUCE_OPS, world_checks
 from dist import run_distributed
+from shardtrain import config
 from shardtrain.comm import CommLedger, Communicator
+from shardtrain.config import ConfigError
 from shardtrain.comm.algorithms import IMPLEMENTATIONS
 from shardtrain.comm.dispatch import ALGORITHMS, choose
 from shardtrain.cost.collectives import cost
@@ -137,6 +139,16 @@ def test_bad_input_fails_clearly(suite):
     assert ("ValueError: group err0: comm.algorithm=torus3d needs a 3D torus: a size with "
             "three factors >= 2 (8, 12, 16, 18, 27, ...), and this group has 2 ranks; change "
             "the layout") in e["grid"]
+
+
+def test_grid_that_does_not_factor_is_refused_at_config():
+    """Before any process starts: the dp group of 4 makes no 3D torus, of 2 no 2D mesh."""
+    for algorithm, world, why in (("torus3d", 4, "a 3D torus"), ("mesh2d", 2, "a 2D grid")):
+        cfg = config.load("tiny", ["--comm.algorithm", algorithm])
+        with pytest.raises(ConfigError, match=f"group dp: comm.algorithm={algorithm} needs "
+                                              f"{why}.* this group has {world} ranks"):
+            cfg.validate(world)
+    config.load("tiny", ["--comm.algorithm", "mesh2d"]).validate(4)  # 2 x 2
 
 
 def test_choice_and_names():

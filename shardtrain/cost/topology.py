@@ -26,6 +26,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 
+from shardtrain.config.parallel import grid_exists, no_grid  # noqa: F401 (re-exported)
 from shardtrain.cost.link import Cost, Link
 
 GRID_OPS = {"torus2d": ("all_reduce", "all_gather", "reduce_scatter"),
@@ -61,27 +62,14 @@ def grid_of(algorithm: str, p: int, local_size: int = 0) -> tuple[int, ...] | No
     """The grid (outer to inner) a grid algorithm lays p ranks on, or None where it has
     none (a 2D grid needs p composite; a 3D torus three factors >= 2; ring_tree nodes of
     equal size, more than one)."""
-    if algorithm in ("torus2d", "mesh2d"):
-        dims = torus_grid(p, local_size)
-        return dims if dims[0] > 1 else None
-    if algorithm == "torus3d":
-        return cube_grid(p, local_size)
+    if algorithm in ("torus2d", "mesh2d", "torus3d"):
+        if not grid_exists(algorithm, p):
+            return None
+        return torus_grid(p, local_size) if algorithm != "torus3d" else cube_grid(p, local_size)
     if algorithm == "ring_tree":
         return (p // local_size, local_size) if 1 < local_size < p and p % local_size == 0 \
             else None
     raise ValueError(f"{algorithm!r} is not a grid algorithm")
-
-
-def no_grid(algorithm: str, p: int, where: str) -> str:
-    """Why `algorithm` cannot lay out p ranks, and the fix (config and runtime errors)."""
-    need = {"mesh2d": "a 2D grid: a size with two factors >= 2 (4, 6, 8, 9, ...)",
-            "torus2d": "a 2D grid: a size with two factors >= 2 (4, 6, 8, 9, ...)",
-            "torus3d": "a 3D torus: a size with three factors >= 2 (8, 12, 16, 18, 27, ...)",
-            "ring_tree": "nodes of equal size and more than one of them (parallel.node_size "
-                         "must divide the group and be smaller than it)"}[algorithm]
-    return (f"{where}: comm.algorithm={algorithm} needs {need}, and this group has {p} "
-            "ranks; change the layout (the group's degree, parallel.node_size) or use "
-            "comm.algorithm=ring, torus2d, hierarchical or auto")
 
 
 def concurrent(link: Link, groups: int) -> Link:
