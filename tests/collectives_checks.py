@@ -199,7 +199,8 @@ def _check_segmented(comm: Communicator, bad: list) -> None:
 
 
 def _volumes(comm: Communicator, n: int) -> dict:
-    """(sent, recv, inter-node sent, rounds) of one call per algorithm; S = 4n bytes."""
+    """(sent, recv, inter-node sent, rounds, sent per peer) of one call per algorithm;
+    S = 4n bytes."""
     comm.ledger.records.clear()
     out = {}
     for a in _algorithms("all_reduce", False) + _algorithms("all_reduce", True, comm):
@@ -213,7 +214,7 @@ def _volumes(comm: Communicator, n: int) -> dict:
         out[("reduce_scatter", a)] = comm.ledger.records[-1]
     comm.broadcast(torch.ones(n), 0, algorithm="tree")
     out[("broadcast", "tree")] = comm.ledger.records[-1]
-    return {k: (v.sent_bytes, v.recv_bytes, v.sent_inter_node_bytes, v.rounds)
+    return {k: (v.sent_bytes, v.recv_bytes, v.sent_inter_node_bytes, v.rounds, v.sent_to)
             for k, v in out.items()}
 
 

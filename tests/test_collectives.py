@@ -16,6 +16,7 @@ from shardtrain.comm import CommLedger, Communicator
 from shardtrain.config import ConfigError
 from shardtrain.comm.algorithms import IMPLEMENTATIONS
 from shardtrain.comm.dispatch import ALGORITHMS, choose
+from shardtrain.cost import topology
 from shardtrain.cost.collectives import cost
 from shardtrain.cost.link import Link
 
@@ -121,6 +122,23 @@ def test_grid_ledger_equals_cost_model_to_the_byte(suite):
     for rank, v in enumerate(r["volumes"][8] for r in suite):  # column line of 4, rows of 2
         interior = 0 < rank // 2 < 3  # sends 3 + 5 parts of S/4; an end 3 + 1
         assert v[("all_reduce", "mesh2d")][2] == (2 * S if interior else S), rank
+
+
+def test_grid_link_bytes_equal_cost_model(suite):
+    """Per directed link, the ledger's bytes (each rank's `sent_to`) equal the cost model's
+    (topology.link_bytes) to the byte: torus3d 2 x 2 x 2, mesh2d 2 x 2, 3 x 2 (nodes of
+    2) and 2 x 3 (nodes of 3), torus2d on the same grids. mesh2d: n on every directed link;
+    the 3D torus: S, S/2, S/4 on the inner, middle and outer dimension's links."""
+    S = 4 * 840 * 8
+    for p, node in ((4, 2), (6, 3), (8, 2)):
+        for a in ("torus2d", "mesh2d", "torus3d"):
+            if ("all_reduce", a) not in suite[0]["volumes"][p]:
+                continue
+            ledger = {(r, peer): sent for r in range(p)
+                      for peer, sent in suite[r]["volumes"][p][("all_reduce", a)][4].items()}
+            assert ledger == topology.link_bytes(a, S, p, node), (p, a)
+            if a == "torus3d":
+                assert sorted(set(ledger.values())) == [S // 4, S // 2, S]
 
 
 def test_bad_input_fails_clearly(suite):

@@ -236,6 +236,7 @@ def run(comm, op: str, name: str, record: CommRecord, *, async_op: bool, agree: 
             t = team.traffic
             record.sent_bytes, record.recv_bytes = t.sent, t.recv
             record.sent_inter_node_bytes, record.rounds = t.sent_inter_node, t.rounds
+            record.sent_to = t.sent_to
         if finish is not None:
             finish()
         record.time_s = time.perf_counter() - started

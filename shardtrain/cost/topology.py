@@ -72,6 +72,30 @@ def grid_of(algorithm: str, p: int, local_size: int = 0) -> tuple[int, ...] | No
     raise ValueError(f"{algorithm!r} is not a grid algorithm")
 
 
+def link_bytes(algorithm: str, n: float, p: int, local_size: int = 0) -> dict[tuple, float]:
+    """The all-reduce's bytes on each directed link (sender, receiver), in group ranks, of
+    a torus or mesh: a ring phase on a part of s bytes sends 2(d-1)/d s to the next member
+    of its line (reduce-scatter and all-gather, or the outermost all-reduce); a mesh line
+    sends n each way between neighbours (mesh.py). What the ledger's `sent_to` counts."""
+    if algorithm not in ("torus2d", "mesh2d", "torus3d"):
+        raise ValueError(f"link_bytes covers the tori and the mesh, not {algorithm!r}")
+    dims = grid_of(algorithm, p, local_size)
+    out: dict[tuple, float] = {}
+    size = n
+    for k in reversed(range(len(dims))):  # innermost line first
+        d, stride = dims[k], math.prod(dims[k + 1:])
+        for r in range(p):
+            c = r // stride % d
+            steps = (-1, 1) if algorithm == "mesh2d" else ((c + 1) % d - c,)
+            for step in steps:
+                if 0 <= c + step < d:
+                    link = (r, r + step * stride)
+                    out[link] = out.get(link, 0.0) + (
+                        n if algorithm == "mesh2d" else 2 * (d - 1) / d * size)
+        size = size if algorithm == "mesh2d" else size / d
+    return out
+
+
 def concurrent(link: Link, groups: int) -> Link:
     """The link of a phase that `groups` sub-groups run at once: on a shared medium their
     bytes add up (a phase is priced on one sub-group's)."""
