@@ -13,13 +13,15 @@ import torch.distributed as dist
 
 from shardtrain.comm import CommLedger, Communicator
 from shardtrain.comm.algorithms import IMPLEMENTATIONS, ring
+from shardtrain.comm.dispatch import on_grid
 from shardtrain.comm.p2p import CommError
 from shardtrain.cost.link import Link
 
 # 2^15 + 3: a 128 KiB message that no world size divides, cut into parts of 16-64 KiB.
 COUNTS = (0, 1, 7, 1000, 2**15 + 3)
 REDUCE_OPS = ("sum", "avg", "max", "min")
-TOPOLOGICAL = ("hierarchical", "torus2d")
+TOPOLOGICAL = ("hierarchical", "torus2d", "mesh2d", "torus3d", "ring_tree")
+GRIDS = ("mesh2d", "torus3d", "ring_tree")  # on the groups they can lay out, virtual nodes
 # Ties under a pure-bandwidth link go to the first algorithm, ring: a deterministic choice
 # for hierarchical's phases in the volume checks.
 BANDWIDTH_LINK = Link(alpha_s=0.0, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0)
@@ -37,14 +39,27 @@ def _same(got: torch.Tensor, ref: torch.Tensor, exact: bool) -> bool:
     return torch.allclose(got.float(), ref.float(), rtol=tol, atol=tol)
 
 
-def _algorithms(op: str, topological: bool) -> list[str]:
+def _algorithms(op: str, topological: bool, comm: Communicator | None = None) -> list[str]:
+    """The algorithms serving `op`; GRIDS only with a `comm` they can lay out (elsewhere
+    the communicator refuses them: test_bad_input_fails_clearly)."""
     return [a for a, ops in IMPLEMENTATIONS.items()
-            if op in ops and (a in TOPOLOGICAL) == topological]
+            if op in ops and (a in TOPOLOGICAL) == topological
+            and (a not in GRIDS or comm is not None and _lays_out(a, comm))]
 
 
-def _check_ops(comm: Communicator, topological: bool, bad: list) -> None:
-    """Every op this communicator's algorithms serve, against native, on every count."""
+def _lays_out(algorithm: str, comm: Communicator) -> bool:
+    try:
+        on_grid(algorithm, comm.size, comm.local_size, comm.name)
+    except ValueError:
+        return False
+    return True
+
+
+def _check_ops(comm: Communicator, topological: bool, bad: list, grids: bool = False) -> None:
+    """Every op this communicator's algorithms serve, against native, on every count;
+    `grids`: GRIDS too, where they lay the group out."""
     p, r = comm.size, comm.rank
+    grid_comm = comm if grids else None
     note = lambda *what: bad.append((p, comm.node_size, *what))  # noqa: E731
     for seed, n in enumerate(COUNTS):
         chunk = -(-n // p) if n > 1000 else n  # per-rank count of the gathering ops
@@ -52,7 +67,7 @@ def _check_ops(comm: Communicator, topological: bool, bad: list) -> None:
             x = _data(n, r, seed)
             ref = x.clone()
             comm.all_reduce(ref, op)
-            for a in _algorithms("all_reduce", topological):
+            for a in _algorithms("all_reduce", topological, grid_comm):
                 y = x.clone()
                 comm.all_reduce(y, op, algorithm=a)
                 if not _same(y, ref, op in ("max", "min")):
@@ -61,7 +76,7 @@ def _check_ops(comm: Communicator, topological: bool, bad: list) -> None:
             x = _data(chunk * p, r, seed)
             ref = torch.empty(chunk)
             comm.reduce_scatter(ref, x, op)
-            for a in _algorithms("reduce_scatter", topological):
+            for a in _algorithms("reduce_scatter", topological, grid_comm):
                 y = torch.empty(chunk)
                 comm.reduce_scatter(y, x, op, algorithm=a)
                 if not _same(y, ref, op == "max"):
@@ -69,7 +84,7 @@ def _check_ops(comm: Communicator, topological: bool, bad: list) -> None:
         x = _data(chunk, r, seed)
         ref = torch.empty(chunk * p)
         comm.all_gather(ref, x)
-        for a in _algorithms("all_gather", topological):
+        for a in _algorithms("all_gather", topological, grid_comm):
             y = torch.full((chunk * p,), float("nan"))
             comm.all_gather(y, x, algorithm=a)
             if not torch.equal(y, ref):
@@ -184,21 +199,22 @@ def _check_segmented(comm: Communicator, bad: list) -> None:
 
 
 def _volumes(comm: Communicator, n: int) -> dict:
-    """(sent, recv, inter-node sent, rounds) of one call per algorithm; S = 4n bytes."""
+    """(sent, recv, inter-node sent, rounds, sent per peer) of one call per algorithm;
+    S = 4n bytes."""
     comm.ledger.records.clear()
     out = {}
-    for a in _algorithms("all_reduce", False) + list(TOPOLOGICAL):
+    for a in _algorithms("all_reduce", False) + _algorithms("all_reduce", True, comm):
         comm.all_reduce(torch.ones(n), algorithm=a)
         out[("all_reduce", a)] = comm.ledger.records[-1]
-    for a in _algorithms("all_gather", False):
+    for a in _algorithms("all_gather", False) + _algorithms("all_gather", True, comm):
         comm.all_gather(torch.empty(n), torch.ones(n // comm.size), algorithm=a)
         out[("all_gather", a)] = comm.ledger.records[-1]
-    for a in _algorithms("reduce_scatter", False):
+    for a in _algorithms("reduce_scatter", False) + _algorithms("reduce_scatter", True, comm):
         comm.reduce_scatter(torch.empty(n // comm.size), torch.ones(n), algorithm=a)
         out[("reduce_scatter", a)] = comm.ledger.records[-1]
     comm.broadcast(torch.ones(n), 0, algorithm="tree")
     out[("broadcast", "tree")] = comm.ledger.records[-1]
-    return {k: (v.sent_bytes, v.recv_bytes, v.sent_inter_node_bytes, v.rounds)
+    return {k: (v.sent_bytes, v.recv_bytes, v.sent_inter_node_bytes, v.rounds, v.sent_to)
             for k, v in out.items()}
 
 
@@ -223,6 +239,7 @@ def _errors(rank: int) -> dict:
     out["unknown"] = catch(lambda: c.all_reduce(torch.ones(4), algorithm="warp"))
     out["cannot"] = catch(lambda: c.all_gather(torch.empty(8), torch.ones(4), algorithm="tree"))
     out["size"] = catch(lambda: c.all_reduce(torch.ones(10 + 2 * rank), algorithm="ring"))
+    out["grid"] = catch(lambda: comm(0, algorithm="torus3d"))  # refused when built
     out["splits"] = catch(lambda: c.all_to_all(torch.empty(3), torch.ones(3), output_splits=[1, 2],
                                                input_splits=[1, 2]))
     # A peer that never answers: rank 1 stays away (alive) while rank 0 waits 1 s.
@@ -250,8 +267,8 @@ def world_checks(rank: int, world: int) -> dict:
             _check_ops(make(0), False, bad)
             _check_extras(make(0), bad)
             _check_segmented(make(0), bad)
-            for node in (0, 2, 3):
-                _check_ops(make(node, link=BANDWIDTH_LINK), True, bad)
+            for node in (0, 2, 3):  # the grids on nodes of 2 (a run's cost: seconds each)
+                _check_ops(make(node, link=BANDWIDTH_LINK), True, bad, grids=node == 2)
             if p in (4, 6, 8, 5):
                 volumes[p] = _volumes(make(2 if p != 6 else 3, link=BANDWIDTH_LINK), 840 * 8)
         dist.barrier()

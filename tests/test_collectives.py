@@ -9,11 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from collectives_checks import REDUCE_OPS, world_checks
+from collectives_checks import BANDWIDTH_LINK, REDUCE_OPS, world_checks
 from dist import run_distributed
+from shardtrain import config
 from shardtrain.comm import CommLedger, Communicator
+from shardtrain.config import ConfigError
 from shardtrain.comm.algorithms import IMPLEMENTATIONS
 from shardtrain.comm.dispatch import ALGORITHMS, choose
+from shardtrain.cost import topology
+from shardtrain.cost.collectives import cost
 from shardtrain.cost.link import Link
 
 
@@ -24,7 +28,9 @@ def suite() -> list[dict]:
 
 def test_every_op_and_algorithm_equals_native(suite):
     """World sizes 2-8 (3, 5, 6, 7 included), counts 0, 1, 7, 1000, 2^15+3; hierarchical
-    and torus with virtual nodes of 2 and 3 (grids 2x2, 2x3, 3x2, 2x4, ...)."""
+    and torus with virtual nodes of 2 and 3 (grids 2x2, 2x3, 3x2, 2x4, ...); mesh2d,
+    torus3d (2x2x2) and ring_tree on virtual nodes of 2, where they lay the group out;
+    gather_broadcast's all-gather on every size."""
     bad = [b for r in suite for b in r["bad"]]
     assert not bad, f"differs from native: {bad[:20]}"
 
@@ -88,6 +94,53 @@ def test_ledger_volumes_equal_theory(suite):
             assert v[("all_reduce", "torus2d")][2] == 2 * (rows - 1) * S // (rows * k)
 
 
+def test_grid_ledger_equals_cost_model_to_the_byte(suite):
+    """mesh2d, torus3d, ring_tree and gather_broadcast: the bytes each rank sent (the
+    ledger, counted message by message) against the cost model's busiest rank and mean,
+    on virtual nodes of 2 (p = 4, 8) and 3 (p = 6); S divides evenly. Across nodes: the
+    torus3d on 2 x 2 x 2 sends only its two outer rings' bytes, 3/4 S; mesh2d's column
+    line (4 x 2 grid, nodes of 2) is all of its inter-node traffic: 2 S from an interior
+    member, S from an end."""
+    S = 4 * 840 * 8
+    checked = set()
+    for p, node in ((4, 2), (6, 3), (8, 2)):
+        per_rank = [r["volumes"][p] for r in suite[:p]]
+        for (op, a) in per_rank[0]:
+            if a not in ("mesh2d", "torus3d", "ring_tree", "gather_broadcast"):
+                continue
+            sent = [v[(op, a)][0] for v in per_rank]
+            model = cost(op, S, p, BANDWIDTH_LINK, algorithm=a, local_size=node)
+            assert max(sent) == model.sent_bytes, (p, op, a, sent, model)
+            if a != "gather_broadcast" or p in (4, 8):  # its tree's mean is exact on 2^k
+                assert sum(sent) == p * model.sent_bytes_mean, (p, op, a, sent, model)
+            checked.add((op, a))
+    assert checked == {("all_reduce", "mesh2d"), ("all_reduce", "ring_tree"),
+                       ("all_gather", "gather_broadcast"), ("all_reduce", "torus3d"),
+                       ("reduce_scatter", "torus3d"), ("all_gather", "torus3d")}
+    for v in (r["volumes"][8] for r in suite):
+        assert v[("all_reduce", "torus3d")][2] == 3 * S // 4
+    for rank, v in enumerate(r["volumes"][8] for r in suite):  # column line of 4, rows of 2
+        interior = 0 < rank // 2 < 3  # sends 3 + 5 parts of S/4; an end 3 + 1
+        assert v[("all_reduce", "mesh2d")][2] == (2 * S if interior else S), rank
+
+
+def test_grid_link_bytes_equal_cost_model(suite):
+    """Per directed link, the ledger's bytes (each rank's `sent_to`) equal the cost model's
+    (topology.link_bytes) to the byte: torus3d 2 x 2 x 2, mesh2d 2 x 2, 3 x 2 (nodes of
+    2) and 2 x 3 (nodes of 3), torus2d on the same grids. mesh2d: n on every directed link;
+    the 3D torus: S, S/2, S/4 on the inner, middle and outer dimension's links."""
+    S = 4 * 840 * 8
+    for p, node in ((4, 2), (6, 3), (8, 2)):
+        for a in ("torus2d", "mesh2d", "torus3d"):
+            if ("all_reduce", a) not in suite[0]["volumes"][p]:
+                continue
+            ledger = {(r, peer): sent for r in range(p)
+                      for peer, sent in suite[r]["volumes"][p][("all_reduce", a)][4].items()}
+            assert ledger == topology.link_bytes(a, S, p, node), (p, a)
+            if a == "torus3d":
+                assert sorted(set(ledger.values())) == [S // 4, S // 2, S]
+
+
 def test_bad_input_fails_clearly(suite):
     e = suite[0]["errors"]
     assert "all_reduce on group err0: unknown algorithm 'warp'" in e["unknown"]
@@ -103,14 +156,27 @@ def test_bad_input_fails_clearly(suite):
         assert f"all_reduce on group err{1 if name == 'ring' else 2} (algorithm {name})" \
             in e[f"timeout_{name}"] and "comm.timeout_s" in e[f"timeout_{name}"]
         assert e[f"timeout_{name}_s"] < 3.0
+    assert ("ValueError: group err0: comm.algorithm=torus3d needs a 3D torus: a size with "
+            "three factors >= 2 (8, 12, 16, 18, 27, ...), and this group has 2 ranks; change "
+            "the layout") in e["grid"]
+
+
+def test_grid_that_does_not_factor_is_refused_at_config():
+    """Before any process starts: the dp group of 4 makes no 3D torus, of 2 no 2D mesh."""
+    for algorithm, world, why in (("torus3d", 4, "a 3D torus"), ("mesh2d", 2, "a 2D grid")):
+        cfg = config.load("tiny", ["--comm.algorithm", algorithm])
+        with pytest.raises(ConfigError, match=f"group dp: comm.algorithm={algorithm} needs "
+                                              f"{why}.* this group has {world} ranks"):
+            cfg.validate(world)
+    config.load("tiny", ["--comm.algorithm", "mesh2d"]).validate(4)  # 2 x 2
 
 
 def test_choice_and_names():
     link = Link(alpha_s=1e-4, beta_s_per_byte=1e-9, gamma_s_per_byte=1e-10)
     kw = dict(requested=None, group="dp", p=8, local_size=2, link=link)
     assert choose("all_reduce", 1024, default="auto", **kw) == "recursive_doubling"
-    assert choose("all_reduce", 2**28, default="auto", **kw) in ("ring", "rabenseifner",
-                                                                  "halving_doubling", "torus2d")
+    assert choose("all_reduce", 2**28, default="auto", **kw) in (
+        "ring", "rabenseifner", "halving_doubling", "torus2d", "torus3d")
     assert choose("all_to_all", 2**10, default="auto", **kw) == "recursive_doubling"
     assert choose("all_to_all", 2**10, default="auto", equal_splits=False, **kw) == "ring"
     assert choose("all_gather", 2**20, default="tree", **kw) == "native"  # run default

@@ -74,7 +74,10 @@ def test_unsupported_and_unknown_raise():
         cost("allreduce", N, 8, LINK)
     assert "hierarchical" not in supported("all_reduce", 8)
     assert "hierarchical" in supported("all_reduce", 16, local_size=8)
-    assert set(supported("all_reduce", 16, local_size=8)) == set(ALGORITHMS)
+    assert set(supported("all_reduce", 16, local_size=8)) == set(ALGORITHMS) - {
+        "gather_broadcast"}  # an all_gather only
+    assert "torus3d" not in supported("all_reduce", 6, local_size=3)  # 6 = 2 x 3: no 3D grid
+    assert "torus3d" in supported("all_gather", 12) and "mesh2d" not in supported("all_reduce", 7)
 
 
 def test_non_power_of_two_folds_extra_ranks():
@@ -87,8 +90,8 @@ def test_non_power_of_two_folds_extra_ranks():
 def test_best_algorithm_small_vs_large():
     slow_start = Link(alpha_s=1e-4, beta_s_per_byte=1e-10)
     assert best_algorithm("all_reduce", 64, 64, slow_start) in ("recursive_doubling", "tree")
-    assert best_algorithm("all_reduce", 1e9, 64, slow_start) in ("rabenseifner",
-                                                                  "halving_doubling", "torus2d")
+    assert best_algorithm("all_reduce", 1e9, 64, slow_start) in (
+        "rabenseifner", "halving_doubling", "torus2d", "torus3d")
     assert best_algorithm("all_reduce", 1e9, 7, slow_start) == "ring"
 
 
@@ -185,6 +188,22 @@ def test_hierarchical_is_reduce_leaders_broadcast():
     # Leaders cross the slow tier with n bytes; a flat ring sends 2(p-1)/p n across it.
     flat = cost("all_reduce", N, 32, inter, algorithm="ring")
     assert h.time_s < flat.time_s
+
+
+def test_auto_chooses_the_grids_where_they_pay():
+    """Same bytes as one ring, fewer rounds: the 3D torus wins large all-reduces on 8 ranks
+    in nodes of 2 (2 x 2 x 2: 6 rounds against the ring's 14); with 8 nodes of 8 at 1 MiB,
+    ring_tree's tree across nodes (2 lg 8 rounds on the slow tier) wins."""
+    intra = Link(alpha_s=1e-6, beta_s_per_byte=1 / 300e9, gamma_s_per_byte=1e-11)
+    inter = Link(alpha_s=2e-5, beta_s_per_byte=1 / 25e9, gamma_s_per_byte=1e-11)
+    assert best_algorithm("all_reduce", 2**28, 8, inter, intra=intra, local_size=2) == "torus3d"
+    assert best_algorithm("all_reduce", 2**20, 64, inter, intra=intra, local_size=8) == \
+        "ring_tree"
+    t3 = cost("all_reduce", N, 8, inter, algorithm="torus3d", intra=intra, local_size=2)
+    assert t3.rounds == 6 and t3.sent_bytes == pytest.approx(2 * 7 / 8 * N)
+    mesh = cost("all_reduce", N, 8, inter, algorithm="mesh2d", intra=intra, local_size=2)
+    # rows of 2 (a line of 2 sends n), columns of 4 (an interior member sends 2n)
+    assert mesh.rounds == 2 + 6 and mesh.sent_bytes == pytest.approx(3 * N)
 
 
 def test_torus2d_rows_inside_columns_across():

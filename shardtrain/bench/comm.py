@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from shardtrain.comm import CommLedger, Communicator
-from shardtrain.cost import collectives as cost
+from shardtrain.cost import collectives as cost, topology
 from shardtrain.comm.dispatch import choose, serves
 from shardtrain.bench import fit
 
@@ -112,7 +112,8 @@ def _sweep(comm: Communicator, spec: Spec, algorithms) -> dict[tuple, dict]:
     rows = {}
     for op in spec.ops:
         for size in spec.sizes:
-            able = [a for a in algorithms(op, size) if a in ("native", "auto") or serves(a, op)]
+            able = [a for a in algorithms(op, size)
+                    if a in ("native", "auto") or _lays_out(comm, a, op)]
             closure, nbytes = _call(comm, op, size)
             for a, seconds in zip(able, _interleaved([closure(a) for a in able], spec)):
                 chosen = _pick(comm, op, size) if a == "auto" else a
@@ -120,6 +121,13 @@ def _sweep(comm: Communicator, spec: Spec, algorithms) -> dict[tuple, dict]:
                                        "bytes": nbytes, **_statistic(seconds)}
             comm.ledger.records.clear()
     return rows
+
+
+def _lays_out(comm: Communicator, algorithm: str, op: str) -> bool:
+    """Whether `algorithm` runs `op` on this group: it implements the op, and a grid
+    algorithm finds its grid (torus3d: not on 4 ranks)."""
+    return serves(algorithm, op) and (algorithm not in topology.GRID_OPS or algorithm in
+                                      cost.supported(op, comm.size, comm.local_size))
 
 
 def _interleaved(runs: list, spec: Spec) -> list[list[float]]:

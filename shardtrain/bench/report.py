@@ -17,7 +17,8 @@ from shardtrain.cost import collectives as cost
 
 SHORT = {"native": "native", "ring": "ring", "tree": "tree", "recursive_doubling": "rec_dbl",
          "halving_doubling": "halv_dbl", "rabenseifner": "rabens", "hierarchical": "hier",
-         "torus2d": "torus", "auto": "auto"}
+         "torus2d": "torus", "auto": "auto", "gather_broadcast": "gath_bc", "mesh2d": "mesh2d",
+         "torus3d": "torus3d", "ring_tree": "ring_tree"}
 
 
 def annotate(result: dict) -> list[dict]:

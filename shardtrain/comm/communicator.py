@@ -32,7 +32,7 @@ import torch.distributed as dist
 from shardtrain.comm.algorithms import IMPLEMENTATIONS
 from shardtrain.comm import rooted
 from shardtrain.comm.dispatch import (ALGORITHMS, CHECKS, PRICED, Handle, agreed_link,
-                                      choose_for, on_device, placed, run)
+                                      choose_for, on_device, on_grid, placed, run)
 from shardtrain.comm.lane import Lane
 from shardtrain.comm.ledger import CommLedger, CommRecord, add_record
 from shardtrain.comm.p2p import Team, flat_view, offsets, then, wait_native
@@ -84,6 +84,7 @@ class Communicator(PeerOps):
         self.nodes = [g // node_size for g in self.ranks] if node_size else [0] * self.size
         counts = {self.nodes.count(n) for n in self.nodes}
         self.local_size = self.nodes.count(self.nodes[0]) if len(counts) == 1 else 0
+        on_grid(algorithm, self.size, self.local_size, name)
         self.algorithm, self.timeout_s, self.check_sizes = algorithm, timeout_s, check_sizes
         self.rank = self.ranks.index(dist.get_rank()) if group is not None else 0
         # Communicators sharing a process group (dp and dp_cp may both be WORLD) use their

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from shardtrain.comm.algorithms import IMPLEMENTATIONS
 from shardtrain.comm.ledger import CommRecord
 from shardtrain.comm.p2p import CommError, Team, wait_native
-from shardtrain.cost import collectives as cost
+from shardtrain.cost import collectives as cost, topology
 
 ALGORITHMS = ("native", *IMPLEMENTATIONS, "auto")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
@@ -62,6 +62,17 @@ def on_device(name: str, device: torch.device, group: str) -> None:
     if device.type == "cuda" and name != "native":
         raise ValueError(f"comm.algorithm={name!r} on group {group}: our point-to-point "
                          "algorithms run on CPU (Gloo) only; on CUDA use comm.algorithm=native")
+
+
+def on_grid(name: str, size: int, local_size: int, group: str) -> None:
+    """Refuse, when the communicator is built, a grid algorithm on a group it cannot lay
+    out (cost/topology.py): a clear error before any call, not a failure inside one."""
+    if name not in ("mesh2d", "torus3d", "ring_tree") or size <= 1:
+        return
+    if name == "ring_tree" and local_size == size:
+        return  # one node: the ring alone
+    if topology.grid_of(name, size, local_size) is None:
+        raise ValueError(topology.no_grid(name, size, f"group {group}"))
 
 
 def placed(comm, op: str, *tensors: torch.Tensor | None) -> None:
@@ -225,6 +236,7 @@ def run(comm, op: str, name: str, record: CommRecord, *, async_op: bool, agree: 
             t = team.traffic
             record.sent_bytes, record.recv_bytes = t.sent, t.recv
             record.sent_inter_node_bytes, record.rounds = t.sent_inter_node, t.rounds
+            record.sent_to = t.sent_to
         if finish is not None:
             finish()
         record.time_s = time.perf_counter() - started

@@ -31,6 +31,9 @@ class CommRecord:
     # Bytes this rank sent to ranks on other nodes: counted by our point-to-point algorithms;
     # None for the native backend, whose routing is not visible.
     sent_inter_node_bytes: int | None = None
+    # Bytes this rank sent to each group rank: the load on each of its outgoing links (our
+    # point-to-point algorithms; None for the native backend).
+    sent_to: dict[int, int] | None = None
 
 
 @dataclass

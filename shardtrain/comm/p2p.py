@@ -42,6 +42,7 @@ class Traffic:
     recv: int = 0
     sent_inter_node: int = 0
     rounds: int = 0
+    sent_to: dict[int, int] = dataclasses.field(default_factory=dict)  # group rank -> bytes
 
 
 @dataclass(frozen=True, eq=False)
@@ -95,6 +96,7 @@ class Team:
                                       group_peer=peer))
                 what.append(f"a send of {nbytes} B to group rank {peer}")
                 self.traffic.sent += nbytes
+                self.traffic.sent_to[peer] = self.traffic.sent_to.get(peer, 0) + nbytes
                 if self.node_of[peer] != self.node_of[me]:
                     self.traffic.sent_inter_node += nbytes
         for i, t in recvs:

@@ -131,7 +131,8 @@ class CommConfig:
     local one, and bucket_mb does not apply (one exchange per step)."""
 
     algorithm: Literal["native", "ring", "tree", "recursive_doubling", "halving_doubling",
-                       "rabenseifner", "hierarchical", "torus2d", "auto"] = "native"
+                       "rabenseifner", "gather_broadcast", "hierarchical", "torus2d",
+                       "mesh2d", "torus3d", "ring_tree", "auto"] = "native"
     bucket_mb: float = 25.0
     timeout_s: float = 300.0
     compress: Literal["none", "int8", "topk"] = "none"
@@ -148,3 +149,42 @@ class CommConfig:
         if not 0 < self.topk_ratio <= 1:
             raise ConfigError(f"comm.topk_ratio={self.topk_ratio} must be in (0, 1] "
                               "(0.01 keeps the largest 1% of gradient entries)")
+
+    def check_layout(self, parallel: ParallelConfig, world_size: int) -> None:
+        """A grid algorithm (mesh2d, torus3d) must lay out every group of the layout (the
+        mesh's dims and dp x cp), whatever the node size: refused here, before any process
+        starts. ring_tree depends on where the node boundaries fall in each group: the
+        communicator checks it when it is built (comm/dispatch.py on_grid)."""
+        if self.algorithm not in ("mesh2d", "torus3d"):
+            return
+        dp = parallel.resolved_dp(world_size)
+        for name, size in (("dp", dp), ("tp", parallel.tp), ("pp", parallel.pp),
+                           ("cp", parallel.cp), ("dp_cp", dp * parallel.cp)):
+            if size > 1 and not grid_exists(self.algorithm, size):
+                raise ConfigError(no_grid(self.algorithm, size, f"group {name}"))
+
+
+# The grid algorithms' dimensions. A grid of d sides, each >= 2, exists on p ranks exactly
+# when p has at least d prime factors (with multiplicity); cost/topology.py lays it out.
+GRID_DIMS = {"torus2d": 2, "mesh2d": 2, "torus3d": 3}
+
+
+def grid_exists(algorithm: str, p: int) -> bool:
+    factors, q, d = 0, p, 2
+    while d * d <= q:
+        while q % d == 0:
+            q, factors = q // d, factors + 1
+        d += 1
+    return factors + (q > 1) >= GRID_DIMS[algorithm]
+
+
+def no_grid(algorithm: str, p: int, where: str) -> str:
+    """Why `algorithm` cannot lay out p ranks, and the fix (config and runtime errors)."""
+    need = {"mesh2d": "a 2D grid: a size with two factors >= 2 (4, 6, 8, 9, ...)",
+            "torus2d": "a 2D grid: a size with two factors >= 2 (4, 6, 8, 9, ...)",
+            "torus3d": "a 3D torus: a size with three factors >= 2 (8, 12, 16, 18, 27, ...)",
+            "ring_tree": "nodes of equal size and more than one of them (parallel.node_size "
+                         "must divide the group and be smaller than it)"}[algorithm]
+    return (f"{where}: comm.algorithm={algorithm} needs {need}, and this group has {p} "
+            "ranks; change the layout (the group's degree, parallel.node_size) or use "
+            "comm.algorithm=ring, torus2d, hierarchical or auto")

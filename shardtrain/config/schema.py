@@ -187,6 +187,7 @@ class Config:
         check_parameter_server(self, world_size)  # first: it says why dp does not fill the world
         self.parallel.validate(world_size)
         self.comm.validate()
+        self.comm.check_layout(self.parallel, world_size)
         self.optim.validate()
         self.resolve_microbatches(self.parallel.resolved_dp(world_size))
         self.train.validate(self.parallel.resolved_dp(world_size), self.model)

@@ -32,10 +32,12 @@ Conventions (p ranks, n = `nbytes`):
 - `hierarchical` (all_reduce): an intra-node reduce, an all_reduce among the node leaders
   and an intra-node broadcast, each phase with the fastest flat algorithm for its size;
   intra-node phases use `intra`, the leaders `link`; `sent_bytes` is then an upper bound
-  (the busiest rank of each phase). `torus2d` (all_reduce, all_gather, reduce_scatter): an
-  r x c grid, rows of c = `local_size` ranks on `intra` and columns on `link`, ring phases.
-  Phases that several sub-groups run at once (every row, every node) charge the shared
-  medium for all of them.
+  (the busiest rank of each phase). The grids -- `torus2d`, `mesh2d`, `torus3d` -- and
+  `ring_tree` are priced phase by phase in topology.py (lines inside a node on `intra`,
+  across nodes on `link`). Phases that several sub-groups run at once (every row, every
+  node) charge the shared medium for all of them.
+- `gather_broadcast` (all_gather): seed 002's composite, a binomial gather to rank 0 and a
+  binomial broadcast of the whole result; the root sends ceil(lg p) n.
 - gamma also prices the local passes some algorithms make over the whole buffer (Bruck's
   rotations and packing, the torus's reordering): a copy, like a reduction, is one
   streaming pass over memory.
@@ -49,12 +51,15 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import NamedTuple
 
+from shardtrain.cost import topology
 from shardtrain.cost.link import ZERO, Cost, Link
+from shardtrain.cost.topology import concurrent as _concurrent, torus_grid  # noqa: F401
 
 OPS = ("broadcast", "reduce", "gather", "scatter", "all_reduce", "all_gather",
        "reduce_scatter", "all_to_all")
 ALGORITHMS = ("native", "ring", "tree", "recursive_doubling", "halving_doubling",
-              "rabenseifner", "hierarchical", "torus2d")
+              "rabenseifner", "gather_broadcast", "hierarchical", "torus2d", "mesh2d",
+              "torus3d", "ring_tree")
 
 
 class _Terms(NamedTuple):
@@ -113,6 +118,9 @@ _FORMS: dict[tuple[str, str], Callable[[float, int, float, int], tuple[float, ..
     # a rotation in, packing and unpacking n/2 per round, the inverse rotation out
     ("all_to_all", "recursive_doubling"): lambda n, p, q, lg: (
         lg, lg * n / 2, (lg + 2) * n, lg * n / 2, p * lg * n / 2),
+    # binomial gather + binomial broadcast; the root sends the most: lg n
+    ("all_gather", "gather_broadcast"): lambda n, p, q, lg: (
+        2 * lg, q * n + lg * n, 0, lg * n, lg * n / 2 + (p - 1) * n),
 }
 
 # Reducing recursive algorithms on the power-of-two core c of p ranks: (terms as above,
@@ -153,17 +161,8 @@ _GLOO = {"reduce_scatter": ("all_reduce", "ring"), "reduce": ("reduce", "ring"),
          "broadcast": ("broadcast", "tree")}
 _STAGED = ("all_gather", "gather", "reduce_scatter")
 _POSTED = ("gather", "scatter", "all_to_all")  # Gloo posts every transfer at once: one round
-_FLAT = ("ring", "tree", "recursive_doubling", "halving_doubling", "rabenseifner")
-_TORUS_OPS = ("all_reduce", "all_gather", "reduce_scatter")
-
-
-def torus_grid(p: int, local_size: int = 0) -> tuple[int, int]:
-    """(rows r, columns c) with r x c = p: c = local_size when it splits p, else the most
-    nearly square factorisation. r == 1 means no 2D grid exists."""
-    if 1 < local_size < p and p % local_size == 0:
-        return p // local_size, local_size
-    r = max(d for d in range(1, math.isqrt(p) + 1) if p % d == 0)
-    return r, p // r
+_FLAT = ("ring", "tree", "recursive_doubling", "halving_doubling", "rabenseifner",
+         "gather_broadcast")
 
 
 def supported(op: str, p: int, local_size: int = 0) -> tuple[str, ...]:
@@ -172,8 +171,8 @@ def supported(op: str, p: int, local_size: int = 0) -> tuple[str, ...]:
     out = ["native"] + [a for a in _FLAT if (op, a) in _FORMS or (op, a) in _FOLDED]
     if op == "all_reduce" and 1 < local_size < p and p % local_size == 0:
         out.append("hierarchical")
-    if op in _TORUS_OPS and torus_grid(p, local_size)[0] > 1:
-        out.append("torus2d")
+    out += [a for a, ops in topology.GRID_OPS.items()
+            if op in ops and topology.grid_of(a, p, local_size) is not None]
     return tuple(out)
 
 
@@ -193,8 +192,9 @@ def cost(op: str, nbytes: float, p: int, link: Link, *, algorithm: str = "native
     intra = intra or link
     if algorithm == "hierarchical":
         return _hierarchical(nbytes, p, link, intra, local_size)
-    if algorithm == "torus2d":
-        return _torus(op, nbytes, p, link, intra, local_size)
+    if algorithm in topology.GRID_OPS:
+        return topology.price(algorithm, op, nbytes, p, link, intra, local_size,
+                              _phase, _line)
     if algorithm == "native":
         return _native(op, nbytes, p, link)
     return _flat_terms(op, algorithm, nbytes, p).cost(p, link)
@@ -231,17 +231,15 @@ def _best(op: str, nbytes: float, p: int, link: Link, intra: Link | None,
                                               local_size=local_size).time_s)
 
 
-def _fastest_flat(op: str, nbytes: float, p: int, link: Link) -> Cost:
+def fastest_flat(op: str, nbytes: float, p: int, link: Link) -> str:
+    """The cheapest one-tier algorithm (ties: the first in ALGORITHMS): what a phase of
+    `hierarchical` runs (comm/algorithms/flat.py) and is priced at."""
     flat = [a for a in supported(op, p) if a in _FLAT]
-    return min((cost(op, nbytes, p, link, algorithm=a) for a in flat), key=lambda c: c.time_s)
+    return min(flat, key=lambda a: cost(op, nbytes, p, link, algorithm=a).time_s)
 
 
-def _concurrent(link: Link, groups: int) -> Link:
-    """The link of a phase that `groups` sub-groups run at once: on a shared medium their
-    bytes add up (a phase is priced on one sub-group's)."""
-    if not link.shared_s_per_byte or groups == 1:
-        return link
-    return dataclasses.replace(link, shared_s_per_byte=link.shared_s_per_byte * groups)
+def _fastest_flat(op: str, nbytes: float, p: int, link: Link) -> Cost:
+    return cost(op, nbytes, p, link, algorithm=fastest_flat(op, nbytes, p, link))
 
 
 def _hierarchical(n: float, p: int, link: Link, intra: Link, k: int) -> Cost:
@@ -253,24 +251,14 @@ def _hierarchical(n: float, p: int, link: Link, intra: Link, k: int) -> Cost:
             + _fastest_flat("broadcast", n, k, nodes))
 
 
-def _torus(op: str, n: float, p: int, link: Link, intra: Link, local_size: int) -> Cost:
-    r, c = torus_grid(p, local_size)
-    rows, columns = _concurrent(intra, r), _concurrent(link, c)  # all rows (columns) at once
+def _phase(op: str, algorithm: str, n: float, p: int, link: Link) -> Cost:
+    """A flat phase of a grid algorithm."""
+    return cost(op, n, p, link, algorithm=algorithm)
 
-    def ring(phase_op: str, size: float, ranks: int, on: Link) -> Cost:
-        return cost(phase_op, size, ranks, on, algorithm="ring")
 
-    if op == "all_reduce":
-        return (ring("reduce_scatter", n, c, rows) + ring("all_reduce", n / c, r, columns)
-                + ring("all_gather", n, c, rows))
-    # reduce_scatter and all_gather permute the n-byte buffer between row and column order
-    # once (algorithms/torus.py), a local pass priced at gamma
-    permute = Cost(time_s=n * intra.gamma_s_per_byte, sent_bytes=0.0, sent_bytes_mean=0.0,
-                   rounds=0)
-    if op == "reduce_scatter":
-        return (permute + ring("reduce_scatter", n, c, rows)
-                + ring("reduce_scatter", n / c, r, columns))
-    return ring("all_gather", n / c, r, columns) + ring("all_gather", n, c, rows) + permute
+def _line(n: float, size: int, link: Link) -> Cost:
+    """A line all-reduce (mesh2d's rows and columns): topology.line_terms."""
+    return _Terms(*topology.line_terms(n, size)).cost(size, link) if size > 1 else ZERO
 
 
 def bus_bandwidth(op: str, nbytes: float, p: int, time_s: float) -> float:

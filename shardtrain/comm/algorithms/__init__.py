@@ -10,14 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from shardtrain.comm.algorithms import hierarchical, torus
+from shardtrain.comm.algorithms import hierarchical, mesh, torus
 from shardtrain.comm.algorithms.flat import FLAT
 
 IMPLEMENTATIONS: dict[str, dict[str, Callable]] = {
     **FLAT,
     "hierarchical": {"all_reduce": hierarchical.all_reduce},
-    "torus2d": {"all_reduce": torus.all_reduce, "reduce_scatter": torus.reduce_scatter,
-                "all_gather": torus.all_gather},
+    "torus2d": torus.ops("torus2d"),
+    "mesh2d": {"all_reduce": mesh.all_reduce},
+    "torus3d": torus.ops("torus3d"),
+    "ring_tree": {"all_reduce": hierarchical.ring_tree},
 }
 
 

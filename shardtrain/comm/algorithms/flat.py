@@ -30,9 +30,10 @@ FLAT: dict[str, dict[str, Callable]] = {
                          "all_gather": doubling.all_gather},
     "rabenseifner": {"all_reduce": halving.rabenseifner_all_reduce,
                      "reduce": halving.rabenseifner_reduce},
+    "gather_broadcast": {"all_gather": tree.gather_broadcast},
 }
 
 
 def fastest(op: str, nbytes: int, p: int, link: cost.Link) -> Callable:
     """The flat algorithm the cost model prices lowest for this phase."""
-    return FLAT[cost.best_algorithm(op, nbytes, p, link)][op]
+    return FLAT[cost.fastest_flat(op, nbytes, p, link)][op]

@@ -77,3 +77,11 @@ def gather(team: Team, x: torch.Tensor, bounds: list[int]) -> None:
         if v + mask < p:
             team.exchange(recvs=[(v + mask, part(x, bounds, v + mask, min(v + 2 * mask, p)))])
         mask <<= 1
+
+
+def gather_broadcast(team: Team, x: torch.Tensor, bounds: list[int]) -> None:
+    """All-gather as seed 002 composes it: a gather to index 0, then a broadcast of the
+    whole. The root sends ceil(lg p) copies of the full result where a ring member sends
+    (p-1)/p of it once: the composite is latency's form, not bandwidth's."""
+    gather(team, x, bounds)
+    broadcast(team, x)
