@@ -35,6 +35,9 @@ class ParallelConfig:
     # step's one gather of each unit, in the stage's first forward).
     zero: int = 0
     zero_prefetch: int = 1
+    # ZeRO-3: transformer blocks per flat unit (gathered, reduced and freed together): finer
+    # units cost a collective's latency each, coarser ones peak memory (docs/zero.md).
+    zero_unit_blocks: int = 1
     offload: Literal["none", "cpu", "nvme"] = "none"  # where optimizer state and step live
     offload_dir: str = ""  # nvme offload: directory of the memory-mapped shard files
     zero_quantized_weights: bool = False  # ZeRO++ qwZ: int8 parameter all-gather
@@ -88,6 +91,10 @@ class ParallelConfig:
             raise ConfigError(f"parallel.zero_prefetch={self.zero_prefetch} only applies to "
                               f"parallel.zero=3 (units of parameters gathered ahead); this run "
                               f"has parallel.zero={self.zero}: drop zero_prefetch or set zero=3")
+        if self.zero_unit_blocks < 1 or (self.zero_unit_blocks != 1 and self.zero != 3):
+            raise ConfigError(f"parallel.zero_unit_blocks={self.zero_unit_blocks} must be >= 1 "
+                              f"and only applies to parallel.zero=3 (this run has zero="
+                              f"{self.zero}): set zero=3 or drop zero_unit_blocks")
         self._validate_offload_and_zeropp()
         positive("parallel", self, "virtual_stages")
         if (dp * self.cp) % self.ep:

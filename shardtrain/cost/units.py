@@ -54,17 +54,19 @@ def rounded_for_compute(name: str) -> bool:
     return leaf == "weight" and owner in _LINEARS
 
 
-def unit_key(name: str, *, tied: bool, n_layers: int, rounded: bool = False
-             ) -> tuple[int, int, int]:
+def unit_key(name: str, *, tied: bool, n_layers: int, rounded: bool = False,
+             blocks: int = 1) -> tuple[int, int, int]:
     """Forward-order key of the unit holding parameter `name` (a full-model name) of a
     model of `n_layers` blocks: (EMBEDDING, 0, h), (BLOCK, i, h) or (HEAD, 0, h), h the
     half of a split unit (`rounded`: ZeRO-3 gathering in a 16-bit compute dtype; module
-    docstring), KEPT when units are not split."""
+    docstring), KEPT when units are not split. `blocks` (parallel.zero_unit_blocks): a unit
+    holds that many consecutive blocks, keyed by its first, i - i % blocks."""
     half = ROUNDED if rounded and rounded_for_compute(name) else KEPT
     if name.startswith("layers."):
-        return (BLOCK, int(name.split(".")[1]), half)
+        i = int(name.split(".")[1])
+        return (BLOCK, i - i % blocks, half)
     if name.startswith("norm."):
-        return (BLOCK, n_layers - 1, half)
+        return (BLOCK, (n_layers - 1) - (n_layers - 1) % blocks, half)
     if name.startswith("pos_emb.") or (name.startswith("tok_emb.") and not tied):
         return (EMBEDDING, 0, half)
     return (HEAD, 0, half)

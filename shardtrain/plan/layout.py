@@ -38,6 +38,7 @@ class Layout:
     cp_mode: str = "ring"  # ring attention or Ulysses all-to-alls (parallel.cp_mode)
     ep: int = 1
     zero: int = 0
+    unit_blocks: int = 1  # ZeRO-3: transformer blocks per unit (parallel.zero_unit_blocks)
     offload: str = "none"
     precision: str = "bf16"
     reduce_dtype: str = ""  # gradients on the wire (train.grad_reduce_dtype); "": precision's
@@ -73,6 +74,8 @@ class Layout:
             parts.append(f"recompute={self.recompute}")
         if self.pp > 1:
             parts.append(self.schedule + (f"(v={self.v})" if self.v > 1 else ""))
+        if self.unit_blocks != 1:
+            parts.append(f"unit_blocks={self.unit_blocks}")
         if self.offload != "none":
             parts.append(f"offload={self.offload}")
         if self.ps_servers:
@@ -169,6 +172,9 @@ def check(layout: Layout, cfg: ModelConfig, *, gpus: int, node_size: int, global
                         f"not equal the global batch {global_batch} (--global-batch)")
     if not 0 <= lay.zero <= 3:
         raise PlanError(f"layout zero={lay.zero} must be 0, 1, 2 or 3")
+    if lay.unit_blocks < 1 or (lay.unit_blocks != 1 and lay.zero != 3):
+        raise PlanError(f"layout unit_blocks={lay.unit_blocks} must be >= 1 and needs zero=3 "
+                        "(ZeRO-3's gather units); drop it or set zero=3")
     if (lay.offload == "cpu" and lay.zero < 1) or (lay.offload == "nvme" and lay.zero != 3):
         raise PlanError(f"layout offload={lay.offload} needs zero >= 1 (cpu) or zero = 3 (nvme): "
                         "offloading moves the sharded optimizer state")
@@ -210,6 +216,7 @@ def _config_fields(layout: Layout, *, seq_len: int | None,
         ("parallel", "dp"): lay.dp, ("parallel", "tp"): lay.tp, ("parallel", "pp"): lay.pp,
         ("parallel", "cp"): lay.cp, ("parallel", "cp_mode"): lay.cp_mode,
         ("parallel", "ep"): lay.ep, ("parallel", "sp"): lay.sp, ("parallel", "zero"): lay.zero,
+        ("parallel", "zero_unit_blocks"): lay.unit_blocks,
         ("parallel", "offload"): lay.offload, ("parallel", "microbatches"): lay.microbatches,
         ("parallel", "schedule"): lay.schedule, ("parallel", "virtual_stages"): lay.v,
         ("parallel", "ps_servers"): lay.ps_servers, ("train", "micro_batch"): lay.micro_batch,
@@ -267,6 +274,7 @@ def config_layout(cfg: Config, world_size: int) -> Layout:
     p, t = cfg.parallel, cfg.train
     dp = p.resolved_dp(world_size)
     return Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, cp_mode=p.cp_mode, ep=p.ep, zero=p.zero,
+                  unit_blocks=p.zero_unit_blocks,
                   offload=p.offload, precision="fp32" if t.precision == "fp32" else "amp",
                   reduce_dtype="" if t.grad_reduce_dtype == "fp32" else t.grad_reduce_dtype,
                   recompute=t.activation_checkpointing, sp=p.sp, micro_batch=t.micro_batch,

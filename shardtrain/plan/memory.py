@@ -49,7 +49,8 @@ from dataclasses import dataclass
 from shardtrain.config import ModelConfig
 from shardtrain.plan.activations import (head_activation_bytes, moe_block_bytes,
                                          runtime_activation_bytes)
-from shardtrain.plan.buffers import loss_moment, weight_casts, zero_moments
+from shardtrain.plan.buffers import (block_units, gathered_units, loss_moment, weight_casts,
+                                     zero_moments)
 from shardtrain.plan.layout import Layout
 from shardtrain.plan.partition import rank_params
 
@@ -236,10 +237,12 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
             if lay.zero == 3:
                 buffers += zero3_gather_bytes(ranks.total, ranks.kept + ranks.kept_expert,
                                               lay.precision)
-        elif lay.replicas > 1 and lay.zero == 3:  # the layer's kept share taken as the rank's
-            kept = ranks.layer * (ranks.kept + ranks.kept_expert) / ranks.total
-            buffers += 2 * zero3_gather_bytes(ranks.layer, kept, lay.precision) \
-                + ranks.layer * STATE_BYTES[lay.precision][1]
+        elif lay.replicas > 1 and lay.zero == 3:  # the unit's kept share taken as the rank's
+            units = block_units(ranks.layers, ranks.layer, lay.unit_blocks)
+            both = gathered_units(units)  # the unit computing and the next
+            kept = both * (ranks.kept + ranks.kept_expert) / ranks.total
+            buffers += zero3_gather_bytes(both, kept, lay.precision) \
+                + max(units) * STATE_BYTES[lay.precision][1]
     if mine and lay.precision == "amp":  # held beside every moment above
         buffers += weight_casts(cfg, lay, ranks)
     if lay.pp > 1:

@@ -109,7 +109,8 @@ class ZeroModel:
             return build_units(model, dp_size=c.comm.size, dp_rank=c.comm.rank, dtype=dtype,
                                tied=model.cfg.tie_embeddings, align=align, comm=c,
                                sharded=self.stage == 3, device=device,
-                               gather_dtype=policy.gather_dtype, **which)
+                               gather_dtype=policy.gather_dtype,
+                               blocks=p.zero_unit_blocks, **which)
 
         self.units = build(self.unit_comm, skip=experts)
         if experts:  # their own units, sharded over edp (module docstring)

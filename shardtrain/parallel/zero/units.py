@@ -118,7 +118,7 @@ def build_units(model: nn.Module, *, dp_size: int, dp_rank: int, dtype: torch.dt
                 only: Collection[nn.Parameter] | None = None,
                 skip: Collection[nn.Parameter] = (), sharded: bool = False,
                 device: torch.device | None = None,
-                gather_dtype: torch.dtype | None = None) -> list[FlatUnit]:
+                gather_dtype: torch.dtype | None = None, blocks: int = 1) -> list[FlatUnit]:
     """Group the model's parameters (tied ones once; those in `only` if given, not those in
     `skip`) into units in forward order, sharded over `comm`'s group of `dp_size` ranks
     (this one `dp_rank`), and make every parameter a view of its unit's flat buffer.
@@ -131,13 +131,14 @@ def build_units(model: nn.Module, *, dp_size: int, dp_rank: int, dtype: torch.dt
     values counted from a shard's start never straddle two parameters -- qwZ's quantization
     blocks: one scale for a norm's ~1.0 values and a matrix's ~0.02 would round the matrix
     away. `gather_dtype` (sharded only; the compute dtype when it is 16-bit): units split,
-    their rounded halves' flat buffers in it (module docstring)."""
+    their rounded halves' flat buffers in it (module docstring). `blocks`: transformer
+    blocks per unit (parallel.zero_unit_blocks; cost/units.py `unit_key`)."""
     split = sharded and gather_dtype is not None and gather_dtype != dtype
     groups: dict[tuple[int, int, int], list[tuple[str, nn.Parameter]]] = {}
     n_layers = model.cfg.n_layers  # the whole model's: a pipeline stage keeps global names
     for name, p in model.named_parameters():
         if p.requires_grad and (only is None or p in only) and p not in skip:
-            key = unit_key(name, tied=tied, n_layers=n_layers, rounded=split)
+            key = unit_key(name, tied=tied, n_layers=n_layers, rounded=split, blocks=blocks)
             groups.setdefault(key, []).append((name, p))
     units = []
     for index, key in enumerate(sorted(groups)):
