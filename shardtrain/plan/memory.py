@@ -14,7 +14,8 @@ Model states per parameter (Rajbhandari et al. 2020, FORMULAS.md), N_d = dp x cp
   per sharded parameter: where the parameters are their own fp32 master, the host keeps
   the copy the step updates), and under ZeRO-3 the parameter shards too, as ZeRO-Infinity
   does: fp32 ones are that master (no extra bytes), a 16-bit one (the bf16 convention) is
-  kept beside it. ZeRO-1 and 2 keep their full parameters on the device by definition.
+  kept beside it; under ZeRO-2 and 3 the gradient shards too (the step reads them on the
+  host). ZeRO-1 and 2 keep their full parameters on the device by definition.
   All of it is reported under `offloaded`, not in `total` (`offload_states`).
 Activations, per layer and micro-batch: under the `bf16` convention the published forms
 of Korthikanti et al. 2022 (Megatron-LM's kernels: 16-bit values, stored attention
@@ -78,16 +79,18 @@ class ModelStates:
 
 def offload_states(states: ModelStates, *, shard_params: float, zero: int) -> ModelStates:
     """`states` with parallel.offload (cpu or nvme) on (module docstring): the optimizer
-    state and an fp32 master shard of `shard_params` elements move to `offloaded`, and
-    under ZeRO-3 the parameter shards do too. The runtime's ledger to the byte
+    state and an fp32 master shard of `shard_params` elements move to `offloaded`, under
+    ZeRO-2 and 3 the gradient shards, and under ZeRO-3 the parameter shards do too. The runtime's ledger to the byte
     (parallel/zero/offload.py HostOptimizer.memory, zero/model.py ZeroModel.memory)."""
     master = states.master or 4 * shard_params  # fp32 parameters: the host's master copy
     offloaded = master + states.optimizer
-    params = states.params
+    params, grads = states.params, states.grads
     if zero == 3:
         offloaded += states.params if states.master else 0  # a 16-bit copy beside the master
         params = 0
-    return ModelStates(params=params, grads=states.grads, master=0, optimizer=0,
+    if zero >= 2:  # the reduced gradient shard goes to its host buffer (zero/offload.py)
+        offloaded, grads = offloaded + grads, 0
+    return ModelStates(params=params, grads=grads, master=0, optimizer=0,
                        offloaded=states.offloaded + offloaded)
 
 

@@ -150,6 +150,9 @@ class ZeroModel:
             # must go with this model, and its finalizer delete the nvme files.
             index, host = {u: k for k, u in enumerate(self.units)}, weakref.proxy(self.optimizer)
             self.gatherer.fetch_from(lambda u, out: host.fetch(index[u], out))
+        if p.offload != "none" and self.stage >= 2:  # gradient shards in host buffers
+            self.reducer.offload_grads([self.optimizer.grad_buffer(k)
+                                        for k in range(len(self.units))])
         self._partial = [partial_runs(u, shards.placements) for u in self.units]
         self.no_sync, self.zero_grad = self.reducer.no_sync, self.reducer.zero_grad
 
@@ -197,23 +200,23 @@ class ZeroModel:
             torch._foreach_mul_([u.grad_shard for u in self.units], unscale)
         whole = self.shards.comm.size == 1 and self.shards.ep is None
         skip = self.shards.counted_elsewhere
-        device = self.units[0].grad_shard.device
+        device = self.units[0].flat.device  # the collectives' (offloaded shards: the host's)
         totals = {c.comm: torch.zeros((), device=device) for c in self.comms}  # per group
         for u in self.units:
             g, total = u.grad_shard, totals[u.comm.comm]
             if whole and not skip:
-                total += g.square().sum()
+                total += g.square().sum().to(device)
                 continue
             for i, a, b in u.shard_runs(lambda i, u=u: u.names[i] not in skip):
                 share = self.shards.norm_share(u.names[i])
-                total += g[a:b].square().sum() * share
+                total += (g[a:b].square().sum() * share).to(device)
         for comm, total in totals.items():  # the same order on every rank
             comm.all_reduce(total, "sum", tag="grad_norm")
         total = self.shards.sum_norm_squared(sum(totals.values())).sqrt()
         if max_norm < float("inf"):
             scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
             for u in self.units:
-                u.grad_shard.mul_(scale)
+                u.grad_shard.mul_(scale.to(u.grad_shard.device))
         return total
 
     @torch.no_grad()
