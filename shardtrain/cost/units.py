@@ -105,3 +105,15 @@ def coalesce(sizes: list[float], cap: float, groups: list[object] | None = None
             buckets.append([i])
             held = size
     return buckets
+
+
+def layer_owners(sizes: list[int], ranks: int) -> list[int]:
+    """The owner of each unit (`sizes`: their elements, forward order) under ZeRO-3's layer
+    partition (parallel.zero_partition = layer): whole units dealt out largest first, each
+    to the rank holding the fewest bytes so far (the lowest such rank): round-robin by
+    size, which balances the bytes greedily (seed 001's inter-layer partitioning)."""
+    load, owners = [0] * ranks, [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):  # stable: ties in order
+        owners[i] = min(range(ranks), key=lambda r: load[r])
+        load[owners[i]] += sizes[i]
+    return owners

@@ -14,9 +14,10 @@ whole: an upper bound as backward releases them):
   flight (when no larger). The head's moment: its weight's gradient (and under ZeRO-3 its
   gathered weight; the logits' gradient replaces the released log-probabilities). A
   block's: the buckets held, and under ZeRO-3 two gathered units (the one computing, the
-  one prefetched), each of parallel.zero_unit_blocks blocks (`block_units`). The end of backward (the saved activations gone): the last buckets, the
-  embedding's dense gradient, a tied table's head contribution (autograd holds it from the
-  head's backward, zero/reducer.py), under ZeRO-3 the embedding's gathered table.
+  one prefetched), each of parallel.zero_unit_blocks blocks (`block_units`). The end
+  of backward (the saved activations gone): the last buckets, the embedding's dense
+  gradient, a tied table's head contribution (autograd holds it from the head's
+  backward, zero/reducer.py), under ZeRO-3 the embedding's gathered table.
 - ZeRO-1 and plain DP keep full gradients in their states; their buckets' copies (two
   buckets of comm.bucket_mb: a 16-bit reduce dtype's copies, ZeRO-1's packed buckets) are
   `sync_bytes`, held at the end of backward, with the loss's moment before it.

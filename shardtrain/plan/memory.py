@@ -80,8 +80,9 @@ class ModelStates:
 def offload_states(states: ModelStates, *, shard_params: float, zero: int) -> ModelStates:
     """`states` with parallel.offload (cpu or nvme) on (module docstring): the optimizer
     state and an fp32 master shard of `shard_params` elements move to `offloaded`, under
-    ZeRO-2 and 3 the gradient shards, and under ZeRO-3 the parameter shards do too. The runtime's ledger to the byte
-    (parallel/zero/offload.py HostOptimizer.memory, zero/model.py ZeroModel.memory)."""
+    ZeRO-2 and 3 the gradient shards, and under ZeRO-3 the parameter shards do too. The
+    runtime's ledger to the byte (zero/offload.py HostOptimizer.memory, zero/model.py
+    ZeroModel.memory)."""
     master = states.master or 4 * shard_params  # fp32 parameters: the host's master copy
     offloaded = master + states.optimizer
     params, grads = states.params, states.grads
@@ -207,6 +208,9 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
     states = (model_states(ranks.dense, nd=lay.replicas, zero=lay.zero, precision=lay.precision)
               + model_states(ranks.expert, nd=lay.replicas // lay.ep, zero=lay.zero,
                              precision=lay.precision))
+    if lay.partition == "layer":  # the busiest rank's whole units (imports this module)
+        from shardtrain.plan.layer_partition import layer_states
+        states = layer_states(cfg, lay)
     if lay.ps_servers:  # the optimizer lives on the parameter servers
         states = ModelStates(params=states.params, grads=states.grads, master=0, optimizer=0)
     if lay.offload != "none":  # each rank's shard: the dense over N_d, experts over N_d / ep
