@@ -129,3 +129,23 @@ def test_planner_compares_the_partitions():
 def test_layer_partition_config_errors(tmp_path, overrides):
     with pytest.raises(ConfigError, match="parallel.zero_partition"):
         tiny(tmp_path, "bad", *overrides).validate(4)
+
+
+def test_the_planner_proposes_layer_only_where_the_trainer_runs_it():
+    """The search prices `partition=layer` beside `flat` for ZeRO-3 over dp alone; the
+    planner refuses it elsewhere as the trainer does (tests/test_plan_runs.py checks every
+    ranked layout against the trainer's validation)."""
+    from shardtrain.plan.layout import PlanError, check, trainer_refusal
+    from shardtrain.plan.search import enumerate_layouts
+
+    cfg = load("llama3-8b").model
+    layouts = list(enumerate_layouts(cfg, gpus=8, node_size=8, global_batch=64, seq_len=2048,
+                                     precision="amp"))
+    layer = [lay for lay in layouts if lay.partition == "layer"]
+    assert layer and all(lay.zero == 3 and lay.dp == 8 and lay.offload == "none"
+                         for lay in layer)
+    assert trainer_refusal(layer[0], cfg, seq_len=2048) is None
+    tp2 = Layout(dp=4, tp=2, zero=3, partition="layer", micro_batch=16)
+    with pytest.raises(PlanError, match="partition=layer"):
+        check(tp2, cfg, gpus=8, node_size=8, global_batch=64, seq_len=2048)
+    assert "zero_partition" in trainer_refusal(tp2, cfg, seq_len=2048)

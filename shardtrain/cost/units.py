@@ -32,6 +32,8 @@ every layout keeps computing the single process's numbers (parallel/precision.py
 
 from __future__ import annotations
 
+import heapq
+
 EMBEDDING, BLOCK, HEAD = 0, 1, 2
 KEPT, ROUNDED = 0, 1  # the halves of a split unit: gathered in fp32, in the compute dtype
 
@@ -112,8 +114,9 @@ def layer_owners(sizes: list[int], ranks: int) -> list[int]:
     partition (parallel.zero_partition = layer): whole units dealt out largest first, each
     to the rank holding the fewest bytes so far (the lowest such rank): round-robin by
     size, which balances the bytes greedily (seed 001's inter-layer partitioning)."""
-    load, owners = [0] * ranks, [0] * len(sizes)
+    loads = [(0, r) for r in range(ranks)]  # a heap of (elements held, rank)
+    owners = [0] * len(sizes)
     for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):  # stable: ties in order
-        owners[i] = min(range(ranks), key=lambda r: load[r])
-        load[owners[i]] += sizes[i]
+        load, owners[i] = heapq.heappop(loads)
+        heapq.heappush(loads, (load + sizes[i], owners[i]))
     return owners

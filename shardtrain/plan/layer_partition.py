@@ -58,17 +58,17 @@ def owners(units: list[Unit], ranks: int) -> list[int]:
     return layer_owners([u.elements for u in units], ranks)
 
 
-def layer_sent_bytes(units: list[Unit], ranks: int, rank: int, microbatches: int
-                     ) -> dict[str, int]:
+def layer_sent_bytes(units: list[Unit], ranks: int, rank: int | None, microbatches: int
+                     ) -> dict[str, int] | list[dict[str, int]]:
     """Bytes `rank` sends per step under the layer partition: {"param": its broadcasts,
-    "grad": its reduces} (module docstring)."""
-    out = {"param": 0, "grad": 0}
+    "grad": its reduces} (module docstring); every rank's, in rank order, when `rank` is
+    None."""
+    m, grads = microbatches, sum(u.grad_bytes for u in units)
+    out = [{"param": 0, "grad": m * grads} for _ in range(ranks)]
     for u, owner in zip(units, owners(units, ranks)):
-        if owner == rank:
-            out["param"] += 2 * microbatches * (ranks - 1) * u.gather_bytes
-        else:
-            out["grad"] += microbatches * u.grad_bytes
-    return out
+        out[owner]["param"] += 2 * m * (ranks - 1) * u.gather_bytes
+        out[owner]["grad"] -= m * u.grad_bytes  # the owner reduces nothing of its own
+    return out if rank is None else out[rank]
 
 
 def flat_sent_bytes(units: list[Unit], ranks: int, microbatches: int) -> dict[str, int]:
@@ -102,10 +102,11 @@ def layer_ops(cfg: ModelConfig, layout: Layout, where: Placement) -> list[CommOp
     units = zero3_units(cfg, lay)
     if n <= 1:
         return []
-    sent = [layer_sent_bytes(units, n, r, m) for r in range(n)]
+    sent = layer_sent_bytes(units, n, None, m)
     rank = max(range(n), key=lambda r: sum(sent[r].values()))
-    mine = [u for u, o in zip(units, owners(units, n)) if o == rank]
-    others = [u for u in units if u not in mine]
+    owned = [o == rank for o in owners(units, n)]
+    mine = [u for u, own in zip(units, owned) if own]
+    others = [u for u, own in zip(units, owned) if not own]
     ops = []
     for op, group, calls, size, nbytes in (
             ("broadcast", mine, 2 * m * len(mine), "gather_bytes", sent[rank]["param"]),
@@ -126,8 +127,7 @@ def compare_partitions(cfg: ModelConfig, layout: Layout) -> dict[str, dict[str, 
     for u, owner in zip(units, owners(units, n)):
         held[owner] += per * u.elements
     flat_states = per * sum(-(-u.elements // n) for u in units)
-    layer_sent = [sum(layer_sent_bytes(units, n, r, lay.microbatches).values())
-                  for r in range(n)]
+    layer_sent = [sum(r.values()) for r in layer_sent_bytes(units, n, None, lay.microbatches)]
     return {"flat": {"states_bytes": flat_states,
                      "sent_bytes": sum(flat_sent_bytes(units, n, lay.microbatches).values())},
             "layer": {"states_bytes": max(held), "sent_bytes": max(layer_sent),
