@@ -31,14 +31,13 @@ def forward_events(chunk: nn.Module, units: list[FlatUnit]) -> list[Event]:
     tables = [u for u in units if u.key[0] == EMBEDDING
               or any(n.startswith("tok_emb.") for n in u.names)]
     events: list[Event] = [(chunk, tables if first else [])]
-    starts = sorted({u.key[1] for u in units if u.key[0] == BLOCK})
+    k = units[0].blocks if units else 1  # blocks per unit (parallel.zero_unit_blocks)
     for i in indices:
         block = owner.layers[str(i)] if isinstance(owner.layers, nn.ModuleDict) \
             else owner.layers[i]
-        # A unit of k blocks (parallel.zero_unit_blocks) is keyed by its first block; the
+        # A unit of k blocks is keyed by its first block (cost/units.py `unit_key`); the
         # blocks of one unit are one event, started by the first one's pre-hook.
-        start = max((s for s in starts if s <= i), default=None)
-        block_units = [u for u in units if u.key[:2] == (BLOCK, start)]
+        block_units = [u for u in units if u.key[:2] == (BLOCK, i - i % k)]
         if len(events) > 1 and block_units and events[-1][1] == block_units:
             continue
         events.append((block, block_units))

@@ -59,6 +59,7 @@ class FlatUnit:
     key: tuple[int, int, int] = (0, 0, 0)  # forward order (unit_key)
     sharded: bool = False  # ZeRO-3: the flat buffer has storage only while gathered
     owner: int | None = None  # layer partition: the group rank holding the whole unit
+    blocks: int = 1  # transformer blocks per unit (parallel.zero_unit_blocks; key[1] % it == 0)
 
     @property
     def numel(self) -> int:
@@ -166,7 +167,8 @@ def build_units(model: nn.Module, *, dp_size: int, dp_rank: int, dtype: torch.dt
         unit = FlatUnit(index=index, names=[n for n, _ in named], params=[p for _, p in named],
                         offsets=offsets, padded=padded, shard_numel=shard_numel,
                         rank=rank, flat=flat, shard=shard, comm=comm, key=key,
-                        sharded=sharded, owner=owners[index] if layer else None)
+                        sharded=sharded, owner=owners[index] if layer else None,
+                        blocks=blocks)
         for i, (p, view) in enumerate(zip(unit.params, unit.param_views(flat))):
             if p.is_meta:  # onto the device, the same object (ties and references hold)
                 empty = torch.empty(0, dtype=flat.dtype, device=at)
