@@ -75,21 +75,22 @@ def test_offload_moves_states_off_the_gpu():
     cpu = memory_per_gpu(LLAMA, Layout(**lay, zero=3, offload="cpu"), seq_len=1024)
     nvme = memory_per_gpu(LLAMA, Layout(**lay, zero=3, offload="nvme"), seq_len=1024)
     # ZeRO-Infinity: under ZeRO-3 both tiers take the parameter shards too (bf16
-    # convention: the 16-bit shard beside the fp32 master); cpu and nvme differ in where.
-    assert cpu.master == cpu.optimizer == cpu.params == 0
-    assert cpu.offloaded == on.master + on.optimizer + on.params == nvme.offloaded
-    assert nvme.params == 0 and nvme.grads == on.grads
+    # convention: the 16-bit shard beside the fp32 master) and, under ZeRO-2 and 3, the
+    # reduced gradient shards; cpu and nvme differ in where.
+    assert cpu.master == cpu.optimizer == cpu.params == cpu.grads == 0
+    assert cpu.offloaded == on.master + on.optimizer + on.params + on.grads == nvme.offloaded
+    assert nvme.params == nvme.grads == 0 and on.grads > 0
     # fp32 parameters are their own master: offloaded they are the 4 bytes of the master,
     # beside the 8 of the moments. ZeRO-2 keeps its full parameters on the device, and the
     # host holds the fp32 master copy the step updates.
     fp32 = dict(lay, precision="amp")
     on32 = memory_per_gpu(LLAMA, Layout(**fp32, zero=3), seq_len=1024)
     off32 = memory_per_gpu(LLAMA, Layout(**fp32, zero=3, offload="nvme"), seq_len=1024)
-    assert off32.params == 0 and off32.offloaded == pytest.approx(3 * on32.params)
+    assert off32.params == 0 and off32.offloaded == pytest.approx(4 * on32.params)
     z2 = memory_per_gpu(LLAMA, Layout(**fp32, zero=2), seq_len=1024)
     z2_cpu = memory_per_gpu(LLAMA, Layout(**fp32, zero=2, offload="cpu"), seq_len=1024)
-    assert z2_cpu.params == z2.params and z2_cpu.optimizer == 0
-    assert z2_cpu.offloaded == pytest.approx(z2.optimizer * 1.5)  # 4 + 8 per shard element
+    assert z2_cpu.params == z2.params and z2_cpu.optimizer == z2_cpu.grads == 0
+    assert z2_cpu.offloaded == pytest.approx(z2.optimizer * 2)  # 4 + 8 + 4 per shard element
 
 
 def test_dp_and_zero_bytes_per_rank():

@@ -33,7 +33,10 @@ LAYOUTS = {
         ("zero3 dp2 checkpointed, prefetch 2", B8,
          ["--parallel.zero", "3", "--parallel.zero_prefetch", "2",
           "--train.activation_checkpointing", "full"]),
-        ("zero3 dp2 gpt2 tied", (*B8, *GPT2), ["--parallel.zero", "3"])],
+        ("zero3 dp2 gpt2 tied", (*B8, *GPT2), ["--parallel.zero", "3"]),
+        # units of 2 blocks: blocks 0-1, then block 2 with the final norm
+        ("zero3 dp2 2 blocks per unit", (*B8, "--model.n_layers", "3"),
+         ["--parallel.zero", "3", "--parallel.zero_unit_blocks", "2"])],
     4: [("zero1 dp4", B16, ["--parallel.zero", "1"]),
         ("zero2 dp4", B16, ["--parallel.zero", "2"]),
         ("zero3 dp4", B16, ["--parallel.zero", "3"]),

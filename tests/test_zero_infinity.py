@@ -62,7 +62,7 @@ def test_shards_are_staged_as_far_ahead_as_the_gathers(tmp_path, prefetch):
 
 def test_dry_run_counts_offloaded_parameters_exactly(tmp_path, capsys):
     """The dry run (rank 0 of 48, ZeRO-3 nvme, units padded to 48): the exact comparison
-    covers offload; no parameter bytes on the device, the offloaded bytes the planner's
+    covers offload; no parameter or gradient bytes on the device, the offloaded bytes the planner's
     (padding included), and the state files gone with the run."""
     offload_dir = tmp_path / "offload"
     offload_dir.mkdir()
@@ -77,7 +77,9 @@ def test_dry_run_counts_offloaded_parameters_exactly(tmp_path, capsys):
     planned = rank0_states(cfg.model, config_layout(cfg, 48))
     measured = report["measured"]
     assert report["match"] is True and measured["params"] == planned.params == 0
-    assert measured["offloaded"] == planned.offloaded == 3 * measured["grads"] > 0
+    # fp32 master (the parameter shard), two moments and the gradient shard: 16 B/element
+    assert measured["grads"] == planned.grads == 0
+    assert measured["offloaded"] == planned.offloaded > 0 and measured["offloaded"] % 16 == 0
     assert not any(offload_dir.iterdir())
 
 

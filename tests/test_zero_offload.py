@@ -1,7 +1,8 @@
 """ZeRO-Offload (cpu) and ZeRO-Infinity's NVMe tier: the host optimizer equals torch.optim
 bit for bit, its files are written atomically and removed, stages 1-3 with either offload
-reproduce the single-process run on 2 ranks and resume bitwise from a checkpoint, ZeRO-3
-keeps no parameter shard on the device (ledger and planner agree to the byte, and the run
+reproduce the single-process run on 2 ranks and resume bitwise from a checkpoint, ZeRO-2
+and 3 keep no gradient shard on the device (it is reduced into a host buffer, where the
+step reads it), ZeRO-3 keeps no parameter shard on the device (ledger and planner agree to the byte, and the run
 equals the on-device ZeRO-3 one bitwise), the folder of a killed attempt is removed by the
 next, and a bad offload dir is refused before launch. One-process checks of the parameter
 offload: test_zero_infinity.py."""
@@ -52,9 +53,11 @@ def test_host_optimizer_equals_torch_optim(tmp_path, offload, name, momentum):
                  else torch.optim.SGD(groups, lr=1e-2, momentum=momentum))
     flat = torch.cat([t.reshape(-1) for t in init])
     # Windows of 7 elements: the nvme step streams each shard in pieces.
-    make = lambda: HostOptimizer([flat[:CUT], flat[CUT:]], _decay_runs(), optim,  # noqa: E731
-                                 offload=offload, directory=str(tmp_path), stream_numel=7)
-    host, offloaded = make(), make()  # offloaded: ZeRO-3's, no device parameters to write
+    make = lambda **kw: HostOptimizer([flat[:CUT], flat[CUT:]], _decay_runs(),  # noqa: E731
+                                      optim, offload=offload, directory=str(tmp_path),
+                                      stream_numel=7, **kw)
+    # offloaded: ZeRO-3's, no device parameters to write, its gradients in host buffers
+    host, offloaded = make(), make(grads=True)
     params = [flat[:CUT].clone(), flat[CUT:].clone()]
     if offload == "nvme":  # one folder per optimizer, named by this host and process
         folders = list(tmp_path.glob(f"shardtrain-{socket.gethostname()}-pid{os.getpid()}"
@@ -69,7 +72,10 @@ def test_host_optimizer_equals_torch_optim(tmp_path, offload, name, momentum):
         torch_opt.step()
         flat_grad = torch.cat([g.reshape(-1) for g in grads])
         host.step([flat_grad[:CUT], flat_grad[CUT:]], params, lr=1e-2)
-        offloaded.step([flat_grad[:CUT], flat_grad[CUT:]], None, lr=1e-2)
+        homes = [offloaded.grad_buffer(0), offloaded.grad_buffer(1)]  # the reducer's copies
+        homes[0].copy_(flat_grad[:CUT])
+        homes[1].copy_(flat_grad[CUT:])
+        offloaded.step(homes, None, lr=1e-2)
     want = torch.cat([p.detach().reshape(-1) for p in ref])
     assert torch.equal(torch.cat(params), want)
     assert torch.equal(torch.cat([host.master(0), host.master(1)]), want)
@@ -82,6 +88,9 @@ def test_host_optimizer_equals_torch_optim(tmp_path, offload, name, momentum):
     n_states = 1 + (2 if name == "adamw" else int(momentum > 0))
     assert host.memory() == {"master_bytes": 0, "optimizer_bytes": 0,
                              "offloaded_bytes": 4 * n_states * flat.numel()}
+    assert offloaded.memory()["offloaded_bytes"] == 4 * (n_states + 1) * flat.numel()
+    with pytest.raises(ValueError, match="grads=False"):
+        host.grad_buffer(0)
     # The state round-trips through state_dict (checkpoints) into a fresh optimizer.
     state = host.state_dict()
     again = HostOptimizer([torch.zeros(CUT), torch.zeros(flat.numel() - CUT)], _decay_runs(),
@@ -119,11 +128,15 @@ def _ledger(trainer: Trainer) -> dict:
     """Worker: the ledger after the run, the planner's exact figures for this rank (adamw),
     and the device storage each ZeRO-3 unit's parameter shard holds (staging: none at rest)."""
     cfg, update = trainer.cfg, trainer.parallel.update
-    out = {"ledger": trainer.memory_ledger(), "planned": None, "shard_storage": None}
+    out = {"ledger": trainer.memory_ledger(), "planned": None, "shard_storage": None,
+           "grads_at_home": None}
     if cfg.optim.name == "adamw":
         out["planned"] = rank0_states(cfg.model, config_layout(cfg, dist.get_world_size()))
     if cfg.parallel.zero == 3:
         out["shard_storage"] = [u.shard.untyped_storage().nbytes() for u in update.units]
+    if cfg.parallel.zero >= 2 and cfg.parallel.offload != "none":  # the last step's shards
+        out["grads_at_home"] = [u.grad_shard is update.optimizer.grad_buffer(k)
+                                for k, u in enumerate(update.units)]
     return out
 
 
@@ -189,7 +202,9 @@ def test_offload_parity_with_single_process_and_resume(tmp_path):
 
 def _check_ledger(row: Row, got: dict, on_device: dict, label: str) -> None:
     """The planner's exact states are the ledger's, offloaded bytes included; offloaded
-    ZeRO-3 holds no parameter bytes on the device and trains bitwise as on the device."""
+    ZeRO-2 and 3 hold their reduced gradient shards in the host optimizer's buffers, none
+    on the device; offloaded ZeRO-3 holds no parameter bytes on the device and trains
+    bitwise as on the device."""
     ledger = got["ledger"]
     if got["planned"] is not None:
         planned = {k: int(getattr(got["planned"], k)) for k in
@@ -197,9 +212,12 @@ def _check_ledger(row: Row, got: dict, on_device: dict, label: str) -> None:
         held = {k: ledger[f"{k}_bytes"] for k in ("params", "grads", "master", "optimizer",
                                                   "offloaded")}
         assert held == planned, f"{label}: ledger {held} != planner {planned}"
+    if "offload" in row.label and not row.label.startswith("zero1"):
+        assert ledger["grads_bytes"] == 0 and set(got["grads_at_home"]) == {True}, label
     if row.label.startswith("zero3 ") and "offload" in row.label:
         assert ledger["params_bytes"] == 0 and set(got["shard_storage"]) == {0}, label
-        assert ledger["offloaded_bytes"] == 3 * on_device["ledger"]["params_bytes"], label
+        # master (the parameter shard), two moments and the gradient shard, fp32 each
+        assert ledger["offloaded_bytes"] == 4 * on_device["ledger"]["params_bytes"], label
         assert got["losses"] == on_device["losses"], f"{label}: losses differ from zero3"
         for name, w in on_device["weights"].items():
             assert torch.equal(got["weights"][name], w), f"{label}: {name} differs from zero3"

@@ -35,6 +35,13 @@ class ParallelConfig:
     # step's one gather of each unit, in the stage's first forward).
     zero: int = 0
     zero_prefetch: int = 1
+    # ZeRO-3: transformer blocks per flat unit (gathered, reduced and freed together): finer
+    # units cost a collective's latency each, coarser ones peak memory (docs/zero.md).
+    zero_unit_blocks: int = 1
+    # ZeRO-3: flat: every dp rank owns 1/N_d of every unit (all-gather, reduce-scatter);
+    # layer: each rank owns whole units (broadcast from the owner, reduce to it: seed 001's
+    # inter-layer partitioning; parallel/zero/layer.py).
+    zero_partition: Literal["flat", "layer"] = "flat"
     offload: Literal["none", "cpu", "nvme"] = "none"  # where optimizer state and step live
     offload_dir: str = ""  # nvme offload: directory of the memory-mapped shard files
     zero_quantized_weights: bool = False  # ZeRO++ qwZ: int8 parameter all-gather
@@ -88,10 +95,32 @@ class ParallelConfig:
             raise ConfigError(f"parallel.zero_prefetch={self.zero_prefetch} only applies to "
                               f"parallel.zero=3 (units of parameters gathered ahead); this run "
                               f"has parallel.zero={self.zero}: drop zero_prefetch or set zero=3")
+        if self.zero_unit_blocks < 1 or (self.zero_unit_blocks != 1 and self.zero != 3):
+            raise ConfigError(f"parallel.zero_unit_blocks={self.zero_unit_blocks} must be >= 1 "
+                              f"and only applies to parallel.zero=3 (this run has zero="
+                              f"{self.zero}): set zero=3 or drop zero_unit_blocks")
         self._validate_offload_and_zeropp()
+        self._validate_layer_partition()
         positive("parallel", self, "virtual_stages")
         if (dp * self.cp) % self.ep:
             raise ConfigError(f"parallel.ep={self.ep} must divide dp x cp = {dp * self.cp}")
+
+    def _validate_layer_partition(self) -> None:
+        """The layer partition is built for ZeRO-3 over plain data parallelism."""
+        if self.zero_partition == "flat":
+            return
+        if self.zero != 3:
+            raise ConfigError(f"parallel.zero_partition={self.zero_partition} partitions "
+                              f"ZeRO-3's parameters; this run has parallel.zero={self.zero}: "
+                              "set zero=3 or zero_partition=flat")
+        used = [f"{n}={getattr(self, n)}" for n in ("tp", "pp", "cp", "ep") if getattr(self, n) > 1]
+        used += [f"{n}=true" for n in ("zero_quantized_weights", "zero_hpz",
+                                       "zero_quantized_gradients") if getattr(self, n)]
+        used += [f"offload={self.offload}"] if self.offload != "none" else []
+        if used:
+            raise ConfigError(f"parallel.zero_partition=layer runs over plain data parallelism "
+                              f"without offload or ZeRO++; this run has parallel.{used[0]}: use "
+                              "zero_partition=flat or drop it")
 
     def _validate_offload_and_zeropp(self) -> None:
         """Offload and ZeRO++ act on ZeRO's flat shards; hpZ on stage 3's backward gathers.

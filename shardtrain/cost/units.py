@@ -32,6 +32,8 @@ every layout keeps computing the single process's numbers (parallel/precision.py
 
 from __future__ import annotations
 
+import heapq
+
 EMBEDDING, BLOCK, HEAD = 0, 1, 2
 KEPT, ROUNDED = 0, 1  # the halves of a split unit: gathered in fp32, in the compute dtype
 
@@ -54,17 +56,19 @@ def rounded_for_compute(name: str) -> bool:
     return leaf == "weight" and owner in _LINEARS
 
 
-def unit_key(name: str, *, tied: bool, n_layers: int, rounded: bool = False
-             ) -> tuple[int, int, int]:
+def unit_key(name: str, *, tied: bool, n_layers: int, rounded: bool = False,
+             blocks: int = 1) -> tuple[int, int, int]:
     """Forward-order key of the unit holding parameter `name` (a full-model name) of a
     model of `n_layers` blocks: (EMBEDDING, 0, h), (BLOCK, i, h) or (HEAD, 0, h), h the
     half of a split unit (`rounded`: ZeRO-3 gathering in a 16-bit compute dtype; module
-    docstring), KEPT when units are not split."""
+    docstring), KEPT when units are not split. `blocks` (parallel.zero_unit_blocks): a unit
+    holds that many consecutive blocks, keyed by its first, i - i % blocks."""
     half = ROUNDED if rounded and rounded_for_compute(name) else KEPT
     if name.startswith("layers."):
-        return (BLOCK, int(name.split(".")[1]), half)
+        i = int(name.split(".")[1])
+        return (BLOCK, i - i % blocks, half)
     if name.startswith("norm."):
-        return (BLOCK, n_layers - 1, half)
+        return (BLOCK, (n_layers - 1) - (n_layers - 1) % blocks, half)
     if name.startswith("pos_emb.") or (name.startswith("tok_emb.") and not tied):
         return (EMBEDDING, 0, half)
     return (HEAD, 0, half)
@@ -103,3 +107,16 @@ def coalesce(sizes: list[float], cap: float, groups: list[object] | None = None
             buckets.append([i])
             held = size
     return buckets
+
+
+def layer_owners(sizes: list[int], ranks: int) -> list[int]:
+    """The owner of each unit (`sizes`: their elements, forward order) under ZeRO-3's layer
+    partition (parallel.zero_partition = layer): whole units dealt out largest first, each
+    to the rank holding the fewest bytes so far (the lowest such rank): round-robin by
+    size, which balances the bytes greedily (seed 001's inter-layer partitioning)."""
+    loads = [(0, r) for r in range(ranks)]  # a heap of (elements held, rank)
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):  # stable: ties in order
+        load, owners[i] = heapq.heappop(loads)
+        heapq.heappush(loads, (load + sizes[i], owners[i]))
+    return owners

@@ -13,10 +13,11 @@ whole: an upper bound as backward releases them):
   cost/units.py `coalesce`): the bucket being filled and at most the one before it still in
   flight (when no larger). The head's moment: its weight's gradient (and under ZeRO-3 its
   gathered weight; the logits' gradient replaces the released log-probabilities). A
-  block's: the buckets held, and under ZeRO-3 two gathered blocks (the one computing, the
-  one prefetched). The end of backward (the saved activations gone): the last buckets, the
-  embedding's dense gradient, a tied table's head contribution (autograd holds it from the
-  head's backward, zero/reducer.py), under ZeRO-3 the embedding's gathered table.
+  block's: the buckets held, and under ZeRO-3 two gathered units (the one computing, the
+  one prefetched), each of parallel.zero_unit_blocks blocks (`block_units`). The end
+  of backward (the saved activations gone): the last buckets, the embedding's dense
+  gradient, a tied table's head contribution (autograd holds it from the head's
+  backward, zero/reducer.py), under ZeRO-3 the embedding's gathered table.
 - ZeRO-1 and plain DP keep full gradients in their states; their buckets' copies (two
   buckets of comm.bucket_mb: a 16-bit reduce dtype's copies, ZeRO-1's packed buckets) are
   `sync_bytes`, held at the end of backward, with the loss's moment before it.
@@ -69,13 +70,27 @@ def held_buckets(sizes: list[float], cap: float) -> tuple[list[float], bool]:
     return held, len(groups[-1]) > 1
 
 
+def block_units(layers: int, layer: float, blocks: int) -> list[float]:
+    """Parameters of each ZeRO unit of transformer blocks on a rank, in forward order:
+    `layers` blocks of `layer` parameters, `blocks` of them per unit
+    (parallel.zero_unit_blocks, cost/units.py `unit_key`; the last unit takes the rest)."""
+    return [layer * min(blocks, layers - i) for i in range(0, layers, blocks)]
+
+
+def gathered_units(units: list[float]) -> float:
+    """The most parameters of block units gathered at once under ZeRO-3: the one computing
+    and the next one, prefetched (one unit of all blocks: itself)."""
+    return max((a + b for a, b in zip(units, units[1:])), default=units[0] if units else 0.0)
+
+
 def zero_moments(cfg: ModelConfig, layout: Layout, ranks: RankParams, *, seq_len: int,
                  activations: float, bucket_bytes: float, gather_bytes: float) -> float:
     """The largest transient of a ZeRO-2/3 step without a pipeline (module docstring);
     `gather_bytes`: bytes per gathered parameter (ZeRO-3)."""
     vocab = -(-cfg.vocab_size // layout.tp) * cfg.dim  # elements of a vocabulary unit
     table = vocab + (cfg.max_seq_len * cfg.dim if cfg.style == "gpt2" else 0)
-    blocks = [GRAD_BYTES * ranks.layer] * ranks.layers
+    units = block_units(ranks.layers, ranks.layer, layout.unit_blocks)
+    blocks = [GRAD_BYTES * n for n in units]
     if cfg.tie_embeddings:
         sizes = blocks + [GRAD_BYTES * vocab]
     else:
@@ -83,7 +98,7 @@ def zero_moments(cfg: ModelConfig, layout: Layout, ranks: RankParams, *, seq_len
     held, packed = held_buckets(sizes, bucket_bytes)
     z3 = layout.zero == 3
     head = GRAD_BYTES * vocab + (gather_bytes * vocab if z3 else 0.0)
-    during = max(held) + (2 * gather_bytes * ranks.layer if z3 else 0.0)
+    during = max(held) + (gather_bytes * gathered_units(units) if z3 else 0.0)
     end = held[-1] + GRAD_BYTES * table * (int(cfg.tie_embeddings) + int(packed)) \
         + (gather_bytes * table if z3 else 0.0)
     return max(loss_moment(cfg, layout, seq_len=seq_len), head, during, end - activations)

@@ -38,6 +38,8 @@ class Layout:
     cp_mode: str = "ring"  # ring attention or Ulysses all-to-alls (parallel.cp_mode)
     ep: int = 1
     zero: int = 0
+    unit_blocks: int = 1  # ZeRO-3: transformer blocks per unit (parallel.zero_unit_blocks)
+    partition: str = "flat"  # ZeRO-3: flat or layer (parallel.zero_partition)
     offload: str = "none"
     precision: str = "bf16"
     reduce_dtype: str = ""  # gradients on the wire (train.grad_reduce_dtype); "": precision's
@@ -73,6 +75,8 @@ class Layout:
             parts.append(f"recompute={self.recompute}")
         if self.pp > 1:
             parts.append(self.schedule + (f"(v={self.v})" if self.v > 1 else ""))
+        parts += [f"{k}={v}" for k, v in (("unit_blocks", self.unit_blocks),
+                                          ("partition", self.partition)) if v not in (1, "flat")]
         if self.offload != "none":
             parts.append(f"offload={self.offload}")
         if self.ps_servers:
@@ -169,6 +173,10 @@ def check(layout: Layout, cfg: ModelConfig, *, gpus: int, node_size: int, global
                         f"not equal the global batch {global_batch} (--global-batch)")
     if not 0 <= lay.zero <= 3:
         raise PlanError(f"layout zero={lay.zero} must be 0, 1, 2 or 3")
+    if lay.unit_blocks < 1 or (lay.unit_blocks != 1 and lay.zero != 3):
+        raise PlanError(f"layout unit_blocks={lay.unit_blocks} must be >= 1 and needs zero=3 "
+                        "(ZeRO-3's gather units); drop it or set zero=3")
+    check_layer_partition(lay, cfg)
     if (lay.offload == "cpu" and lay.zero < 1) or (lay.offload == "nvme" and lay.zero != 3):
         raise PlanError(f"layout offload={lay.offload} needs zero >= 1 (cpu) or zero = 3 (nvme): "
                         "offloading moves the sharded optimizer state")
@@ -185,6 +193,18 @@ def check(layout: Layout, cfg: ModelConfig, *, gpus: int, node_size: int, global
                             f"model.n_layers={cfg.n_layers}")
     elif lay.v != 1:
         raise PlanError(f"layout v={lay.v} needs schedule=interleaved")
+
+
+def check_layer_partition(lay: Layout, cfg: ModelConfig) -> None:
+    """ZeRO-3's layer partition runs over plain data parallelism (parallel.zero_partition),
+    and the planner counts it for dense models (plan/layer_partition.py)."""
+    if lay.partition not in ("flat", "layer"):
+        raise PlanError(f"layout partition={lay.partition!r} is not one of flat, layer")
+    if lay.partition == "layer" and (lay.zero != 3 or lay.gpus != lay.dp or cfg.n_experts
+                                     or lay.offload != "none"):
+        raise PlanError("layout partition=layer needs zero=3 over dp alone (tp = pp = cp = 1, "
+                        "no parameter servers), no offload and a dense model; use "
+                        "partition=flat")
 
 
 def check_context_parallel(lay: Layout, cfg: ModelConfig, *, seq_len: int) -> None:
@@ -210,6 +230,8 @@ def _config_fields(layout: Layout, *, seq_len: int | None,
         ("parallel", "dp"): lay.dp, ("parallel", "tp"): lay.tp, ("parallel", "pp"): lay.pp,
         ("parallel", "cp"): lay.cp, ("parallel", "cp_mode"): lay.cp_mode,
         ("parallel", "ep"): lay.ep, ("parallel", "sp"): lay.sp, ("parallel", "zero"): lay.zero,
+        ("parallel", "zero_unit_blocks"): lay.unit_blocks,
+        ("parallel", "zero_partition"): lay.partition,
         ("parallel", "offload"): lay.offload, ("parallel", "microbatches"): lay.microbatches,
         ("parallel", "schedule"): lay.schedule, ("parallel", "virtual_stages"): lay.v,
         ("parallel", "ps_servers"): lay.ps_servers, ("train", "micro_batch"): lay.micro_batch,
@@ -267,6 +289,7 @@ def config_layout(cfg: Config, world_size: int) -> Layout:
     p, t = cfg.parallel, cfg.train
     dp = p.resolved_dp(world_size)
     return Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, cp_mode=p.cp_mode, ep=p.ep, zero=p.zero,
+                  unit_blocks=p.zero_unit_blocks, partition=p.zero_partition,
                   offload=p.offload, precision="fp32" if t.precision == "fp32" else "amp",
                   reduce_dtype="" if t.grad_reduce_dtype == "fp32" else t.grad_reduce_dtype,
                   recompute=t.activation_checkpointing, sp=p.sp, micro_batch=t.micro_batch,

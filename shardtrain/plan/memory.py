@@ -14,7 +14,8 @@ Model states per parameter (Rajbhandari et al. 2020, FORMULAS.md), N_d = dp x cp
   per sharded parameter: where the parameters are their own fp32 master, the host keeps
   the copy the step updates), and under ZeRO-3 the parameter shards too, as ZeRO-Infinity
   does: fp32 ones are that master (no extra bytes), a 16-bit one (the bf16 convention) is
-  kept beside it. ZeRO-1 and 2 keep their full parameters on the device by definition.
+  kept beside it; under ZeRO-2 and 3 the gradient shards too (the step reads them on the
+  host). ZeRO-1 and 2 keep their full parameters on the device by definition.
   All of it is reported under `offloaded`, not in `total` (`offload_states`).
 Activations, per layer and micro-batch: under the `bf16` convention the published forms
 of Korthikanti et al. 2022 (Megatron-LM's kernels: 16-bit values, stored attention
@@ -49,7 +50,8 @@ from dataclasses import dataclass
 from shardtrain.config import ModelConfig
 from shardtrain.plan.activations import (head_activation_bytes, moe_block_bytes,
                                          runtime_activation_bytes)
-from shardtrain.plan.buffers import loss_moment, weight_casts, zero_moments
+from shardtrain.plan.buffers import (block_units, gathered_units, loss_moment, weight_casts,
+                                     zero_moments)
 from shardtrain.plan.layout import Layout
 from shardtrain.plan.partition import rank_params
 
@@ -77,16 +79,19 @@ class ModelStates:
 
 def offload_states(states: ModelStates, *, shard_params: float, zero: int) -> ModelStates:
     """`states` with parallel.offload (cpu or nvme) on (module docstring): the optimizer
-    state and an fp32 master shard of `shard_params` elements move to `offloaded`, and
-    under ZeRO-3 the parameter shards do too. The runtime's ledger to the byte
-    (parallel/zero/offload.py HostOptimizer.memory, zero/model.py ZeroModel.memory)."""
+    state and an fp32 master shard of `shard_params` elements move to `offloaded`, under
+    ZeRO-2 and 3 the gradient shards, and under ZeRO-3 the parameter shards do too. The
+    runtime's ledger to the byte (zero/offload.py HostOptimizer.memory, zero/model.py
+    ZeroModel.memory)."""
     master = states.master or 4 * shard_params  # fp32 parameters: the host's master copy
     offloaded = master + states.optimizer
-    params = states.params
+    params, grads = states.params, states.grads
     if zero == 3:
         offloaded += states.params if states.master else 0  # a 16-bit copy beside the master
         params = 0
-    return ModelStates(params=params, grads=states.grads, master=0, optimizer=0,
+    if zero >= 2:  # the reduced gradient shard goes to its host buffer (zero/offload.py)
+        offloaded, grads = offloaded + grads, 0
+    return ModelStates(params=params, grads=grads, master=0, optimizer=0,
                        offloaded=states.offloaded + offloaded)
 
 
@@ -203,6 +208,9 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
     states = (model_states(ranks.dense, nd=lay.replicas, zero=lay.zero, precision=lay.precision)
               + model_states(ranks.expert, nd=lay.replicas // lay.ep, zero=lay.zero,
                              precision=lay.precision))
+    if lay.partition == "layer":  # the busiest rank's whole units (imports this module)
+        from shardtrain.plan.layer_partition import layer_states
+        states = layer_states(cfg, lay)
     if lay.ps_servers:  # the optimizer lives on the parameter servers
         states = ModelStates(params=states.params, grads=states.grads, master=0, optimizer=0)
     if lay.offload != "none":  # each rank's shard: the dense over N_d, experts over N_d / ep
@@ -236,10 +244,12 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
             if lay.zero == 3:
                 buffers += zero3_gather_bytes(ranks.total, ranks.kept + ranks.kept_expert,
                                               lay.precision)
-        elif lay.replicas > 1 and lay.zero == 3:  # the layer's kept share taken as the rank's
-            kept = ranks.layer * (ranks.kept + ranks.kept_expert) / ranks.total
-            buffers += 2 * zero3_gather_bytes(ranks.layer, kept, lay.precision) \
-                + ranks.layer * STATE_BYTES[lay.precision][1]
+        elif lay.replicas > 1 and lay.zero == 3:  # the unit's kept share taken as the rank's
+            units = block_units(ranks.layers, ranks.layer, lay.unit_blocks)
+            both = gathered_units(units)  # the unit computing and the next
+            kept = both * (ranks.kept + ranks.kept_expert) / ranks.total
+            buffers += zero3_gather_bytes(both, kept, lay.precision) \
+                + max(units) * STATE_BYTES[lay.precision][1]
     if mine and lay.precision == "amp":  # held beside every moment above
         buffers += weight_casts(cfg, lay, ranks)
     if lay.pp > 1:

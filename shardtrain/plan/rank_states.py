@@ -90,12 +90,12 @@ def rank0_tensors(cfg: ModelConfig, layout: Layout, *, layers: int | None = None
 
 
 def zero_padded(tensors: list[tuple[str, int]], *, nd: int, tied: bool, n_layers: int,
-                rounded: bool = False) -> int:
+                rounded: bool = False, blocks: int = 1) -> int:
     """Elements of the flat units (cost/units.py; `rounded`: split by gather dtype, ZeRO-3
-    under amp), each padded to a multiple of nd."""
+    under amp; `blocks` per unit), each padded to a multiple of nd."""
     units: dict[tuple[int, int, int], int] = {}
     for name, n in tensors:
-        key = unit_key(name, tied=tied, n_layers=n_layers, rounded=rounded)
+        key = unit_key(name, tied=tied, n_layers=n_layers, rounded=rounded, blocks=blocks)
         units[key] = units.get(key, 0) + n
     return sum(_up(n, nd) for n in units.values())
 
@@ -133,7 +133,8 @@ def rank0_states(cfg: ModelConfig, layout: Layout, *, layers: int | None = None,
     if lay.zero:
         padded = zero_padded(tensors, nd=lay.replicas, tied=cfg.tie_embeddings,
                              n_layers=cfg.n_layers,
-                             rounded=lay.zero == 3 and lay.precision == "amp")
+                             rounded=lay.zero == 3 and lay.precision == "amp",
+                             blocks=lay.unit_blocks)
         states = model_states(padded, nd=lay.replicas, zero=lay.zero, precision=lay.precision)
         if lay.offload == "none":
             return states

@@ -109,10 +109,21 @@ def _inner(cfg: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, ep: int, cp_
             for recompute in ("none", "selective", "full"):
                 for sp in sps:
                     for schedule, v in schedules:
-                        yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, cp_mode=cp_mode, ep=ep,
-                                     zero=zero, offload=offload, precision=precision,
-                                     recompute=recompute, sp=sp, micro_batch=b,
-                                     microbatches=m, schedule=schedule, v=v)
+                        for partition in _partitions(cfg, zero, dp, tp * pp * cp, offload):
+                            yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, cp_mode=cp_mode, ep=ep,
+                                         zero=zero, offload=offload, precision=precision,
+                                         recompute=recompute, sp=sp, micro_batch=b,
+                                         microbatches=m, schedule=schedule, v=v,
+                                         partition=partition)
+
+
+def _partitions(cfg: ModelConfig, zero: int, dp: int, model_ranks: int,
+                offload: str) -> tuple[str, ...]:
+    """ZeRO-3's partitions worth pricing: flat, and layer (whole units per rank) where the
+    trainer runs it (plan/layout.py `check_layer_partition`)."""
+    layer = zero == 3 and dp > 1 and model_ranks == 1 and offload == "none" \
+        and not cfg.n_experts
+    return ("flat", "layer") if layer else ("flat",)
 
 
 def search(cfg: ModelConfig, hw: Hardware, *, gpus: int, global_batch: int, seq_len: int,

@@ -56,6 +56,8 @@ from shardtrain.config import ModelConfig
 from shardtrain.cost.hardware import Hardware
 from shardtrain.cost.units import coalesce
 from shardtrain.plan.activations import kv_heads_per_rank, ulysses_kv_heads
+from shardtrain.plan.buffers import block_units
+from shardtrain.plan.layer_partition import layer_ops
 from shardtrain.plan.layout import Layout
 from shardtrain.plan.memory import (BUCKET_BYTES, REDUCE_BYTES, STATE_BYTES,
                                     zero3_gather_bytes)
@@ -119,11 +121,13 @@ def step_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, seq_len: int,
     ops: list[CommOp] = []
     if lay.ps_servers:  # pushes and pulls instead of the all-reduce (ps.py)
         return ps_ops(cfg, lay, hw.inter_link() if lay.gpus > node else hw.intra_link())
-    common = dict(zero=lay.zero, microbatches=m, precision=lay.precision, layers=ranks.layers,
+    units = len(block_units(ranks.layers, ranks.layer, lay.unit_blocks))  # ZeRO's block units
+    common = dict(zero=lay.zero, microbatches=m, precision=lay.precision, layers=units,
                   bucket_bytes=bucket_bytes, pipelined=lay.pp > 1, reduce_dtype=lay.reduce_dtype)
-    ops += data_parallel_ops(group="dp", params=ranks.dense, size=lay.replicas,
-                             where=placement(hw, node, lay.tp, lay.replicas), kept=ranks.kept,
-                             **common)
+    dp_where = placement(hw, node, lay.tp, lay.replicas)
+    ops += layer_ops(cfg, lay, dp_where) if lay.partition == "layer" else data_parallel_ops(
+        group="dp", params=ranks.dense, size=lay.replicas, where=dp_where, kept=ranks.kept,
+        **common)
     ops += data_parallel_ops(group="edp", params=ranks.expert, size=lay.replicas // lay.ep,
                              where=placement(hw, node, lay.tp * lay.ep, lay.replicas // lay.ep),
                              kept=ranks.kept_expert, **common)

@@ -8,7 +8,8 @@ first stage's first chunk and the final norm and head after them on the last sta
 chunk). Its events in forward order: the chunk itself (its forward pre-hook; the units of
 the embedding's tables when it embeds tokens: the position table's, and the token
 table's, which is the head's unit when tied, cost/units.py), each block (its dense unit
-and under expert parallelism its experts' unit; the last block's holds the final norm),
+and under expert parallelism its experts' unit; the last block's holds the final norm) --
+or, with `parallel.zero_unit_blocks` = k, each run of k blocks sharing those units --
 then the head (the head's unit: its weight, or the tied token table).
 """
 
@@ -30,10 +31,16 @@ def forward_events(chunk: nn.Module, units: list[FlatUnit]) -> list[Event]:
     tables = [u for u in units if u.key[0] == EMBEDDING
               or any(n.startswith("tok_emb.") for n in u.names)]
     events: list[Event] = [(chunk, tables if first else [])]
+    k = units[0].blocks if units else 1  # blocks per unit (parallel.zero_unit_blocks)
     for i in indices:
         block = owner.layers[str(i)] if isinstance(owner.layers, nn.ModuleDict) \
             else owner.layers[i]
-        events.append((block, [u for u in units if u.key[:2] == (BLOCK, i)]))
+        # A unit of k blocks is keyed by its first block (cost/units.py `unit_key`); the
+        # blocks of one unit are one event, started by the first one's pre-hook.
+        block_units = [u for u in units if u.key[:2] == (BLOCK, i - i % k)]
+        if len(events) > 1 and block_units and events[-1][1] == block_units:
+            continue
+        events.append((block, block_units))
     if last:
         events.append((owner.head, [u for u in units if u.key[0] == HEAD]))
     return events

@@ -25,11 +25,8 @@ step's traffic at one reduction per step, as torchtitan's FSDP under pipelining 
 gradients accumulate over the micro-batches and are reduce-scattered once, after the last
 backward, then dropped (only the fp32 shards stay until the next step); stage 3 gathers
 each unit once, before the stage's first forward of the step (gather.py `StepGatherer`),
-and frees it after that reduce-scatter. Per step: stage 2 moves stage 1's bytes, stage 3
-one all-gather and one reduce-scatter (DP's bytes, not 1.5x); during the step a stage holds
-its full parameters and gradients (stage 1's peak), between steps only the shards.
-Reduce-scattering or gathering every micro-batch would multiply the bytes by m (2m
-gathers) on the pipeline's critical path; docs/zero.md "With pipeline parallelism".
+and frees it after that reduce-scatter: DP's bytes (docs/zero.md "With pipeline
+parallelism" says why).
 Precision (precision.py, the policy every layout shares): the flat buffers hold the
 parameters in the policy's parameter dtype, fp32, and under bf16 and fp16 the forward runs
 under autocast as DP's does, so ZeRO computes DP's numbers; the parameter shard is the
@@ -38,8 +35,8 @@ master weight. Stage 3 gathers the parameters autocast rounds anyway in the comp
 and travel in the policy's reduce dtype.
 Tensor parallelism composes: the units hold each tp rank's local tensors; clipping sums the
 squared norm over dp and tp, and the gradient parts of blocks shared by several tp ranks are
-summed over tp on the shards (tensor/sharding.py). World size 1 runs the same code (the collectives
-degenerate to copies).
+summed over tp on the shards (tensor/sharding.py). World size 1 runs the same code.
+ZeRO-3's layer partition (layer.py): whole units per rank, broadcast, reduced to owners.
 Expert parallelism composes: each rank holds n_experts / ep experts, replicated only over
 the edp ranks (dp x cp / ep) holding the same ones, so, as DeepSpeed-MoE (Rajbhandari et al.
 2022) does, the experts get units of their own, sharded over edp (their gradients
@@ -69,6 +66,7 @@ from shardtrain.parallel.pipeline.state import StageShards
 from shardtrain.parallel.precision import PrecisionPolicy
 from shardtrain.parallel.strategy import nbytes
 from shardtrain.parallel.zero.gather import ParamGatherer, StepGatherer, UnitGatherer
+from shardtrain.parallel.zero.layer import layer_comms
 from shardtrain.parallel.zero.offload import build_shard_optimizer
 from shardtrain.parallel.zero.optim import ShardOptimizer, moment_names
 from shardtrain.parallel.zero.reducer import ZeroReducer
@@ -109,9 +107,14 @@ class ZeroModel:
             return build_units(model, dp_size=c.comm.size, dp_rank=c.comm.rank, dtype=dtype,
                                tied=model.cfg.tie_embeddings, align=align, comm=c,
                                sharded=self.stage == 3, device=device,
-                               gather_dtype=policy.gather_dtype, **which)
+                               gather_dtype=policy.gather_dtype,
+                               blocks=p.zero_unit_blocks, partition=p.zero_partition,
+                               **which)
 
         self.units = build(self.unit_comm, skip=experts)
+        if p.zero_partition == "layer":  # whole units, broadcast from their owners
+            self.unit_comm = layer_comms(self.units, comm)
+            self.comms = [self.unit_comm]
         if experts:  # their own units, sharded over edp (module docstring)
             self.units = merge_units(self.units, build(expert_comm, only=experts))
         self._unit_of = {n: (u, i) for u in self.units for i, n in enumerate(u.names)}
@@ -149,6 +152,8 @@ class ZeroModel:
             # must go with this model, and its finalizer delete the nvme files.
             index, host = {u: k for k, u in enumerate(self.units)}, weakref.proxy(self.optimizer)
             self.gatherer.fetch_from(lambda u, out: host.fetch(index[u], out))
+        if p.offload != "none" and self.stage >= 2:  # gradient shards in host buffers
+            self.reducer.offload_grads([*map(self.optimizer.grad_buffer, range(len(self.units)))])
         self._partial = [partial_runs(u, shards.placements) for u in self.units]
         self.no_sync, self.zero_grad = self.reducer.no_sync, self.reducer.zero_grad
 
@@ -196,23 +201,23 @@ class ZeroModel:
             torch._foreach_mul_([u.grad_shard for u in self.units], unscale)
         whole = self.shards.comm.size == 1 and self.shards.ep is None
         skip = self.shards.counted_elsewhere
-        device = self.units[0].grad_shard.device
+        device = self.units[0].flat.device  # the collectives' (offloaded shards: the host's)
         totals = {c.comm: torch.zeros((), device=device) for c in self.comms}  # per group
         for u in self.units:
             g, total = u.grad_shard, totals[u.comm.comm]
             if whole and not skip:
-                total += g.square().sum()
+                total += g.square().sum().to(device)
                 continue
             for i, a, b in u.shard_runs(lambda i, u=u: u.names[i] not in skip):
                 share = self.shards.norm_share(u.names[i])
-                total += g[a:b].square().sum() * share
+                total += (g[a:b].square().sum() * share).to(device)
         for comm, total in totals.items():  # the same order on every rank
             comm.all_reduce(total, "sum", tag="grad_norm")
         total = self.shards.sum_norm_squared(sum(totals.values())).sqrt()
         if max_norm < float("inf"):
             scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
             for u in self.units:
-                u.grad_shard.mul_(scale)
+                u.grad_shard.mul_(scale.to(u.grad_shard.device))
         return total
 
     @torch.no_grad()
@@ -240,7 +245,7 @@ class ZeroModel:
         for k, u in enumerate(self.units):
             full = torch.empty(u.padded, device=u.shard.device)  # [padded] fp32
             master = self.optimizer.master(k).to(full.device, torch.float32)  # [shard]
-            u.comm.comm.all_gather(full, master, tag="state")
+            u.comm.gather_state(u, full, master)
             for name, view in zip(u.names, u.param_views(full)):
                 out[name] = view.clone()
         return out
@@ -260,7 +265,6 @@ class ZeroModel:
         params += sum(c.held_param_bytes for c in self.comms)
         return {"params_bytes": params, "grads_bytes": self.reducer.grad_bytes,
                 **self.optimizer.memory()}
-
 
     def state_pieces(self) -> list[Piece]:
         """The module's tensors outside the units (buffers, frozen weights), the master

@@ -25,9 +25,13 @@ master where it lives (`step(..., params=None)`) and writes no device shard. ZeR
 keep their full flat parameters on the device by definition: the step writes this rank's
 slice of them, all-gathered after it (model.py).
 
-HostOptimizer implements shard_optim.ShardOptimizer, and its update is that module's
-`update_shard` (torch.optim's own arithmetic, op for op), so an offloaded run reproduces an
-on-device one.
+Gradients (ZeRO-2 and 3, `grads`): each shard has a host buffer (`grad_buffer`, pinned on
+CUDA) that the reducer reduces it into (reducer.py `offload_grads`); clipping and the step
+read it there, so no gradient shard stays on the device (ZeRO-Offload's gradients; the
+nvme tier keeps them in host memory too). ZeRO-1's shard is a view of its full gradients.
+
+HostOptimizer is a shard_optim.ShardOptimizer whose update is `update_shard` (torch.optim's
+arithmetic, op for op), so an offloaded run reproduces an on-device one.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ def build_shard_optimizer(masters: list[torch.Tensor], decay: list[Runs], cfg: C
     if p.offload == "none":
         return MemoryOptimizer(masters, decay, cfg.optim, aliased=aliased)
     return HostOptimizer(masters, decay, cfg.optim, offload=p.offload, directory=p.offload_dir,
-                         rank=rank)
+                         rank=rank, grads=p.zero >= 2)
 
 
 @dataclass
@@ -77,7 +81,8 @@ class _Shard:
     decay: Runs  # where weight decay applies
     host: torch.Tensor | None = None  # cpu: [states, numel] fp32
     path: Path | None = None  # nvme: the state file, [states, numel] fp32
-    grad: torch.Tensor | None = None  # cpu on a CUDA device: pinned staging for the gradient
+    grad: torch.Tensor | None = None  # [numel] fp32 host: the offloaded gradient shard
+    # (`grads`), or on a CUDA device the pinned staging the step copies it down into
 
 
 class HostOptimizer:
@@ -87,14 +92,16 @@ class HostOptimizer:
     `masters`: each shard's initial values (copied; any device); `decay`: each shard's
     weight-decay runs (FlatUnit.decay_runs). `step(grads, params, lr)` writes the new values
     into `params`, the device shards (any float dtype), or, with `params` None (ZeRO-3's
-    offloaded parameters), nowhere else: `fetch` reads them when a unit is next gathered."""
+    offloaded parameters), nowhere else: `fetch` reads them when a unit is next gathered.
+    `grads`: hold every shard's gradient in a host buffer (`grad_buffer`; module docstring)."""
 
     def __init__(self, masters: list[torch.Tensor], decay: list[Runs],
                  optim: OptimConfig, *, offload: str, directory: str = "", rank: int = 0,
-                 stream_numel: int = STREAM_NUMEL):
+                 stream_numel: int = STREAM_NUMEL, grads: bool = False):
         if offload not in ("cpu", "nvme"):
             raise ValueError(f"parallel.offload={offload!r}: HostOptimizer serves cpu or nvme")
         self.optim, self.offload, self.stream_numel = optim, offload, stream_numel
+        self.holds_grads = grads
         self.states = state_names(optim)
         self.steps = 0  # optimizer steps taken (Adam's bias correction)
         self.directory: Path | None = None
@@ -112,11 +119,11 @@ class HostOptimizer:
             shard = _Shard(numel=master.numel(), decay=runs)
             init = torch.zeros(len(self.states), shard.numel, dtype=torch.float32, device="cpu")
             init[0] = master.detach().reshape(-1).float().cpu()  # [states, numel]
+            if grads or (cuda and offload == "cpu"):  # [numel] fp32, on the host
+                shard.grad = torch.zeros(shard.numel, dtype=torch.float32, device="cpu",
+                                         pin_memory=cuda)
             if offload == "cpu":
                 shard.host = init.pin_memory() if cuda else init
-                if cuda:
-                    shard.grad = torch.empty(shard.numel, dtype=torch.float32,
-                                             device="cpu").pin_memory()
             else:
                 shard.path = self.directory / f"unit{k:04d}.fp32"
                 self._write_file(shard.path, init)
@@ -155,8 +162,9 @@ class HostOptimizer:
         events = []
         with torch.cuda.stream(self.stream):
             for shard, grad in zip(self.shards, grads, strict=True):  # every gradient down
-                shard.grad.copy_(grad.reshape(-1), non_blocking=True)
-                grad.record_stream(self.stream)  # not reused before the copy is done
+                if grad is not shard.grad:  # offloaded gradients are there already
+                    shard.grad.copy_(grad.reshape(-1), non_blocking=True)
+                    grad.record_stream(self.stream)  # not reused before the copy is done
                 events.append(torch.cuda.Event())
                 events[-1].record(self.stream)
             for k, (shard, event) in enumerate(zip(self.shards, events, strict=True)):
@@ -230,10 +238,17 @@ class HostOptimizer:
         if stage is not out:
             out.copy_(stage, non_blocking=True)
 
+    def grad_buffer(self, k: int) -> torch.Tensor:
+        """Shard k's gradient home on the host [numel] fp32 (`grads`; module docstring)."""
+        if not self.holds_grads:
+            raise ValueError("built with grads=False: the gradient shards stay on the device")
+        return self.shards[k].grad
+
     def memory(self) -> dict[str, int]:
         """Nothing on the device; the whole state in host memory (cpu) or files (nvme).
-        Under ZeRO-3 that includes the parameter shards: the master is the parameter."""
-        held = sum(4 * s.numel * len(self.states) for s in self.shards)
+        Under ZeRO-3 that includes the parameter shards: the master is the parameter. With
+        `grads`, the host gradient buffers too."""
+        held = sum(4 * s.numel * (len(self.states) + self.holds_grads) for s in self.shards)
         return {"master_bytes": 0, "optimizer_bytes": 0, "offloaded_bytes": held}
 
     def close(self) -> None:

@@ -19,6 +19,9 @@ accumulate in fp32 and travel in the policy's reduce dtype (precision.py): fp32,
 copy whose reduced shard is added back in fp32. A ZeRO-3 parameter gathered in 16 bits
 (units.py) gets a 16-bit gradient, the same values autocast's fp32 parameter would get
 before its cast back: it is taken into the fp32 (or reduce-dtype) flat gradient as it is.
+Under offload (stages 2 and 3, `offload_grads`) a reduced shard goes straight into its
+host buffer (offload.py), which becomes the unit's grad_shard: no gradient shard is held on
+the device.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class ZeroReducer:
         self._bucket_of = {u: b for b in self.buckets for u in b.units}
         self._inflight: list[tuple[Bucket, object, torch.Tensor, torch.Tensor]] = []
         self.launcher: ReadyInOrder | None = None
+        self._home: dict[FlatUnit, torch.Tensor] = {}  # offloaded gradient shards' buffers
         for u in units:
             if self.per_step:  # full gradients accumulate in place, in fp32 (the shard's)
                 u.grad_flat = torch.zeros(u.padded, dtype=u.shard.dtype, device=u.flat.device)
@@ -79,6 +83,18 @@ class ZeroReducer:
                     else torch.zeros(u.shard_numel, device=u.flat.device)
         if not self.per_step:  # the shard exists from the step's first reduce-scatter (_complete)
             self.launcher = ReadyInOrder([u.params for u in self.order], self._launch)
+
+    def offload_grads(self, homes: list[torch.Tensor]) -> None:
+        """Stages 2 and 3 under offload: each unit's reduced gradient shard [shard] fp32
+        lives in `homes[i]` (host memory, offload.py `grad_buffer`), units in order."""
+        assert self.stage >= 2, "ZeRO-1's shard is a view of its full gradients"
+        self._home = dict(zip(self.units, homes, strict=True))
+
+    def _first(self, u: FlatUnit, shard: torch.Tensor) -> torch.Tensor:
+        """u's gradient shard from its first reduced `shard` of the step: fp32 on the
+        device (a view of the reduced row when it is fp32), or in its host buffer."""
+        home = self._home.get(u)
+        return shard.float() if home is None else home.copy_(shard)
 
     @contextmanager
     def no_sync(self):
@@ -135,7 +151,7 @@ class ZeroReducer:
             if self.stage == 1:
                 u.grad_shard.copy_(shard)
                 continue
-            u.grad_shard = shard.float()  # [shard] (a view of out when it is fp32)
+            u.grad_shard = self._first(u, shard)  # [shard]
             u.grad_flat.untyped_storage().resize_(0)  # the views stay, storage-less
 
     # ------------------------------------------------------------------ stages 2 and 3
@@ -195,9 +211,9 @@ class ZeroReducer:
         handle.wait()
         for u, shard in b.shards(out):
             if u.grad_shard is None:  # the step's first micro-batch
-                u.grad_shard = shard.float()
-            else:
-                u.grad_shard.add_(shard)
+                u.grad_shard = self._first(u, shard)
+            else:  # (to the host buffer's device when offloaded)
+                u.grad_shard.add_(shard.to(u.grad_shard.device))
 
     def _drain(self) -> None:
         """Launch the units whose gradients never all arrived (unused parameters), in
@@ -211,9 +227,10 @@ class ZeroReducer:
     def grad_bytes(self) -> int:
         """Gradient bytes held during a step: stage 1 the full buffers (and fp32 shards when
         they are not views of them), stages 2 and 3 the fp32 shards (a pipeline's full
-        buffers, freed between steps, are transient: plan/memory.py counts them as buffers)."""
+        buffers, freed between steps, are transient: plan/memory.py counts them as buffers).
+        Offloaded shards are in host buffers (offload.py counts them), none on the device."""
         if self.stage >= 2:
-            return sum(4 * u.shard_numel for u in self.units)
+            return sum(4 * u.shard_numel for u in self.units if u not in self._home)
         full = nbytes(*(u.grad_flat for u in self.units))
         shards = sum(4 * u.shard_numel for u in self.units
                      if u.grad_shard._base is not u.grad_flat)

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from shardtrain.comm import Communicator, Handle
-from shardtrain.cost.units import unit_key
+from shardtrain.cost.units import layer_owners, unit_key
 from shardtrain.parallel.zero.optim import Runs
 from shardtrain.parallel.tensor.sharding import Placement
 
@@ -49,6 +49,7 @@ class FlatUnit:
     padded: int  # elements of the flat buffer, a multiple of the group size
     shard_numel: int
     rank: int  # group rank: owner of elements [rank * shard_numel, (rank + 1) * shard_numel)
+    # (layer partition: 0, the owner's shard the whole unit, the others' empty)
     flat: torch.Tensor  # [padded] the full parameters (ZeRO-3: storage freed at rest; in
     # the gather dtype, 16-bit for a split unit's rounded half)
     shard: torch.Tensor  # [shard] this rank's slice of the parameters (param dtype, fp32)
@@ -57,6 +58,8 @@ class FlatUnit:
     comm: UnitComm | None = None  # the collectives over the group sharding it (None: layout only)
     key: tuple[int, int, int] = (0, 0, 0)  # forward order (unit_key)
     sharded: bool = False  # ZeRO-3: the flat buffer has storage only while gathered
+    owner: int | None = None  # layer partition: the group rank holding the whole unit
+    blocks: int = 1  # transformer blocks per unit (parallel.zero_unit_blocks; key[1] % it == 0)
 
     @property
     def numel(self) -> int:
@@ -118,7 +121,8 @@ def build_units(model: nn.Module, *, dp_size: int, dp_rank: int, dtype: torch.dt
                 only: Collection[nn.Parameter] | None = None,
                 skip: Collection[nn.Parameter] = (), sharded: bool = False,
                 device: torch.device | None = None,
-                gather_dtype: torch.dtype | None = None) -> list[FlatUnit]:
+                gather_dtype: torch.dtype | None = None, blocks: int = 1,
+                partition: str = "flat") -> list[FlatUnit]:
     """Group the model's parameters (tied ones once; those in `only` if given, not those in
     `skip`) into units in forward order, sharded over `comm`'s group of `dp_size` ranks
     (this one `dp_rank`), and make every parameter a view of its unit's flat buffer.
@@ -131,36 +135,40 @@ def build_units(model: nn.Module, *, dp_size: int, dp_rank: int, dtype: torch.dt
     values counted from a shard's start never straddle two parameters -- qwZ's quantization
     blocks: one scale for a norm's ~1.0 values and a matrix's ~0.02 would round the matrix
     away. `gather_dtype` (sharded only; the compute dtype when it is 16-bit): units split,
-    their rounded halves' flat buffers in it (module docstring)."""
+    their rounded halves' flat buffers in it (module docstring). `blocks`: transformer
+    blocks per unit (parallel.zero_unit_blocks; cost/units.py `unit_key`). `partition`
+    "layer" (sharded only): each unit whole on one rank of the group (cost/units.py
+    `layer_owners`), padded only to `align`; the others hold an empty shard (layer.py)."""
     split = sharded and gather_dtype is not None and gather_dtype != dtype
     groups: dict[tuple[int, int, int], list[tuple[str, nn.Parameter]]] = {}
     n_layers = model.cfg.n_layers  # the whole model's: a pipeline stage keeps global names
     for name, p in model.named_parameters():
         if p.requires_grad and (only is None or p in only) and p not in skip:
-            key = unit_key(name, tied=tied, n_layers=n_layers, rounded=split)
+            key = unit_key(name, tied=tied, n_layers=n_layers, rounded=split, blocks=blocks)
             groups.setdefault(key, []).append((name, p))
-    units = []
+    units, layer = [], partition == "layer"
+    layouts = [_offsets(groups[key], align) for key in sorted(groups)]
+    owners = layer_owners([total for _, total in layouts], dp_size) if layer else []
     for index, key in enumerate(sorted(groups)):
-        named = groups[key]
-        offsets, total = [], 0
-        for _, p in named:
-            total = -(-total // align) * align
-            offsets.append(total)
-            total += p.numel()
-        padded = -(-total // (dp_size * align)) * dp_size * align
+        named, (offsets, total) = groups[key], layouts[index]
+        chunks = 1 if layer else dp_size  # equal shards the unit is cut into
+        padded = -(-total // (chunks * align)) * chunks * align
         at = device or named[0][1].device
-        shard_numel = padded // dp_size
+        shard_numel, rank = padded // dp_size, dp_rank
+        if layer:  # the owner's shard is the unit, chunk 0 of 1; the others' empty
+            shard_numel, rank = padded if owners[index] == dp_rank else 0, 0
         if sharded:  # the shard [padded / dp] its own; the flat buffer only while views are
             # taken (a view needs the bytes to exist; on CPU its pages are never touched)
             flat = torch.empty(padded, dtype=gather_dtype if key[2] else dtype, device=at)
             shard = torch.zeros(shard_numel, dtype=dtype, device=at)
         else:
             flat = torch.zeros(padded, dtype=dtype, device=at)
-            shard = flat[dp_rank * shard_numel:(dp_rank + 1) * shard_numel]
+            shard = flat[rank * shard_numel:(rank + 1) * shard_numel]
         unit = FlatUnit(index=index, names=[n for n, _ in named], params=[p for _, p in named],
                         offsets=offsets, padded=padded, shard_numel=shard_numel,
-                        rank=dp_rank, flat=flat, shard=shard, comm=comm, key=key,
-                        sharded=sharded)
+                        rank=rank, flat=flat, shard=shard, comm=comm, key=key,
+                        sharded=sharded, owner=owners[index] if layer else None,
+                        blocks=blocks)
         for i, (p, view) in enumerate(zip(unit.params, unit.param_views(flat))):
             if p.is_meta:  # onto the device, the same object (ties and references hold)
                 empty = torch.empty(0, dtype=flat.dtype, device=at)
@@ -175,6 +183,17 @@ def build_units(model: nn.Module, *, dp_size: int, dp_rank: int, dtype: torch.dt
             flat.untyped_storage().resize_(0)
         units.append(unit)
     return units
+
+
+def _offsets(named: list[tuple[str, nn.Parameter]], align: int) -> tuple[list[int], int]:
+    """Each parameter's offset in its unit's flat buffer (each at a multiple of `align`),
+    and the elements they span."""
+    offsets, total = [], 0
+    for _, p in named:
+        total = -(-total // align) * align
+        offsets.append(total)
+        total += p.numel()
+    return offsets, total
 
 
 def on_wire(shard: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
@@ -214,6 +233,10 @@ class UnitComm:
         """shard [n] <- this rank's chunk of the dp average of full [dp * n] (one unit's
         gradient, or a bucket's: zero/buckets.py)."""
         return self.comm.reduce_scatter(shard, full, "avg", async_op=async_op, tag="grad")
+
+    def gather_state(self, unit: FlatUnit, full: torch.Tensor, master: torch.Tensor) -> None:
+        """full [padded] fp32 <- every rank's fp32 master shard (full state dicts)."""
+        self.comm.all_gather(full, master, tag="state")
 
     @property
     def held_param_bytes(self) -> int:
