@@ -81,10 +81,7 @@ def main() -> None:
         check = config.loads(config.to_toml(cfg))
         config.apply(check, "parallel", "zero_unit_blocks", str(k))
         check.validate(args.nproc)
-    # by its module's name: the launcher hides __main__ from the workers (launch.py)
-    from zero_unit_blocks import worker as entry
-
-    result = launch_local(args.nproc, entry, config.to_toml(cfg), sizes, args.steps)[0]
+    result = launch_local(args.nproc, worker, config.to_toml(cfg), sizes, args.steps)[0]
     for k, r in result.items():
         print(f"zero_unit_blocks={k}: {r['units']} units, {r['gathers']} all-gathers per step, "
               f"{r['wall_s']:.3f} s per step, step peak {r['peak_mib']:.1f} MiB (rank 0)")

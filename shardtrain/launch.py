@@ -10,6 +10,7 @@ once, and passed on explicitly.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import math
@@ -129,8 +130,11 @@ def launch_local(nproc: int, entrypoint, *args, max_restarts: int = 0,
         config.shutdown_timeout = max(30, int(shutdown_timeout_s))
     _quiet_signal_warnings()
     # A forkserver child re-runs the entry script as spawn does: a console script without a
-    # __main__ guard ran the CLI again in every rank (data/workers.py).
-    with hidden_main():
+    # __main__ guard ran the CLI again in every rank (data/workers.py). An entrypoint the
+    # script defines itself needs that re-run to be found (and the script has a guard, or
+    # it would launch itself again), so then __main__ stays.
+    own = getattr(entrypoint, "__module__", None) == "__main__"
+    with contextlib.nullcontext() if own else hidden_main():
         return elastic_launch(config, entrypoint)(*args)
 
 

@@ -1,6 +1,9 @@
 """Launch-time checks that need the device: our collective algorithms are refused on CUDA,
 more local ranks than GPUs is an error naming --nproc and the GPU count, a rank bound to its
-own GPU takes it, local ranks share the cores; and a worker leaves its groups in order."""
+own GPU takes it, local ranks share the cores; a worker leaves its groups in order; a
+script launches a worker of its own."""
+
+import os
 
 import pytest
 import torch
@@ -137,3 +140,21 @@ def test_the_fits_check_leaves_a_gpu_room_for_context_nccl_and_fragmentation(mon
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H100 80GB HBM3")
     capacity, what = rank_capacity("cuda", 8)
     assert capacity == int(0.9 * 79 * 2**30) and "usable" in what
+
+
+def test_a_script_launches_a_worker_it_defines(tmp_path):
+    """The benchmarks' pattern: a script's own worker reaches the ranks (the launcher hides
+    __main__ only from an entrypoint defined elsewhere; hidden, pickle could not find it)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "bench.py"
+    script.write_text("from shardtrain.launch import launch_local\n\n"
+                      "def worker(x):\n    return x * 2\n\n"
+                      "if __name__ == '__main__':\n    print(launch_local(2, worker, 21))\n")
+    root = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "{0: 42, 1: 42}"
