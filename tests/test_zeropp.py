@@ -13,8 +13,9 @@ from parity import assert_parity, make_mesh, tiny, train_layout
 from shardtrain import config
 from shardtrain.comm import build_mesh
 from shardtrain.mesh import MeshShape
-from shardtrain.parallel.zero.zeropp import (ZeroPlusPlusComm, node_comm, quantized_all_gather,
-                                        quantized_reduce_scatter)
+from shardtrain.parallel.zero.zeropp import (ZeroPlusPlusComm, hierarchical_reduce_scatter,
+                                             inter_node_comm, node_comm, quantized_all_gather,
+                                             quantized_reduce_scatter)
 from shardtrain.train.trainer import Trainer
 
 BLOCK = 64
@@ -59,8 +60,17 @@ def _primitives(rank: int, world_size: int) -> dict:
     bytes_of = {r.tag: r.sent_bytes for r in ledger.records}
     out["qg_bytes"] = (bytes_of["grad:int8"], bytes_of["exact-rs"])
 
+    # qgZ's hierarchical path over nodes of 2: the same gradient, its bytes by group.
+    node, inter = node_comm(mesh), inter_node_comm(mesh)
+    first = len(ledger.records)
+    two_hop = torch.empty(N)
+    hierarchical_reduce_scatter(node, inter, two_hop, grad, "avg", block=BLOCK)
+    out["qg2"] = two_hop
+    out["qg2_records"] = [(r.group, r.sent_bytes, r.sent_inter_node_bytes)
+                          for r in ledger.records[first:]]
+    out["inter_ranks"] = inter.ranks
+
     # hpZ: forward gather over dp, backward gather inside the node from the secondary shard.
-    node = node_comm(mesh)
     out["node_ranks"] = node.ranks
     zc = ZeroPlusPlusComm(dp, node=node, quantize_weights=True, block=BLOCK)
     first = len(ledger.records)
@@ -97,6 +107,7 @@ def test_zeropp_primitives_match_exact_collectives_and_ledger_bytes():
         bound = torch.stack([_half_steps(c) for c in sent]).mean(0)
         error = (got_rs - exact_rs).abs()
         assert error.max() > 0 and torch.all(error <= bound * 1.001 + 1e-6), error.max()
+        _hierarchical_within_bound(rank, r, per_rank, exact_rs, bound)
         int8_rs, fp32_rs = r["qg_bytes"]
         assert int8_rs == (p - 1) * (blocks * BLOCK + 4 * blocks)  # pairwise all-to-all
         assert int8_rs / fp32_rs <= 0.25 * (1 + 4 / BLOCK) * blocks * BLOCK / N + 1e-9
@@ -114,6 +125,35 @@ def test_zeropp_primitives_match_exact_collectives_and_ledger_bytes():
         assert backward[0][4] == 0 and backward[0][3] == world * N * 4 // 2  # (s-1)/s of S, s=2
         assert r["hpz_secondary_bytes"] == world * N * 4 // 2
     assert crossing > 0
+
+
+def _hierarchical_within_bound(rank: int, r: dict, per_rank: list[dict],
+                                exact_rs: torch.Tensor, one_hop_bound: torch.Tensor) -> None:
+    """qgZ's two hops (nodes {0, 1}, {2, 3}; hop 2 between ranks at the same place). Bound:
+    hop 1 rounds each sender's value once, as the one-hop form does (`one_hop_bound`, the
+    mean of half-steps); hop 2 rounds node k's partial sum P_k, within half a step of its
+    block, whose absmax is at most that of the exact partial plus hop 1's errors in it:
+    |error| <= one_hop_bound + (1/p) sum_k (absmax_k(exact P_k) + sum_{i in k} d_i) / 254."""
+    p, got = len(per_rank), r["qg2"]
+    sent = [q["qg"][0].view(p, N)[rank] for q in per_rank]  # [N] from each sender
+    second = torch.zeros(N)
+    for k in (0, 1):  # |P_k| + its hop-1 error: its absmax per block bounds the rounded P_k's
+        partial = (sent[2 * k] + sent[2 * k + 1]).abs() \
+            + _half_steps(sent[2 * k]) + _half_steps(sent[2 * k + 1])
+        second += _half_steps(partial) * 2  # absmax per block / 127
+    bound = one_hop_bound + second / 2 / p
+    error, one_hop = (got - exact_rs).abs(), (r["qg"][2] - exact_rs).abs()
+    print(f"rank {rank} qgZ error vs fp32: one hop {one_hop.max():.2e}, two hops "
+          f"{error.max():.2e} (bound {bound.max():.2e}); vs one hop "
+          f"{(got - r['qg'][2]).abs().max():.2e}")
+    assert error.max() > 0 and torch.all(error <= bound * 1.001 + 1e-6), error.max()
+    assert not torch.equal(got, r["qg"][2])  # a second rounding: not the one-hop numbers
+    # Bytes: hop 1 inside the node, the N chunks bound for each place (s - 1 = 1 row of
+    # N = 2 packed chunks); hop 2 across nodes, N - 1 = 1 packed chunk. In all the one-hop
+    # form's (p - 1) packed chunks, but 1 of them crosses nodes instead of p - s = 2.
+    packed = -(-N // BLOCK) * (BLOCK + 4)
+    assert r["inter_ranks"] == [rank % 2, rank % 2 + 2]
+    assert r["qg2_records"] == [("dp_node", 2 * packed, 0), ("dp_inter", packed, packed)]
 
 
 # ---------------------------------------------------------------- wired into ZeRO-3 training
