@@ -113,7 +113,8 @@ def evaluate(cfg: ModelConfig, layout: Layout, hw: Hardware, *, global_batch: in
     tokens = global_batch * seq_len
     model_flops = model_flops_per_token(cfg, seq_len) * tokens
     hardware_flops = hardware_flops_per_token(cfg, seq_len, lay.recompute, lay.attention) * tokens
-    memory = memory or memory_per_gpu(cfg, lay, seq_len=seq_len, bucket_bytes=bucket_bytes)
+    memory = memory or memory_per_gpu(cfg, lay, seq_len=seq_len, bucket_bytes=bucket_bytes,
+                                      node_size=hw.node_size(lay.gpus))
     ops = step_ops(cfg, lay, hw, seq_len=seq_len, bucket_bytes=bucket_bytes)
     peak = hw.flops(lay.precision)
     compute_s = hardware_flops / (lay.gpus * peak * hw.efficiency)

@@ -51,6 +51,11 @@ class Layout:
     # flash: SDPA's flash / memory-efficient kernels (out + logsumexp kept), what the
     # runtime runs on CPU and CUDA; math: the probabilities kept (plan/activations.py)
     attention: str = "flash"
+    # ZeRO++ (Wang et al. 2023; plan/zeropp.py): int8 weight gathers, a node-local secondary
+    # parameter shard (ZeRO-3), int8 gradient reduce-scatters (two hops across nodes)
+    qwz: bool = False
+    hpz: bool = False
+    qgz: bool = False
 
     @property
     def gpus(self) -> int:
@@ -79,6 +84,7 @@ class Layout:
             parts.append(f"ps_servers={self.ps_servers}")
         if self.attention != "flash":
             parts.append(f"attention={self.attention}")
+        parts += [k for k in ("qwz", "hpz", "qgz") if getattr(self, k)]
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -172,6 +178,9 @@ def check(layout: Layout, cfg: ModelConfig, *, gpus: int, node_size: int, global
     if (lay.offload == "cpu" and lay.zero < 1) or (lay.offload == "nvme" and lay.zero != 3):
         raise PlanError(f"layout offload={lay.offload} needs zero >= 1 (cpu) or zero = 3 (nvme): "
                         "offloading moves the sharded optimizer state")
+    if (lay.qwz or lay.qgz) and not lay.zero or lay.hpz and (lay.zero != 3 or lay.pp > 1):
+        raise PlanError("layout qwz and qgz quantize ZeRO's collectives (zero >= 1); hpz keeps "
+                        "a node-local copy for ZeRO-3's backward gathers (zero = 3, pp = 1)")
     if lay.sp and lay.tp == 1:
         raise PlanError("layout sp=true needs tp > 1: sequence parallelism splits along the "
                         "tensor-parallel group")
@@ -217,6 +226,8 @@ def _config_fields(layout: Layout, *, seq_len: int | None,
         ("train", "activation_checkpointing"): lay.recompute,
         ("train", "precision"): "fp32" if lay.precision == "fp32" else "bf16",
         **({("train", "grad_reduce_dtype"): lay.reduce_dtype} if lay.reduce_dtype else {}),
+        ("parallel", "zero_quantized_weights"): lay.qwz, ("parallel", "zero_hpz"): lay.hpz,
+        ("parallel", "zero_quantized_gradients"): lay.qgz,
     }
     if lay.offload == "nvme":
         pairs["parallel", "offload_dir"] = offload_dir
@@ -228,7 +239,7 @@ def _config_fields(layout: Layout, *, seq_len: int | None,
 def layout_overrides(layout: Layout, *, seq_len: int | None = None,
                      offload_dir: str = "offload") -> list[str]:
     """The `--section.field VALUE` overrides that make a training config run `layout`
-    (config.load(preset, overrides)): the degrees, ZeRO and offload, the schedule, the
+    (config.load(preset, overrides)): the degrees, ZeRO, ZeRO++ and offload, the schedule, the
     batch geometry (global_batch = dp x micro_batch x microbatches) and recomputation.
     Precision: fp32 stays fp32; bf16 and amp both train under train.precision=bf16 (the
     amp policy). `attention` has no config field (the runtime's SDPA picks its kernel)."""
@@ -271,4 +282,6 @@ def config_layout(cfg: Config, world_size: int) -> Layout:
                   reduce_dtype="" if t.grad_reduce_dtype == "fp32" else t.grad_reduce_dtype,
                   recompute=t.activation_checkpointing, sp=p.sp, micro_batch=t.micro_batch,
                   microbatches=p.microbatches or t.global_batch // (dp * t.micro_batch),
-                  schedule=p.schedule, v=p.virtual_stages, ps_servers=p.ps_servers)
+                  schedule=p.schedule, v=p.virtual_stages, ps_servers=p.ps_servers,
+                  qwz=p.zero_quantized_weights, hpz=p.zero_hpz,
+                  qgz=p.zero_quantized_gradients)

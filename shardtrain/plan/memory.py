@@ -44,13 +44,13 @@ steps; and for pp > 1 a send and a receive buffer of one boundary activation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardtrain.config import ModelConfig
 from shardtrain.plan.activations import (head_activation_bytes, moe_block_bytes,
                                          runtime_activation_bytes)
 from shardtrain.plan.buffers import loss_moment, weight_casts, zero_moments
-from shardtrain.plan.layout import Layout
+from shardtrain.plan.layout import Layout, PlanError
 from shardtrain.plan.partition import rank_params
 
 BUCKET_BYTES = 25e6
@@ -103,6 +103,34 @@ def zero3_gather_bytes(params: float, kept: float, precision: str) -> float:
     if precision == "amp":
         return 2 * (params - kept) + 4 * kept
     return STATE_BYTES[precision][0] * params
+
+
+def replicas_per_node(layout: Layout, node_size: int) -> int:
+    """The replica group's ranks on one node (tp innermost: they sit tp apart)."""
+    return max(1, min(layout.replicas, node_size // layout.tp))
+
+
+def zeropp_states(states: ModelStates, layout: Layout, ranks, *, node_size: int) -> ModelStates:
+    """ZeRO++'s model-state terms (Wang et al. 2023; parallel/zero/zeropp.py): hpZ keeps a
+    secondary shard, 1/s of each unit gathered (s = the replicas on a node; experts: their
+    edp group's), in the gather dtype; qwZ at stages 1-2 gives the parameters that are their
+    own fp32 master (fp32, amp) a master shard of their own (the dequantized gather lands in
+    the parameter shard)."""
+    lay, out = layout, states
+    if lay.hpz:
+        if node_size < 1:
+            raise PlanError("layout hpz=true: hpZ's secondary shard is 1/s of the parameters, "
+                            "s the dp ranks per node; give the planner the node size")
+        groups = ((ranks.dense, ranks.kept, lay.replicas),
+                  (ranks.expert, ranks.kept_expert, lay.replicas // lay.ep))
+        local = replicas_per_node(lay, node_size)
+        out = replace(out, params=out.params + sum(
+            zero3_gather_bytes(n, kept, lay.precision) / min(size, local)
+            for n, kept, size in groups if n))
+    if lay.qwz and lay.zero < 3 and not out.master and lay.offload == "none":
+        out = replace(out, master=4 * (ranks.dense / lay.replicas
+                                       + ranks.expert / (lay.replicas // lay.ep)))
+    return out
 
 
 def model_states(params: float, *, nd: int = 1, zero: int = 0,
@@ -197,7 +225,8 @@ class MemoryBreakdown:
 
 
 def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
-                   bucket_bytes: float = BUCKET_BYTES) -> MemoryBreakdown:
+                   bucket_bytes: float = BUCKET_BYTES, node_size: int = 0) -> MemoryBreakdown:
+    """`node_size`: ranks per node (hpZ's secondary shard needs it)."""
     lay = layout
     ranks = rank_params(cfg, lay)
     states = (model_states(ranks.dense, nd=lay.replicas, zero=lay.zero, precision=lay.precision)
@@ -208,6 +237,7 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
     if lay.offload != "none":  # each rank's shard: the dense over N_d, experts over N_d / ep
         shard = ranks.dense / lay.replicas + ranks.expert / (lay.replicas // lay.ep)
         states = offload_states(states, shard_params=shard, zero=lay.zero)
+    states = zeropp_states(states, lay, ranks, node_size=node_size)
     value_bytes = 4 if lay.precision == "fp32" else 2
     s = seq_len // lay.cp
     per_layer = layer_activation_bytes(cfg, lay, seq_len=seq_len)

@@ -7,7 +7,8 @@ mixture-of-experts model ep among the divisors of dp x cp that divide the expert
 micro-batches of 1-16 sequences dividing the per-replica batch; ZeRO 0-3 when there is
 data parallelism (one stage otherwise: they coincide); recompute none / selective / full;
 sp with tp; GPipe, 1F1B and interleaved (v dividing the layers per stage, m a multiple of
-p). Every candidate then goes through the trainer's own config validation
+p); with ZeRO over a replica group that spans nodes, also its ZeRO++ variant
+(`zeropp_variants`). Every candidate then goes through the trainer's own config validation
 (`layout.trainer_refusal`: `Config.validate` of the config `layout_overrides` describes),
 so a layout the trainer refuses (a tp that does not split the kv heads, an sp or cp that
 does not split the sequence, Ulysses heads cp does not divide, ...) is never proposed, and
@@ -29,7 +30,7 @@ from shardtrain.cost.counts import param_counts
 from shardtrain.plan.evaluate import Plan, evaluate
 from shardtrain.cost.hardware import Hardware
 from shardtrain.plan.layout import Layout, PlanError, check, trainer_refusal
-from shardtrain.plan.memory import MemoryBreakdown, memory_per_gpu
+from shardtrain.plan.memory import MemoryBreakdown, memory_per_gpu, replicas_per_node
 
 GB = 1e9
 
@@ -85,10 +86,12 @@ def enumerate_layouts(cfg: ModelConfig, *, gpus: int, node_size: int, global_bat
                     if cfg.n_experts else [1]
                 for cp_mode in ("ring", "ulysses") if cp > 1 else ("ring",):
                     for ep in eps:
-                        yield from _inner(cfg, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep,
-                                          cp_mode=cp_mode, global_batch=global_batch,
-                                          seq_len=seq_len, precision=precision,
-                                          offload=offload)
+                        for layout in _inner(cfg, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep,
+                                             cp_mode=cp_mode, global_batch=global_batch,
+                                             seq_len=seq_len, precision=precision,
+                                             offload=offload):
+                            yield layout
+                            yield from zeropp_variants(layout, node_size=node_size)
 
 
 def _inner(cfg: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, ep: int, cp_mode: str,
@@ -115,6 +118,16 @@ def _inner(cfg: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, ep: int, cp_
                                      microbatches=m, schedule=schedule, v=v)
 
 
+def zeropp_variants(layout: Layout, *, node_size: int) -> Iterator[Layout]:
+    """ZeRO++ (plan/zeropp.py) on a ZeRO layout whose replica group spans nodes, where it
+    saves inter-node bytes: all three options at stage 3 (hpZ needs pp = 1), qwZ + qgZ
+    otherwise. The trainer's validation then rules out what it does not run."""
+    lay = layout
+    if lay.zero and lay.replicas > replicas_per_node(lay, node_size):
+        yield dataclasses.replace(lay, qwz=True, qgz=True,
+                                  hpz=lay.zero == 3 and lay.pp == 1)
+
+
 def search(cfg: ModelConfig, hw: Hardware, *, gpus: int, global_batch: int, seq_len: int,
            name: str = "", top: int = 5, precision: str | None = None,
            data: DataConfig | None = None) -> SearchResult:
@@ -134,7 +147,7 @@ def search(cfg: ModelConfig, hw: Hardware, *, gpus: int, global_batch: int, seq_
                 refused += 1
                 continue
             considered += 1
-            memory = memory_per_gpu(cfg, layout, seq_len=seq_len)
+            memory = memory_per_gpu(cfg, layout, seq_len=seq_len, node_size=node)
             if memory.total <= hw.usable_bytes:
                 fitting.append((layout, memory))
             else:
@@ -196,7 +209,8 @@ def advice(cfg: ModelConfig, layout: Layout, hw: Hardware, *, seq_len: int, gpus
             continue
         if trainer_refusal(variant, cfg, seq_len=seq_len, data=data) is not None:
             continue  # advise only what the trainer runs
-        total = memory_per_gpu(cfg, variant, seq_len=seq_len).total
+        total = memory_per_gpu(cfg, variant, seq_len=seq_len,
+                               node_size=hw.node_size(gpus)).total
         if variant != lay and total < memory.total:
             after[knob] = total
     ranked = sorted(after, key=after.__getitem__)

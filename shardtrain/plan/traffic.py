@@ -13,7 +13,7 @@ one micro-batch, s = seq / cp; P, G = this rank's parameter and gradient bytes):
   travel in buckets of comm.bucket_mb (25 MB); ZeRO's in buckets of whole consecutive
   units of at most that size (a larger unit alone: cost/units.py `coalesce`), its
   parameters one unit (layer) at a time. `edp` is the same for expert parameters
-  (dp x cp / ep).
+  (dp x cp / ep). ZeRO++ (qwZ, hpZ, qgZ) replaces these with plan/zeropp.py's ops.
 - tp (Megatron-LM; Korthikanti et al. 2022): per layer and micro-batch, all-reduces of X,
   2 forward + 2 backward (+2 with full recomputation); with sp, all-gathers and
   reduce-scatters of X instead, and the backward's re-gather of each region's input;
@@ -64,6 +64,7 @@ from shardtrain.plan.ops import (FREE, CommOp, Placement, a2a, bytes_per_step,  
 from shardtrain.plan.partition import rank_params
 from shardtrain.plan.tensor_traffic import tensor_parallel_ops
 from shardtrain.plan.ps import ps_ops
+from shardtrain.plan.zeropp import any_zeropp, zeropp_ops
 
 
 
@@ -121,12 +122,16 @@ def step_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, seq_len: int,
         return ps_ops(cfg, lay, hw.inter_link() if lay.gpus > node else hw.intra_link())
     common = dict(zero=lay.zero, microbatches=m, precision=lay.precision, layers=ranks.layers,
                   bucket_bytes=bucket_bytes, pipelined=lay.pp > 1, reduce_dtype=lay.reduce_dtype)
-    ops += data_parallel_ops(group="dp", params=ranks.dense, size=lay.replicas,
-                             where=placement(hw, node, lay.tp, lay.replicas), kept=ranks.kept,
-                             **common)
-    ops += data_parallel_ops(group="edp", params=ranks.expert, size=lay.replicas // lay.ep,
-                             where=placement(hw, node, lay.tp * lay.ep, lay.replicas // lay.ep),
-                             kept=ranks.kept_expert, **common)
+    if any_zeropp(lay):  # quantized and node-local collectives (plan/zeropp.py)
+        ops += zeropp_ops(cfg, lay, hw, bucket_bytes=bucket_bytes)
+    else:
+        ops += data_parallel_ops(group="dp", params=ranks.dense, size=lay.replicas,
+                                 where=placement(hw, node, lay.tp, lay.replicas),
+                                 kept=ranks.kept, **common)
+        ops += data_parallel_ops(group="edp", params=ranks.expert, size=lay.replicas // lay.ep,
+                                 where=placement(hw, node, lay.tp * lay.ep,
+                                                 lay.replicas // lay.ep),
+                                 kept=ranks.kept_expert, **common)
     ops += tensor_parallel_ops(cfg, lay, seq_len=seq_len, where=placement(hw, node, 1, lay.tp))
     if lay.pp > 1:
         where = placement(hw, node, lay.tp * lay.cp * lay.dp, lay.pp)
