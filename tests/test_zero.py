@@ -33,7 +33,11 @@ LAYOUTS = {
         ("zero3 dp2 checkpointed, prefetch 2", B8,
          ["--parallel.zero", "3", "--parallel.zero_prefetch", "2",
           "--train.activation_checkpointing", "full"]),
-        ("zero3 dp2 gpt2 tied", (*B8, *GPT2), ["--parallel.zero", "3"])],
+        ("zero3 dp2 gpt2 tied", (*B8, *GPT2), ["--parallel.zero", "3"]),
+        # seed 002's one-state optimizers (torch's RMSprop and Adagrad) on ZeRO's shards
+        ("zero2 dp2 rmsprop", (*B8, "--optim.name", "rmsprop"), ["--parallel.zero", "2"]),
+        ("zero2 dp2 adagrad", (*B8, "--optim.name", "adagrad", "--optim.adagrad_lr_decay",
+                               "0.05"), ["--parallel.zero", "2"])],
     4: [("zero1 dp4", B16, ["--parallel.zero", "1"]),
         ("zero2 dp4", B16, ["--parallel.zero", "2"]),
         ("zero3 dp4", B16, ["--parallel.zero", "3"]),

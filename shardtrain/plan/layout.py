@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardtrain.config import Config, ConfigError, DataConfig, ModelConfig
+from shardtrain.plan.optim_states import OPTIM_STATES, config_optim, optim_fields
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
@@ -56,6 +57,7 @@ class Layout:
     qwz: bool = False
     hpz: bool = False
     qgz: bool = False
+    optim: str = "adamw"  # OPTIM_STATES: the optimizer state's K (plan/memory.py)
 
     @property
     def gpus(self) -> int:
@@ -85,6 +87,7 @@ class Layout:
         if self.attention != "flash":
             parts.append(f"attention={self.attention}")
         parts += [k for k in ("qwz", "hpz", "qgz") if getattr(self, k)]
+        parts += [f"optim={self.optim}"] if self.optim != "adamw" else []
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -139,7 +142,8 @@ def check(layout: Layout, cfg: ModelConfig, *, gpus: int, node_size: int, global
     lay = layout
     for name, choices in (("schedule", SCHEDULES), ("recompute", RECOMPUTE),
                           ("offload", OFFLOAD), ("precision", PRECISIONS),
-                          ("cp_mode", CP_MODES), ("attention", ATTENTION)):
+                          ("cp_mode", CP_MODES), ("attention", ATTENTION),
+                          ("optim", tuple(OPTIM_STATES))):
         if getattr(lay, name) not in choices:
             raise PlanError(f"layout {name}={getattr(lay, name)!r} is not one of "
                             f"{', '.join(choices)}")
@@ -231,6 +235,7 @@ def _config_fields(layout: Layout, *, seq_len: int | None,
     }
     if lay.offload == "nvme":
         pairs["parallel", "offload_dir"] = offload_dir
+    pairs |= optim_fields(lay.optim)
     if seq_len is not None:
         pairs["train", "seq_len"] = seq_len
     return pairs
@@ -284,4 +289,4 @@ def config_layout(cfg: Config, world_size: int) -> Layout:
                   microbatches=p.microbatches or t.global_batch // (dp * t.micro_batch),
                   schedule=p.schedule, v=p.virtual_stages, ps_servers=p.ps_servers,
                   qwz=p.zero_quantized_weights, hpz=p.zero_hpz,
-                  qgz=p.zero_quantized_gradients)
+                  qgz=p.zero_quantized_gradients, optim=config_optim(cfg.optim))

@@ -25,7 +25,8 @@ runtime's padding to them, so the planner reproduces the runtime's ledger to the
   storage of its own (the gather writes dequantized values over the shard). hpZ adds its
   secondary shards to the parameters (`hpz_secondary_bytes`).
 
-Covered: dense models (no experts, no LoRA), AdamW, no parameter server; anything else
+Covered: dense models (no experts, no LoRA), AdamW, SGD, RMSprop, Adagrad (the layout's
+`optim`), no parameter server; anything else
 raises PlanError naming what is not covered.
 Pure arithmetic, like the rest of plan/: the rules are restated here, and the dry run
 (train/start/dryrun.py, tests/test_dryrun.py) checks them against the runtime's ledger.
@@ -147,8 +148,9 @@ def rank0_states(cfg: ModelConfig, layout: Layout, *, layers: int | None = None,
     if lay.precision not in ("fp32", "amp"):
         raise PlanError(f"layout precision={lay.precision!r}: the runtime holds fp32 or amp "
                         "states (train.precision fp32, or bf16/fp16 = amp)")
-    if optimizer != "adamw":
-        raise PlanError(f"optim.name={optimizer!r}: the exact count covers adamw")
+    if optimizer not in ("adamw", "sgd", "rmsprop", "adagrad"):
+        raise PlanError(f"optim.name={optimizer!r}: the exact count covers adamw, sgd, "
+                        "rmsprop and adagrad")
     if lay.ps_servers:
         raise PlanError("the exact per-rank count does not cover parameter servers")
     if lay.offload != "none" and not lay.zero:
@@ -161,7 +163,8 @@ def rank0_states(cfg: ModelConfig, layout: Layout, *, layers: int | None = None,
                            n_layers=cfg.n_layers, align=block if lay.qwz else 1,
                            rounded=lay.zero == 3 and lay.precision == "amp")
         padded = sum(units.values())
-        states = model_states(padded, nd=lay.replicas, zero=lay.zero, precision=lay.precision)
+        states = model_states(padded, nd=lay.replicas, zero=lay.zero, precision=lay.precision,
+                              optim=lay.optim)
         if lay.qwz and lay.zero < 3:  # the dequantized gather lands in the shard: the fp32
             # master gets storage of its own (zero/model.py)
             states = replace(states, master=PARAM_BYTES * padded / lay.replicas)
@@ -172,4 +175,5 @@ def rank0_states(cfg: ModelConfig, layout: Layout, *, layers: int | None = None,
         return replace(states, params=states.params + secondary)
     padded = bucket_padded(tensors, nd=lay.replicas, bucket_mb=bucket_mb) \
         if lay.replicas > 1 else psi  # one replica: no reducer, no buckets
-    return runtime_adamw_fp32(psi, grad_padding=padded - psi, step_tensors=len(tensors))
+    return runtime_adamw_fp32(psi, grad_padding=padded - psi, step_tensors=len(tensors),
+                              optim=lay.optim)

@@ -7,12 +7,13 @@ mixture-of-experts model ep among the divisors of dp x cp that divide the expert
 micro-batches of 1-16 sequences dividing the per-replica batch; ZeRO 0-3 when there is
 data parallelism (one stage otherwise: they coincide); recompute none / selective / full;
 sp with tp; GPipe, 1F1B and interleaved (v dividing the layers per stage, m a multiple of
-p); with ZeRO over a replica group that spans nodes, also its ZeRO++ variant
-(`zeropp_variants`). Every candidate then goes through the trainer's own config validation
+p). Every candidate then goes through the trainer's own config validation
 (`layout.trainer_refusal`: `Config.validate` of the config `layout_overrides` describes),
 so a layout the trainer refuses (a tp that does not split the kv heads, an sp or cp that
 does not split the sequence, Ulysses heads cp does not divide, ...) is never proposed, and
-no rule is restated here: when the trainer learns a composition, the search proposes it. The
+no rule is restated here: when the trainer learns a composition, the search proposes it.
+ZeRO++ (qwZ, hpZ, qgZ) is tried on the fitting ZeRO-3 layouts whose replica group spans
+nodes and that could then rank in the top (`with_zeropp`). The
 run's data section takes part (`data`): data.document_mask rules out context parallelism. Offload
 (cpu, nvme) is tried only when nothing fits without it. Ranked by predicted step time,
 then memory.
@@ -86,12 +87,10 @@ def enumerate_layouts(cfg: ModelConfig, *, gpus: int, node_size: int, global_bat
                     if cfg.n_experts else [1]
                 for cp_mode in ("ring", "ulysses") if cp > 1 else ("ring",):
                     for ep in eps:
-                        for layout in _inner(cfg, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep,
-                                             cp_mode=cp_mode, global_batch=global_batch,
-                                             seq_len=seq_len, precision=precision,
-                                             offload=offload):
-                            yield layout
-                            yield from zeropp_variants(layout, node_size=node_size)
+                        yield from _inner(cfg, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep,
+                                          cp_mode=cp_mode, global_batch=global_batch,
+                                          seq_len=seq_len, precision=precision,
+                                          offload=offload)
 
 
 def _inner(cfg: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, ep: int, cp_mode: str,
@@ -118,14 +117,46 @@ def _inner(cfg: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, ep: int, cp_
                                      microbatches=m, schedule=schedule, v=v)
 
 
-def zeropp_variants(layout: Layout, *, node_size: int) -> Iterator[Layout]:
-    """ZeRO++ (plan/zeropp.py) on a ZeRO layout whose replica group spans nodes, where it
-    saves inter-node bytes: all three options at stage 3 (hpZ needs pp = 1), qwZ + qgZ
-    otherwise. The trainer's validation then rules out what it does not run."""
+def zeropp_variants(layout: Layout, *, node_size: int) -> list[Layout]:
+    """ZeRO++ (plan/zeropp.py) for a ZeRO-3 layout whose replica group spans nodes, where
+    its bytes cross the slow links: qwZ + hpZ + qgZ, then qwZ + qgZ (no secondary shard's
+    memory; the only one under a pipeline, where the trainer refuses hpZ)."""
     lay = layout
-    if lay.zero and lay.replicas > replicas_per_node(lay, node_size):
-        yield dataclasses.replace(lay, qwz=True, qgz=True,
-                                  hpz=lay.zero == 3 and lay.pp == 1)
+    if lay.zero != 3 or lay.qwz or lay.replicas <= replicas_per_node(lay, node_size):
+        return []
+    light = dataclasses.replace(lay, qwz=True, qgz=True)
+    return ([dataclasses.replace(light, hpz=True)] if lay.pp == 1 else []) + [light]
+
+
+def with_zeropp(plans: list[Plan], cfg: ModelConfig, hw: Hardware, *, top: int,
+                data: DataConfig | None) -> tuple[list[Plan], int, int]:
+    """`plans` (ranked) plus the fastest ZeRO++ variant the trainer runs and that fits of
+    each plan that could then enter the `top`: ZeRO++ changes only the dp group's bytes, so
+    a variant is never faster than its plan less the plan's exposed communication (the
+    bound that spares evaluating the rest). Returns (ranked plans, variants the trainer
+    ran, variants it refused)."""
+    plans, ran, refused = sorted(plans, key=_rank), 0, 0
+    for plan in list(plans):
+        cutoff = plans[top - 1].time.step_s if len(plans) >= top else math.inf
+        if plan.time.step_s - plan.time.exposed_comm_s >= cutoff:
+            continue
+        node = hw.node_size(plan.layout.gpus)
+        for variant in zeropp_variants(plan.layout, node_size=node):
+            if trainer_refusal(variant, cfg, seq_len=plan.seq_len, data=data) is not None:
+                refused += 1
+                continue
+            ran += 1
+            memory = memory_per_gpu(cfg, variant, seq_len=plan.seq_len, node_size=node)
+            if memory.total <= hw.usable_bytes:
+                plans.append(evaluate(cfg, variant, hw, global_batch=plan.global_batch,
+                                      seq_len=plan.seq_len, name=plan.name, memory=memory))
+                plans.sort(key=_rank)
+                break
+    return plans, ran, refused
+
+
+def _rank(plan: Plan) -> tuple[float, float]:
+    return plan.time.step_s, plan.memory.total
 
 
 def search(cfg: ModelConfig, hw: Hardware, *, gpus: int, global_batch: int, seq_len: int,
@@ -175,7 +206,9 @@ def search(cfg: ModelConfig, hw: Hardware, *, gpus: int, global_batch: int, seq_
                      global_batch=global_batch, memory=near.memory, data=data)))
     plans = [evaluate(cfg, lay, hw, global_batch=global_batch, seq_len=seq_len, name=name,
                       memory=mem) for lay, mem in fitting]
-    plans.sort(key=lambda p: (p.time.step_s, p.memory.total))
+    plans, ran, refused_zeropp = with_zeropp(plans, cfg, hw, top=top, data=data)
+    counts["considered"] += ran
+    counts["refused"] += refused_zeropp
     return SearchResult(ranked=tuple(plans[:top]), **counts)
 
 

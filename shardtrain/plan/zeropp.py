@@ -58,21 +58,32 @@ def any_zeropp(layout: Layout) -> bool:
 
 def dense_units(cfg: ModelConfig, layout: Layout, *, block: int = QUANT_BLOCK) -> list[Unit]:
     """The replica group's units exactly as zero/model.py builds them, in launch order (the
-    order backward reduces them: cost/units.py)."""
+    order backward reduces them: cost/units.py). Cached: the search asks for the same
+    units for many layouts."""
     lay = layout
     rounded = lay.zero == 3 and lay.precision == "amp"
+    key = (repr(cfg), lay.tp, lay.pp, lay.v, lay.replicas, rounded, lay.precision,
+           block if lay.qwz else 1)
+    if key not in _UNITS:
+        _UNITS[key] = _dense_units(cfg, lay, rounded=rounded, align=block if lay.qwz else 1)
+    return _UNITS[key]
+
+
+_UNITS: dict[tuple, list[Unit]] = {}
+
+
+def _dense_units(cfg: ModelConfig, lay: Layout, *, rounded: bool, align: int) -> list[Unit]:
     tensors = rank0_tensors(cfg, lay)
     sizes = zero_units(tensors, nd=lay.replicas, tied=cfg.tie_embeddings, n_layers=cfg.n_layers,
-                       rounded=rounded, align=block if lay.qwz else 1)
+                       rounded=rounded, align=align)
     keys = list(sizes)  # forward order
-
-    def key(name: str) -> tuple[int, int, int]:
-        return unit_key(name, tied=cfg.tie_embeddings, n_layers=cfg.n_layers, rounded=rounded)
-
-    names = [[n for n, _ in tensors if key(n) == k] for k in keys]
+    names: dict[tuple[int, int, int], list[str]] = {k: [] for k in keys}
+    for name, _ in tensors:
+        names[unit_key(name, tied=cfg.tie_embeddings, n_layers=cfg.n_layers,
+                       rounded=rounded)].append(name)
     width = STATE_BYTES[lay.precision][0]
     return [Unit(sizes[keys[i]], 2 if rounded and keys[i][2] == ROUNDED else width)
-            for i in launch_order(names, tied=cfg.tie_embeddings)]
+            for i in launch_order([names[k] for k in keys], tied=cfg.tie_embeddings)]
 
 
 def even_units(params: float, kept: float, layers: int, layout: Layout) -> list[Unit]:
