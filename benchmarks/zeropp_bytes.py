@@ -3,7 +3,8 @@
     python benchmarks/zeropp_bytes.py [--nproc 4] [--node-size 2] [--out runs/zeropp-bytes]
                                       [--section.field VALUE ...]
 
-Trains the default preset for 3 steps per variant (ZeRO-3, `--nproc` processes in virtual
+Trains the default preset for 3 steps per variant (fp32, what the CPU's train.precision
+auto resolves to; ZeRO-3, `--nproc` processes in virtual
 nodes of `--node-size`, so hpZ has a node and qgZ takes its two hops) and prints, per
 variant, the bytes rank 0 sent in step 2 (the ledger's comm_bytes: every collective of the
 step, the loss's and the gradient norm's all-reduces too) next to the planner's ZeRO bytes
@@ -53,7 +54,7 @@ def main() -> None:
     args, overrides = parser.parse_known_args()
     common = ["--parallel.zero", "3", "--parallel.node_size", str(args.node_size),
               "--train.micro_batch", str(16 // args.nproc), "--train.steps", "3",
-              "--train.eval_every", "0", *overrides]
+              "--train.eval_every", "0", "--train.precision", "fp32", *overrides]
     rows = {}
     for label, extra in VARIANTS.items():
         train("none", extra + common, args.nproc, Path(args.out) / label, [])

@@ -21,6 +21,7 @@ then memory.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from collections.abc import Iterator
@@ -135,9 +136,10 @@ def with_zeropp(plans: list[Plan], cfg: ModelConfig, hw: Hardware, *, top: int,
     a variant is never faster than its plan less the plan's exposed communication (the
     bound that spares evaluating the rest). Returns (ranked plans, variants the trainer
     ran, variants it refused)."""
-    plans, ran, refused = sorted(plans, key=_rank), 0, 0
-    for plan in list(plans):
-        cutoff = plans[top - 1].time.step_s if len(plans) >= top else math.inf
+    plans, added, ran, refused = sorted(plans, key=_rank), [], 0, 0
+    best = [p.time.step_s for p in plans[:top]]  # the top's step times, ascending
+    for plan in plans:
+        cutoff = best[-1] if len(best) >= top else math.inf
         if plan.time.step_s - plan.time.exposed_comm_s >= cutoff:
             continue
         node = hw.node_size(plan.layout.gpus)
@@ -148,11 +150,12 @@ def with_zeropp(plans: list[Plan], cfg: ModelConfig, hw: Hardware, *, top: int,
             ran += 1
             memory = memory_per_gpu(cfg, variant, seq_len=plan.seq_len, node_size=node)
             if memory.total <= hw.usable_bytes:
-                plans.append(evaluate(cfg, variant, hw, global_batch=plan.global_batch,
+                added.append(evaluate(cfg, variant, hw, global_batch=plan.global_batch,
                                       seq_len=plan.seq_len, name=plan.name, memory=memory))
-                plans.sort(key=_rank)
+                bisect.insort(best, added[-1].time.step_s)
+                del best[top:]
                 break
-    return plans, ran, refused
+    return sorted(plans + added, key=_rank), ran, refused
 
 
 def _rank(plan: Plan) -> tuple[float, float]:

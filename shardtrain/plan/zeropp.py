@@ -17,7 +17,10 @@ default), one fp32 absmax scale per block, so n values travel as ceil(n / block)
   group spans nodes with 1 < s < p replicas on each, two hops: inside the node s rows of
   p / s packed chunks, then across the p / s nodes one packed chunk per node. The same
   bytes in all, s times fewer across nodes (seed 004's "hierarchical" qgZ).
-Units come from the model exactly (plan/rank_states.py, dense models); a mixture-of-experts
+Time: the collective's (cost/collectives.py) plus the int8 coding, which the runtime runs in
+the collective's own job: memory-bound, priced at hw.memory_bw for the bytes it reads and
+writes (comments in `zeropp_group_ops`). Units come from the model exactly
+(plan/rank_states.py, dense models); a mixture-of-experts
 model's dense and expert groups are taken as `layers` equal units (no alignment), close
 but not to the byte. Each op's time uses its mean message (the units differ in size).
 """
@@ -98,9 +101,11 @@ def even_units(params: float, kept: float, layers: int, layout: Layout) -> list[
 
 def zeropp_group_ops(units: list[Unit], layout: Layout, *, size: int, local: int,
                      where: Placement, intra: Placement, inter: Placement, group: str = "dp",
-                     bucket_bytes: float, block: int = QUANT_BLOCK) -> list[CommOp]:
+                     bucket_bytes: float, block: int = QUANT_BLOCK,
+                     memory_bw: float = math.inf) -> list[CommOp]:
     """One group's ZeRO traffic in a step with the layout's ZeRO++ options (module
-    docstring): `size` ranks, `local` of them per node."""
+    docstring): `size` ranks, `local` of them per node; `memory_bw` prices the int8
+    coding (module docstring)."""
     lay, m = layout, layout.microbatches
     if size <= 1 or not units:
         return []
@@ -113,16 +118,22 @@ def zeropp_group_ops(units: list[Unit], layout: Layout, *, size: int, local: int
     ops: list[CommOp] = []
 
     def add(op: str, n: int, total: float, calls: int, at: Placement, overlap: str,
-            what: str = "") -> None:
+            what: str = "", coded: float = 0.0) -> None:
+        """`coded`: bytes the int8 coding reads and writes in memory over the step."""
         if n > 1 and calls:
             made = collective(group, op, n, total / calls, calls, at, overlap) \
                 if op != "all_to_all" else a2a(n, total / calls, calls, at, group, what)
-            ops.append(dataclasses.replace(made, overlap=overlap, what=what))
+            ops.append(dataclasses.replace(made, overlap=overlap, what=what,
+                                           time_s=made.time_s + coded / memory_bw))
 
     count = len(units)
     overlap = "compute" if lay.zero == 3 and not pipelined else "none"
+    # qwZ's coding: the fp32 shard read and its int8 written (5 bytes a value), every
+    # gathered int8 read and written in the gather dtype (1 + gather)
+    dequantized = gathers * sum(u.elements * (1 + u.gather) + 5 * u.elements / size
+                                for u in units) if lay.qwz else 0.0
     add("all_gather", size, gathers * shard_gather, gathers * count, where, overlap,
-        "int8" if lay.qwz else "")
+        "int8" if lay.qwz else "", dequantized)
     if lay.zero == 3 and not pipelined:  # backward's gathers: hpZ inside the node
         if lay.hpz:
             add("all_gather", min(local, size), gathers * sum(u.elements * u.gather
@@ -130,24 +141,28 @@ def zeropp_group_ops(units: list[Unit], layout: Layout, *, size: int, local: int
                 gathers * count, intra, "compute", "hpz")
         else:
             add("all_gather", size, gathers * shard_gather, gathers * count, where, "compute",
-                "int8" if lay.qwz else "")
+                "int8" if lay.qwz else "", dequantized)
     buckets = coalesce([u.elements * grad_bytes for u in units], bucket_bytes)
     syncs = 1 if lay.zero == 1 or pipelined else m
     rows = [sum(units[i].elements for i in b) / size for b in buckets]  # N per rank
     overlap = "step" if syncs == 1 else "backward"
     calls = syncs * len(buckets)
+    # qgZ's coding per value sent: read in the reduce dtype (hop 2's partials in fp32) and
+    # written in int8 (1); received: int8 read (1), fp32 written (4), read by the sum (4)
+    coded = syncs * sum(rows) * size
     if not lay.qgz:
         add("reduce_scatter", size, syncs * sum(n * size * grad_bytes for n in rows), calls,
             where, overlap)
     elif 1 < local < size:  # two hops
         nodes = size // local
         add("all_to_all", local, syncs * sum(local * nodes * packed_bytes(n, block)
-                                             for n in rows), calls, intra, overlap, "int8 node")
+                                             for n in rows), calls, intra, overlap, "int8 node",
+            coded * (grad_bytes + 10))
         add("all_to_all", nodes, syncs * sum(nodes * packed_bytes(n, block) for n in rows),
-            calls, inter, overlap, "int8 inter")
+            calls, inter, overlap, "int8 inter", coded / local * 14)
     else:
         add("all_to_all", size, syncs * sum(size * packed_bytes(n, block) for n in rows),
-            calls, where, overlap, "int8")
+            calls, where, overlap, "int8", coded * (grad_bytes + 10))
     return ops
 
 
@@ -162,7 +177,8 @@ def zeropp_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, bucket_bytes: 
     ranks = rank_params(cfg, lay)
     intra, inter = Placement(link=hw.intra_link()), Placement(link=hw.inter_link())
     local = replicas_per_node(lay, node)
-    common = dict(intra=intra, inter=inter, bucket_bytes=bucket_bytes, block=block)
+    common = dict(intra=intra, inter=inter, bucket_bytes=bucket_bytes, block=block,
+                  memory_bw=hw.memory_bw)
     if not cfg.n_experts:
         return zeropp_group_ops(dense_units(cfg, lay, block=block), lay, size=lay.replicas,
                                 local=local, where=placement(hw, node, lay.tp, lay.replicas),
