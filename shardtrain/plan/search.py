@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from shardtrain.config import DataConfig, ModelConfig
 from shardtrain.cost.counts import param_counts
-from shardtrain.plan.evaluate import Plan, evaluate
+from shardtrain.plan.evaluate import Plan, dp_exposed_s, evaluate
 from shardtrain.cost.hardware import Hardware
 from shardtrain.plan.layout import Layout, PlanError, check, trainer_refusal
 from shardtrain.plan.memory import MemoryBreakdown, memory_per_gpu, replicas_per_node
@@ -132,15 +132,15 @@ def zeropp_variants(layout: Layout, *, node_size: int) -> list[Layout]:
 def with_zeropp(plans: list[Plan], cfg: ModelConfig, hw: Hardware, *, top: int,
                 data: DataConfig | None) -> tuple[list[Plan], int, int]:
     """`plans` (ranked) plus the fastest ZeRO++ variant the trainer runs and that fits of
-    each plan that could then enter the `top`: ZeRO++ changes only the dp group's bytes, so
-    a variant is never faster than its plan less the plan's exposed communication (the
-    bound that spares evaluating the rest). Returns (ranked plans, variants the trainer
+    each plan that could then enter the `top`: ZeRO++ changes only the dp group's ops, so
+    a variant is never faster than its plan less the plan's exposed dp communication
+    (the bound that spares evaluating the rest). Returns (ranked plans, variants the trainer
     ran, variants it refused)."""
     plans, added, ran, refused = sorted(plans, key=_rank), [], 0, 0
     best = [p.time.step_s for p in plans[:top]]  # the top's step times, ascending
     for plan in plans:
         cutoff = best[-1] if len(best) >= top else math.inf
-        if plan.time.step_s - plan.time.exposed_comm_s >= cutoff:
+        if plan.time.step_s - dp_exposed_s(plan) >= cutoff:
             continue
         node = hw.node_size(plan.layout.gpus)
         for variant in zeropp_variants(plan.layout, node_size=node):
