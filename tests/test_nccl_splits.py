@@ -18,7 +18,7 @@ from shardtrain.config import ModelConfig
 from shardtrain.cost.hardware import runtime_link
 from shardtrain.mesh import MeshShape
 from shardtrain.parallel.ps.groups import ps_comms
-from shardtrain.parallel.zero.zeropp import node_comm
+from shardtrain.parallel.zero.zeropp import inter_node_comm, node_comm, spans_nodes
 from shardtrain.plan.search import candidates
 
 LINK = runtime_link("cuda", gpu_name="H100")
@@ -27,12 +27,14 @@ GPUS, NODE = 8, 4
 
 def _build(shape: MeshShape, *, node_size: int, servers: int = 0, hpz: bool = False):
     """One rank's group creation in run_worker's order: the mesh, then ZeRO++'s node groups
-    (parallelize, parallel.zero_hpz) or the parameter server's groups (ps_comms)."""
+    (parallelize, parallel.zero_hpz with zero_quantized_gradients: zeropp.build_unit_comm) or the parameter server's groups (ps_comms)."""
     def build(rank: int) -> None:
         mesh = build_mesh(shape, rank=rank, node_size=node_size, device=torch.device("cuda", 0),
                           link=LINK)
-        if hpz:
+        if hpz:  # with qgZ too: its inter-node groups when the replica group spans nodes
             node_comm(mesh, mesh.replica_dim)
+            if spans_nodes(mesh, mesh.replica_dim):
+                inter_node_comm(mesh, mesh.replica_dim)
         if servers:
             ps_comms(rank, shape.world_size + servers, servers, mesh.ledger)
     return build

@@ -13,7 +13,8 @@ import pytest
 from shardtrain.config import ModelConfig
 from shardtrain.cost import hardware
 from shardtrain.plan.activations import runtime_activation_bytes
-from shardtrain.plan.layout import Layout, PlanError, check, parse_layout
+from shardtrain.plan.layout import Layout, PlanError, check
+from shardtrain.plan.layout_text import parse_layout
 from shardtrain.plan.memory import memory_per_gpu
 from shardtrain.plan.search import candidates
 from shardtrain.plan.traffic import bytes_per_step, context_parallel_ops, cp_bytes_per_step, step_ops

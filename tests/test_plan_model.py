@@ -14,7 +14,8 @@ from shardtrain.cost import calibration, hardware
 from shardtrain.plan.closed_form import korthikanti_hardware_flops, narayanan_model_flops
 from shardtrain.cost.counts import hardware_flops_per_token, model_flops_per_token, param_counts
 from shardtrain.plan.evaluate import evaluate
-from shardtrain.plan.layout import Layout, PlanError, check, parse_layout
+from shardtrain.plan.layout import Layout, PlanError, check
+from shardtrain.plan.layout_text import parse_layout
 from shardtrain.plan.memory import (in_flight, memory_per_gpu, model_states, runtime_adamw_fp32)
 from shardtrain.plan.partition import rank_params
 from shardtrain.plan.search import search

@@ -36,6 +36,8 @@ def _validate(preset: str, layout: Layout, seq_len: int, *extra: str) -> None:
         layout.dp, layout.tp, layout.pp, layout.cp, layout.cp_mode, layout.ep, layout.zero,
         layout.sp)
     assert cfg.train.activation_checkpointing == layout.recompute
+    assert (p.zero_quantized_weights, p.zero_hpz, p.zero_quantized_gradients) == (
+        layout.qwz, layout.hpz, layout.qgz)  # ZeRO++: the search proposes it (search.py)
 
 
 @pytest.mark.parametrize("preset, hw, gpus, batch, seq, extra", CASES,

@@ -213,7 +213,7 @@ def test_planner_server_bytes_fall_as_one_over_s():
     parameters do not split evenly, as the runtime's byte ranges), against the ring's
     2 (N-1)/N x model bytes per rank."""
     from shardtrain.cost.counts import param_counts
-    from shardtrain.plan.layout import parse_layout
+    from shardtrain.plan.layout_text import parse_layout
     from shardtrain.plan.ps import ps_summary
 
     model = config.load("tiny").model

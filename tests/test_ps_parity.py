@@ -14,7 +14,7 @@ from parity import assert_parity, make_mesh, tiny, train_layout
 
 from shardtrain import config
 from shardtrain.config import ConfigError
-from shardtrain.plan.layout import parse_layout
+from shardtrain.plan.layout_text import parse_layout
 from shardtrain.plan.ps import ps_summary
 from shardtrain.train.checkpoint.checkpoint import check_layout
 from shardtrain.train.ps_server import run_server

@@ -36,7 +36,11 @@ LAYOUTS = {
         ("zero3 dp2 gpt2 tied", (*B8, *GPT2), ["--parallel.zero", "3"]),
         # units of 2 blocks: blocks 0-1, then block 2 with the final norm
         ("zero3 dp2 2 blocks per unit", (*B8, "--model.n_layers", "3"),
-         ["--parallel.zero", "3", "--parallel.zero_unit_blocks", "2"])],
+         ["--parallel.zero", "3", "--parallel.zero_unit_blocks", "2"]),
+        # seed 002's one-state optimizers (torch's RMSprop and Adagrad) on ZeRO's shards
+        ("zero2 dp2 rmsprop", (*B8, "--optim.name", "rmsprop"), ["--parallel.zero", "2"]),
+        ("zero2 dp2 adagrad", (*B8, "--optim.name", "adagrad", "--optim.adagrad_lr_decay",
+                               "0.05"), ["--parallel.zero", "2"])],
     4: [("zero1 dp4", B16, ["--parallel.zero", "1"]),
         ("zero2 dp4", B16, ["--parallel.zero", "2"]),
         ("zero3 dp4", B16, ["--parallel.zero", "3"]),

@@ -40,17 +40,23 @@ def _decay_runs() -> list[list[tuple[int, int]]]:
 
 
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
-@pytest.mark.parametrize("name,momentum", [("adamw", 0.0), ("sgd", 0.9), ("sgd", 0.0)])
+@pytest.mark.parametrize("name,momentum", [("adamw", 0.0), ("sgd", 0.9), ("sgd", 0.0),
+                                           ("rmsprop", 0.0), ("adagrad", 0.0)])
 def test_host_optimizer_equals_torch_optim(tmp_path, offload, name, momentum):
     torch.manual_seed(0)
-    optim = OptimConfig(name=name, momentum=momentum, weight_decay=0.1)
+    optim = OptimConfig(name=name, momentum=momentum, weight_decay=0.1, rms_alpha=0.9,
+                        adagrad_lr_decay=0.05)
     init = [torch.randn(s) for s in SHAPES]
     ref = [torch.nn.Parameter(t.clone()) for t in init]
     groups = [{"params": [p for p in ref if p.ndim >= 2], "weight_decay": 0.1},
               {"params": [p for p in ref if p.ndim < 2], "weight_decay": 0.0}]
-    torch_opt = (torch.optim.AdamW(groups, lr=1e-2, betas=(optim.beta1, optim.beta2),
-                                   eps=optim.eps) if name == "adamw"
-                 else torch.optim.SGD(groups, lr=1e-2, momentum=momentum))
+    torch_opt = {  # torch's own, with this config's hyperparameters
+        "adamw": lambda: torch.optim.AdamW(groups, lr=1e-2, betas=(optim.beta1, optim.beta2),
+                                           eps=optim.eps),
+        "sgd": lambda: torch.optim.SGD(groups, lr=1e-2, momentum=momentum),
+        "rmsprop": lambda: torch.optim.RMSprop(groups, lr=1e-2, alpha=0.9, eps=optim.eps),
+        "adagrad": lambda: torch.optim.Adagrad(groups, lr=1e-2, lr_decay=0.05, eps=optim.eps),
+    }[name]()
     flat = torch.cat([t.reshape(-1) for t in init])
     # Windows of 7 elements: the nvme step streams each shard in pieces.
     make = lambda **kw: HostOptimizer([flat[:CUT], flat[CUT:]], _decay_runs(),  # noqa: E731
@@ -85,7 +91,8 @@ def test_host_optimizer_equals_torch_optim(tmp_path, offload, name, momentum):
         offloaded.fetch(k, out)
     assert torch.equal(torch.cat(staged), want)
     offloaded.close()
-    n_states = 1 + (2 if name == "adamw" else int(momentum > 0))
+    # master + seed 002's states: Adam 2, SGD with momentum 1, vanilla 0, RMSProp 1, AdaGrad 1
+    n_states = 1 + {"adamw": 2, "sgd": int(momentum > 0), "rmsprop": 1, "adagrad": 1}[name]
     assert host.memory() == {"master_bytes": 0, "optimizer_bytes": 0,
                              "offloaded_bytes": 4 * n_states * flat.numel()}
     assert offloaded.memory()["offloaded_bytes"] == 4 * (n_states + 1) * flat.numel()

@@ -30,6 +30,8 @@ RANGES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "optim.eps": ("> 0", lambda v: v > 0),
     "optim.weight_decay": (">= 0", lambda v: v >= 0),
     "optim.momentum": ("in [0, 1)", lambda v: 0 <= v < 1),
+    "optim.rms_alpha": ("in [0, 1)", lambda v: 0 <= v < 1),
+    "optim.adagrad_lr_decay": (">= 0", lambda v: v >= 0),
     "train.eval_every": (">= 0 (0: only at the end)", lambda v: v >= 0),
     "train.sample_tokens": (">= 0 (0: no sample)", lambda v: v >= 0),
     "train.sample_max_params": (">= 0 (0: sample only where every rank holds whole layers)",

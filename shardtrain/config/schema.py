@@ -27,12 +27,17 @@ from shardtrain.config.ranges import check_ranges
 class OptimConfig:
     """Optimizer and learning-rate schedule (linear warmup, cosine decay)."""
 
-    name: Literal["adamw", "adamw8bit", "sgd"] = "adamw"  # adamw8bit: train/adam8bit.py
+    # adamw8bit: train/adam8bit.py. rmsprop, adagrad: torch.optim.RMSprop / Adagrad
+    # (one fp32 state each: square_avg, sum; weight decay as L2, like sgd; eps is theirs
+    # too: torch's Adagrad default is 1e-10)
+    name: Literal["adamw", "adamw8bit", "sgd", "rmsprop", "adagrad"] = "adamw"
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
-    momentum: float = 0.9  # sgd only
+    momentum: float = 0.9  # sgd only (0: vanilla SGD, no state)
+    rms_alpha: float = 0.99  # rmsprop: the squared gradients' running-average decay
+    adagrad_lr_decay: float = 0.0  # adagrad: lr / (1 + (step - 1) lr_decay)
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
     grad_clip: float = 1.0  # global-norm clipping; 0 disables

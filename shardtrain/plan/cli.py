@@ -18,8 +18,8 @@ from shardtrain.config import ConfigError, load, parse_overrides, read_toml, res
 from shardtrain.cost import hardware
 from shardtrain.plan import report
 from shardtrain.plan.evaluate import CONVENTIONS, evaluate
-from shardtrain.plan.layout import (PRECISIONS, PlanError, check, parse_layout,
-                                     trainer_refusal)
+from shardtrain.plan.layout import PRECISIONS, PlanError, check, trainer_refusal
+from shardtrain.plan.layout_text import parse_layout
 from shardtrain.plan.search import advice, search, shortfall
 
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}

@@ -14,7 +14,7 @@ from shardtrain.plan.memory import BUCKET_BYTES, STATE_BYTES, MemoryBreakdown, m
 from shardtrain.plan.partition import rank_params
 from shardtrain.plan.ps import ps_summary
 from shardtrain.plan.roofline import RoofOp, roofline_ops
-from shardtrain.plan.timing import StepTime, step_time, utilization
+from shardtrain.plan.timing import StepTime, exposed, step_time, utilization
 from shardtrain.plan.traffic import CommOp, bytes_per_step, step_ops
 
 CONVENTIONS = {
@@ -118,12 +118,13 @@ def evaluate(cfg: ModelConfig, layout: Layout, hw: Hardware, *, global_batch: in
     tokens = global_batch * seq_len
     model_flops = model_flops_per_token(cfg, seq_len) * tokens
     hardware_flops = hardware_flops_per_token(cfg, seq_len, lay.recompute, lay.attention) * tokens
-    memory = memory or memory_per_gpu(cfg, lay, seq_len=seq_len, bucket_bytes=bucket_bytes)
+    memory = memory or memory_per_gpu(cfg, lay, seq_len=seq_len, bucket_bytes=bucket_bytes,
+                                      node_size=hw.node_size(lay.gpus))
     ops = step_ops(cfg, lay, hw, seq_len=seq_len, bucket_bytes=bucket_bytes)
     peak = hw.flops(lay.precision)
     roof = roofline_ops(cfg, lay, hw, global_batch=global_batch, seq_len=seq_len)
     time = step_time(ops=ops, roof=roof,
-                     backward_share=(hardware_flops - model_flops / 3) / hardware_flops,
+                     backward_share=backward_share(hardware_flops, model_flops),
                      pp=lay.pp, microbatches=lay.microbatches, v=lay.v,
                      offload_s=_offload_seconds(cfg, lay, hw, memory), tokens=tokens,
                      model_flops=model_flops, hardware_flops=hardware_flops, gpus=lay.gpus,
@@ -131,6 +132,20 @@ def evaluate(cfg: ModelConfig, layout: Layout, hw: Hardware, *, global_batch: in
     return Plan(name=name, cfg=cfg, hw=hw, layout=lay, global_batch=global_batch,
                 seq_len=seq_len, memory=memory, ops=tuple(ops), time=time, roof=tuple(roof),
                 model_flops=model_flops, hardware_flops=hardware_flops)
+
+
+def backward_share(hardware_flops: float, model_flops: float) -> float:
+    """Backward's part of the step's compute: all but the forward's third of the model
+    FLOPs (recomputation's FLOPs run inside backward)."""
+    return (hardware_flops - model_flops / 3) / hardware_flops
+
+
+def dp_exposed_s(plan: Plan) -> float:
+    """Seconds of the plan's step that the dp (and edp) groups' communication leaves
+    exposed, after the pipeline (timing.py `exposed`)."""
+    backward_s = plan.time.compute_s * backward_share(plan.hardware_flops, plan.model_flops)
+    return exposed(list(plan.ops), compute_s=plan.time.compute_s, backward_s=backward_s,
+                   last_backward_s=backward_s / plan.layout.microbatches)[1]
 
 
 def _offload_seconds(cfg: ModelConfig, layout: Layout, hw: Hardware,

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 from dataclasses import dataclass
 from typing import Any
 
 from shardtrain.config import Config, ConfigError, DataConfig, ModelConfig
+from shardtrain.plan.optim_states import OPTIM_STATES, config_optim, optim_fields
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
@@ -53,6 +53,12 @@ class Layout:
     # flash: SDPA's flash / memory-efficient kernels (out + logsumexp kept), what the
     # runtime runs on CPU and CUDA; math: the probabilities kept (plan/activations.py)
     attention: str = "flash"
+    # ZeRO++ (Wang et al. 2023; plan/zeropp.py): int8 weight gathers, a node-local secondary
+    # parameter shard (ZeRO-3), int8 gradient reduce-scatters (two hops across nodes)
+    qwz: bool = False
+    hpz: bool = False
+    qgz: bool = False
+    optim: str = "adamw"  # OPTIM_STATES: the optimizer state's K (plan/memory.py)
 
     @property
     def gpus(self) -> int:
@@ -83,52 +89,12 @@ class Layout:
             parts.append(f"ps_servers={self.ps_servers}")
         if self.attention != "flash":
             parts.append(f"attention={self.attention}")
+        parts += [k for k in ("qwz", "hpz", "qgz") if getattr(self, k)]
+        parts += [f"optim={self.optim}"] if self.optim != "adamw" else []
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-_KEYS = {f.name: f.type for f in dataclasses.fields(Layout)} | {"mb": "int"}
-_BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-
-
-def parse_layout(text: str, *, gpus: int, global_batch: int, precision: str) -> Layout:
-    """`dp=32,tp=8,pp=4,zero=1,...`: dp may be left out (it fills the GPUs); give one of
-    microbatches / micro_batch (alias mb) and the other follows from the global batch
-    (neither: micro_batch = 1)."""
-    values: dict[str, Any] = {"precision": precision}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        key, sep, raw = item.partition("=")
-        key, raw = key.strip(), raw.strip()
-        if not sep:
-            raise PlanError(f"--layout item {item!r} is not KEY=VALUE")
-        if key not in _KEYS:
-            close = difflib.get_close_matches(key, list(_KEYS), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise PlanError(f"--layout: unknown key {key!r}{hint} (valid: {', '.join(_KEYS)})")
-        values["micro_batch" if key == "mb" else key] = _value(key, raw, _KEYS[key])
-    tp, pp, cp = (values.get(k, 1) for k in ("tp", "pp", "cp"))
-    values.setdefault("dp", max(1, (gpus - values.get("ps_servers", 0)) // (tp * pp * cp)))
-    if "microbatches" not in values:
-        per_call = values["dp"] * values.get("micro_batch", 1)
-        values["microbatches"] = max(1, global_batch // per_call)
-    elif "micro_batch" not in values:
-        values["micro_batch"] = max(1, global_batch // (values["dp"] * values["microbatches"]))
-    return Layout(**values)
-
-
-def _value(key: str, raw: str, kind: str) -> Any:
-    if kind == "bool":
-        if raw.lower() not in _BOOL:
-            raise PlanError(f"--layout {key}={raw!r} is not a boolean (true or false)")
-        return _BOOL[raw.lower()]
-    if kind == "int":
-        try:
-            return int(raw)
-        except ValueError:
-            raise PlanError(f"--layout {key}={raw!r} must be a whole number") from None
-    return raw
 
 
 def check(layout: Layout, cfg: ModelConfig, *, gpus: int, node_size: int, global_batch: int,
@@ -137,7 +103,8 @@ def check(layout: Layout, cfg: ModelConfig, *, gpus: int, node_size: int, global
     lay = layout
     for name, choices in (("schedule", SCHEDULES), ("recompute", RECOMPUTE),
                           ("offload", OFFLOAD), ("precision", PRECISIONS),
-                          ("cp_mode", CP_MODES), ("attention", ATTENTION)):
+                          ("cp_mode", CP_MODES), ("attention", ATTENTION),
+                          ("optim", tuple(OPTIM_STATES))):
         if getattr(lay, name) not in choices:
             raise PlanError(f"layout {name}={getattr(lay, name)!r} is not one of "
                             f"{', '.join(choices)}")
@@ -180,6 +147,9 @@ def check(layout: Layout, cfg: ModelConfig, *, gpus: int, node_size: int, global
     if (lay.offload == "cpu" and lay.zero < 1) or (lay.offload == "nvme" and lay.zero != 3):
         raise PlanError(f"layout offload={lay.offload} needs zero >= 1 (cpu) or zero = 3 (nvme): "
                         "offloading moves the sharded optimizer state")
+    if (lay.qwz or lay.qgz) and not lay.zero or lay.hpz and (lay.zero != 3 or lay.pp > 1):
+        raise PlanError("layout qwz and qgz quantize ZeRO's collectives (zero >= 1); hpz keeps "
+                        "a node-local copy for ZeRO-3's backward gathers (zero = 3, pp = 1)")
     if lay.sp and lay.tp == 1:
         raise PlanError("layout sp=true needs tp > 1: sequence parallelism splits along the "
                         "tensor-parallel group")
@@ -239,9 +209,12 @@ def _config_fields(layout: Layout, *, seq_len: int | None,
         ("train", "activation_checkpointing"): lay.recompute,
         ("train", "precision"): "fp32" if lay.precision == "fp32" else "bf16",
         **({("train", "grad_reduce_dtype"): lay.reduce_dtype} if lay.reduce_dtype else {}),
+        ("parallel", "zero_quantized_weights"): lay.qwz, ("parallel", "zero_hpz"): lay.hpz,
+        ("parallel", "zero_quantized_gradients"): lay.qgz,
     }
     if lay.offload == "nvme":
         pairs["parallel", "offload_dir"] = offload_dir
+    pairs |= optim_fields(lay.optim)
     if seq_len is not None:
         pairs["train", "seq_len"] = seq_len
     return pairs
@@ -250,7 +223,7 @@ def _config_fields(layout: Layout, *, seq_len: int | None,
 def layout_overrides(layout: Layout, *, seq_len: int | None = None,
                      offload_dir: str = "offload") -> list[str]:
     """The `--section.field VALUE` overrides that make a training config run `layout`
-    (config.load(preset, overrides)): the degrees, ZeRO and offload, the schedule, the
+    (config.load(preset, overrides)): the degrees, ZeRO, ZeRO++ and offload, the schedule, the
     batch geometry (global_batch = dp x micro_batch x microbatches) and recomputation.
     Precision: fp32 stays fp32; bf16 and amp both train under train.precision=bf16 (the
     amp policy). `attention` has no config field (the runtime's SDPA picks its kernel)."""
@@ -294,4 +267,6 @@ def config_layout(cfg: Config, world_size: int) -> Layout:
                   reduce_dtype="" if t.grad_reduce_dtype == "fp32" else t.grad_reduce_dtype,
                   recompute=t.activation_checkpointing, sp=p.sp, micro_batch=t.micro_batch,
                   microbatches=p.microbatches or t.global_batch // (dp * t.micro_batch),
-                  schedule=p.schedule, v=p.virtual_stages, ps_servers=p.ps_servers)
+                  schedule=p.schedule, v=p.virtual_stages, ps_servers=p.ps_servers,
+                  qwz=p.zero_quantized_weights, hpz=p.zero_hpz,
+                  qgz=p.zero_quantized_gradients, optim=config_optim(cfg.optim))

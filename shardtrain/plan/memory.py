@@ -1,6 +1,8 @@
 """Memory per GPU: model states (ZeRO), activations (Korthikanti Table 2), buffers.
 
-Model states per parameter (Rajbhandari et al. 2020, FORMULAS.md), N_d = dp x cp:
+Model states per parameter (Rajbhandari et al. 2020, FORMULAS.md), N_d = dp x cp; the
+optimizer term is 4 bytes per fp32 state of the layout's `optim` (plan/optim_states.py: Adam
+2, RMSProp, AdaGrad and momentum 1, vanilla SGD 0), Adam's below:
 - bf16 mixed precision with Adam: params 2, grads 2, `master` 4 (the fp32 copy) and
   `optimizer` 8 (Adam m and v): master + optimizer = K = 12, 16 bytes in all.
 - fp32 with Adam: params 4, grads 4, optimizer 8 (m, v), master 0.
@@ -45,14 +47,15 @@ steps; and for pp > 1 a send and a receive buffer of one boundary activation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardtrain.config import ModelConfig
 from shardtrain.plan.activations import (head_activation_bytes, moe_block_bytes,
                                          runtime_activation_bytes)
 from shardtrain.plan.buffers import (block_units, gathered_units, loss_moment, weight_casts,
                                      zero_moments)
-from shardtrain.plan.layout import Layout
+from shardtrain.plan.layout import Layout, PlanError
+from shardtrain.plan.optim_states import OPTIM_STATES
 from shardtrain.plan.partition import rank_params
 
 BUCKET_BYTES = 25e6
@@ -110,12 +113,42 @@ def zero3_gather_bytes(params: float, kept: float, precision: str) -> float:
     return STATE_BYTES[precision][0] * params
 
 
+def replicas_per_node(layout: Layout, node_size: int) -> int:
+    """The replica group's ranks on one node (tp innermost: they sit tp apart)."""
+    return max(1, min(layout.replicas, node_size // layout.tp))
+
+
+def zeropp_states(states: ModelStates, layout: Layout, ranks, *, node_size: int) -> ModelStates:
+    """ZeRO++'s model-state terms (Wang et al. 2023; parallel/zero/zeropp.py): hpZ keeps a
+    secondary shard, 1/s of each unit gathered (s = the replicas on a node; experts: their
+    edp group's), in the gather dtype; qwZ at stages 1-2 gives the parameters that are their
+    own fp32 master (fp32, amp) a master shard of their own (the dequantized gather lands in
+    the parameter shard)."""
+    lay, out = layout, states
+    if lay.hpz:
+        if node_size < 1:
+            raise PlanError("layout hpz=true: hpZ's secondary shard is 1/s of the parameters, "
+                            "s the dp ranks per node; give the planner the node size")
+        groups = ((ranks.dense, ranks.kept, lay.replicas),
+                  (ranks.expert, ranks.kept_expert, lay.replicas // lay.ep))
+        local = replicas_per_node(lay, node_size)
+        out = replace(out, params=out.params + sum(
+            zero3_gather_bytes(n, kept, lay.precision) / min(size, local)
+            for n, kept, size in groups if n))
+    if lay.qwz and lay.zero < 3 and not out.master and lay.offload == "none":
+        out = replace(out, master=4 * (ranks.dense / lay.replicas
+                                       + ranks.expert / (lay.replicas // lay.ep)))
+    return out
+
+
 def model_states(params: float, *, nd: int = 1, zero: int = 0,
-                 precision: str = "bf16") -> ModelStates:
+                 precision: str = "bf16", optim: str = "adamw") -> ModelStates:
     """Model-state bytes of one rank holding `params` parameters replicated over `nd`
     ranks: DP (2+2+K) Psi; ZeRO-1 4 Psi + K Psi/N_d; ZeRO-2 2 Psi + (2+K) Psi/N_d;
-    ZeRO-3 (2+2+K) Psi/N_d (Rajbhandari et al. 2020, section 5; K = master + optimizer)."""
-    p, g, m, o = STATE_BYTES[precision]
+    ZeRO-3 (2+2+K) Psi/N_d (Rajbhandari et al. 2020, section 5; K = master + optimizer,
+    the optimizer 4 bytes per fp32 state of `optim`: plan/optim_states.py)."""
+    p, g, m, _ = STATE_BYTES[precision]
+    o = 4 * OPTIM_STATES[optim]
     return ModelStates(params=p * params / (nd if zero >= 3 else 1),
                        grads=g * params / (nd if zero >= 2 else 1),
                        master=m * params / (nd if zero >= 1 else 1),
@@ -123,13 +156,15 @@ def model_states(params: float, *, nd: int = 1, zero: int = 0,
 
 
 def runtime_adamw_fp32(params: int, *, grad_padding: int = 0,
-                       step_tensors: int = 0) -> ModelStates:
-    """The runtime's ledger convention for a replicated fp32 AdamW data-parallel run,
-    exactly: params 4 Psi, grads 4 (Psi + grad_padding) (elements a flat or bucketed
-    gradient buffer adds), optimizer 8 Psi (exp_avg, exp_avg_sq) + 4 bytes per
-    `step_tensors` (PyTorch keeps one fp32 `step` per parameter tensor; 0 ignores them)."""
+                       step_tensors: int = 0, optim: str = "adamw") -> ModelStates:
+    """The runtime's ledger convention for a replicated fp32 data-parallel run of torch's
+    `optim` (AdamW by default), exactly: params 4 Psi, grads 4 (Psi + grad_padding)
+    (elements a flat or bucketed gradient buffer adds), optimizer 4 Psi per state (AdamW's
+    exp_avg, exp_avg_sq) + 4 bytes per `step_tensors` (PyTorch's AdamW, RMSprop and Adagrad
+    keep one fp32 `step` per parameter tensor, SGD none; 0 ignores them)."""
+    steps = 0 if optim in ("sgd", "momentum") else step_tensors
     return ModelStates(params=4 * params, grads=4 * (params + grad_padding), master=0,
-                       optimizer=8 * params + 4 * step_tensors)
+                       optimizer=4 * OPTIM_STATES[optim] * params + 4 * steps)
 
 
 def activation_bytes_per_layer(*, s: int, b: int, h: int, a: int, t: int = 1,
@@ -202,12 +237,14 @@ class MemoryBreakdown:
 
 
 def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
-                   bucket_bytes: float = BUCKET_BYTES) -> MemoryBreakdown:
+                   bucket_bytes: float = BUCKET_BYTES, node_size: int = 0) -> MemoryBreakdown:
+    """`node_size`: ranks per node (hpZ's secondary shard needs it)."""
     lay = layout
     ranks = rank_params(cfg, lay)
-    states = (model_states(ranks.dense, nd=lay.replicas, zero=lay.zero, precision=lay.precision)
+    states = (model_states(ranks.dense, nd=lay.replicas, zero=lay.zero, precision=lay.precision,
+                           optim=lay.optim)
               + model_states(ranks.expert, nd=lay.replicas // lay.ep, zero=lay.zero,
-                             precision=lay.precision))
+                             precision=lay.precision, optim=lay.optim))
     if lay.partition == "layer":  # the busiest rank's whole units (imports this module)
         from shardtrain.plan.layer_partition import layer_states
         states = layer_states(cfg, lay)
@@ -216,6 +253,7 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
     if lay.offload != "none":  # each rank's shard: the dense over N_d, experts over N_d / ep
         shard = ranks.dense / lay.replicas + ranks.expert / (lay.replicas // lay.ep)
         states = offload_states(states, shard_params=shard, zero=lay.zero)
+    states = zeropp_states(states, lay, ranks, node_size=node_size)
     value_bytes = 4 if lay.precision == "fp32" else 2
     s = seq_len // lay.cp
     per_layer = layer_activation_bytes(cfg, lay, seq_len=seq_len)

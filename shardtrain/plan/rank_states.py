@@ -20,16 +20,24 @@ runtime's padding to them, so the planner reproduces the runtime's ledger to the
   `memory.offload_states` with this rank's padded shard: the optimizer state and the fp32
   master shards off the device, under ZeRO-3 the parameter shards too (`offloaded`).
 
-Covered: dense models (no experts, no LoRA), AdamW, no parameter server or ZeRO++ weight
-quantization; anything else raises PlanError naming what is not covered.
+- ZeRO++ (parallel/zero/zeropp.py): under qwZ every parameter starts at a multiple of
+  comm.quant_block and units pad to nd x block; at stages 1-2 the fp32 master shard gets
+  storage of its own (the gather writes dequantized values over the shard). hpZ adds its
+  secondary shards to the parameters (`hpz_secondary_bytes`).
+
+Covered: dense models (no experts, no LoRA), AdamW, SGD, RMSprop, Adagrad (the layout's
+`optim`), no parameter server; anything else
+raises PlanError naming what is not covered.
 Pure arithmetic, like the rest of plan/: the rules are restated here, and the dry run
 (train/start/dryrun.py, tests/test_dryrun.py) checks them against the runtime's ledger.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from shardtrain.config import ModelConfig
-from shardtrain.cost.units import unit_key
+from shardtrain.cost.units import ROUNDED, unit_key
 from shardtrain.plan.layout import Layout, PlanError
 from shardtrain.plan.memory import (ModelStates, model_states, offload_states,
                                      runtime_adamw_fp32)
@@ -89,15 +97,34 @@ def rank0_tensors(cfg: ModelConfig, layout: Layout, *, layers: int | None = None
     return out
 
 
-def zero_padded(tensors: list[tuple[str, int]], *, nd: int, tied: bool, n_layers: int,
-                rounded: bool = False, blocks: int = 1) -> int:
-    """Elements of the flat units (cost/units.py; `rounded`: split by gather dtype, ZeRO-3
-    under amp; `blocks` per unit), each padded to a multiple of nd."""
+def zero_units(tensors: list[tuple[str, int]], *, nd: int, tied: bool, n_layers: int,
+               rounded: bool = False, align: int = 1, blocks: int = 1
+               ) -> dict[tuple[int, int, int], int]:
+    """unit key -> elements of that flat unit (cost/units.py; `rounded`: split by gather
+    dtype, ZeRO-3 under amp; `blocks` transformer blocks per unit), each parameter starting
+    at a multiple of `align` (qwZ's blocks: zero/units.py build_units) and the unit padded
+    to a multiple of nd x align."""
     units: dict[tuple[int, int, int], int] = {}
     for name, n in tensors:
         key = unit_key(name, tied=tied, n_layers=n_layers, rounded=rounded, blocks=blocks)
-        units[key] = units.get(key, 0) + n
-    return sum(_up(n, nd) for n in units.values())
+        units[key] = units.get(key, 0) + _up(n, align)
+    return {key: _up(n, nd * align) for key, n in sorted(units.items())}
+
+
+def zero_padded(tensors: list[tuple[str, int]], *, nd: int, tied: bool, n_layers: int,
+                rounded: bool = False, align: int = 1, blocks: int = 1) -> int:
+    """Elements of the flat units (`zero_units`), in all."""
+    return sum(zero_units(tensors, nd=nd, tied=tied, n_layers=n_layers, rounded=rounded,
+                          align=align, blocks=blocks).values())
+
+
+def hpz_secondary_bytes(units: dict[tuple[int, int, int], int], *, local: int,
+                        precision: str) -> int:
+    """hpZ's secondary shards (parallel/zero/zeropp.py): 1/local of every gathered unit, in
+    its gather dtype (a split unit's rounded half 16-bit under amp), local = the dp ranks
+    on this rank's node."""
+    return sum(n // local * (2 if precision == "amp" and key[2] == ROUNDED else PARAM_BYTES)
+               for key, n in units.items())
 
 
 def bucket_padded(tensors: list[tuple[str, int]], *, nd: int, bucket_mb: float) -> int:
@@ -114,15 +141,18 @@ def bucket_padded(tensors: list[tuple[str, int]], *, nd: int, bucket_mb: float) 
 
 
 def rank0_states(cfg: ModelConfig, layout: Layout, *, layers: int | None = None,
-                 bucket_mb: float = 25.0, optimizer: str = "adamw") -> ModelStates:
+                 bucket_mb: float = 25.0, optimizer: str = "adamw", block: int = 256,
+                 local: int = 1) -> ModelStates:
     """Rank 0's model-state bytes exactly as the runtime's ledger reports them
-    (Trainer.memory_ledger: params, grads, master, optimizer)."""
+    (Trainer.memory_ledger: params, grads, master, optimizer). ZeRO++: `block` is
+    comm.quant_block (qwZ aligns the units to it), `local` the dp ranks on a node (hpZ)."""
     lay = layout
     if lay.precision not in ("fp32", "amp"):
         raise PlanError(f"layout precision={lay.precision!r}: the runtime holds fp32 or amp "
                         "states (train.precision fp32, or bf16/fp16 = amp)")
-    if optimizer != "adamw":
-        raise PlanError(f"optim.name={optimizer!r}: the exact count covers adamw")
+    if optimizer not in ("adamw", "sgd", "rmsprop", "adagrad"):
+        raise PlanError(f"optim.name={optimizer!r}: the exact count covers adamw, sgd, "
+                        "rmsprop and adagrad")
     if lay.ps_servers:
         raise PlanError("the exact per-rank count does not cover parameter servers")
     if lay.offload != "none" and not lay.zero:
@@ -131,14 +161,22 @@ def rank0_states(cfg: ModelConfig, layout: Layout, *, layers: int | None = None,
     tensors = rank0_tensors(cfg, lay, layers=layers)
     psi = sum(n for _, n in tensors)
     if lay.zero:
-        padded = zero_padded(tensors, nd=lay.replicas, tied=cfg.tie_embeddings,
-                             n_layers=cfg.n_layers,
-                             rounded=lay.zero == 3 and lay.precision == "amp",
-                             blocks=lay.unit_blocks)
-        states = model_states(padded, nd=lay.replicas, zero=lay.zero, precision=lay.precision)
-        if lay.offload == "none":
-            return states
-        return offload_states(states, shard_params=padded // lay.replicas, zero=lay.zero)
+        units = zero_units(tensors, nd=lay.replicas, tied=cfg.tie_embeddings,
+                           n_layers=cfg.n_layers, align=block if lay.qwz else 1,
+                           blocks=lay.unit_blocks,
+                           rounded=lay.zero == 3 and lay.precision == "amp")
+        padded = sum(units.values())
+        states = model_states(padded, nd=lay.replicas, zero=lay.zero, precision=lay.precision,
+                              optim=lay.optim)
+        if lay.qwz and lay.zero < 3:  # the dequantized gather lands in the shard: the fp32
+            # master gets storage of its own (zero/model.py)
+            states = replace(states, master=PARAM_BYTES * padded / lay.replicas)
+        if lay.offload != "none":
+            states = offload_states(states, shard_params=padded // lay.replicas, zero=lay.zero)
+        secondary = hpz_secondary_bytes(units, local=local, precision=lay.precision) \
+            if lay.hpz else 0  # on the device, offload or not
+        return replace(states, params=states.params + secondary)
     padded = bucket_padded(tensors, nd=lay.replicas, bucket_mb=bucket_mb) \
         if lay.replicas > 1 else psi  # one replica: no reducer, no buckets
-    return runtime_adamw_fp32(psi, grad_padding=padded - psi, step_tensors=len(tensors))
+    return runtime_adamw_fp32(psi, grad_padding=padded - psi, step_tensors=len(tensors),
+                              optim=lay.optim)

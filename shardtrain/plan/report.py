@@ -62,7 +62,8 @@ def details(plan: Plan, *, tokens: float | None = None,
              "", "communication per step (one rank)",
              table(["group", "op", "ranks", "algorithm", "calls", "MB/call", "GB sent", "time s",
                     "overlap"],
-                   [[o.group, o.op, o.ranks, o.algorithm, o.calls, o.message_bytes / 1e6,
+                   [[o.group, o.op + (f" {o.what}" if o.what else ""), o.ranks, o.algorithm,
+                     o.calls, o.message_bytes / 1e6,
                      o.bytes_sent / GB, o.time_s, o.overlap] for o in plan.ops]
                    or [["-", "none", 1, "-", 0, 0.0, 0.0, 0.0, "-"]]),
              "", roofline(plan), "", "time per step"]

@@ -11,7 +11,9 @@ p). Every candidate then goes through the trainer's own config validation
 (`layout.trainer_refusal`: `Config.validate` of the config `layout_overrides` describes),
 so a layout the trainer refuses (a tp that does not split the kv heads, an sp or cp that
 does not split the sequence, Ulysses heads cp does not divide, ...) is never proposed, and
-no rule is restated here: when the trainer learns a composition, the search proposes it. The
+no rule is restated here: when the trainer learns a composition, the search proposes it.
+ZeRO++ (qwZ, hpZ, qgZ) is tried on the fitting ZeRO-3 layouts whose replica group spans
+nodes and that could then rank in the top (`with_zeropp`). The
 run's data section takes part (`data`): data.document_mask rules out context parallelism. Offload
 (cpu, nvme) is tried only when nothing fits without it. Ranked by predicted step time,
 then memory.
@@ -19,6 +21,7 @@ then memory.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from collections.abc import Iterator
@@ -26,10 +29,10 @@ from dataclasses import dataclass
 
 from shardtrain.config import DataConfig, ModelConfig
 from shardtrain.cost.counts import param_counts
-from shardtrain.plan.evaluate import Plan, evaluate
+from shardtrain.plan.evaluate import Plan, dp_exposed_s, evaluate
 from shardtrain.cost.hardware import Hardware
 from shardtrain.plan.layout import Layout, PlanError, check, trainer_refusal
-from shardtrain.plan.memory import MemoryBreakdown, memory_per_gpu
+from shardtrain.plan.memory import MemoryBreakdown, memory_per_gpu, replicas_per_node
 
 GB = 1e9
 
@@ -126,6 +129,50 @@ def _partitions(cfg: ModelConfig, zero: int, dp: int, model_ranks: int,
     return ("flat", "layer") if layer else ("flat",)
 
 
+def zeropp_variants(layout: Layout, *, node_size: int) -> list[Layout]:
+    """ZeRO++ (plan/zeropp.py) for a ZeRO-3 layout whose replica group spans nodes, where
+    its bytes cross the slow links: qwZ + hpZ + qgZ, then qwZ + qgZ (no secondary shard's
+    memory; the only one under a pipeline, where the trainer refuses hpZ)."""
+    lay = layout
+    if lay.zero != 3 or lay.qwz or lay.replicas <= replicas_per_node(lay, node_size):
+        return []
+    light = dataclasses.replace(lay, qwz=True, qgz=True)
+    return ([dataclasses.replace(light, hpz=True)] if lay.pp == 1 else []) + [light]
+
+
+def with_zeropp(plans: list[Plan], cfg: ModelConfig, hw: Hardware, *, top: int,
+                data: DataConfig | None) -> tuple[list[Plan], int, int]:
+    """`plans` (ranked) plus the fastest ZeRO++ variant the trainer runs and that fits of
+    each plan that could then enter the `top`: ZeRO++ changes only the dp group's ops, so
+    a variant is never faster than its plan less the plan's exposed dp communication
+    (the bound that spares evaluating the rest). Returns (ranked plans, variants the trainer
+    ran, variants it refused)."""
+    plans, added, ran, refused = sorted(plans, key=_rank), [], 0, 0
+    best = [p.time.step_s for p in plans[:top]]  # the top's step times, ascending
+    for plan in plans:
+        cutoff = best[-1] if len(best) >= top else math.inf
+        if plan.time.step_s - dp_exposed_s(plan) >= cutoff:
+            continue
+        node = hw.node_size(plan.layout.gpus)
+        for variant in zeropp_variants(plan.layout, node_size=node):
+            if trainer_refusal(variant, cfg, seq_len=plan.seq_len, data=data) is not None:
+                refused += 1
+                continue
+            ran += 1
+            memory = memory_per_gpu(cfg, variant, seq_len=plan.seq_len, node_size=node)
+            if memory.total <= hw.usable_bytes:
+                added.append(evaluate(cfg, variant, hw, global_batch=plan.global_batch,
+                                      seq_len=plan.seq_len, name=plan.name, memory=memory))
+                bisect.insort(best, added[-1].time.step_s)
+                del best[top:]
+                break
+    return sorted(plans + added, key=_rank), ran, refused
+
+
+def _rank(plan: Plan) -> tuple[float, float]:
+    return plan.time.step_s, plan.memory.total
+
+
 def search(cfg: ModelConfig, hw: Hardware, *, gpus: int, global_batch: int, seq_len: int,
            name: str = "", top: int = 5, precision: str | None = None,
            data: DataConfig | None = None) -> SearchResult:
@@ -145,7 +192,7 @@ def search(cfg: ModelConfig, hw: Hardware, *, gpus: int, global_batch: int, seq_
                 refused += 1
                 continue
             considered += 1
-            memory = memory_per_gpu(cfg, layout, seq_len=seq_len)
+            memory = memory_per_gpu(cfg, layout, seq_len=seq_len, node_size=node)
             if memory.total <= hw.usable_bytes:
                 fitting.append((layout, memory))
             else:
@@ -173,7 +220,9 @@ def search(cfg: ModelConfig, hw: Hardware, *, gpus: int, global_batch: int, seq_
                      global_batch=global_batch, memory=near.memory, data=data)))
     plans = [evaluate(cfg, lay, hw, global_batch=global_batch, seq_len=seq_len, name=name,
                       memory=mem) for lay, mem in fitting]
-    plans.sort(key=lambda p: (p.time.step_s, p.memory.total))
+    plans, ran, refused_zeropp = with_zeropp(plans, cfg, hw, top=top, data=data)
+    counts["considered"] += ran
+    counts["refused"] += refused_zeropp
     return SearchResult(ranked=tuple(plans[:top]), **counts)
 
 
@@ -207,7 +256,8 @@ def advice(cfg: ModelConfig, layout: Layout, hw: Hardware, *, seq_len: int, gpus
             continue
         if trainer_refusal(variant, cfg, seq_len=seq_len, data=data) is not None:
             continue  # advise only what the trainer runs
-        total = memory_per_gpu(cfg, variant, seq_len=seq_len).total
+        total = memory_per_gpu(cfg, variant, seq_len=seq_len,
+                               node_size=hw.node_size(gpus)).total
         if variant != lay and total < memory.total:
             after[knob] = total
     ranked = sorted(after, key=after.__getitem__)

@@ -13,7 +13,7 @@ one micro-batch, s = seq / cp; P, G = this rank's parameter and gradient bytes):
   travel in buckets of comm.bucket_mb (25 MB); ZeRO's in buckets of whole consecutive
   units of at most that size (a larger unit alone: cost/units.py `coalesce`), its
   parameters one unit (layer) at a time. `edp` is the same for expert parameters
-  (dp x cp / ep).
+  (dp x cp / ep). ZeRO++ (qwZ, hpZ, qgZ) replaces these with plan/zeropp.py's ops.
 - tp (Megatron-LM; Korthikanti et al. 2022): per layer and micro-batch, all-reduces of X,
   2 forward + 2 backward (+2 with full recomputation); with sp, all-gathers and
   reduce-scatters of X instead, and the backward's re-gather of each region's input;
@@ -66,6 +66,7 @@ from shardtrain.plan.ops import (FREE, CommOp, Placement, a2a, bytes_per_step,  
 from shardtrain.plan.partition import rank_params
 from shardtrain.plan.tensor_traffic import tensor_parallel_ops
 from shardtrain.plan.ps import ps_ops
+from shardtrain.plan.zeropp import any_zeropp, zeropp_ops
 
 
 
@@ -125,12 +126,16 @@ def step_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, seq_len: int,
     common = dict(zero=lay.zero, microbatches=m, precision=lay.precision, layers=units,
                   bucket_bytes=bucket_bytes, pipelined=lay.pp > 1, reduce_dtype=lay.reduce_dtype)
     dp_where = placement(hw, node, lay.tp, lay.replicas)
-    ops += layer_ops(cfg, lay, dp_where) if lay.partition == "layer" else data_parallel_ops(
-        group="dp", params=ranks.dense, size=lay.replicas, where=dp_where, kept=ranks.kept,
-        **common)
-    ops += data_parallel_ops(group="edp", params=ranks.expert, size=lay.replicas // lay.ep,
-                             where=placement(hw, node, lay.tp * lay.ep, lay.replicas // lay.ep),
-                             kept=ranks.kept_expert, **common)
+    if any_zeropp(lay):  # quantized and node-local collectives (plan/zeropp.py)
+        ops += zeropp_ops(cfg, lay, hw, bucket_bytes=bucket_bytes)
+    else:
+        ops += layer_ops(cfg, lay, dp_where) if lay.partition == "layer" else \
+            data_parallel_ops(group="dp", params=ranks.dense, size=lay.replicas, where=dp_where,
+                              kept=ranks.kept, **common)
+        ops += data_parallel_ops(group="edp", params=ranks.expert, size=lay.replicas // lay.ep,
+                                 where=placement(hw, node, lay.tp * lay.ep,
+                                                 lay.replicas // lay.ep),
+                                 kept=ranks.kept_expert, **common)
     ops += tensor_parallel_ops(cfg, lay, seq_len=seq_len, where=placement(hw, node, 1, lay.tp))
     if lay.pp > 1:
         where = placement(hw, node, lay.tp * lay.cp * lay.dp, lay.pp)

@@ -1,5 +1,6 @@
-"""Optimizers (AdamW, AdamW with 8-bit states, SGD with momentum) and the learning-rate
-schedule."""
+"""Optimizers (AdamW, AdamW with 8-bit states, SGD with or without momentum, RMSProp,
+AdaGrad: seed 002's taxonomy, 2, 2, 1 or 0, 1 and 1 states per parameter) and the
+learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float) -> torch.opti
                                  **adamw_kernel(params))
     if cfg.name == "adamw8bit":
         return AdamW8bit(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    if cfg.name == "rmsprop":  # Tieleman and Hinton 2012
+        return torch.optim.RMSprop(groups, lr=lr, alpha=cfg.rms_alpha, eps=cfg.eps)
+    if cfg.name == "adagrad":  # Duchi et al. 2011
+        return torch.optim.Adagrad(groups, lr=lr, lr_decay=cfg.adagrad_lr_decay, eps=cfg.eps)
     return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum)
 
 

@@ -10,8 +10,9 @@ shard optimizer sees lists (one entry per unit) of:
   the write is skipped).
 Where the state lives is the implementation's business: `MemoryOptimizer` keeps it beside
 the model; `offload.HostOptimizer` keeps it in host memory or NVMe files (ZeRO-Offload,
-ZeRO-Infinity). `update_shard` is the arithmetic both use: torch.optim's single-tensor AdamW
-and SGD, op for op, so a sharded step equals the single-process `torch.optim` step.
+ZeRO-Infinity). `update_shard` is the arithmetic both use: torch.optim's single-tensor AdamW,
+SGD, RMSprop and Adagrad, op for op, so a sharded step equals the single-process
+`torch.optim` step.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def moment_names(optim: OptimConfig) -> tuple[str, ...]:
     """The per-element fp32 state besides the master weights."""
     if optim.name == "adamw":
         return ("exp_avg", "exp_avg_sq")
+    if optim.name in ("rmsprop", "adagrad"):  # torch's state names
+        return ("square_avg",) if optim.name == "rmsprop" else ("sum",)
     return ("momentum_buffer",) if optim.momentum else ()
 
 
@@ -73,10 +76,21 @@ def update_shard(master: torch.Tensor, moments: list[torch.Tensor], grad: torch.
         denom = (exp_avg_sq.sqrt() / (1 - o.beta2 ** steps) ** 0.5).add_(o.eps)
         master.addcdiv_(exp_avg, denom, value=-step_size)
         return
-    if decay and o.weight_decay:  # SGD: L2 added to the gradient, as torch does
+    if decay and o.weight_decay:  # SGD, RMSprop, Adagrad: L2 into the gradient, as torch
         grad = grad.clone()
         for a, b in decay:
             grad[a:b].add_(master[a:b], alpha=o.weight_decay)
+    if o.name == "rmsprop":  # square_avg: running mean of grad^2 (Tieleman and Hinton 2012)
+        square_avg, = moments
+        square_avg.mul_(o.rms_alpha).addcmul_(grad, grad, value=1 - o.rms_alpha)
+        master.addcdiv_(grad, square_avg.sqrt().add_(o.eps), value=-lr)
+        return
+    if o.name == "adagrad":  # sum: every grad^2 so far (Duchi et al. 2011)
+        total, = moments
+        total.addcmul_(grad, grad, value=1)
+        master.addcdiv_(grad, total.sqrt().add_(o.eps),
+                        value=-lr / (1 + (steps - 1) * o.adagrad_lr_decay))
+        return
     if o.momentum:
         buf, = moments  # zeros before the first step, so the first is buf = grad exactly
         buf.mul_(o.momentum).add_(grad)

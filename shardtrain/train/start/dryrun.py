@@ -186,7 +186,8 @@ def build_report(cfg: Config, world_size: int, ledger: dict[str, Any], *, saved:
     layout = config_layout(cfg, world_size)
     measured = {k: int(ledger[f"{k}_bytes"]) for k in STATES}
     estimate = memory_per_gpu(cfg.model, layout, seq_len=cfg.train.seq_len,
-                              bucket_bytes=cfg.comm.bucket_mb * 2**20).to_dict()
+                              bucket_bytes=cfg.comm.bucket_mb * 2**20,
+                              node_size=cfg.parallel.node_size or world_size).to_dict()
     try:
         states = rank0_states(cfg.model, layout, layers=layers,
                               bucket_mb=cfg.comm.bucket_mb, optimizer=cfg.optim.name)

@@ -51,7 +51,8 @@ def check_fits(cfg: Config, world_size: int, *, device_kind: str, local_ranks: i
     try:
         estimate = memory_per_gpu(cfg.model, config_layout(cfg, world_size),
                                   seq_len=cfg.train.seq_len,
-                                  bucket_bytes=cfg.comm.bucket_mb * 2**20)
+                                  bucket_bytes=cfg.comm.bucket_mb * 2**20,
+                                  node_size=cfg.parallel.node_size or local_ranks)
     except PlanError:
         return
     capacity, what = rank_capacity(device_kind, local_ranks)
