@@ -179,6 +179,17 @@ def placement(schedule: str, pp: int, v: int = 1) -> Placement:
     return Placement(pp, v, "v" if schedule in V_SHAPED else "loop")
 
 
+def activation_bound(schedule: str, pp: int, m: int, v: int = 1) -> int:
+    """The most (micro-batch, chunk)s a rank holds between F and the end of its backward, as
+    each schedule's paper states it (the validator holds every built schedule to it): GPipe
+    all m; 1F1B and ZB-H1 pp (Qi et al. 2024: ZB-H1 keeps 1F1B's peak); interleaved
+    stage 0's warm-up 2(pp-1) + (v-1) pp, plus the steady step's forward; ZB-V pp micro-
+    batches on both chunks; DualPipeV 2pp + 1 (DualPipe's PP + 1, PP = 2pp stages)."""
+    bound = {"gpipe": m * v, "1f1b": pp, "zb-h1": pp, "interleaved": (v + 1) * pp - 1,
+             "zbv": 2 * pp, "dualpipev": 2 * pp + 1}[schedule]
+    return min(bound, m * v)
+
+
 def with_transfers(steps: Steps, pp: int, v: int, shape: str = "loop") -> Schedule:
     """Place each step's transfers around it: the receives of its computes' inputs (the
     activation before a forward, the gradient before a backward) just before it, the sends
