@@ -30,6 +30,8 @@ LAYOUTS = {
                     ("pp2 x dp2 zb-h1 zero1", (), _pp(2, "zb-h1", 2, "--parallel.zero", "1")),
                     ("pp2 x tp2 sp zb-h1", (), _pp(2, "zb-h1", 4, "--parallel.tp", "2",
                                                     "--parallel.sp", "true")),
+                    ("pp2 x dp2 zb-h1 zero2", (), _pp(2, "zb-h1", 2, "--parallel.zero", "2")),
+                    ("pp2 x dp2 zb-h1 zero3", (), _pp(2, "zb-h1", 2, "--parallel.zero", "3")),
                     ("pp2 x dp2 zb-h1 zero1 bf16", BF16,
                      _pp(2, "zb-h1", 2, "--parallel.zero", "1"))]),
 }

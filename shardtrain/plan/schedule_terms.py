@@ -10,9 +10,9 @@ for every schedule: no closed form beside it that could drift.
 Costs F=1, B=2, W=1 (a backward does twice a forward's matmuls, half of them for the
 weights): the fraction is scale-free, and the schedules the planner weighs differ only in
 where the idle time falls. Beyond a few rounds of micro-batches every schedule repeats its
-steady state, which has no idle time and holds no more activations, so the replay stops at
-`_steady(p, v)` micro-batches and the steady state's busy time is added for the rest (a
-test checks that this equals the full replay).
+steady state, which adds no idle time and holds no more activations (GPipe: the same
+number more each round), so the replay stops at `_steady(p)` micro-batches and the steady
+state's busy time is added for the rest (a test checks that this equals the full replay).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ class ScheduleTerms:
     in_flight: float
 
 
-def _steady(p: int, v: int) -> int:
-    """Micro-batches past which more only lengthen the steady state: four rounds of p (a
-    multiple of p, as the interleaved schedule needs; at least the 2p of DualPipeV)."""
-    return 4 * p
+def _steady(p: int) -> int:
+    """Micro-batches past which more only lengthen the steady state: two rounds of p (a
+    multiple of p, as the interleaved schedule needs; DualPipeV's least, 2p)."""
+    return 2 * p
 
 
 def default_schedule(v: int) -> str:
@@ -45,18 +45,19 @@ def default_schedule(v: int) -> str:
     return "interleaved" if v > 1 else "1f1b"
 
 
+@lru_cache(maxsize=None)  # a search asks for the same few (schedule, p, m, v) many times
 def schedule_terms(schedule: str, p: int, m: int, v: int = 1,
                    costs: Costs = PLAN_COSTS) -> ScheduleTerms:
-    replay = min(m, _steady(p, v))
+    replay = min(m, _steady(p))
     sim = simulate(schedule, p, replay, v, costs)
     idle = sum(sim.idle) / len(sim.idle)
-    busy = sim.span - idle  # per rank: the same work on every rank
-    busy *= m / replay
+    busy = (sim.span - idle) * m / replay  # per rank: every rank does the same work
+    # The worst rank's peak; past the steady point it stays (1F1B) or grows by the same
+    # step every round of p micro-batches (GPipe): the order a round later extends it.
+    peak = max(sim.peak_activations)
+    if m > replay:
+        later = max(peak_in_flight([a for step in rank for a in step])
+                    for rank in compute_steps(schedule, p, replay + p, v)) / v
+        peak += (m - replay) * (later - peak) / p
     return ScheduleTerms(bubble_fraction=idle / (busy + idle), bubble_ratio=idle / busy,
-                         in_flight=_in_flight(schedule, p, m, v))
-
-
-@lru_cache(maxsize=512)
-def _in_flight(schedule: str, p: int, m: int, v: int) -> float:
-    steps = compute_steps(schedule, p, m, v)
-    return max(peak_in_flight([a for step in rank for a in step]) for rank in steps) / v
+                         in_flight=peak)

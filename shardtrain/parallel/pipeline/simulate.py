@@ -100,35 +100,44 @@ def simulate_steps(steps: Steps, place: Placement, costs: Costs = Costs(), *,
     clock, pos = [0.0] * pp, [0] * pp
     timelines: list[list[Slot]] = [[] for _ in range(pp)]
 
+    virtual = [[place.virtual(s, c) for c in range(place.v)] for s in range(pp)]
+
     def needs(s: int, a: Action) -> list[tuple[str, int, int]]:
-        g = place.virtual(s, a.chunk)
+        g = virtual[s][a.chunk]
         if a.op == "F":
             return [("F", a.mb, g - 1)] if g > 0 else []
         if a.op == "W":
             return [("B", a.mb, g)]
         return [("F", a.mb, g)] + ([("B", a.mb, g + 1)] if g < place.last else [])
 
+    def plan(s: int, step: tuple[Action, ...]) -> tuple[list, list, list]:
+        """(the step's inputs from other steps, its actions' keys, their costs)."""
+        keys = [(a.op, a.mb, virtual[s][a.chunk]) for a in step]
+        deps = [d for a in step for d in needs(s, a) if d not in keys]
+        return deps, keys, [costs.of(a, (a.mb, a.chunk) in split[s]) for a in step]
+
+    plans = [[plan(s, step) for step in rank] for s, rank in enumerate(steps)]
     while True:
         moved = False
         for s in range(pp):
             while pos[s] < len(steps[s]):
-                step = steps[s][pos[s]]
-                inside = {(a.op, a.mb, place.virtual(s, a.chunk)) for a in step}
-                deps = [d for a in step for d in needs(s, a) if d not in inside]
+                deps, keys, step_costs = plans[s][pos[s]]
                 if any(d not in done for d in deps):
                     break
-                ready = [done[d][0] + (costs.comm if done[d][1] != s else 0.0) for d in deps]
-                start = max([clock[s], *ready])
+                start = clock[s]
+                for d in deps:
+                    end, rank = done[d]
+                    start = max(start, end + (costs.comm if rank != s else 0.0))
                 t = start
-                for a in step:  # in order; an overlapped pair ends together
-                    t += costs.of(a, (a.mb, a.chunk) in split[s])
-                    done[(a.op, a.mb, place.virtual(s, a.chunk))] = (t, s)
-                if overlapped and len(step) == 2 and costs.fb is not None:
-                    t = start + costs.fb
-                    for a in step:
-                        done[(a.op, a.mb, place.virtual(s, a.chunk))] = (t, s)
+                for key, cost in zip(keys, step_costs):  # in order
+                    t += cost
+                    done[key] = (t, s)
+                if overlapped and len(keys) == 2 and costs.fb is not None:
+                    t = start + costs.fb  # an overlapped pair ends together
+                    for key in keys:
+                        done[key] = (t, s)
                 clock[s] = t
-                timelines[s].append(Slot(start, t, step))
+                timelines[s].append(Slot(start, t, steps[s][pos[s]]))
                 pos[s] += 1
                 moved = True
         if all(pos[s] == len(steps[s]) for s in range(pp)):
