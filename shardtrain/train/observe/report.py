@@ -16,7 +16,8 @@ another stage, does not start the step: no barrier aligns the stages' starts). W
 equal-cost
 stages that is the idle share the formula predicts, (p-1)/(m+p-1) for GPipe and 1F1B and
 (p-1)/(v m + p-1) for the interleaved schedule (Narayanan et al. 2021;
-`plan.timing.bubble_fraction`, FORMULAS.md).
+`plan.timing.bubble_fraction`, FORMULAS.md), and beside it the schedule simulator's replay
+at the measured costs (simulated.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any, TextIO
 from shardtrain.config import ConfigError
 from shardtrain.parallel.pipeline.schedules import COMPUTE, TRANSFERS
 from shardtrain.plan.timing import bubble_fraction
+from shardtrain.train.observe.simulated import simulated_lines
 from shardtrain.train.pace import busy_seconds, pace_table
 
 _HEADER = ("rank", "stage", "pp", "microbatches", "virtual_stages", "schedule", "step")
@@ -197,6 +199,8 @@ def report(run_dir: Path, out: TextIO | None = None) -> Path | None:
             "1f1b": "(p-1)/(m+p-1)"}.get(first["schedule"], "simulated at F=1 B=2 W=1")
     print(f"bubble fraction: measured {mean:.1%} (mean over ranks), formula {form} = "
           f"{formula:.1%}", file=out)
+    for line in simulated_lines(timelines):
+        print(line, file=out)
     _print_metrics(run_dir, out)
     png = run_dir / "timeline.png"
     plot_timeline(timelines, png, title=f"{layout}: bubble {mean:.1%} measured, "
