@@ -27,7 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from shardtrain.parallel.pipeline.schedules import Action, Placement, Steps, compute_steps, placement
+from shardtrain.parallel.pipeline.schedules import (Action, Placement, Steps, compute_steps,
+                                                    placement)
 
 OVERLAPPED = ("dualpipev",)  # schedules whose two-compute steps are overlapped pairs
 
