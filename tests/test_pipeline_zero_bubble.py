@@ -1,19 +1,18 @@
 """ZB-H1 (split backward: B, then W later) reproduces the single-process run, fp32 (losses,
-eval loss, final weights) and bf16 (parity.py's bound), alone and with recomputation, tied
-embeddings, ZeRO-1 and tensor parallelism inside a stage; each run's measured timeline
+eval loss, final weights) and bf16 (parity.py's bound), at pp = 2 and 4, alone and with
+full recomputation, tied embeddings (test_pipeline_parity.py's row), ZeRO-1/2/3 over dp = 2
+and tensor + sequence parallelism inside a stage; each run's measured timeline
 (timeline_rank*.json) runs its computes in the simulator's order; the split itself gives a
 full backward's gradients under LoRA (one process)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from dist import run_distributed
 from parity import BF16_LOSS_RTOL, assert_parity, train_layouts, worst_loss_deviation
-from test_pipeline_parity import (GPT2, RECOMPUTE, _cfg, _check_order, _pp,  # noqa: F401
-                                  references, tmp)  # fixtures
+from test_pipeline_parity import RECOMPUTE, _cfg, _check_order, _pp
+from test_pipeline_parity import references, tmp  # noqa: F401 (the module's fixtures)
 
 from shardtrain import config
 from shardtrain.parallel.pipeline.split_backward import input_backward, weight_backward
@@ -24,9 +23,10 @@ BF16 = ("--train.precision", "bf16")
 # and full recomputation in test_pipeline_parity.py's two-rank spawn.
 LAYOUTS = {
     "pp2": (2, [("pp2 zb-h1 m8", (), _pp(2, "zb-h1", 8)),
-                     ("pp2 zb-h1 m1", (), _pp(2, "zb-h1", 1)),
-                     ("pp2 zb-h1 m4 bf16", BF16, _pp(2, "zb-h1", 4))]),
+                ("pp2 zb-h1 m1", (), _pp(2, "zb-h1", 1)),
+                ("pp2 zb-h1 m4 bf16", BF16, _pp(2, "zb-h1", 4))]),
     "4 ranks": (4, [("pp4 zb-h1 m8", (), _pp(4, "zb-h1", 8)),
+                    ("pp4 zb-h1 m4 full recomputation", (), _pp(4, "zb-h1", 4, *RECOMPUTE)),
                     ("pp2 x dp2 zb-h1 zero1", (), _pp(2, "zb-h1", 2, "--parallel.zero", "1")),
                     ("pp2 x tp2 sp zb-h1", (), _pp(2, "zb-h1", 4, "--parallel.tp", "2",
                                                     "--parallel.sp", "true")),
