@@ -1,7 +1,14 @@
-"""Our 1F1B pipeline against torch.distributed.pipelining's Schedule1F1B: same model, same
-split, same micro-batches, same optimizer.
+"""Our pipeline against torch.distributed.pipelining's: same model, same split, same
+micro-batches, same optimizer, the same schedule -- 1F1B against Schedule1F1B, ZB-H1 against
+ScheduleInterleavedZeroBubble (with one stage per rank, torch's ZB-H1 order: Qi et al. 2024).
 
-    python benchmarks/pp_vs_torch_pipelining.py [--nproc 2] [--steps 20] [--section.field V ...]
+    python benchmarks/pp_vs_torch_pipelining.py [--schedule 1f1b|zb-h1] [--nproc 2]
+        [--steps 20] [--section.field V ...]
+
+With --schedule zb-h1 ours also runs 1F1B in the same rotation and prints ours zb-h1 /
+ours 1f1b. ZB-V and DualPipeV are simulated only (`shardtrain schedule`): the trainer does
+not run them, so there is nothing of ours to time against torch's ScheduleZBVZeroBubble and
+ScheduleDualPipeV.
 
 Each of the `--nproc` processes is one pipeline stage (parallel.pp = nproc). Ours is the
 trainer with parallel.pp and schedule 1f1b; torch's wraps the very stage modules our
@@ -23,7 +30,8 @@ import json
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
+                                          ScheduleInterleavedZeroBubble)
 
 from interleave import interleaved_tokens_per_s
 from teardown import run_then_leave
@@ -58,7 +66,7 @@ class TorchPipeline:
     the mean loss sent from the last stage to all."""
 
     def __init__(self, cfg: config.Config, rank: int, pp: int, microbatches: int,
-                 sampler: TokenSampler):
+                 sampler: TokenSampler, schedule: str):
         model = build_model(cfg.model, seed=None)  # meta: this stage alone is materialised
         module, chunks = split_stages(model, cfg, stage=rank)
         module.to_empty(device="cpu")
@@ -66,7 +74,11 @@ class TorchPipeline:
         module.init_weights(cfg.train.seed)
         self.module, self.rank, self.pp, self.sampler = module, rank, pp, sampler
         self.stage = PipelineStage(TorchStage(module, chunks[0]), rank, pp, torch.device("cpu"))
-        self.schedule = Schedule1F1B(self.stage, microbatches, loss_fn=cross_entropy)
+        if schedule == "zb-h1":  # a runtime schedule: it takes a list of this rank's stages
+            self.schedule = ScheduleInterleavedZeroBubble([self.stage], microbatches,
+                                                          loss_fn=cross_entropy)
+        else:
+            self.schedule = Schedule1F1B(self.stage, microbatches, loss_fn=cross_entropy)
         self.optimizer = build_optimizer(module, cfg.optim, cfg.train.lr)
         self.clip = cfg.optim.grad_clip or float("inf")
 
@@ -92,29 +104,35 @@ class TorchPipeline:
         return loss.item()
 
 
-def worker(cfg_text: str, steps: int) -> dict:
+def worker(cfg_text: str, steps: int, baseline_text: str | None) -> dict:
     cfg = config.loads(cfg_text)
     info = ProcessInfo.from_env()
     init_distributed(info, torch.device("cpu"), cfg.comm.timeout_s)
-    return run_then_leave(measure, cfg, info, steps)  # teardown.py: the exit without a hang
+    return run_then_leave(measure, cfg, info, steps, baseline_text)  # teardown.py
 
 
-def measure(cfg: config.Config, info: ProcessInfo, steps: int) -> dict:
+def measure(cfg: config.Config, info: ProcessInfo, steps: int,
+            baseline_text: str | None) -> dict:
+    """`baseline_text`: ours again under another schedule (1F1B), timed in the rotation."""
     device = torch.device("cpu")
     mesh = build_mesh(MeshShape(pp=info.world_size), rank=info.rank)
     ours = Trainer(cfg, mesh, device)
     t = cfg.train
     sampler = TokenSampler(ours.data.train, seq_len=t.seq_len, global_batch=t.global_batch,
                            micro_batch=t.micro_batch, dp_rank=0, dp_size=1, seed=t.seed)
-    theirs = TorchPipeline(cfg, info.rank, info.world_size, ours.accum, sampler)
-    losses: dict[str, list[float]] = {"ours": [], "torch_pipelining": []}
+    theirs = TorchPipeline(cfg, info.rank, info.world_size, ours.accum, sampler,
+                           cfg.parallel.schedule)
+    losses: dict[str, list[float]] = {"ours": [], "torch_pipelining": [], "ours_1f1b": []}
     runners = {
         "ours": lambda: losses["ours"].append(ours.train_step()["loss"]),
         "torch_pipelining": lambda: losses["torch_pipelining"].append(theirs.step()),
     }
+    if baseline_text is not None:
+        baseline = Trainer(config.loads(baseline_text), mesh, device)
+        runners["ours_1f1b"] = lambda: losses["ours_1f1b"].append(baseline.train_step()["loss"])
     result = interleaved_tokens_per_s(
         runners, steps=steps, tokens_per_step=t.global_batch * t.seq_len)
-    return {"tokens_per_s": result, "first_loss": {k: v[0] for k, v in losses.items()},
+    return {"tokens_per_s": result, "first_loss": {k: v[0] for k, v in losses.items() if v},
             "microbatches": ours.accum}
 
 
@@ -122,13 +140,24 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--nproc", type=int, default=2, help="pipeline stages (parallel.pp)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps of each pipeline")
+    parser.add_argument("--schedule", choices=("1f1b", "zb-h1"), default="1f1b")
     args, overrides = parser.parse_known_args()
-    cfg = config.load("default", ["--train.global_batch", "16", "--train.micro_batch", "2",
-                                  "--train.progress", "false", "--train.run_dir",
-                                  "runs/bench-pp", "--parallel.pp", str(args.nproc),
-                                  "--parallel.schedule", "1f1b", *overrides])
-    cfg.validate(args.nproc)
-    results = launch_local(args.nproc, worker, config.to_toml(cfg), args.steps)
+
+    def load(schedule: str, run_dir: str) -> config.Config:
+        cfg = config.load("default", ["--train.global_batch", "16", "--train.micro_batch", "2",
+                                      "--train.progress", "false", "--train.run_dir", run_dir,
+                                      "--parallel.pp", str(args.nproc), "--parallel.schedule",
+                                      schedule, *overrides])
+        cfg.validate(args.nproc)
+        return cfg
+
+    cfg = load(args.schedule, "runs/bench-pp")
+    baseline = None if args.schedule == "1f1b" else \
+        config.to_toml(load("1f1b", "runs/bench-pp-1f1b"))
+    # the worker by its module's name: the ranks cannot unpickle a function of __main__
+    from pp_vs_torch_pipelining import worker as entry
+
+    results = launch_local(args.nproc, entry, config.to_toml(cfg), args.steps, baseline)
     last = results[args.nproc - 1]  # the last stage ends each step: its timing
     tokens, first = last["tokens_per_s"], last["first_loss"]
     ratio = tokens["ours"] / tokens["torch_pipelining"]
@@ -137,7 +166,14 @@ def main() -> None:
           f"({'equal' if same else 'DIFFERENT'} at rtol 1e-5)")
     print(f"ours              {tokens['ours']:10.0f} tokens/s")
     print(f"torch pipelining  {tokens['torch_pipelining']:10.0f} tokens/s")
-    print(json.dumps({"pp": args.nproc, "microbatches": last["microbatches"],
+    extra = {}
+    if baseline is not None:
+        extra = {"ours_1f1b_tokens_per_s": round(tokens["ours_1f1b"]),
+                 "ours_over_ours_1f1b": round(tokens["ours"] / tokens["ours_1f1b"], 3)}
+        print(f"ours 1f1b         {tokens['ours_1f1b']:10.0f} tokens/s "
+              f"(ours {args.schedule} / ours 1f1b {extra['ours_over_ours_1f1b']:.3f})")
+    print(json.dumps({"schedule": args.schedule, "pp": args.nproc,
+                      "microbatches": last["microbatches"], **extra,
                       "ours_tokens_per_s": round(tokens["ours"]),
                       "torch_pipelining_tokens_per_s": round(tokens["torch_pipelining"]),
                       "ratio": round(ratio, 3), "first_loss_ours": round(first["ours"], 6),

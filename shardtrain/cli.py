@@ -1,4 +1,4 @@
-"""`shardtrain train | generate | plan | bench | report`.
+"""`shardtrain train | generate | plan | bench | report | schedule`.
 
 Everything that can be checked before a process starts is checked here, in the launching
 process: the config, the data source, the run dir, the checkpoint to resume from. A bad
@@ -23,7 +23,9 @@ shardtrain export --checkpoint DIR --out DIR [--adapters-only]   (a Hugging Face
 shardtrain plan --model PRESET|FILE.toml [...]     (shardtrain plan --help)
 shardtrain bench comm [--nproc N] [...]            (time every collective and algorithm)
 shardtrain bench calibrate                         (measure this machine for the cpu preset)
-shardtrain report RUN_DIR                          (pipeline timeline chart and bubble fraction)"""
+shardtrain report RUN_DIR                          (pipeline timeline chart and bubble fraction)
+shardtrain schedule --schedule S --pp P --microbatches M [--virtual V] [--costs F,B,W] [--json]
+                                                   (a pipeline schedule drawn, its bubble)"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     commands = {"train": cmd_train, "generate": cmd_generate, "plan": cmd_plan, "bench": cmd_bench,
-                "report": cmd_report, "export": cmd_export}
+                "report": cmd_report, "export": cmd_export, "schedule": cmd_schedule}
     if command not in commands:
         print(f"shardtrain: unknown command {command!r}\n{USAGE}", file=sys.stderr)
         return 2
@@ -237,6 +239,12 @@ def cmd_bench(argv: list[str]) -> int:
     from shardtrain.bench import main as bench_main
 
     return bench_main(argv)
+
+
+def cmd_schedule(argv: list[str]) -> int:
+    from shardtrain.parallel.pipeline.show import main as schedule_main
+
+    return schedule_main(argv)
 
 
 def cmd_report(argv: list[str]) -> int:

@@ -181,7 +181,7 @@ def classify(argv: tuple[str, ...], scratch: Path) -> tuple[str, str]:
     if not args or "--help" in args or "-h" in args:
         return "run", ""
     sub = args[0]
-    if sub == "plan":
+    if sub in ("plan", "schedule"):  # pure Python, milliseconds
         return "run", ""
     if sub == "train":
         known, cfg = check_train(args[1:])

@@ -11,7 +11,7 @@ with the reason it runs outside the step). Four rules:
   (`torch.tensor(list, device=d)`, `as_tensor`, `x.new_tensor(v)`: a copy from pageable
   memory the host waits for; `new_full` fills on the device instead), and a move
   (`.to(device)`, `.to(device=...)`, `.cuda()`) that does not say `non_blocking=True`
-  (from pinned memory: parallel/pipeline/executor.py `_Feed`); COPIES_ALLOWED says why
+  (from pinned memory: parallel/pipeline/feed.py `Feed`); COPIES_ALLOWED says why
   where one may. A factory onto a module constant naming host memory makes no copy;
 - no literal CPU device: `device="cpu"`, `torch.device("cpu")` in a call, `.to("cpu")` --
   host memory is named once, as a module constant saying why (ps/worker.py WIRE);

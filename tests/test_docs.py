@@ -9,8 +9,8 @@ Then the cheap commands run, in document order, in a scratch copy of the reposit
 (its entries linked, `runs/` fresh), train commands on the session's copy of the tiny
 preset's stdlib text and its token cache (tests/conftest.py; the command's own
 `--data.source` or `--data.max_bytes` is kept). Cheap means seconds: `--help`,
-`shardtrain plan`, a `--config tiny` training of at most 50 steps on one process or at most
-10 steps on two, and `generate` / `report` / `export` on what an earlier command wrote. The
+`shardtrain plan` and `shardtrain schedule`, a `--config tiny` training of at most 50 steps
+on one process or at most 10 steps on two, and `generate` / `report` / `export` on what an earlier command wrote. The
 rest (the default 400-step run, benchmarks, installs, larger launches) is skipped with its
 reason.
 

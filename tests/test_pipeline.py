@@ -30,7 +30,8 @@ def test_every_generated_schedule_is_valid():
     for p in range(1, 9):
         for m in range(1, 17):
             for name, v in _defined(p, m):
-                validate(build(name, p, m, v), p, m, v)
+                validate(build(name, p, m, v), p, m, v,
+                         bound=schedules.activation_bound(name, p, m, v))
                 count += 1
             for v in (1, 2, 3):  # evaluation: forward only
                 validate(schedules.build_forward_only(p, m, v), p, m, v, backward=False)

@@ -179,6 +179,10 @@ def test_report_draws_and_prints_the_bubble(runs, tmp_path, capsys):
     assert f"measured {mean_bubble([r['timeline'] for r in runs['interleaved']]):.1%}" in out
     assert f"(p-1)/(v m+p-1) = {(PP - 1) / (V * M + PP - 1):.1%}" in out
     assert "final loss 2.2500, 300 tokens/s" in out
+    # the simulator beside it, at the measured costs (a backward sleeps twice a forward)
+    assert "the order of computes: the simulator's on every rank" in out
+    assert "simulated at the measured costs (F=1, B=2." in out or \
+        "simulated at the measured costs (F=1, B=1.9" in out
     png = (tmp_path / "timeline.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 

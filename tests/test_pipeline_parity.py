@@ -1,5 +1,6 @@
 """Pipeline parallelism reproduces the single-process run (fp32 losses, eval loss and final
-weights): pp = 2 and 4 under GPipe, 1F1B and interleaved 1F1B with 1, 4 and 8 micro-batches,
+weights): pp = 2 and 4 under GPipe, 1F1B and interleaved 1F1B with 1, 4 and 8 micro-batches
+(and ZB-H1 with its split backward),
 composed with data and tensor (+ sequence) parallelism and ZeRO-1, up to pp x tp x dp =
 2 x 2 x 2 on 8 processes; tied embeddings (GPT-2) across the first and last stage; checkpoints written by a
 pipeline resume on one process. Each spawn also measures the activations stage 0 holds and
@@ -15,12 +16,15 @@ from dist import run_distributed
 from parity import assert_parity, tiny, train_layout, train_layouts
 
 from shardtrain import config
+from shardtrain.parallel.pipeline.schedules import COMPUTE
+from shardtrain.parallel.pipeline.simulate import simulate
 from shardtrain.train.trainer import Trainer
 
 STEPS = "3"
 # tiny has 2 layers: 8 make room for pp = 4 x v = 2 (the references use the same model).
 BASE = ("--model.n_layers", "8")
 GPT2 = ("--model.style", "gpt2", "--model.n_kv_heads", "0", "--model.tie_embeddings", "true")
+RECOMPUTE = ("--train.activation_checkpointing", "full")
 
 
 def _pp(pp: int, schedule: str, m: int, *more: str) -> list[str]:
@@ -39,6 +43,9 @@ def _sweep(pp: int) -> list[tuple[str, tuple, list[str]]]:
 # world size -> (label, model overrides -- the reference has them too --, layout overrides)
 LAYOUTS = {
     2: [*_sweep(2),
+        # split backward (test_pipeline_zero_bubble.py has the rest of its rows)
+        ("pp2 gpt2 tied zb-h1, full recomputation", GPT2, _pp(2, "zb-h1", 4, *RECOMPUTE)),
+        # last: the checkpoint resumed below
         ("pp2 gpt2 tied embeddings", GPT2, _pp(2, "1f1b", 4, "--checkpoint.every", "2"))],
     4: [*_sweep(4),
         ("pp2 x dp2", (), _pp(2, "1f1b", 2)),
@@ -98,6 +105,20 @@ def _pipeline_figures(trainer: Trainer) -> dict:
             "micro_batch": trainer.cfg.train.micro_batch, "sent": sent}
 
 
+def _check_order(cfg: config.Config, world_size: int) -> None:
+    """The executor ran its computes (F, B, W) in the simulator's order for its stage
+    (slots counted, not seconds: parallel/pipeline/simulate.py)."""
+    p = cfg.parallel
+    sim = simulate(p.schedule, p.pp, p.microbatches, p.virtual_stages)
+    for rank in range(world_size):
+        with open(f"{cfg.train.run_dir}/timeline_rank{rank}.json") as f:
+            t = json.load(f)
+        ran = [(a["op"], a["mb"], a["chunk"]) for a in t["actions"] if a["op"] in COMPUTE]
+        assert ran == [(a.op, a.mb, a.chunk) for a in sim.order(t["stage"])], (p, rank)
+        if p.schedule == "zb-h1":  # the backward was split
+            assert ran.count(("W", 0, 0)) == 1, rank
+
+
 def _check_timelines(cfg: config.Config, world_size: int) -> None:
     p = cfg.parallel
     for rank in range(world_size):
@@ -126,6 +147,7 @@ def test_pipeline_parity_with_single_process(tmp, references, world_size):
         for rank, results in enumerate(per_rank):
             assert_parity(reference, results[i], f"{label} rank {rank}")
         print(f"{label}: losses {[round(x, 5) for x in per_rank[0][i]['losses']]}")
+        _check_order(cfgs[i], world_size)
     _check_timelines(cfgs[0], world_size)
     if world_size == 4:  # activations held on stage 0 (rank 0), measured by the executor
         peaks = {label: per_rank[0][i]["peak_live"] for i, (label, _, _) in enumerate(layouts)}

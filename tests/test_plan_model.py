@@ -266,12 +266,18 @@ def test_moe_layouts_shard_experts():
 
 def test_planner_imports_no_runtime():
     """plan/ and cost/ use only the standard library, shardtrain.config and cost/ (plan/ also
-    itself): no torch, nothing of the runtime, and cost/ nothing of plan/."""
+    itself and the pipeline schedules' data and simulator, which the runtime runs and the
+    planner prices: pure Python, importing only each other): no torch, nothing else of the
+    runtime, and cost/ nothing of plan/."""
     root = Path(shardtrain.__file__).parent
-    rules = {"plan": ("shardtrain.config", "shardtrain.plan", "shardtrain.cost"),
+    pipeline = tuple(f"shardtrain.parallel.pipeline.{m}"
+                     for m in ("schedules", "zero_bubble", "simulate"))
+    rules = {"plan": ("shardtrain.config", "shardtrain.plan", "shardtrain.cost", *pipeline),
              "cost": ("shardtrain.config", "shardtrain.cost")}
     files = [(f, allowed) for folder, allowed in rules.items()
              for f in sorted((root / folder).glob("*.py"))]
+    files += [(root / "parallel" / "pipeline" / f"{m.rsplit('.', 1)[1]}.py",
+               ("shardtrain.parallel.pipeline",)) for m in pipeline]
     assert len(files) > 10
     for file, allowed in files:
         for node in ast.walk(ast.parse(file.read_text())):

@@ -6,7 +6,7 @@ On CPU no read stalls anything, but each one is counted here where it is made: e
 tensor-to-host read (item, tolist, bool, float, int, cpu, numpy) that shardtrain's own
 code makes during `Trainer.advance`, named by the function that makes it. The step's host
 batches reach the device without a blocking copy: pinned, non_blocking, one micro-batch
-ahead (parallel/pipeline/executor.py `_Feed`)."""
+ahead (parallel/pipeline/feed.py `Feed`)."""
 
 from __future__ import annotations
 
@@ -110,14 +110,14 @@ def test_micro_batches_are_copied_without_blocking_one_ahead(monkeypatch):
 
 def test_on_a_gpu_a_micro_batch_is_pinned_then_copied_without_blocking(monkeypatch):
     """The CUDA path with torch's pinning and copy recorded, not run (no GPU here)."""
-    from shardtrain.parallel.pipeline.executor import _Feed
+    from shardtrain.parallel.pipeline.feed import Feed
 
     log: list = []
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: log.append("pin") or self)
     monkeypatch.setattr(torch.Tensor, "to", lambda self, device, non_blocking=False: log.append(
         (str(device), non_blocking)) or self)
-    feed = _Feed(torch.device("cuda", 1), inputs=[torch.zeros(2, dtype=torch.long)] * 2,
+    feed = Feed(torch.device("cuda", 1), inputs=[torch.zeros(2, dtype=torch.long)] * 2,
                  positions=None)
     feed.take("inputs", 0)
     assert log == ["pin", ("cuda:1", True)] * 2 and not feed.has("positions")

@@ -35,8 +35,9 @@ CONVENTIONS = {
             "shardtrain.cost.collectives",
     "time": "step = (compute + exposed pipeline comm) / (1 - bubble_fraction) + exposed dp "
             "comm + optimizer + offload; compute and optimizer: each op at max(FLOPs / "
-            "(peak x efficiency), bytes / memory_bw) (roofline); bubble_fraction = "
-            "(p-1)/(m+p-1) of the pipeline time, bubble_ratio = (p-1)/m of the ideal time; "
+            "(peak x efficiency), bytes / memory_bw) (roofline); bubble_fraction of the "
+            "pipeline time and bubble_ratio of the ideal time from the schedule simulator "
+            "(1F1B: (p-1)/(m+p-1) and (p-1)/m); "
             "MFU/HFU against the precision's peak",
 }
 
@@ -128,7 +129,7 @@ def evaluate(cfg: ModelConfig, layout: Layout, hw: Hardware, *, global_batch: in
                      pp=lay.pp, microbatches=lay.microbatches, v=lay.v,
                      offload_s=_offload_seconds(cfg, lay, hw, memory), tokens=tokens,
                      model_flops=model_flops, hardware_flops=hardware_flops, gpus=lay.gpus,
-                     peak_flops=peak)
+                     peak_flops=peak, schedule=lay.schedule)
     return Plan(name=name, cfg=cfg, hw=hw, layout=lay, global_batch=global_batch,
                 seq_len=seq_len, memory=memory, ops=tuple(ops), time=time, roof=tuple(roof),
                 model_flops=model_flops, hardware_flops=hardware_flops)

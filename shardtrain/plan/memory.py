@@ -57,6 +57,7 @@ from shardtrain.plan.buffers import (block_units, gathered_units, loss_moment, w
 from shardtrain.plan.layout import Layout, PlanError
 from shardtrain.plan.optim_states import OPTIM_STATES
 from shardtrain.plan.partition import rank_params
+from shardtrain.plan.schedule_terms import schedule_terms
 
 BUCKET_BYTES = 25e6
 
@@ -207,11 +208,9 @@ def layer_activation_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int,
 
 
 def in_flight(schedule: str, m: int, p: int, v: int = 1) -> float:
-    """Micro-batches whose activations the first stage holds (Narayanan et al. 2021)."""
-    if schedule == "gpipe":
-        return float(m)
-    held = float(min(m, p))
-    return held * (1 + (p - 1) / (p * v)) if schedule == "interleaved" else held
+    """Micro-batches whose activations the most loaded stage holds: the schedule
+    simulator's (plan/schedule_terms.py; 1F1B min(m, p), GPipe m; Narayanan et al. 2021)."""
+    return schedule_terms(schedule, p, m, v).in_flight
 
 
 @dataclass(frozen=True, kw_only=True)

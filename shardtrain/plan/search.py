@@ -102,7 +102,9 @@ def _inner(cfg: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, ep: int, cp_
     per_replica = global_batch // dp
     for b in (b for b in (1, 2, 4, 8, 16) if per_replica % b == 0):
         m = per_replica // b
-        schedules = [("1f1b", 1)]
+        # A pipeline runs ZB-H1 rather than 1F1B: 1F1B's memory, a smaller bubble
+        # (plan/schedule_terms.py), so 1F1B would never rank above it.
+        schedules = [("1f1b" if pp == 1 else "zb-h1", 1)]
         if pp > 1:
             schedules.append(("gpipe", 1))
             if m % pp == 0:

@@ -15,8 +15,10 @@
   micro-batch's backward (once-per-step syncs) or under every backward (ZeRO-2/3
   reduce-scatters each micro-batch): per group, exposed = max(0, comm - window) + one call
   (the first or last cannot hide). ZeRO-1/2's all-gather after the optimizer step is exposed.
-- bubble_fraction = (p-1)/(m+p-1), interleaved (p-1)/(v m + p-1), of the pipeline time
-  (Narayanan et al. 2021); the bubble-to-ideal ratio (p-1)/m is `bubble_ratio`.
+- bubble_fraction: the idle share of the pipeline time, from the schedule simulator
+  (plan/schedule_terms.py): (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v m + p-1)
+  interleaved (Narayanan et al. 2021), less for the zero-bubble schedules; the
+  bubble-to-ideal ratio ((p-1)/m for 1F1B) is `bubble_ratio`.
 - offload: the gradient shard down and the parameter shard up over the host link, and for
   NVMe the optimizer state read and written once, all exposed (a conservative bound).
 MFU = model FLOPs / (step x GPUs x peak); HFU the same with hardware FLOPs (FORMULAS.md).
@@ -28,6 +30,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from shardtrain.plan.roofline import RoofOp, split
+from shardtrain.plan.schedule_terms import default_schedule, schedule_terms
 from shardtrain.plan.traffic import CommOp
 
 _PIPELINE_GROUPS = ("tp", "pp", "cp", "ep")
@@ -53,9 +56,9 @@ class StepTime:
         return asdict(self)
 
 
-def bubble_fraction(p: int, m: int, *, v: int = 1) -> float:
-    """Idle fraction of the pipeline's time; v > 1 for the interleaved schedule."""
-    return (p - 1) / (v * m + p - 1)
+def bubble_fraction(p: int, m: int, *, v: int = 1, schedule: str | None = None) -> float:
+    """Idle fraction of the pipeline's time (schedule None: 1F1B, interleaved if v > 1)."""
+    return schedule_terms(schedule or default_schedule(v), p, m, v).bubble_fraction
 
 
 def utilization(flops: float, step_s: float, gpus: int, peak_flops: float) -> float:
@@ -94,7 +97,8 @@ def exposed(ops: list[CommOp], *, compute_s: float, backward_s: float,
 
 def step_time(*, ops: list[CommOp], roof: list[RoofOp], backward_share: float, pp: int,
               microbatches: int, v: int, offload_s: float, tokens: int, model_flops: float,
-              hardware_flops: float, gpus: int, peak_flops: float) -> StepTime:
+              hardware_flops: float, gpus: int, peak_flops: float,
+              schedule: str | None = None) -> StepTime:
     """Compose the step (module docstring); backward_share: backward's part of compute."""
     compute_s = sum(o.time_s for o in roof if o.in_pipeline)
     optimizer_s = sum(o.time_s for o in roof if not o.in_pipeline)
@@ -102,13 +106,14 @@ def step_time(*, ops: list[CommOp], roof: list[RoofOp], backward_share: float, p
     backward_s = compute_s * backward_share
     inside, outside = exposed(ops, compute_s=compute_s, backward_s=backward_s,
                               last_backward_s=backward_s / microbatches)
-    bubble = bubble_fraction(pp, microbatches, v=v)
+    terms = schedule_terms(schedule or default_schedule(v), pp, microbatches, v)
+    bubble = terms.bubble_fraction
     pipeline_s = (compute_s + inside) / (1 - bubble)
     step = pipeline_s + outside + optimizer_s + offload_s
     return StepTime(step_s=step, compute_s=compute_s, compute_bound_s=compute_bound,
                     memory_bound_s=memory_bound, optimizer_s=optimizer_s,
                     exposed_comm_s=inside + outside,
-                    bubble_fraction=bubble, bubble_ratio=(pp - 1) / (v * microbatches),
+                    bubble_fraction=bubble, bubble_ratio=terms.bubble_ratio,
                     bubble_s=pipeline_s * bubble, offload_s=offload_s,
                     tokens_per_s=tokens / step,
                     mfu=utilization(model_flops, step, gpus, peak_flops),

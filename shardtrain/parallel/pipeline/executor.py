@@ -15,13 +15,16 @@ transfer actions are posted as one batch and waited for together, the semantics 
 validator proved deadlock-free. Gradients accumulate over the micro-batches; the caller's
 `no_sync` context suppresses gradient communication on every backward except each chunk's
 last, so a data-parallel reducer all-reduces once, overlapping the remaining backwards.
+A (micro-batch, chunk) with a W in the schedule has its backward split (split_backward.py):
+its B computes the input gradient only, its W the weights' gradients -- then a chunk's
+last W is what communicates.
 
 Timeline format (`PipelineExecutor.timeline`, written by the trainer as
 `<run_dir>/timeline_rank{R}.json`; read by `shardtrain report`; keep it stable):
 
     {"rank": r, "stage": s, "pp": p, "microbatches": m, "virtual_stages": v,
      "schedule": "1f1b", "step": k,
-     "actions": [{"op": "F"|"B"|"send_act"|"recv_act"|"send_grad"|"recv_grad",
+     "actions": [{"op": "F"|"B"|"W"|"send_act"|"recv_act"|"send_grad"|"recv_grad",
                   "mb": i, "chunk": c, "start": t0, "end": t1}, ...]}
 
 `rank` is the global rank, `stage` the pipeline stage, `chunk` the local chunk index, `step`
@@ -38,7 +41,7 @@ so the times are the GPU's, not those of the kernel launches, and the actions' t
 filled in by `settle()` (the strategy calls it after the step's agreed decision, when
 every mark has passed: no wait).
 
-The micro-batches' host tensors reach the device through `_Feed`, pinned and one ahead: a
+The micro-batches' host tensors reach the device through `Feed`, pinned and one ahead: a
 `.to(device)` from pageable memory would block the host until the device reached the copy.
 """
 
@@ -53,7 +56,9 @@ import torch
 from torch import nn
 
 from shardtrain.comm import Communicator
+from shardtrain.parallel.pipeline.feed import Feed
 from shardtrain.parallel.pipeline.schedules import COMPUTE, Action
+from shardtrain.parallel.pipeline.split_backward import Kept, input_backward, weight_backward
 from shardtrain.model.moe import loss_grad_scale
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (output, targets) -> mean
@@ -137,9 +142,12 @@ class PipelineExecutor:
             self.comm.barrier()
             self.origin = Clock.stamp(self.device.type == "cuda")
         run = _Run(self, m, backward, loss_scale)
-        run.feed = _Feed(self.device, inputs=inputs, targets=targets, positions=positions)
+        run.feed = Feed(self.device, inputs=inputs, targets=targets, positions=positions)
         run.weights = weights
-        final_backward = {a.chunk: a.mb for a in actions if a.op == "B"}  # the last per chunk
+        run.split = {(a.mb, a.chunk) for a in actions if a.op == "W"}
+        # per chunk, the last action that accumulates weight gradients
+        final = {a.chunk: a for a in actions
+                 if a.op == "W" or (a.op == "B" and (a.mb, a.chunk) not in run.split)}
         i = 0
         while i < len(actions):
             a = actions[i]
@@ -148,9 +156,9 @@ class PipelineExecutor:
                 if a.op == "F":
                     run.forward(a)
                 else:
-                    last = final_backward[a.chunk] == a.mb
+                    last = final[a.chunk] == a
                     with nullcontext() if last or no_sync is None else no_sync():
-                        run.backward(a)
+                        run.backward(a) if a.op == "B" else run.weight(a)
                 run.record([a], start)
                 i += 1
                 continue
@@ -190,12 +198,16 @@ class _Run:
         self.last_virtual = ex.pp * ex.virtual_stages - 1
         self.received: dict[tuple[str, int, int], torch.Tensor] = {}  # (kind, mb, chunk)
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.split: set[tuple[int, int]] = set()  # (mb, chunk)s whose W is its own action
+        # what a split B leaves for its W: the split's state, or (output, its gradient) for
+        # virtual stage 0, whose input gradient nobody needs: its W is the whole backward
+        self.kept: dict[tuple[int, int], Kept | tuple] = {}
         self.outgoing: dict[tuple[str, int, int], torch.Tensor] = {}
         self.loss_sum = torch.zeros((), device=ex.device)
         self.clock = Clock(ex.device, ex.origin)
         self.spans: list[tuple[Action, int, int]] = []  # (action, start mark, end mark)
         self.peak_live = 0
-        self.feed: _Feed | None = None  # the micro-batches' inputs, targets, positions
+        self.feed: Feed | None = None  # the micro-batches' inputs, targets, positions
         self.weights: Sequence[float] | None = None  # per micro-batch; None: all 1
 
     def forward(self, a: Action) -> None:
@@ -227,14 +239,28 @@ class _Run:
             self.peak_live = max(self.peak_live, len(self.saved))
 
     def backward(self, a: Action) -> None:
-        x, out = self.saved.pop((a.mb, a.chunk))
-        g = self.ex._virtual(a.chunk)
-        if g == self.last_virtual:
-            out.backward()  # out: this micro-batch's loss x loss_scale / m
+        key, g = (a.mb, a.chunk), self.ex._virtual(a.chunk)
+        x, out = self.saved[key] if key in self.split else self.saved.pop(key)
+        # None: out is this micro-batch's loss x loss_scale / m
+        grad = None if g == self.last_virtual else \
+            self.received.pop(("grad", a.mb, a.chunk)).to(out.dtype)
+        if key not in self.split:
+            out.backward(grad)
+        elif g == 0:
+            self.kept[key] = (out, grad)
         else:
-            out.backward(self.received.pop(("grad", a.mb, a.chunk)).to(out.dtype))
+            self.kept[key] = input_backward(out, grad, x)
         if g > 0:
             self.outgoing[("grad", a.mb, a.chunk)] = x.grad.to(self.ex.wire_dtype)
+
+    def weight(self, a: Action) -> None:
+        """W: the weight gradients of a split backward; then its activations go."""
+        kept = self.kept.pop((a.mb, a.chunk))
+        if isinstance(kept, Kept):
+            weight_backward(kept)
+        else:
+            kept[0].backward(kept[1])
+        del self.saved[(a.mb, a.chunk)]
 
     def transfer(self, batch: list[Action]) -> None:
         """Post the batch's sends and receives together; return when all are done."""
@@ -261,39 +287,3 @@ class _Run:
         t = self.clock.seconds()
         return [{"op": a.op, "mb": a.mb, "chunk": a.chunk, "start": t[start], "end": t[end]}
                 for a, start, end in self.spans]
-
-
-class _Feed:
-    """The micro-batches' host tensors on the device, each copied one micro-batch ahead of
-    its use (taking micro-batch i of a kind issues the copy of i + 1). On a GPU a host
-    tensor is pinned first (on the host) and copied with non_blocking=True on the current
-    stream, which orders it before the kernels reading it; torch's host allocator keeps
-    the pinned block from reuse until the copy has run. On CPU pinning is skipped and the
-    copy is none (the tensor is already there): the same code path."""
-
-    def __init__(self, device: torch.device, **tensors: Sequence[torch.Tensor] | None):
-        """`tensors`: kind -> one host tensor per micro-batch (None: the kind is absent)."""
-        self.device, self.pin = device, device.type == "cuda"
-        self.host = {kind: ts for kind, ts in tensors.items() if ts is not None}
-        self.staged: dict[tuple[str, int], torch.Tensor] = {}
-
-    def has(self, kind: str) -> bool:
-        return kind in self.host
-
-    def take(self, kind: str, mb: int) -> torch.Tensor:
-        """Micro-batch `mb`'s `kind` on the device. Inputs and targets are read once;
-        positions go to every local chunk, so they stay."""
-        x = self._stage(kind, mb)
-        if kind != "positions":
-            del self.staged[(kind, mb)]
-        if mb + 1 < len(self.host[kind]):
-            self._stage(kind, mb + 1)
-        return x
-
-    def _stage(self, kind: str, mb: int) -> torch.Tensor:
-        if (kind, mb) not in self.staged:
-            x = self.host[kind][mb]
-            if self.pin and x.device.type == "cpu" and not x.is_pinned():
-                x = x.pin_memory()
-            self.staged[(kind, mb)] = x.to(self.device, non_blocking=True)
-        return self.staged[(kind, mb)]

@@ -45,7 +45,9 @@ class Pipeline:
         self.m = t.accumulation_steps(self.dp.size)
         v = p.virtual_stages
         plan = schedules.build(p.schedule, self.pp.size, self.m, v)
-        validate(plan, self.pp.size, self.m, v)
+        validate(plan, self.pp.size, self.m, v,
+                 shape=schedules.placement(p.schedule, self.pp.size, v).shape,
+                 bound=schedules.activation_bound(p.schedule, self.pp.size, self.m, v))
         evaluation = schedules.build_forward_only(self.pp.size, 1, v)
         validate(evaluation, self.pp.size, 1, v, backward=False)
         self.actions, self.eval_actions = plan[self.pp.rank], evaluation[self.pp.rank]

@@ -1,13 +1,22 @@
 """Pipeline schedules as data: for every rank, the ordered list of actions it runs in one
 optimizer step.
 
-An `Action` is a forward (F) or backward (B) of micro-batch `mb` on the rank's local model
-chunk `chunk`, or a point-to-point transfer of that (micro-batch, chunk)'s boundary tensor:
-`recv_act` before its forward, `send_act` after it, `recv_grad` before its backward,
-`send_grad` after it. Chunk c of stage s is virtual stage g = c * pp + s (Narayanan et al.
-2021, sec. 2.2): it feeds virtual stage g + 1 on stage (s + 1) % pp and takes its gradient
-back from there. Virtual stage 0 has no input to receive (it embeds the tokens); the last,
-G - 1 = pp * v - 1, has no output to send (it computes the loss).
+An `Action` is a forward (F), backward (B) or weight-gradient pass (W) of micro-batch `mb`
+on the rank's local model chunk `chunk`, or a point-to-point transfer of that (micro-batch,
+chunk)'s boundary tensor: `recv_act` before its forward, `send_act` after it, `recv_grad`
+before its backward, `send_grad` after it. B computes the gradient with respect to the
+chunk's input (what the previous virtual stage waits for) and, unless the schedule has a W
+for the same (micro-batch, chunk), the weights' gradients too (a full backward); a W
+computes those weight gradients later, from what its B kept (the split backward of Qi et
+al. 2024, "Zero Bubble Pipeline Parallelism", arXiv 2401.10241).
+
+Placement (`Placement`): with the "loop" shape chunk c of stage s is virtual stage
+g = c * pp + s (Narayanan et al. 2021, sec. 2.2): it feeds virtual stage g + 1 on stage
+(s + 1) % pp. With the "v" shape (ZB-V, DualPipeV; two chunks) chunk 0 of stage s is
+virtual stage s and chunk 1 is 2 pp - 1 - s: a micro-batch goes down the ranks and back up,
+the last rank hands chunk 0's output to its own chunk 1 with no transfer, and rank 0 holds
+both the first and the last virtual stage. Virtual stage 0 has no input to receive (it
+embeds the tokens); the last, G - 1 = pp * v - 1, has no output to send (the loss).
 
 Communication semantics (what the validator simulates and the executor does): consecutive
 transfer actions of a rank form one batch, posted together (batch_isend_irecv) and waited
@@ -26,6 +35,7 @@ Schedules (the compute order in steps; `with_transfers` places the transfers):
   rounds of pp micro-batches through chunk 0, then chunk 1, ...; backwards mirror that from
   the last chunk. The bubble shrinks by v, (pp - 1) / (v m); m must be a multiple of pp so
   the rounds are whole.
+- ZB-H1, ZB-V and DualPipeV: zero_bubble.py.
 """
 
 from __future__ import annotations
@@ -34,13 +44,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 
-COMPUTE = ("F", "B")
+COMPUTE = ("F", "B", "W")
 TRANSFERS = ("recv_act", "send_act", "recv_grad", "send_grad")
 
 
 @dataclass(frozen=True)
 class Action:
-    op: str  # F | B | send_act | recv_act | send_grad | recv_grad
+    op: str  # F | B | W | send_act | recv_act | send_grad | recv_grad
     mb: int
     chunk: int  # the rank's local chunk (virtual stage chunk * pp + stage)
 
@@ -50,6 +60,42 @@ class Action:
 
 Schedule = list[list[Action]]  # [rank] -> actions in order
 Steps = list[list[tuple[Action, ...]]]  # [rank] -> compute steps, each one or two computes
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which virtual stage each (stage, local chunk) is (module doc)."""
+    pp: int
+    v: int = 1
+    shape: str = "loop"  # loop | v
+
+    @property
+    def last(self) -> int:
+        return self.pp * self.v - 1
+
+    def virtual(self, stage: int, chunk: int) -> int:
+        if self.shape == "v":
+            return stage if chunk == 0 else 2 * self.pp - 1 - stage
+        return chunk * self.pp + stage
+
+    def where(self, g: int) -> tuple[int, int]:
+        """(stage, chunk) holding virtual stage g."""
+        if self.shape == "v":
+            return (g, 0) if g < self.pp else (2 * self.pp - 1 - g, 1)
+        return g % self.pp, g // self.pp
+
+    def crosses(self, stage: int, chunk: int, op: str) -> bool:
+        """Whether F's input (op "F") or B's input gradient ("B") of this chunk comes from
+        another rank -- else it is the first/last virtual stage or a local hand-off."""
+        g = self.virtual(stage, chunk)
+        src = g - 1 if op == "F" else g + 1
+        return 0 <= src <= self.last and self.where(src)[0] != stage
+
+    def sends(self, stage: int, chunk: int, op: str) -> bool:
+        """Whether F's output ("F") or B's input gradient ("B") goes to another rank."""
+        g = self.virtual(stage, chunk)
+        dst = g + 1 if op == "F" else g - 1
+        return 0 <= dst <= self.last and self.where(dst)[0] != stage
 
 
 def gpipe(pp: int, m: int) -> Steps:
@@ -111,37 +157,58 @@ def check_interleaved(pp: int, m: int, v: int) -> None:
 
 
 def compute_steps(schedule: str, pp: int, m: int, v: int = 1) -> Steps:
-    """The F/B order of `schedule` (gpipe, 1f1b, interleaved) for every rank."""
+    """The F/B/W order of `schedule` (SCHEDULES) for every rank."""
+    from shardtrain.parallel.pipeline import zero_bubble  # it builds on this module
+
     if schedule == "interleaved":
         return interleaved(pp, m, v)
-    builders: dict[str, Callable[[int, int], Steps]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
-    if schedule not in builders or v != 1:
+    builders: dict[str, tuple[Callable[[int, int], Steps], int]] = {
+        "gpipe": (gpipe, 1), "1f1b": (one_f_one_b, 1), "zb-h1": (zero_bubble.zb_h1, 1),
+        "zbv": (zero_bubble.zbv, 2), "dualpipev": (zero_bubble.dualpipev, 2)}
+    if schedule not in builders or v != builders[schedule][1]:
         raise ValueError(f"schedule {schedule!r} with v={v} chunks per stage: one of gpipe, "
-                         "1f1b (v = 1) or interleaved")
-    return builders[schedule](pp, m)
+                         "1f1b, zb-h1 (v = 1), interleaved (v >= 2), zbv or dualpipev (v = 2)")
+    return builders[schedule][0](pp, m)
 
 
-def with_transfers(steps: Steps, pp: int, v: int) -> Schedule:
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
+V_SHAPED = ("zbv", "dualpipev")
+
+
+def placement(schedule: str, pp: int, v: int = 1) -> Placement:
+    return Placement(pp, v, "v" if schedule in V_SHAPED else "loop")
+
+
+def activation_bound(schedule: str, pp: int, m: int, v: int = 1) -> int:
+    """The most (micro-batch, chunk)s a rank holds between F and the end of its backward, as
+    each schedule's paper states it (the validator holds every built schedule to it): GPipe
+    all m; 1F1B and ZB-H1 pp (Qi et al. 2024: ZB-H1 keeps 1F1B's peak); interleaved
+    stage 0's warm-up 2(pp-1) + (v-1) pp, plus the steady step's forward; ZB-V pp micro-
+    batches on both chunks; DualPipeV 2pp + 1 (DualPipe's PP + 1, PP = 2pp stages)."""
+    bound = {"gpipe": m * v, "1f1b": pp, "zb-h1": pp, "interleaved": (v + 1) * pp - 1,
+             "zbv": 2 * pp, "dualpipev": 2 * pp + 1}[schedule]
+    return min(bound, m * v)
+
+
+def with_transfers(steps: Steps, pp: int, v: int, shape: str = "loop") -> Schedule:
     """Place each step's transfers around it: the receives of its computes' inputs (the
     activation before a forward, the gradient before a backward) just before it, the sends
     of their outputs just after. The transfers between two steps form one batch: in 1F1B's
     steady state a stage sends its forward output and receives its next backward's gradient
     together while its neighbour sends that gradient and receives the next input -- blocking
     transfers one at a time would have both wait for the other."""
-    last = pp * v - 1
+    place = Placement(pp, v, shape)
     out = []
     for s, rank_steps in enumerate(steps):
         actions: list[Action] = []
         for step in rank_steps:
             for a in step:
-                g = a.chunk * pp + s
-                if (a.op == "F" and g > 0) or (a.op == "B" and g < last):
+                if a.op != "W" and place.crosses(s, a.chunk, a.op):
                     actions.append(Action("recv_act" if a.op == "F" else "recv_grad", a.mb,
                                           a.chunk))
             actions += step
             for a in step:
-                g = a.chunk * pp + s
-                if (a.op == "F" and g < last) or (a.op == "B" and g > 0):
+                if a.op != "W" and place.sends(s, a.chunk, a.op):
                     actions.append(Action("send_act" if a.op == "F" else "send_grad", a.mb,
                                           a.chunk))
         out.append(actions)
@@ -150,18 +217,22 @@ def with_transfers(steps: Steps, pp: int, v: int) -> Schedule:
 
 def build(schedule: str, pp: int, m: int, v: int = 1) -> Schedule:
     """The full schedule (compute and transfers) of every rank."""
-    return with_transfers(compute_steps(schedule, pp, m, v), pp, v)
+    return with_transfers(compute_steps(schedule, pp, m, v), pp, v,
+                          placement(schedule, pp, v).shape)
 
 
-def build_forward_only(pp: int, m: int, v: int = 1) -> Schedule:
-    return with_transfers(forward_only(pp, m, v), pp, v)
+def build_forward_only(pp: int, m: int, v: int = 1, shape: str = "loop") -> Schedule:
+    return with_transfers(forward_only(pp, m, v), pp, v, shape)
 
 
 def peak_in_flight(actions: list[Action]) -> int:
-    """The most micro-batches whose forward has run and backward not yet (activations held),
-    over the rank's chunks, at any point of its schedule."""
+    """The most (micro-batch, chunk)s whose forward has run and whose backward has not
+    finished -- its W, where the schedule splits it, else its B: a split B keeps the graph,
+    and with it every saved activation, for its W -- at any point of the rank's schedule."""
+    split = {(a.mb, a.chunk) for a in actions if a.op == "W"}
     live = peak = 0
     for a in actions:
-        live += (a.op == "F") - (a.op == "B")
+        done = a.op == "W" or (a.op == "B" and (a.mb, a.chunk) not in split)
+        live += (a.op == "F") - done
         peak = max(peak, live)
     return peak

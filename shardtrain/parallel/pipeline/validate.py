@@ -1,12 +1,15 @@
 """Prove a schedule sound before it runs.
 
-Checks, for every rank (stage) of a schedule built for (pp, m, v):
+Checks, for every rank (stage) of a schedule built for (pp, m, v) and a placement:
 1. completeness: every (micro-batch, chunk) is forwarded exactly once and (with backward)
-   backwarded exactly once, and each of them has exactly the transfers its position in the
-   pipeline needs (see schedules.py), nothing else;
+   backwarded exactly once, weight-gradient passes (W) at most once each, and each of them
+   has exactly the transfers its position in the pipeline needs (see schedules.py),
+   nothing else;
 2. local order: an input is received before its forward, an output sent after it, a
-   backward comes after its forward and after its gradient's receive, and the input
-   gradient is sent after the backward;
+   backward comes after its forward and after its gradient's receive, the input gradient
+   is sent after the backward, and a W comes after its B;
+2b. memory: with `bound`, no rank holds more (micro-batch, chunk)s between F and the end of
+   their backward (schedules.peak_in_flight) than the bound;
 3. matching and deadlock freedom: the ranks are simulated with the executor's semantics
    (consecutive transfers posted as one batch, a batch done once every transfer in it has
    met its peer's; no buffering). On each (sender, receiver, kind) channel the k-th send
@@ -18,41 +21,51 @@ from __future__ import annotations
 
 from collections import Counter
 
-from shardtrain.parallel.pipeline.schedules import COMPUTE, TRANSFERS, Action, Schedule
+from shardtrain.parallel.pipeline.schedules import (COMPUTE, TRANSFERS, Action, Placement,
+                                                    Schedule, peak_in_flight)
 
 
 class ScheduleError(ValueError):
     """A schedule that would compute the wrong thing, mismatch messages or hang."""
 
 
-def validate(schedule: Schedule, pp: int, m: int, v: int = 1, *, backward: bool = True) -> None:
+def validate(schedule: Schedule, pp: int, m: int, v: int = 1, *, backward: bool = True,
+             shape: str = "loop", bound: int | None = None) -> None:
+    """`shape`: the placement (schedules.Placement); `bound`: the most (micro-batch,
+    chunk)s a rank may hold between forward and finished backward."""
     if len(schedule) != pp:
         raise ScheduleError(f"the schedule has {len(schedule)} ranks, expected pp={pp}")
+    place = Placement(pp, v, shape)
     for s, actions in enumerate(schedule):
-        _check_rank(s, actions, pp, m, v, backward)
-    _simulate(schedule, pp)
+        _check_rank(s, actions, place, m, backward)
+        if bound is not None and peak_in_flight(actions) > bound:
+            raise ScheduleError(f"rank {s} holds {peak_in_flight(actions)} micro-batch chunks "
+                                f"in flight, above the schedule's bound of {bound}")
+    _simulate(schedule, place)
 
 
-def _needed(s: int, pp: int, m: int, v: int, backward: bool) -> Counter:
-    last = pp * v - 1
+def _needed(s: int, place: Placement, m: int, backward: bool) -> Counter:
     need: Counter = Counter()
-    for c in range(v):
-        g = c * pp + s
+    for c in range(place.v):
         for i in range(m):
-            ops = ["F"] + ["recv_act"] * (g > 0) + ["send_act"] * (g < last)
+            ops = ["F"] + ["recv_act"] * place.crosses(s, c, "F") \
+                + ["send_act"] * place.sends(s, c, "F")
             if backward:
-                ops += ["B"] + ["recv_grad"] * (g < last) + ["send_grad"] * (g > 0)
+                ops += ["B"] + ["recv_grad"] * place.crosses(s, c, "B") \
+                    + ["send_grad"] * place.sends(s, c, "B")
             need.update(Action(op, i, c) for op in ops)
     return need
 
 
 # Action op -> the ops of the same (micro-batch, chunk) that must come before it.
 _AFTER = {"F": ("recv_act",), "send_act": ("F",), "B": ("F", "recv_grad"), "send_grad": ("B",),
-          "recv_act": (), "recv_grad": ()}
+          "W": ("B",), "recv_act": (), "recv_grad": ()}
 
 
-def _check_rank(s: int, actions: list[Action], pp: int, m: int, v: int, backward: bool) -> None:
-    have, need = Counter(actions), _needed(s, pp, m, v, backward)
+def _check_rank(s: int, actions: list[Action], place: Placement, m: int, backward: bool) -> None:
+    have, need = Counter(actions), _needed(s, place, m, backward)
+    # A W is optional (the B before it then computes the input gradient only), once at most.
+    need.update(a for a in set(actions) if a.op == "W" and Action("B", a.mb, a.chunk) in need)
     if have != need:
         extra, missing = sorted(have - need, key=repr), sorted(need - have, key=repr)
         raise ScheduleError(f"rank {s}: " + "; ".join(
@@ -67,18 +80,21 @@ def _check_rank(s: int, actions: list[Action], pp: int, m: int, v: int, backward
         done.add(a)
 
 
-def _message(s: int, a: Action, pp: int) -> tuple[tuple[int, int, str], tuple[int, int]]:
+def _message(s: int, a: Action, place: Placement
+             ) -> tuple[tuple[int, int, str], tuple[int, int]]:
     """((sender, receiver, kind), (micro-batch, boundary)) of a transfer on stage s. Boundary
     g is the edge from virtual stage g to g + 1."""
-    g = a.chunk * pp + s
-    nxt, prv = (s + 1) % pp, (s - 1) % pp
+    g = place.virtual(s, a.chunk)
+    nxt = place.where(min(g + 1, place.last))[0]  # where this chunk's output goes
+    prv = place.where(max(g - 1, 0))[0]  # where its input comes from
     channel, boundary = {"send_act": ((s, nxt, "act"), g), "recv_act": ((prv, s, "act"), g - 1),
                          "send_grad": ((s, prv, "grad"), g - 1),
                          "recv_grad": ((nxt, s, "grad"), g)}[a.op]
     return channel, (a.mb, boundary)
 
 
-def _simulate(schedule: Schedule, pp: int) -> None:
+def _simulate(schedule: Schedule, place: Placement) -> None:
+    pp = place.pp
     sends: dict[tuple, list] = {}  # channel -> messages (micro-batch, boundary) in posting order
     recvs: dict[tuple, list] = {}
     pc = [0] * pp
@@ -96,7 +112,7 @@ def _simulate(schedule: Schedule, pp: int) -> None:
                 end = pc[s]
                 while end < len(actions) and actions[end].op in TRANSFERS:
                     a = actions[end]
-                    channel, msg = _message(s, a, pp)
+                    channel, msg = _message(s, a, place)
                     mine, theirs = (sends, recvs) if a.op.startswith("send") else (recvs, sends)
                     log = mine.setdefault(channel, [])
                     log.append(msg)

@@ -16,7 +16,8 @@ another stage, does not start the step: no barrier aligns the stages' starts). W
 equal-cost
 stages that is the idle share the formula predicts, (p-1)/(m+p-1) for GPipe and 1F1B and
 (p-1)/(v m + p-1) for the interleaved schedule (Narayanan et al. 2021;
-`plan.timing.bubble_fraction`, FORMULAS.md).
+`plan.timing.bubble_fraction`, FORMULAS.md), and beside it the schedule simulator's replay
+at the measured costs (simulated.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any, TextIO
 from shardtrain.config import ConfigError
 from shardtrain.parallel.pipeline.schedules import COMPUTE, TRANSFERS
 from shardtrain.plan.timing import bubble_fraction
+from shardtrain.train.observe.simulated import simulated_lines
 from shardtrain.train.pace import busy_seconds, pace_table
 
 _HEADER = ("rank", "stage", "pp", "microbatches", "virtual_stages", "schedule", "step")
@@ -77,8 +79,8 @@ def load_timelines(run_dir: Path) -> list[Timeline]:
 
 def formula_bubble(t: Timeline) -> float:
     """The schedule's ideal bubble fraction for this timeline's p, m (and v)."""
-    v = t["virtual_stages"] if t["schedule"] == "interleaved" else 1
-    return bubble_fraction(t["pp"], t["microbatches"], v=v)
+    return bubble_fraction(t["pp"], t["microbatches"], v=t["virtual_stages"],
+                           schedule=t["schedule"])
 
 
 def step_span(timelines: list[Timeline]) -> tuple[float, float]:
@@ -115,7 +117,8 @@ def plot_timeline(timelines: list[Timeline], path: Path, *, title: str) -> None:
                           "pip install 'shardtrain[plot]'") from None
     start, end = step_span(timelines)
     chunks = max(t["virtual_stages"] for t in timelines)
-    palettes = {"F": plt.get_cmap("Blues"), "B": plt.get_cmap("Oranges")}
+    palettes = {"F": plt.get_cmap("Blues"), "B": plt.get_cmap("Oranges"),
+                "W": plt.get_cmap("Greens")}
 
     def colour(op: str, chunk: int) -> Any:  # chunk 0 mid-tone, later chunks darker
         return palettes[op](0.45 + 0.4 * chunk / max(1, chunks - 1))
@@ -183,7 +186,7 @@ def report(run_dir: Path, out: TextIO | None = None) -> Path | None:
     mean = mean_bubble(timelines)
     start, end = step_span(timelines)
     formula = formula_bubble(first)
-    v = f", v={first['virtual_stages']}" if first["schedule"] == "interleaved" else ""
+    v = f", v={first['virtual_stages']}" if first["virtual_stages"] > 1 else ""
     layout = (f"{first['schedule']} schedule, p={first['pp']}, m={first['microbatches']}{v}, "
               f"step {first['step']}")
     print(f"{layout}: span {end - start:.4f} s", file=out)
@@ -191,9 +194,13 @@ def report(run_dir: Path, out: TextIO | None = None) -> Path | None:
     for t in timelines:
         print(f"{t['rank']:>5} {t['stage']:>5} {busy_seconds(t):>9.4f} "
               f"{measured[t['rank']]:>8.1%}", file=out)
-    form = "(p-1)/(v m+p-1)" if v else "(p-1)/(m+p-1)"
+    # the simulator's (plan/schedule_terms.py), which is this form for the first three
+    form = {"interleaved": "(p-1)/(v m+p-1)", "gpipe": "(p-1)/(m+p-1)",
+            "1f1b": "(p-1)/(m+p-1)"}.get(first["schedule"], "simulated at F=1 B=2 W=1")
     print(f"bubble fraction: measured {mean:.1%} (mean over ranks), formula {form} = "
           f"{formula:.1%}", file=out)
+    for line in simulated_lines(timelines):
+        print(line, file=out)
     _print_metrics(run_dir, out)
     png = run_dir / "timeline.png"
     plot_timeline(timelines, png, title=f"{layout}: bubble {mean:.1%} measured, "

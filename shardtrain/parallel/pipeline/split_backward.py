@@ -1,0 +1,133 @@
+"""A chunk's backward in two parts (Qi et al. 2024, "Zero Bubble Pipeline Parallelism",
+arXiv 2401.10241, sec. 2): B, the gradient with respect to the chunk's input, which the
+previous virtual stage waits for; W, the weights' gradients, run later from what B kept.
+
+B walks the autograd graph from the output. The nodes on a path to the input form the input
+path; an intermediate is a node of it with an edge off the path that leads to weights.
+B hooks the intermediates, computes the input gradient with the graph kept (retain_graph),
+and the hooks capture the gradient flowing into each. W restarts autograd from the
+intermediates with those gradients, once per group of weights that share intermediates,
+and stops at that group's weights: autograd then leaves the input path (which leads only
+to other groups' weights) alone, and the weights' gradients accumulate as a full
+backward's would (the same ops, so the same numbers). Data parallelism's and ZeRO's
+post-accumulate-grad hooks fire then: a weight's reduction waits for its W. While W runs,
+each intermediate's incoming gradient is replaced by the captured one, so a gradient that
+also reaches it from an earlier intermediate is not counted twice.
+
+The kept graph holds every tensor the forward saved until W (the schedule simulator counts
+a micro-batch's activations until its W). Recomputation (torch.utils.checkpoint,
+non-reentrant) recomputes in B what the input path unpacks and again in W what the weights'
+part does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+
+def _node(t: torch.Tensor) -> Node | None:
+    """t's autograd node; for a leaf its AccumulateGrad (reached through a view)."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    return t.view_as(t).grad_fn.next_functions[0][0] if t.requires_grad else None
+
+
+@dataclass
+class Kept:
+    """What B leaves for W: per group, its intermediates, the gradients that flowed into
+    them and its weights."""
+    groups: list[tuple[list[Node], list[torch.Tensor]]]
+    grads: dict[Node, tuple] = field(default_factory=dict)
+
+
+def input_backward(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor) -> Kept:
+    """B: x.grad = d(out . grad)/dx (out a scalar loss when grad is None); the graph kept."""
+    target = _node(x)
+    order = _topological(_node(out))  # every node from the output, parents first
+    children = {n: [m for m, _ in n.next_functions if m is not None] for n in order}
+    on_path = {target}
+    for n in reversed(order):  # children first
+        if any(m in on_path for m in children[n]):
+            on_path.add(n)
+    below: dict[Node, set[Node]] = {}  # off the path: the weights a node leads to
+    for n in reversed(order):
+        if n not in on_path:
+            weight = hasattr(n, "variable") and n.variable.requires_grad
+            below[n] = ({n} if weight else set()).union(*(below[m] for m in children[n]))
+    owner: dict[Node, Node] = {}  # union-find over weights: intermediates shared join groups
+
+    def find(w: Node) -> Node:
+        while owner.setdefault(w, w) is not w:
+            w = owner[w]
+        return w
+
+    reached: dict[Node, set[Node]] = {}  # intermediate -> the weights off its edges
+    for n in order:
+        if n in on_path and n is not target:
+            weights = set().union(*(below[m] for m in children[n] if m not in on_path))
+            if weights:
+                reached[n] = weights
+                first, *rest = (find(w) for w in weights)
+                for w in rest:
+                    owner[w] = first
+    groups: dict[Node, tuple[list[Node], set[Node]]] = {}
+    for n, weights in reached.items():
+        nodes, ws = groups.setdefault(find(next(iter(weights))), ([], set()))
+        nodes.append(n)
+        ws.update(weights)
+    kept = Kept([(nodes, [w.variable for w in ws]) for nodes, ws in groups.values()])
+    handles = [n.register_prehook(_capture(kept, n)) for n in reached]
+    try:
+        (x.grad,) = torch.autograd.grad(out, x, grad, retain_graph=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return kept
+
+
+def weight_backward(kept: Kept) -> None:
+    """W: the weights' gradients, accumulated into .grad (their hooks fire)."""
+    for k, (nodes, weights) in enumerate(kept.groups):
+        edges, grads = [], []
+        for n in nodes:
+            for i, g in enumerate(kept.grads.get(n, ())):
+                if g is not None:
+                    edges.append(GradientEdge(n, i))
+                    grads.append(g)
+        handles = [n.register_prehook(lambda _, saved=kept.grads[n]: saved)
+                   for n in nodes if len(nodes) > 1 and n in kept.grads]
+        try:
+            if edges:
+                # the graph stays for the next groups; the last call (or dropping the
+                # output) frees it
+                torch.autograd.backward(edges, grads, inputs=weights,
+                                        retain_graph=k < len(kept.groups) - 1)
+        finally:
+            for h in handles:
+                h.remove()
+    kept.grads.clear()
+
+
+def _capture(kept: Kept, n: Node):
+    def hook(grad_outputs: tuple) -> None:
+        kept.grads[n] = grad_outputs
+    return hook
+
+
+def _topological(root: Node) -> list[Node]:
+    """The nodes reachable from root, each before every node it leads to."""
+    post, seen, stack = [], {root}, [(root, iter(root.next_functions))]
+    while stack:
+        n, it = stack[-1]
+        for m, _ in it:
+            if m is not None and m not in seen:
+                seen.add(m)
+                stack.append((m, iter(m.next_functions)))
+                break
+        else:
+            post.append(n)
+            stack.pop()
+    return post[::-1]

@@ -1,0 +1,89 @@
+"""ZB-H1 (split backward: B, then W later) reproduces the single-process run, fp32 (losses,
+eval loss, final weights) and bf16 (parity.py's bound), at pp = 2 and 4, alone and with
+full recomputation, tied embeddings (test_pipeline_parity.py's row), ZeRO-1/2/3 over dp = 2
+and tensor + sequence parallelism inside a stage; each run's measured timeline
+(timeline_rank*.json) runs its computes in the simulator's order; the split itself gives a
+full backward's gradients under LoRA (one process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist import run_distributed
+from parity import BF16_LOSS_RTOL, assert_parity, train_layouts, worst_loss_deviation
+from test_pipeline_parity import RECOMPUTE, _cfg, _check_order, _pp
+from test_pipeline_parity import references, tmp  # noqa: F401 (the module's fixtures)
+
+from shardtrain import config
+from shardtrain.parallel.pipeline.split_backward import input_backward, weight_backward
+
+BF16 = ("--train.precision", "bf16")
+# spawn -> (world size, [(label, model overrides -- the reference has them too --, layout
+# overrides)]), all in the slow tier: the README's command runs ZB-H1 with tied embeddings
+# and full recomputation in test_pipeline_parity.py's two-rank spawn.
+LAYOUTS = {
+    "pp2": (2, [("pp2 zb-h1 m8", (), _pp(2, "zb-h1", 8)),
+                ("pp2 zb-h1 m1", (), _pp(2, "zb-h1", 1)),
+                ("pp2 zb-h1 m4 bf16", BF16, _pp(2, "zb-h1", 4))]),
+    "4 ranks": (4, [("pp4 zb-h1 m8", (), _pp(4, "zb-h1", 8)),
+                    ("pp4 zb-h1 m4 full recomputation", (), _pp(4, "zb-h1", 4, *RECOMPUTE)),
+                    ("pp2 x dp2 zb-h1 zero1", (), _pp(2, "zb-h1", 2, "--parallel.zero", "1")),
+                    ("pp2 x tp2 sp zb-h1", (), _pp(2, "zb-h1", 4, "--parallel.tp", "2",
+                                                    "--parallel.sp", "true")),
+                    ("pp2 x dp2 zb-h1 zero2", (), _pp(2, "zb-h1", 2, "--parallel.zero", "2")),
+                    ("pp2 x dp2 zb-h1 zero3", (), _pp(2, "zb-h1", 2, "--parallel.zero", "3")),
+                    ("pp2 x dp2 zb-h1 zero1 bf16", BF16,
+                     _pp(2, "zb-h1", 2, "--parallel.zero", "1"))]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spawn", ["pp2", "4 ranks"])
+def test_zb_h1_parity_with_single_process(tmp, references, spawn):  # noqa: F811
+    world_size, layouts = LAYOUTS[spawn]
+    cfgs = [_cfg(tmp, f"zb-{spawn}-{i}", *model, *layout)
+            for i, (_, model, layout) in enumerate(layouts)]
+    per_rank = run_distributed(train_layouts, world_size, [config.to_toml(c) for c in cfgs])
+    for i, (label, model, _) in enumerate(layouts):
+        c = cfgs[i]
+        dp = world_size // (c.parallel.pp * c.parallel.tp)
+        reference = references(model, c.train.global_batch // (dp * c.parallel.microbatches))
+        for rank, results in enumerate(per_rank):
+            if c.train.precision == "bf16":
+                worst = worst_loss_deviation(reference["losses"], results[i]["losses"])
+                assert worst <= BF16_LOSS_RTOL[c.parallel.tp > 1], (label, worst)
+            else:
+                assert_parity(reference, results[i], f"{label} rank {rank}")
+        print(f"{label}: losses {[round(x, 5) for x in per_rank[0][i]['losses']]}")
+        _check_order(c, world_size)
+
+
+class _LoRALinear(torch.nn.Module):
+    """A frozen base weight plus a trainable low-rank update (Hu et al. 2021)."""
+
+    def __init__(self, dim: int, rank: int) -> None:
+        super().__init__()
+        self.base = torch.nn.Linear(dim, dim).requires_grad_(False)
+        self.a = torch.nn.Parameter(torch.randn(rank, dim) * 0.1)
+        self.b = torch.nn.Parameter(torch.randn(dim, rank) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x @ self.a.t() @ self.b.t()
+
+
+def test_split_backward_equals_the_full_one_under_lora():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_LoRALinear(8, 2), torch.nn.GELU(), _LoRALinear(8, 2))
+    x, grad = torch.randn(3, 8, requires_grad=True), torch.randn(3, 8)
+    model(x).backward(grad)
+    full = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    x_grad = x.grad.clone()
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    kept = input_backward(model(x), grad, x)
+    assert torch.equal(x.grad, x_grad)
+    assert all(p.grad is None for p in model.parameters())  # B: no weight gradient yet
+    weight_backward(kept)
+    assert all(torch.equal(p.grad, g) for p, g in
+               zip((p for p in model.parameters() if p.requires_grad), full))
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
