@@ -30,8 +30,12 @@ FACTORS: dict[str, dict[str, tuple[str, ...]]] = {
         "zero1": (Z, "1"),
         "zero2": (Z, "2"),
         "zero3": (Z, "3"),
+        # seed 001's inter-layer partitioning, both blocks of the tiny model in one unit
+        "zero3-layer": (Z, "3", "--parallel.zero_partition", "layer",
+                        "--parallel.zero_unit_blocks", "2"),
         "tp+sp": ("--parallel.tp", "2", "--parallel.sp", "true"),
         "pp": ("--parallel.pp", "2"),
+        "pp-zb": ("--parallel.pp", "2", "--parallel.schedule", "zb-h1"),  # split backward
         "cp": ("--parallel.cp", "2"),
         "ep": ("--parallel.ep", "2"),
         "ps": ("--parallel.ps_servers", "1"),
@@ -48,13 +52,15 @@ FACTORS: dict[str, dict[str, tuple[str, ...]]] = {
         "moe": ("--model.n_experts", "4", "--model.moe_top_k", "2"),
     },
     "attention": {"plain": (), "document": ("--data.document_mask", "true")},
+    "optim": {o: ("--optim.name", o) for o in ("adamw", "rmsprop", "adagrad")},
     "compile": {"off": (), "on": ("--train.compile", "true")},
     "offload": {"none": (), "cpu": ("--parallel.offload", "cpu")},
     "save": {"sync": (), "async": ("--checkpoint.async_save", "true")},
 }
 # Where a row resumes: the next layout in this order that its other values allow (a
 # parameter server's checkpoint resumes only with servers: train/checkpoint/checkpoint.py).
-RESUME_ORDER = ("dp", "zero3", "tp+sp", "zero2", "pp", "zero1", "cp", "ep")
+RESUME_ORDER = ("dp", "zero3", "tp+sp", "zero3-layer", "zero2", "pp", "pp-zb", "zero1", "cp",
+                "ep")
 
 Row = dict[str, str]  # factor -> value
 

@@ -42,9 +42,11 @@ ROWS = [  # label, overrides, precision bound (None: fp32 parity, parity.py), ba
                                     "full", "--train.sample_tokens", "4"], None, "inductor"),
     ("cp2 ring x ep2 MoE", ["--parallel.cp", "2", "--model.n_experts", "2", "--parallel.ep",
                             "2"], None, "aot_eager"),
-    ("bf16 pp2 + selective checkpointing", ["--train.precision", "bf16", "--parallel.pp", "2",
-                                            "--train.activation_checkpointing", "selective"],
-     BF16_LOSS_RTOL[False], "inductor"),
+    # zero-bubble: backward in two calls (B keeps the graph for W); 1F1B compiled: the
+    # lifecycle matrix's pp rows
+    ("bf16 pp2 zb-h1 + selective checkpointing",
+     ["--train.precision", "bf16", "--parallel.pp", "2", "--parallel.schedule", "zb-h1",
+      "--train.activation_checkpointing", "selective"], BF16_LOSS_RTOL[False], "inductor"),
     ("tp2", [*TP], None, "aot_eager_decomp_partition"),
     ("tp2 + sp", [*TP, "--parallel.sp", "true"], None, "aot_eager_decomp_partition"),
 ]
