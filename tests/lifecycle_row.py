@@ -76,14 +76,16 @@ def run_row(rank: int, world_size: int, tmp: Path, row: Row, backend: str) -> di
     """Runs A and B on this rank; rank 0 returns what `check_row` reads. `backend`:
     torch.compile's for compiled rows (parallel/compile.py)."""
     a, b, refused = configs(tmp, row)
-    # Each row's model afresh: the rows share the blocks' code, whose graphs would otherwise
-    # pile up to dynamo's recompile limit (8), past which it runs them eagerly, silently.
-    torch._dynamo.reset()
+    # Each run's model afresh (below): the rows share the blocks' code, whose graphs would
+    # otherwise pile up to dynamo's recompile limit (8), past which it runs them eagerly.
     with ExitStack() as stack:
         for owner, name in GATHERS:
             stack.enter_context(mock.patch.object(owner, name, _gathered))
         stack.enter_context(mock.patch.object(torch, "compile", partial(COMPILE, backend=backend)))
-        results = [_run(cfg, make_mesh(cfg, rank, world_size)) for cfg in (a, b)]
+        results = []
+        for cfg in (a, b):  # as two launches would: B compiles its own graphs (a
+            torch._dynamo.reset()  # zero-bubble B cannot reuse graphs A compiled for 1F1B)
+            results.append(_run(cfg, make_mesh(cfg, rank, world_size)))
     if rank != 0:
         return None
     return {"a": results[0].losses, "b": results[1].losses, "sample": results[1].sample,

@@ -37,7 +37,9 @@ each new length would otherwise be a new graph, compiled once and used once.
 
 A schedule that splits backward (zero-bubble: its B keeps the graph for the W that
 follows) calls a compiled backward twice; AOT autograd's donated buffers (saved tensors
-freed by the first call) forbid that, so those blocks compile without them.
+freed by the first call) forbid that, so those blocks compile without them. (Dynamo keys a
+block's graphs by its code, not by this option: a process that trains twice, first
+with 1F1B, then zero-bubble, must call torch._dynamo.reset() between.)
 
 Which layouts compose is decided before any work: config/layout.py, `check_compile`.
 """
