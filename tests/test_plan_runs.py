@@ -45,10 +45,12 @@ def _validate(preset: str, layout: Layout, seq_len: int, *extra: str) -> None:
 def test_ranked_layouts_pass_config_validation(preset, hw, gpus, batch, seq, extra):
     model = config.load(preset, list(extra)).model
     result = search(model, hardware.get(hw), gpus=gpus, global_batch=batch, seq_len=seq,
-                    top=20)
+                    top=20, zeropp=True)
     assert result.ranked
     for plan in result.ranked:
         _validate(preset, plan.layout, seq, *extra)
+    if (preset, extra) == ("llama3-8b", ()):  # its dp groups span nodes: ZeRO++ ranks
+        assert any(p.layout.qwz or p.layout.qgz for p in result.ranked)
     print(f"{preset}{' moe' if extra else ''} on {gpus}: {result.considered} candidates run, "
           f"{result.refused} refused by config validation; best {result.ranked[0].layout.describe()}")
 
@@ -68,6 +70,7 @@ def test_cli_ranked_layouts_pass_config_validation(argv, extra):
     for plan in doc["ranked"]:
         layout = Layout(**{k: v for k, v in plan["layout"].items() if k != "text"})
         assert layout.gpus == int(argv[3])
+        assert not (layout.qwz or layout.hpz or layout.qgz)  # lossy: only with --zeropp
         _validate(argv[1], layout, plan["seq"], *extra)
 
 

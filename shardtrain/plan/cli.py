@@ -59,6 +59,9 @@ def parser() -> argparse.ArgumentParser:
                                     "microbatches=..,schedule=..,v=..,offload=..,precision=..")
     p.add_argument("--precision", choices=PRECISIONS, help="default: the device's")
     p.add_argument("--top", type=int, default=5, help="layouts to show when searching")
+    p.add_argument("--zeropp", action="store_true",
+                   help="the search tries ZeRO++ too (qwz/hpz/qgz: int8 weights and gradients, "
+                        "whose accuracy cost the planner does not price)")
     p.add_argument("--calibration", help="cpu calibration JSON (default ~/.cache/shardtrain/"
                                          "cpu_calibration.json)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
@@ -128,7 +131,7 @@ def _run(argv: list[str]) -> int:
             raise PlanError(reason)
         return 0
     result = search(cfg, hw, gpus=gpus, global_batch=batch, seq_len=seq, name=name, top=args.top,
-                    precision=precision, data=data)
+                    precision=precision, data=data, zeropp=args.zeropp)
     doc = {}
     if result.ranked or result.closest:
         best = result.ranked[0] if result.ranked else result.closest

@@ -12,8 +12,10 @@ p). Every candidate then goes through the trainer's own config validation
 so a layout the trainer refuses (a tp that does not split the kv heads, an sp or cp that
 does not split the sequence, Ulysses heads cp does not divide, ...) is never proposed, and
 no rule is restated here: when the trainer learns a composition, the search proposes it.
-ZeRO++ (qwZ, hpZ, qgZ) is tried on the fitting ZeRO-3 layouts whose replica group spans
-nodes and that could then rank in the top (`with_zeropp`). The
+ZeRO++ (qwZ, hpZ, qgZ), asked for (`zeropp`: its int8 weights and gradients change the
+numbers, at an accuracy cost the planner does not price), is tried on the fitting ZeRO-3
+layouts whose replica group spans nodes and that could then rank in the top
+(`with_zeropp`). The
 run's data section takes part (`data`): data.document_mask rules out context parallelism. Offload
 (cpu, nvme) is tried only when nothing fits without it. Ranked by predicted step time,
 then memory.
@@ -177,10 +179,11 @@ def _rank(plan: Plan) -> tuple[float, float]:
 
 def search(cfg: ModelConfig, hw: Hardware, *, gpus: int, global_batch: int, seq_len: int,
            name: str = "", top: int = 5, precision: str | None = None,
-           data: DataConfig | None = None) -> SearchResult:
-    """The `top` fastest layouts the trainer runs that fit. When none fits, `ranked` is
-    empty and `reason` says why (the missing memory and the knob that helps most), with the
-    closest layout evaluated in `closest` (none when no layout splits batch and layers)."""
+           data: DataConfig | None = None, zeropp: bool = False) -> SearchResult:
+    """The `top` fastest layouts the trainer runs that fit (`zeropp`: ZeRO++'s quantized
+    variants too). When none fits, `ranked` is empty and `reason` says why (the missing
+    memory and the knob that helps most), with the closest layout evaluated in `closest`
+    (none when no layout splits batch and layers)."""
     precision = precision or hw.default_precision
     node = hw.node_size(gpus)
     fitting: list[tuple[Layout, MemoryBreakdown]] = []
@@ -222,9 +225,12 @@ def search(cfg: ModelConfig, hw: Hardware, *, gpus: int, global_batch: int, seq_
                      global_batch=global_batch, memory=near.memory, data=data)))
     plans = [evaluate(cfg, lay, hw, global_batch=global_batch, seq_len=seq_len, name=name,
                       memory=mem) for lay, mem in fitting]
-    plans, ran, refused_zeropp = with_zeropp(plans, cfg, hw, top=top, data=data)
-    counts["considered"] += ran
-    counts["refused"] += refused_zeropp
+    if zeropp:
+        plans, ran, refused_zeropp = with_zeropp(plans, cfg, hw, top=top, data=data)
+        counts["considered"] += ran
+        counts["refused"] += refused_zeropp
+    else:
+        plans = sorted(plans, key=_rank)
     return SearchResult(ranked=tuple(plans[:top]), **counts)
 
 
