@@ -1,8 +1,8 @@
 """What `parallel.schedule = pipedream-2bw` composes with (parallel/pipeline/pipedream.py,
 docs/pipeline.md): the asynchronous schedule keeps a second version of each stage's
 parameters as whole module tensors, which is proven (tests/test_pipedream_2bw.py) with plain
-data parallelism, LoRA and every precision -- not with what shards, offloads or steps
-parameters elsewhere. Each refusal names the field and the fix."""
+data parallelism -- not with what shards, offloads or steps parameters elsewhere, nor
+with the other model splits. Each refusal names the field and the fix."""
 
 from __future__ import annotations
 
