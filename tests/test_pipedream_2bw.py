@@ -19,7 +19,8 @@ from parity import (BF16_LOSS_RTOL, assert_parity, make_mesh, tiny, train_layout
 from shardtrain import config
 from shardtrain.config import ConfigError
 from shardtrain.parallel.pipeline import schedules
-from shardtrain.parallel.pipeline.pipedream import BATCHES
+from shardtrain.parallel.pipeline.pipedream import BATCHES, pipedream_2bw, versions_live
+from shardtrain.parallel.pipeline.schedules import one_f_one_b
 from shardtrain.parallel.pipeline.simulate import simulate
 from shardtrain.parallel.pipeline.validate import validate
 from shardtrain.plan.layout import SCHEDULES as PLANNED
@@ -41,6 +42,17 @@ def test_schedule_is_valid_and_idles_only_in_fill_and_drain(pp, m):
     assert sim.idle == [3 * (pp - 1)] * pp == flushed.idle
     assert sim.span == BATCHES * 3 * m + 3 * (pp - 1)
     assert max(sim.peak_activations) == pp
+
+
+@pytest.mark.parametrize("pp,m", [(2, 2), (2, 3), (4, 4), (4, 6), (8, 8)])
+def test_two_versions_suffice_across_steps(pp, m):
+    """Over 4 batches every rank needs at most 2 weight versions at once, and no batch
+    starts before its version exists; with m < pp a batch would (the config refuses it)."""
+    for rank in pipedream_2bw(pp, m, batches=4):
+        assert versions_live([(a.op, a.mb) for (a,) in rank], m) == 2
+    too_few = one_f_one_b(4, 4)[0]  # m = 1 < pp = 4
+    with pytest.raises(ValueError, match="starts before"):
+        versions_live([(a.op, a.mb) for (a,) in too_few], 1)
 
 
 def _base(tmp, name: str, *overrides: str) -> config.Config:

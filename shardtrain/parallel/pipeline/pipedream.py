@@ -51,11 +51,35 @@ def check(pp: int, m: int) -> None:
                          f"one version delay covers the pipeline (got pp={pp}, m={m})")
 
 
-def pipedream_2bw(pp: int, m: int) -> Steps:
-    """BATCHES batches of m micro-batches each, in 1F1B order with no flush between them:
+def pipedream_2bw(pp: int, m: int, batches: int = BATCHES) -> Steps:
+    """`batches` batches of m micro-batches each, in 1F1B order with no flush between them:
     micro-batch n = t m + i is micro-batch i of batch t."""
     check(pp, m)
-    return one_f_one_b(pp, BATCHES * m)
+    return one_f_one_b(pp, batches * m)
+
+
+def versions_live(order: Sequence[tuple[str, int]], m: int) -> int:
+    """The most weight versions a rank's compute order (op, micro-batch) needs at once
+    under the 2BW rule: batch t computes on W(t-1) and the update to W(t+1) follows batch
+    t's last backward, so before it the rank holds W(t) and the versions of the batches in
+    flight. Raises if a batch starts before its version exists (batch t + 1's first
+    forward before batch t - 1's last backward)."""
+    done: dict[int, int] = {}  # batch -> backwards done
+    updates, peak = 0, 0  # updates made: the newest version is W(updates)
+    started: set[int] = set()
+    for op, mb in order:
+        t = mb // m
+        if op == "F" and t not in started:
+            if t - 1 > updates:
+                raise ValueError(f"batch {t} starts before W({t - 1}) exists")
+            started.add(t)
+        if op == "B":
+            done[t] = done.get(t, 0) + 1
+            if done[t] == m:
+                updates += 1
+        in_flight = {b for b in started if done.get(b, 0) < m}
+        peak = max(peak, len({updates} | {max(b - 1, 0) for b in in_flight}))
+    return peak
 
 
 def stash_bytes(trainable_params: int, bytes_per_param: int) -> int:
