@@ -7,6 +7,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from shardtrain.config.errors import ConfigError
+from shardtrain.config.pipedream import check_pipedream
 
 if TYPE_CHECKING:
     from shardtrain.config.schema import Config
@@ -17,6 +18,7 @@ def check_pipeline(cfg: Config) -> None:
     several equal chunks per stage and whole rounds of pp micro-batches. Every ZeRO stage
     composes (zero/model.py: stages 2 and 3 reduce once per step under a pipeline)."""
     m, p = cfg.model, cfg.parallel
+    check_pipedream(cfg)
     if p.pp > 1 and p.zero_hpz:
         raise ConfigError(f"parallel.zero_hpz with parallel.pp={p.pp}: under a pipeline ZeRO-3 "
                           "gathers each unit once per step, before the forward, and keeps it "

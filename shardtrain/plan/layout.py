@@ -17,7 +17,9 @@ from typing import Any
 from shardtrain.config import Config, ConfigError, DataConfig, ModelConfig
 from shardtrain.plan.optim_states import OPTIM_STATES, config_optim, optim_fields
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # what parallel.schedule runs
+# What parallel.schedule runs and the planner weighs: never pipedream-2bw, whose numbers
+# differ from synchronous training by design (docs/planner.md).
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "cpu", "nvme")
 PRECISIONS = ("fp32", "bf16", "amp")  # amp: the runtime's bf16/fp16 policy (memory.py)

@@ -9,7 +9,7 @@ schedule degenerates to forward, backward, forward, backward, ... -- gradient ac
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -20,8 +20,9 @@ from shardtrain.config.data import IGNORE
 from shardtrain.mesh import ParallelMesh
 from shardtrain.parallel.context.apply import context_cores
 from shardtrain.parallel.context.split import SequenceSplit
-from shardtrain.parallel.pipeline import schedules
+from shardtrain.parallel.pipeline import pipedream, schedules
 from shardtrain.parallel.pipeline.executor import LossFn, PipelineExecutor
+from shardtrain.parallel.pipeline.pipedream import WeightVersions
 from shardtrain.parallel.pipeline.validate import validate
 from shardtrain.parallel.precision import PrecisionPolicy
 
@@ -41,13 +42,16 @@ class Pipeline:
         self.pp, self.dp = mesh.comm("pp"), mesh.comm("dp")
         self.replicas = mesh.comm(mesh.replica_dim)
         self.split, self.cp_rank = split, mesh.comm("cp").rank
-        self.schedule = p.schedule
         self.m = t.accumulation_steps(self.dp.size)
         v = p.virtual_stages
-        plan = schedules.build(p.schedule, self.pp.size, self.m, v)
+        # PipeDream-2BW: each step's micro-batches on the stashed version (pipedream.py)
+        self.versions = WeightVersions(chunks) if p.schedule == pipedream.NAME else None
+        executed = pipedream.EXECUTED if self.versions else p.schedule
+        self.schedule = executed  # what the timeline names: the order each step ran in
+        plan = schedules.build(executed, self.pp.size, self.m, v)
         validate(plan, self.pp.size, self.m, v,
-                 shape=schedules.placement(p.schedule, self.pp.size, v).shape,
-                 bound=schedules.activation_bound(p.schedule, self.pp.size, self.m, v))
+                 shape=schedules.placement(executed, self.pp.size, v).shape,
+                 bound=schedules.activation_bound(executed, self.pp.size, self.m, v))
         evaluation = schedules.build_forward_only(self.pp.size, 1, v)
         validate(evaluation, self.pp.size, 1, v, backward=False)
         self.actions, self.eval_actions = plan[self.pp.rank], evaluation[self.pp.rank]
@@ -78,9 +82,10 @@ class Pipeline:
         inputs, targets = [b[0] for b in batches], [b[1] for b in batches]
         positions = [b[2] for b in batches] if len(batches[0]) > 2 else None
         weights = None if loss_tokens is None else self._weights(targets, loss_tokens)
-        total = self.executor.run(self.actions, inputs, targets, no_sync=no_sync,
-                                  loss_scale=loss_scale, info={"schedule": self.schedule},
-                                  positions=positions, weights=weights)
+        with self.versions.computing() if self.versions else nullcontext():
+            total = self.executor.run(self.actions, inputs, targets, no_sync=no_sync,
+                                      loss_scale=loss_scale, info={"schedule": self.schedule},
+                                      positions=positions, weights=weights)
         self.timeline, self.peak_live = self.executor.timeline, self.executor.peak_live
         if self.cores:
             self.timeline["attention_s"] = sum(core.compute_s for core in self.cores)

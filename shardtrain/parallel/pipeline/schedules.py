@@ -36,6 +36,8 @@ Schedules (the compute order in steps; `with_transfers` places the transfers):
   the last chunk. The bubble shrinks by v, (pp - 1) / (v m); m must be a multiple of pp so
   the rounds are whole.
 - ZB-H1, ZB-V and DualPipeV: zero_bubble.py.
+- PipeDream-2BW (asynchronous, two weight versions): pipedream.py; its steps span
+  pipedream.BATCHES consecutive batches, micro-batch n being n % m of batch n // m.
 """
 
 from __future__ import annotations
@@ -158,20 +160,21 @@ def check_interleaved(pp: int, m: int, v: int) -> None:
 
 def compute_steps(schedule: str, pp: int, m: int, v: int = 1) -> Steps:
     """The F/B/W order of `schedule` (SCHEDULES) for every rank."""
-    from shardtrain.parallel.pipeline import zero_bubble  # it builds on this module
+    from shardtrain.parallel.pipeline import pipedream, zero_bubble  # they build on this
 
     if schedule == "interleaved":
         return interleaved(pp, m, v)
     builders: dict[str, tuple[Callable[[int, int], Steps], int]] = {
         "gpipe": (gpipe, 1), "1f1b": (one_f_one_b, 1), "zb-h1": (zero_bubble.zb_h1, 1),
-        "zbv": (zero_bubble.zbv, 2), "dualpipev": (zero_bubble.dualpipev, 2)}
+        "zbv": (zero_bubble.zbv, 2), "dualpipev": (zero_bubble.dualpipev, 2),
+        pipedream.NAME: (pipedream.pipedream_2bw, 1)}
     if schedule not in builders or v != builders[schedule][1]:
         raise ValueError(f"schedule {schedule!r} with v={v} chunks per stage: one of gpipe, "
-                         "1f1b, zb-h1 (v = 1), interleaved (v >= 2), zbv or dualpipev (v = 2)")
+                         "1f1b, zb-h1, pipedream-2bw (v = 1), interleaved (v >= 2), zbv or dualpipev (v = 2)")
     return builders[schedule][0](pp, m)
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev", "pipedream-2bw")
 SPLIT_BACKWARD = ("zb-h1", "zbv", "dualpipev")  # W actions: a B keeps its graph for the W
 V_SHAPED = ("zbv", "dualpipev")
 
@@ -185,8 +188,9 @@ def activation_bound(schedule: str, pp: int, m: int, v: int = 1) -> int:
     each schedule's paper states it (the validator holds every built schedule to it): GPipe
     all m; 1F1B and ZB-H1 pp (Qi et al. 2024: ZB-H1 keeps 1F1B's peak); interleaved
     stage 0's warm-up 2(pp-1) + (v-1) pp, plus the steady step's forward; ZB-V pp micro-
-    batches on both chunks; DualPipeV 2pp + 1 (DualPipe's PP + 1, PP = 2pp stages)."""
-    bound = {"gpipe": m * v, "1f1b": pp, "zb-h1": pp, "interleaved": (v + 1) * pp - 1,
+    batches on both chunks; DualPipeV 2pp + 1 (DualPipe's PP + 1, PP = 2pp stages);
+    PipeDream-2BW 1F1B's pp (Narayanan et al. 2021, sec. 3.1), across batches too."""
+    bound = {"gpipe": m * v, "1f1b": pp, "zb-h1": pp, "pipedream-2bw": pp, "interleaved": (v + 1) * pp - 1,
              "zbv": 2 * pp, "dualpipev": 2 * pp + 1}[schedule]
     return min(bound, m * v)
 
