@@ -97,3 +97,28 @@ def test_the_check_sees_an_arrow_against_the_rules(tmp_path):
     (tmp_path / "plan" / "heavy.py").write_text("import torch\n")
     found = violations(tmp_path)
     assert len(found) == 2 and "shardtrain.comm" in found[0] and "torch" in found[1]
+
+
+def test_planner_imports_no_runtime():
+    """plan/ and cost/ use only the standard library, shardtrain.config and cost/ (plan/ also
+    itself and the pipeline schedules' data and simulator, which the runtime runs and the
+    planner prices: pure Python, importing only each other): no torch, nothing else of the
+    runtime, and cost/ nothing of plan/."""
+    root = ROOT
+    pipeline = tuple(f"shardtrain.parallel.pipeline.{m}"
+                     for m in ("schedules", "zero_bubble", "simulate"))
+    rules = {"plan": ("shardtrain.config", "shardtrain.plan", "shardtrain.cost", *pipeline),
+             "cost": ("shardtrain.config", "shardtrain.cost")}
+    files = [(f, allowed) for folder, allowed in rules.items()
+             for f in sorted((root / folder).glob("*.py"))]
+    files += [(root / "parallel" / "pipeline" / f"{m.rsplit('.', 1)[1]}.py",
+               ("shardtrain.parallel.pipeline",)) for m in pipeline]
+    assert len(files) > 10
+    for file, allowed in files:
+        for node in ast.walk(ast.parse(file.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                assert not name.startswith(("torch", "numpy")), (file.name, name)
+                if name.startswith("shardtrain"):
+                    assert name.startswith(allowed), (file.name, name)
