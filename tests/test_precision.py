@@ -34,7 +34,16 @@ LAYOUTS = {  # world size: (label, reference batch, overrides)
         ("tp2 sp", B8, ["--parallel.tp", "2", "--parallel.sp", "true"])],
     4: [("dp4 accumulate", B16, []),
         ("pp2 x dp2 x zero3", B8, ["--parallel.pp", "2", "--parallel.zero", "3"])],
+    # two ranks, slow tier: seed 002's one-state optimizers, ZeRO-3's unit size and its
+    # gradient offload (their fp32 rows are in the README's command: test_zero*.py)
+    "2 more": [
+        ("zero2 dp2 rmsprop", (*B8, "--optim.name", "rmsprop"), ["--parallel.zero", "2"]),
+        ("zero2 dp2 adagrad", (*B8, "--optim.name", "adagrad"), ["--parallel.zero", "2"]),
+        ("zero3 dp2 2 blocks per unit", B8, ["--parallel.zero", "3",
+                                             "--parallel.zero_unit_blocks", "2"]),
+        ("zero3 dp2 cpu offload", B8, ["--parallel.zero", "3", "--parallel.offload", "cpu"])],
 }
+WORLD = {2: 2, 4: 4, "2 more": 2}
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +55,9 @@ def _text(tmp, name: str, *overrides: str) -> str:
     return config.to_toml(tiny(tmp, name, "--train.steps", STEPS, *overrides))
 
 
-def _parity_texts(tmp, world_size: int) -> list[str]:
-    return [_text(tmp, f"w{world_size}-{i}-{prec}", *ref, *o, "--train.precision", prec)
+def _parity_texts(tmp, world_size: int | str) -> list[str]:
+    return [_text(tmp, f"w{world_size}-{i}-{prec}".replace(" ", "-"), *ref, *o,
+                  "--train.precision", prec)
             for i, (_, ref, o) in enumerate(LAYOUTS[world_size]) for prec in ("bf16", "fp32")]
 
 
@@ -68,19 +78,19 @@ def refs() -> dict:
     return {}  # (batch overrides, precision) -> the single-process run, filled once
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 4, pytest.param("2 more", marks=pytest.mark.slow)])
 def test_bf16_layouts_match_one_process(tmp, world2, refs, world_size):
     layouts = LAYOUTS[world_size]
     if world_size == 2:
         per_rank = [r["parity"] for r in world2]
     else:
-        per_rank = run_distributed(train_layouts, world_size, _parity_texts(tmp, world_size),
-                                   timeout_s=600)
+        per_rank = run_distributed(train_layouts, WORLD[world_size],
+                                   _parity_texts(tmp, world_size), timeout_s=600)
     for ref in dict.fromkeys(ref for _, ref, _ in layouts):
         for prec in ("bf16", "fp32"):
             if (ref, prec) not in refs:
-                refs[ref, prec] = train_layout(0, 1, _text(tmp, f"ref-{ref[1]}-{prec}", *ref,
-                                                           "--train.precision", prec))
+                refs[ref, prec] = train_layout(0, 1, _text(tmp, f"ref-{len(refs)}-{prec}",
+                                                           *ref, "--train.precision", prec))
     print()
     for i, (label, ref, overrides) in enumerate(layouts):
         worst = {prec: max(worst_loss_deviation(refs[ref, prec]["losses"], ranks[2 * i + j]["losses"])
