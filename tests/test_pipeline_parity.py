@@ -47,7 +47,7 @@ LAYOUTS = {
         # split backward (test_pipeline_zero_bubble.py has the rest of its rows)
         ("pp2 gpt2 tied zb-h1, full recomputation", GPT2, _pp(2, "zb-h1", 4, *RECOMPUTE)),
         # the V: embedding and tied head both on stage 0 (the rest: test_pipeline_zero_bubble)
-        ("pp2 gpt2 tied zbv", GPT2, _pp(2, "zbv", 4)),
+        ("pp2 gpt2 tied zbv", GPT2, _pp(2, "zbv", 4, "--checkpoint.every", "2")),
         ("pp2 gpt2 tied dualpipev", GPT2, _pp(2, "dualpipev", 4)),
         # last: the checkpoint resumed below
         ("pp2 gpt2 tied embeddings", GPT2, _pp(2, "1f1b", 4, "--checkpoint.every", "2"))],
@@ -142,9 +142,14 @@ def test_pipeline_parity_with_single_process(tmp, references, world_size):
     cfgs = [_cfg(tmp, f"w{world_size}-{i}", *model, *layout)
             for i, (_, model, layout) in enumerate(layouts)]
     texts = [config.to_toml(c) for c in cfgs]
-    if world_size == 2:  # pp = 2 resumes from the one-process run's step-2 checkpoint
+    if world_size == 2:  # pp = 2 resumes from the one-process run's step-2 checkpoint, and
+        # 1F1B from ZB-V's (the V's stage 0 holds layers 0-1 and 6-7, 1F1B's 0-3)
         texts.append(config.to_toml(_cfg(tmp, "pp2-from-pp1", *GPT2, *_pp(2, "1f1b", 4),
                                          "--checkpoint.resume", references(GPT2, 2)["step2"])))
+        zbv = next(i for i, row in enumerate(layouts) if row[0] == "pp2 gpt2 tied zbv")
+        texts.append(config.to_toml(_cfg(
+            tmp, "1f1b-from-zbv", *GPT2, *_pp(2, "1f1b", 4), "--checkpoint.resume",
+            f"{cfgs[zbv].train.run_dir}/checkpoints/step_00000002")))
     per_rank = run_distributed(train_layouts, world_size, texts, _pipeline_figures)
     for i, (label, model, _) in enumerate(layouts):
         reference = references(model, per_rank[0][i]["micro_batch"])
@@ -174,7 +179,8 @@ def test_pipeline_parity_with_single_process(tmp, references, world_size):
         reference = references(GPT2, 2)
         last_step = {**reference, "losses": reference["losses"][2:]}
         for rank, results in enumerate(per_rank):
-            assert_parity(last_step, results[-1], f"pp2 from pp1 rank {rank}")
+            assert_parity(last_step, results[-2], f"pp2 from pp1 rank {rank}")
+            assert_parity(last_step, results[-1], f"1f1b from zbv rank {rank}")
         ckpt = cfgs[-1].train.run_dir + "/checkpoints/step_00000002"
         resumed = train_layout(0, 1, config.to_toml(_cfg(tmp, "pp1-from-pp2", *GPT2,
                                                          "--checkpoint.resume", ckpt)))
