@@ -1,8 +1,7 @@
 """Pipeline parallelism reproduces the single-process run (fp32 losses, eval loss and final
 weights): pp = 2 and 4 under GPipe, 1F1B and interleaved 1F1B with 1, 4 and 8 micro-batches
 (and ZB-H1 with its split backward; ZB-V and DualPipeV, whose V puts the tied embedding
-and head both on stage 0),
-composed with data and tensor (+ sequence) parallelism and ZeRO-1, up to pp x tp x dp =
+and head both on stage 0: a ZB-V checkpoint resumes into 1F1B), composed with data and tensor (+ sequence) parallelism and ZeRO-1, up to pp x tp x dp =
 2 x 2 x 2 on 8 processes; tied embeddings (GPT-2) across the first and last stage; checkpoints written by a
 pipeline resume on one process. Each spawn also measures the activations stage 0 holds and
 checks the timeline files."""

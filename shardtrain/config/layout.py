@@ -31,8 +31,9 @@ def check_pipeline(cfg: Config) -> None:
     if p.schedule != "interleaved":
         if p.virtual_stages > 1:
             raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs "
-                              f"parallel.schedule=interleaved, zbv or dualpipev (schedule={p.schedule} runs one "
-                              "chunk per stage); set the schedule or virtual_stages=1")
+                              f"parallel.schedule=interleaved, zbv or dualpipev (schedule="
+                              f"{p.schedule} runs one chunk per stage); set the schedule or "
+                              "virtual_stages=1")
         return
     if p.pp < 2 or p.virtual_stages < 2:
         raise ConfigError(f"parallel.schedule=interleaved needs parallel.pp >= 2 and "

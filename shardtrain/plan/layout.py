@@ -17,7 +17,8 @@ from typing import Any
 from shardtrain.config import Config, ConfigError, DataConfig, ModelConfig
 from shardtrain.plan.optim_states import OPTIM_STATES, config_optim, optim_fields
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # what parallel.schedule runs
+# what parallel.schedule runs
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "cpu", "nvme")
 PRECISIONS = ("fp32", "bf16", "amp")  # amp: the runtime's bf16/fp16 policy (memory.py)
@@ -161,8 +162,14 @@ def check(layout: Layout, cfg: ModelConfig, *, gpus: int, node_size: int, global
         if lay.pp * lay.v > cfg.n_layers:
             raise PlanError(f"layout pp x v = {lay.pp * lay.v} exceeds "
                             f"model.n_layers={cfg.n_layers}")
+    elif lay.schedule in ("zbv", "dualpipev"):
+        least = 2 * lay.pp if lay.schedule == "dualpipev" else 1
+        if lay.pp == 1 or lay.v != 2 or cfg.n_layers % (2 * lay.pp) or lay.microbatches < least:
+            raise PlanError(f"layout schedule={lay.schedule} needs pp > 1, v = 2, model.n_layers "
+                            f"a multiple of 2 pp and microbatches >= {least} (got pp={lay.pp}, "
+                            f"v={lay.v}, microbatches={lay.microbatches})")
     elif lay.v != 1:
-        raise PlanError(f"layout v={lay.v} needs schedule=interleaved")
+        raise PlanError(f"layout v={lay.v} needs schedule=interleaved, zbv or dualpipev")
 
 
 def check_layer_partition(lay: Layout, cfg: ModelConfig) -> None:

@@ -1,8 +1,8 @@
 """Run one rank's part of any valid pipeline schedule, and record its timeline.
 
 The executor knows nothing about transformers: it drives a list of chunk modules (which
-virtual stage local chunk c is: the placement, schedules.Placement) and, on the last virtual stage, a
-loss function. Virtual stage 0 takes the micro-batch's inputs; every other chunk takes an
+virtual stage local chunk c is: the placement, schedules.Placement) and, on the last
+virtual stage, a loss function. Virtual stage 0 takes the micro-batch's inputs; every other chunk takes an
 activation received from the previous virtual stage. All boundary activations share one
 shape and dtype, known in advance ([micro_batch, seq_len / seq_shards, dim] for the
 transformer), so receives are posted into preallocated buffers with no shape handshake.
