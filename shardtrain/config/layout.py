@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from shardtrain.config.schema import Config
 
 
-def check_pipeline(cfg: Config) -> None:
+def check_pipeline(cfg: Config, world_size: int) -> None:
     """Every stage needs a layer; the interleaved schedule (Narayanan et al. 2021) needs
     several equal chunks per stage and whole rounds of pp micro-batches. Every ZeRO stage
     composes (zero/model.py: stages 2 and 3 reduce once per step under a pipeline)."""
@@ -26,7 +26,7 @@ def check_pipeline(cfg: Config) -> None:
         raise ConfigError(f"parallel.pp={p.pp} exceeds model.n_layers={m.n_layers}: every "
                           "pipeline stage needs at least one layer; lower parallel.pp")
     if p.schedule in ("zbv", "dualpipev"):
-        check_v_shape(cfg)
+        check_v_shape(cfg, world_size)
         return
     if p.schedule != "interleaved":
         if p.virtual_stages > 1:
@@ -49,10 +49,20 @@ def check_pipeline(cfg: Config) -> None:
                           "through each chunk in rounds of pp; change parallel.microbatches "
                           "(or train.micro_batch)")
 
-def check_v_shape(cfg: Config) -> None:
+def check_v_shape(cfg: Config, world_size: int) -> None:
     """ZB-V and DualPipeV: two equal chunks per stage in a V (docs/pipeline.md); DualPipeV
-    needs 2 pp micro-batches to fill it (zero_bubble.check_dualpipev)."""
+    needs 2 pp micro-batches to fill it (zero_bubble.check_dualpipev). A tied embedding is
+    one tensor used by both chunks of stage 0, in two separate backwards; the gradient
+    communication of data parallelism fires on each chunk's last backward (executor.py),
+    so it would reduce the tied gradient before the other chunk's share arrives."""
     m, p = cfg.model, cfg.parallel
+    replicas = p.resolved_dp(world_size) * p.cp
+    if m.tie_embeddings and replicas > 1:
+        raise ConfigError(f"parallel.schedule={p.schedule} with model.tie_embeddings=true and "
+                          f"{replicas} data-parallel replicas (parallel.dp x parallel.cp): "
+                          "stage 0's two chunks both use the tied embedding, and its gradient "
+                          "would be averaged before the second chunk's share; set "
+                          "model.tie_embeddings=false, one replica, or another schedule")
     if p.pp < 2 or p.virtual_stages != 2:
         raise ConfigError(f"parallel.schedule={p.schedule} needs parallel.pp >= 2 and "
                           f"parallel.virtual_stages=2, two chunks per stage in a V (got pp="
