@@ -1,14 +1,15 @@
 """Our pipeline against torch.distributed.pipelining's: same model, same split, same
 micro-batches, same optimizer, the same schedule -- 1F1B against Schedule1F1B, ZB-H1 against
-ScheduleInterleavedZeroBubble (with one stage per rank, torch's ZB-H1 order: Qi et al. 2024).
+ScheduleInterleavedZeroBubble (with one stage per rank, torch's ZB-H1 order: Qi et al. 2024),
+ZB-V against ScheduleZBVZeroBubble and DualPipeV against ScheduleDualPipeV (two stages per
+rank in a V: rank r holds virtual stages r and 2p-1-r, as ours).
 
-    python benchmarks/pp_vs_torch_pipelining.py [--schedule 1f1b|zb-h1] [--nproc 2]
-        [--steps 20] [--section.field V ...]
+    python benchmarks/pp_vs_torch_pipelining.py [--schedule 1f1b|zb-h1|zbv|dualpipev]
+        [--nproc 2] [--steps 20] [--section.field V ...]
 
-With --schedule zb-h1 ours also runs 1F1B in the same rotation and prints ours zb-h1 /
-ours 1f1b. ZB-V and DualPipeV are simulated only (`shardtrain schedule`): the trainer does
-not run them, so there is nothing of ours to time against torch's ScheduleZBVZeroBubble and
-ScheduleDualPipeV.
+With a schedule other than 1f1b ours also runs 1F1B in the same rotation and prints ours S /
+ours 1f1b. The V schedules need the layers to split into 2 x nproc chunks (the default
+model's 4 layers: --nproc 2; --model.n_layers 8 for --nproc 4).
 
 Each of the `--nproc` processes is one pipeline stage (parallel.pp = nproc). Ours is the
 trainer with parallel.pp and schedule 1f1b; torch's wraps the very stage modules our
@@ -30,8 +31,9 @@ import json
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
-                                          ScheduleInterleavedZeroBubble)
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV,
+                                          ScheduleInterleavedZeroBubble,
+                                          ScheduleZBVZeroBubble)
 
 from interleave import interleaved_tokens_per_s
 from teardown import run_then_leave
@@ -41,6 +43,7 @@ from shardtrain.launch import ProcessInfo, init_distributed, launch_local
 from shardtrain.comm import build_mesh
 from shardtrain.mesh import MeshShape
 from shardtrain.model.transformer import build_model
+from shardtrain.parallel.pipeline.schedules import V_SHAPED, placement
 from shardtrain.parallel.pipeline.stage import split_stages
 from shardtrain.parallel.tensor.vocab import cross_entropy
 from shardtrain.train.optim import build_optimizer
@@ -48,13 +51,17 @@ from shardtrain.train.trainer import Trainer
 
 
 class TorchStage(nn.Module):
-    """Our stage's one chunk as torch's pipelining wants it: a module whose own parameters
-    are the stage's (so Schedule1F1B scales and zeroes the right gradients)."""
+    """One chunk of our stage as torch's pipelining wants it: a module whose own parameters
+    are the chunk's (its layers, the embedding on the first, norm and head on the last), so
+    torch's weight passes and scaling see the right ones."""
 
     def __init__(self, stage: nn.Module, chunk: nn.Module):
         super().__init__()
-        self.stage = stage
-        self.__dict__["chunk"] = chunk  # shares `stage`'s parameters: not a second owner
+        owned = [stage.layers[str(i)] for i in chunk.indices]
+        owned += [getattr(stage, n) for n in ("tok_emb", "pos_emb") if chunk.first and
+                  hasattr(stage, n)] + ([stage.norm, stage.head] if chunk.last else [])
+        self.owned = nn.ModuleList(owned)
+        self.__dict__["chunk"] = chunk  # runs the modules above: not a second owner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.chunk(x)  # tokens or [B, S, C] -> [B, S, C] or logits [B, S, V]
@@ -73,12 +80,23 @@ class TorchPipeline:
         module.tie_weights()
         module.init_weights(cfg.train.seed)
         self.module, self.rank, self.pp, self.sampler = module, rank, pp, sampler
-        self.stage = PipelineStage(TorchStage(module, chunks[0]), rank, pp, torch.device("cpu"))
-        if schedule == "zb-h1":  # a runtime schedule: it takes a list of this rank's stages
-            self.schedule = ScheduleInterleavedZeroBubble([self.stage], microbatches,
-                                                          loss_fn=cross_entropy)
+        self.place = placement(schedule, pp, len(chunks))
+        stages = [PipelineStage(TorchStage(module, chunk), self.place.virtual(rank, c),
+                                self.place.last + 1, torch.device("cpu"))
+                  for c, chunk in enumerate(chunks)]
+        self.m = microbatches
+        # The V's two stages of a rank may share no parameter but a tied embedding: we
+        # divide the summed gradients by m once, torch does not scale (scale_grads=False).
+        runtime = {"zb-h1": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
+                   "dualpipev": ScheduleDualPipeV}
+        if schedule in runtime:  # runtime schedules: they take a list of this rank's stages
+            self.schedule = runtime[schedule](stages, microbatches, loss_fn=cross_entropy,
+                                              scale_grads=False)
         else:
-            self.schedule = Schedule1F1B(self.stage, microbatches, loss_fn=cross_entropy)
+            self.schedule = Schedule1F1B(stages[0], microbatches, loss_fn=cross_entropy,
+                                         scale_grads=False)
+        first, last = self.place.where(0)[0], self.place.where(self.place.last)[0]
+        self.ends = (rank == first, rank == last)
         self.optimizer = build_optimizer(module, cfg.optim, cfg.train.lr)
         self.clip = cfg.optim.grad_clip or float("inf")
 
@@ -86,13 +104,12 @@ class TorchPipeline:
         self.optimizer.zero_grad(set_to_none=False)
         inputs, targets = (torch.cat(t) for t in zip(*self.sampler.next_step()))  # [B, S]
         losses: list[torch.Tensor] = []
-        if self.rank == 0:
-            self.schedule.step(inputs)
-        elif self.rank == self.pp - 1:
-            self.schedule.step(target=targets, losses=losses)
-        else:
-            self.schedule.step()
+        feeds, ends = self.ends  # (holds the first virtual stage, holds the last)
+        self.schedule.step(*([inputs] if feeds else []),
+                           **({"target": targets, "losses": losses} if ends else {}))
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        for g in grads:
+            g.div_(self.m)
         norm = torch.stack([g.square().sum() for g in grads]).sum()
         dist.all_reduce(norm)
         scale = torch.clamp(self.clip / (norm.sqrt() + 1e-6), max=1.0)
@@ -100,7 +117,7 @@ class TorchPipeline:
             g.mul_(scale)
         self.optimizer.step()
         loss = torch.stack(losses).mean() if losses else torch.zeros(())
-        dist.broadcast(loss, src=self.pp - 1)
+        dist.broadcast(loss, src=self.place.where(self.place.last)[0])
         return loss.item()
 
 
@@ -140,14 +157,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--nproc", type=int, default=2, help="pipeline stages (parallel.pp)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps of each pipeline")
-    parser.add_argument("--schedule", choices=("1f1b", "zb-h1"), default="1f1b")
+    parser.add_argument("--schedule", choices=("1f1b", "zb-h1", *V_SHAPED), default="1f1b")
     args, overrides = parser.parse_known_args()
 
     def load(schedule: str, run_dir: str) -> config.Config:
         cfg = config.load("default", ["--train.global_batch", "16", "--train.micro_batch", "2",
                                       "--train.progress", "false", "--train.run_dir", run_dir,
                                       "--parallel.pp", str(args.nproc), "--parallel.schedule",
-                                      schedule, *overrides])
+                                      schedule, "--parallel.virtual_stages",
+                                      "2" if schedule in V_SHAPED else "1", *overrides])
         cfg.validate(args.nproc)
         return cfg
 
@@ -158,7 +176,8 @@ def main() -> None:
     from pp_vs_torch_pipelining import worker as entry
 
     results = launch_local(args.nproc, entry, config.to_toml(cfg), args.steps, baseline)
-    last = results[args.nproc - 1]  # the last stage ends each step: its timing
+    place = placement(args.schedule, args.nproc, cfg.parallel.virtual_stages)
+    last = results[place.where(place.last)[0]]  # the last stage ends each step: its timing
     tokens, first = last["tokens_per_s"], last["first_loss"]
     ratio = tokens["ours"] / tokens["torch_pipelining"]
     same = abs(first["ours"] - first["torch_pipelining"]) <= 1e-5 * abs(first["ours"])

@@ -92,7 +92,28 @@ def test_interleaved_needs_its_transfers_batched_after_each_step():
         schedules.interleaved(4, 6, 2)
 
 
+def test_v_schedules_need_eager_sends(monkeypatch):
+    """Under the V the neighbours send both ways (chunk 0 down, chunk 1 up): with
+    rendezvous batches ZB-V and DualPipeV deadlock, with eager sends (the V placement's,
+    schedules.py) every (pp, m) the trainer accepts is sound, and the evaluation too."""
+    for name in schedules.V_SHAPED:
+        for p in range(2, 5):
+            for m in range(2 * p if name == "dualpipev" else 1, 2 * p + 3):
+                validate(build(name, p, m, 2), p, m, 2, shape="v",
+                         bound=schedules.activation_bound(name, p, m, 2))
+            validate(schedules.build_forward_only(p, 2, 2, "v"), p, 2, 2, backward=False,
+                     shape="v")
+    # the same schedules under the loop's rendezvous sends
+    monkeypatch.setattr(schedules.Placement, "eager_sends", property(lambda self: False))
+    for name in schedules.V_SHAPED:
+        with pytest.raises(ScheduleError, match="deadlock"):
+            validate(build(name, 2, 4, 2), 2, 4, 2, shape="v")
+
+
 def test_partition():
+    # V (ZB-V, DualPipeV): stage s holds virtual stages s and 2p - 1 - s.
+    assert layer_ranges(8, 2, 2, shape="v") == [[range(0, 2), range(6, 8)],
+                                                 [range(2, 4), range(4, 6)]]
     # Interleaved: chunk c of stage s holds the (c p + s)-th of p v equal ranges.
     assert layer_ranges(8, 2, 2) == [[range(0, 2), range(4, 6)], [range(2, 4), range(6, 8)]]
     # Balanced by cost: a head worth 2.5 layers leaves the last stage fewer layers.
@@ -120,6 +141,18 @@ def test_partition():
      "parallel.microbatches=2 is not a multiple of parallel.pp=4"),
     (["--parallel.pp", "2", "--parallel.zero", "3", "--parallel.zero_hpz", "true"],
      "parallel.zero_hpz with parallel.pp=2"),
+    (["--parallel.pp", "2", "--parallel.schedule", "zbv"],
+     "parallel.schedule=zbv needs parallel.pp >= 2 and parallel.virtual_stages=2"),
+    (["--parallel.pp", "1", "--parallel.schedule", "dualpipev", "--parallel.virtual_stages",
+      "2"], "parallel.schedule=dualpipev needs parallel.pp >= 2"),
+    (["--parallel.pp", "2", "--model.n_layers", "6", "--parallel.schedule", "zbv",
+      "--parallel.virtual_stages", "2"], "model.n_layers=6 is not divisible by 2 x parallel.pp=4"),
+    (["--parallel.pp", "2", "--model.n_layers", "4", "--parallel.schedule", "dualpipev",
+      "--parallel.virtual_stages", "2", "--parallel.microbatches", "2"],
+     "parallel.microbatches=2 is below 2 x parallel.pp=4"),
+    (["--parallel.pp", "2", "--model.n_layers", "4", "--parallel.schedule", "zbv",
+      "--parallel.virtual_stages", "2", "--model.tie_embeddings", "true"],
+     "parallel.schedule=zbv with model.tie_embeddings=true and 2 data-parallel replicas"),
 ])
 def test_bad_pipeline_layouts_name_the_fields(args, needle):
     with pytest.raises(ConfigError) as e:

@@ -1,7 +1,7 @@
 """Pipeline parallelism reproduces the single-process run (fp32 losses, eval loss and final
 weights): pp = 2 and 4 under GPipe, 1F1B and interleaved 1F1B with 1, 4 and 8 micro-batches
-(and ZB-H1 with its split backward),
-composed with data and tensor (+ sequence) parallelism and ZeRO-1, up to pp x tp x dp =
+(and ZB-H1 with its split backward; ZB-V and DualPipeV, whose V puts the tied embedding
+and head both on stage 0: a ZB-V checkpoint resumes into 1F1B), composed with data and tensor (+ sequence) parallelism and ZeRO-1, up to pp x tp x dp =
 2 x 2 x 2 on 8 processes; tied embeddings (GPT-2) across the first and last stage; checkpoints written by a
 pipeline resume on one process. Each spawn also measures the activations stage 0 holds and
 checks the timeline files."""
@@ -16,7 +16,7 @@ from dist import run_distributed
 from parity import assert_parity, tiny, train_layout, train_layouts
 
 from shardtrain import config
-from shardtrain.parallel.pipeline.schedules import COMPUTE
+from shardtrain.parallel.pipeline.schedules import COMPUTE, V_SHAPED, placement
 from shardtrain.parallel.pipeline.simulate import simulate
 from shardtrain.train.trainer import Trainer
 
@@ -28,7 +28,7 @@ RECOMPUTE = ("--train.activation_checkpointing", "full")
 
 
 def _pp(pp: int, schedule: str, m: int, *more: str) -> list[str]:
-    v = ["--parallel.virtual_stages", "2"] if schedule == "interleaved" else []
+    v = ["--parallel.virtual_stages", "2"] if schedule in ("interleaved", *V_SHAPED) else []
     return ["--parallel.pp", str(pp), "--parallel.schedule", schedule,
             "--parallel.microbatches", str(m), *v, *more]
 
@@ -45,6 +45,9 @@ LAYOUTS = {
     2: [*_sweep(2),
         # split backward (test_pipeline_zero_bubble.py has the rest of its rows)
         ("pp2 gpt2 tied zb-h1, full recomputation", GPT2, _pp(2, "zb-h1", 4, *RECOMPUTE)),
+        # the V: embedding and tied head both on stage 0 (the rest: test_pipeline_zero_bubble)
+        ("pp2 gpt2 tied zbv", GPT2, _pp(2, "zbv", 4, "--checkpoint.every", "2")),
+        ("pp2 gpt2 tied dualpipev", GPT2, _pp(2, "dualpipev", 4)),
         # last: the checkpoint resumed below
         ("pp2 gpt2 tied embeddings", GPT2, _pp(2, "1f1b", 4, "--checkpoint.every", "2"))],
     4: [*_sweep(4),
@@ -138,9 +141,14 @@ def test_pipeline_parity_with_single_process(tmp, references, world_size):
     cfgs = [_cfg(tmp, f"w{world_size}-{i}", *model, *layout)
             for i, (_, model, layout) in enumerate(layouts)]
     texts = [config.to_toml(c) for c in cfgs]
-    if world_size == 2:  # pp = 2 resumes from the one-process run's step-2 checkpoint
+    if world_size == 2:  # pp = 2 resumes from the one-process run's step-2 checkpoint, and
+        # 1F1B from ZB-V's (the V's stage 0 holds layers 0-1 and 6-7, 1F1B's 0-3)
         texts.append(config.to_toml(_cfg(tmp, "pp2-from-pp1", *GPT2, *_pp(2, "1f1b", 4),
                                          "--checkpoint.resume", references(GPT2, 2)["step2"])))
+        zbv = next(i for i, row in enumerate(layouts) if row[0] == "pp2 gpt2 tied zbv")
+        texts.append(config.to_toml(_cfg(
+            tmp, "1f1b-from-zbv", *GPT2, *_pp(2, "1f1b", 4), "--checkpoint.resume",
+            f"{cfgs[zbv].train.run_dir}/checkpoints/step_00000002")))
     per_rank = run_distributed(train_layouts, world_size, texts, _pipeline_figures)
     for i, (label, model, _) in enumerate(layouts):
         reference = references(model, per_rank[0][i]["micro_batch"])
@@ -157,18 +165,21 @@ def test_pipeline_parity_with_single_process(tmp, references, world_size):
         for i, (label, _, _) in enumerate(layouts):
             m, mb = cfgs[i].parallel.microbatches, per_rank[0][i]["micro_batch"]
             act = mb * cfgs[i].train.seq_len * cfgs[i].model.dim * 4  # fp32 [mb, seq, dim]
-            v = cfgs[i].parallel.virtual_stages
+            p = cfgs[i].parallel
+            place = placement(p.schedule, p.pp, p.virtual_stages)
             evals = cfgs[i].train.eval_batches  # forward only, one batch each
-            stage0, stage1 = per_rank[0][i]["sent"], per_rank[1][i]["sent"]
-            assert stage0["pp_act"] == (int(STEPS) * m + evals) * v * act, label
-            assert stage1["pp_act"] == (int(STEPS) * m + evals) * (v - 1) * act, label
-            assert stage1["pp_grad"] == int(STEPS) * m * v * act, label
-            assert stage0["pp_grad"] == int(STEPS) * m * (v - 1) * act, label
+            for stage in (0, 1):  # chunks whose output / input gradient leaves the rank
+                sent = per_rank[stage][i]["sent"]
+                acts, grads = (sum(place.sends(stage, c, op) for c in range(p.virtual_stages))
+                               for op in "FB")
+                assert sent["pp_act"] == (int(STEPS) * m + evals) * acts * act, label
+                assert sent["pp_grad"] == int(STEPS) * m * grads * act, label
     if world_size == 2:  # checkpoints are layout-independent: pp = 2 <-> one process
         reference = references(GPT2, 2)
         last_step = {**reference, "losses": reference["losses"][2:]}
         for rank, results in enumerate(per_rank):
-            assert_parity(last_step, results[-1], f"pp2 from pp1 rank {rank}")
+            assert_parity(last_step, results[-2], f"pp2 from pp1 rank {rank}")
+            assert_parity(last_step, results[-1], f"1f1b from zbv rank {rank}")
         ckpt = cfgs[-1].train.run_dir + "/checkpoints/step_00000002"
         resumed = train_layout(0, 1, config.to_toml(_cfg(tmp, "pp1-from-pp2", *GPT2,
                                                          "--checkpoint.resume", ckpt)))

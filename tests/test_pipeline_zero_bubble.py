@@ -1,4 +1,5 @@
-"""ZB-H1 (split backward: B, then W later) reproduces the single-process run, fp32 (losses,
+"""ZB-H1 (split backward: B, then W later), ZB-V and DualPipeV (two chunks per stage in a
+V: schedules.py) reproduce the single-process run, fp32 (losses,
 eval loss, final weights) and bf16 (parity.py's bound), at pp = 2 and 4, alone and with
 full recomputation, tied embeddings (test_pipeline_parity.py's row), ZeRO-1/2/3 over dp = 2
 and tensor + sequence parallelism inside a stage; each run's measured timeline
@@ -20,11 +21,16 @@ from shardtrain.parallel.pipeline.split_backward import input_backward, weight_b
 BF16 = ("--train.precision", "bf16")
 # spawn -> (world size, [(label, model overrides -- the reference has them too --, layout
 # overrides)]), all in the slow tier: the README's command runs ZB-H1 with tied embeddings
-# and full recomputation in test_pipeline_parity.py's two-rank spawn.
+# and full recomputation, and ZB-V and DualPipeV with tied embeddings, in
+# test_pipeline_parity.py's two-rank spawn.
 LAYOUTS = {
     "pp2": (2, [("pp2 zb-h1 m8", (), _pp(2, "zb-h1", 8)),
                 ("pp2 zb-h1 m1", (), _pp(2, "zb-h1", 1)),
-                ("pp2 zb-h1 m4 bf16", BF16, _pp(2, "zb-h1", 4))]),
+                ("pp2 zb-h1 m4 bf16", BF16, _pp(2, "zb-h1", 4)),
+                *[row for s in ("zbv", "dualpipev") for row in (
+                    (f"pp2 {s} m8", (), _pp(2, s, 8)),
+                    (f"pp2 {s} m4 bf16", BF16, _pp(2, s, 4)),
+                    (f"pp2 {s} m4 full recomputation", (), _pp(2, s, 4, *RECOMPUTE)))]]),
     "4 ranks": (4, [("pp4 zb-h1 m8", (), _pp(4, "zb-h1", 8)),
                     ("pp4 zb-h1 m4 full recomputation", (), _pp(4, "zb-h1", 4, *RECOMPUTE)),
                     ("pp2 x dp2 zb-h1 zero1", (), _pp(2, "zb-h1", 2, "--parallel.zero", "1")),
@@ -33,7 +39,15 @@ LAYOUTS = {
                     ("pp2 x dp2 zb-h1 zero2", (), _pp(2, "zb-h1", 2, "--parallel.zero", "2")),
                     ("pp2 x dp2 zb-h1 zero3", (), _pp(2, "zb-h1", 2, "--parallel.zero", "3")),
                     ("pp2 x dp2 zb-h1 zero1 bf16", BF16,
-                     _pp(2, "zb-h1", 2, "--parallel.zero", "1"))]),
+                     _pp(2, "zb-h1", 2, "--parallel.zero", "1")),
+                    ("pp4 zbv m8", (), _pp(4, "zbv", 8)),
+                    ("pp4 dualpipev m8", (), _pp(4, "dualpipev", 8)),
+                    ("pp4 dualpipev m8 bf16", BF16, _pp(4, "dualpipev", 8)),
+                    ("pp4 dualpipev m8 full recomputation", (), _pp(4, "dualpipev", 8, *RECOMPUTE)),
+                    *[row for s in ("zbv", "dualpipev") for row in (
+                        (f"pp2 x dp2 {s} zero1", (), _pp(2, s, 4, "--parallel.zero", "1")),
+                        (f"pp2 x tp2 sp {s}", (), _pp(2, s, 4, "--parallel.tp", "2",
+                                                      "--parallel.sp", "true")))]]),
 }
 
 

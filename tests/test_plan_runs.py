@@ -8,13 +8,16 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+from dataclasses import replace
 
 import pytest
 
 from shardtrain import config
 from shardtrain.cost import hardware
 from shardtrain.plan.cli import main
-from shardtrain.plan.layout import Layout, layout_overrides
+from shardtrain.cost.counts import param_counts
+from shardtrain.plan.layout import Layout, PlanError, check, layout_overrides
+from shardtrain.plan.partition import rank_params
 from shardtrain.plan.search import candidates, search
 
 MOE = ("--model.n_experts", "8", "--model.moe_top_k", "2")  # a Mixtral-like split of the MLP
@@ -88,3 +91,22 @@ def test_every_candidate_of_a_small_model_passes_config_validation():
                 _validate("tiny", layout, 8192, *longer)
                 seen += 1
     assert seen > 150
+
+
+def test_v_schedules_as_given_layouts():
+    """ZB-V and DualPipeV (not enumerated: search.py says why) evaluate as a given layout
+    that the trainer's validation accepts, with the V's stage 0 holding the embedding and
+    the head (as one process does); a V the trainer refuses is refused here too."""
+    model = config.load("llama3-8b", []).model
+    counts = param_counts(model)
+    outside = counts.total - model.n_layers * counts.per_layer  # embedding, head, norm
+    for schedule in ("zbv", "dualpipev"):
+        lay = Layout(dp=1, pp=2, microbatches=4, micro_batch=1, schedule=schedule, v=2,
+                     precision="bf16")
+        _validate("llama3-8b", lay, 4096)
+        held = rank_params(model, lay)
+        assert held.dense == held.layers * counts.per_layer + outside
+        assert held.dense > rank_params(model, replace(lay, schedule="zb-h1", v=1)).dense
+    with pytest.raises(PlanError, match="microbatches >= 4"):
+        check(replace(lay, microbatches=2), model, gpus=2, node_size=8, global_batch=2,
+              seq_len=4096)

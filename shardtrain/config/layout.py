@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from shardtrain.config.schema import Config
 
 
-def check_pipeline(cfg: Config) -> None:
+def check_pipeline(cfg: Config, world_size: int) -> None:
     """Every stage needs a layer; the interleaved schedule (Narayanan et al. 2021) needs
     several equal chunks per stage and whole rounds of pp micro-batches. Every ZeRO stage
     composes (zero/model.py: stages 2 and 3 reduce once per step under a pipeline)."""
@@ -27,11 +27,15 @@ def check_pipeline(cfg: Config) -> None:
     if p.pp > m.n_layers:
         raise ConfigError(f"parallel.pp={p.pp} exceeds model.n_layers={m.n_layers}: every "
                           "pipeline stage needs at least one layer; lower parallel.pp")
+    if p.schedule in ("zbv", "dualpipev"):
+        check_v_shape(cfg, world_size)
+        return
     if p.schedule != "interleaved":
         if p.virtual_stages > 1:
             raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs "
-                              f"parallel.schedule=interleaved (schedule={p.schedule} runs one "
-                              "chunk per stage); set the schedule or virtual_stages=1")
+                              f"parallel.schedule=interleaved, zbv or dualpipev (schedule="
+                              f"{p.schedule} runs one chunk per stage); set the schedule or "
+                              "virtual_stages=1")
         return
     if p.pp < 2 or p.virtual_stages < 2:
         raise ConfigError(f"parallel.schedule=interleaved needs parallel.pp >= 2 and "
@@ -46,6 +50,34 @@ def check_pipeline(cfg: Config) -> None:
                           f"parallel.pp={p.pp}: the interleaved schedule sends micro-batches "
                           "through each chunk in rounds of pp; change parallel.microbatches "
                           "(or train.micro_batch)")
+
+def check_v_shape(cfg: Config, world_size: int) -> None:
+    """ZB-V and DualPipeV: two equal chunks per stage in a V (docs/pipeline.md); DualPipeV
+    needs 2 pp micro-batches to fill it (zero_bubble.check_dualpipev). A tied embedding is
+    one tensor used by both chunks of stage 0, in two separate backwards; the gradient
+    communication of data parallelism fires on each chunk's last backward (executor.py),
+    so it would reduce the tied gradient before the other chunk's share arrives."""
+    m, p = cfg.model, cfg.parallel
+    replicas = p.resolved_dp(world_size) * p.cp
+    if m.tie_embeddings and replicas > 1:
+        raise ConfigError(f"parallel.schedule={p.schedule} with model.tie_embeddings=true and "
+                          f"{replicas} data-parallel replicas (parallel.dp x parallel.cp): "
+                          "stage 0's two chunks both use the tied embedding, and its gradient "
+                          "would be averaged before the second chunk's share; set "
+                          "model.tie_embeddings=false, one replica, or another schedule")
+    if p.pp < 2 or p.virtual_stages != 2:
+        raise ConfigError(f"parallel.schedule={p.schedule} needs parallel.pp >= 2 and "
+                          f"parallel.virtual_stages=2, two chunks per stage in a V (got pp="
+                          f"{p.pp}, virtual_stages={p.virtual_stages}); set them")
+    if m.n_layers % (2 * p.pp):
+        raise ConfigError(f"model.n_layers={m.n_layers} is not divisible by 2 x parallel.pp="
+                          f"{2 * p.pp}: parallel.schedule={p.schedule} needs two equal chunks "
+                          "per stage; change either")
+    if p.schedule == "dualpipev" and p.microbatches < 2 * p.pp:
+        raise ConfigError(f"parallel.microbatches={p.microbatches} is below 2 x parallel.pp="
+                          f"{2 * p.pp}: parallel.schedule=dualpipev needs a micro-batch per "
+                          "virtual stage; raise parallel.microbatches (or the global batch)")
+
 
 def check_tensor_parallel(cfg: Config) -> None:
     """The checks that need the model and the layout together: attention is split by

@@ -48,11 +48,12 @@ class ParallelConfig:
     zero_hpz: bool = False  # ZeRO++ hpZ: a secondary parameter shard per node
     zero_quantized_gradients: bool = False  # ZeRO++ qgZ: int8 reduce-scatter over all-to-all
     # Pipeline: micro-batches per step (0: global_batch / (dp x train.micro_batch)), the
-    # schedule (zb-h1: Qi et al. 2024; pipedream-2bw: asynchronous, two weight versions,
-    # Narayanan et al. 2021; docs/pipeline.md), and model chunks per stage for the
-    # interleaved schedule.
+    # schedule (zb-h1, zbv: Qi et al. 2024; dualpipev: DeepSeek-V3; pipedream-2bw:
+    # asynchronous, two weight versions, Narayanan et al. 2021; docs/pipeline.md), and model
+    # chunks per stage for the interleaved schedule (2 for zbv and dualpipev).
     microbatches: int = 0
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "pipedream-2bw"] = "1f1b"
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev",
+                      "pipedream-2bw"] = "1f1b"
     virtual_stages: int = 1
     # Parameter server (parallel/ps/, docs/ps.md): ps_servers > 0 puts that many server
     # ranks beside the workers (the rest of the world, their dp group).

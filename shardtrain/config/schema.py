@@ -208,7 +208,7 @@ class Config:
         check_tensor_parallel(self)
         check_context_parallel(self)
         check_expert_parallel(self)
-        check_pipeline(self)
+        check_pipeline(self, world_size)
         check_compile(self)
         check_slow_ranks(self.train.slow_ranks, world_size)
         check_faults(self.train, world_size)

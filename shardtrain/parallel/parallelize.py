@@ -43,6 +43,7 @@ from shardtrain.parallel.expert.layers import apply_expert_parallel
 from shardtrain.parallel.expert.reduce import (ExpertDataParallel, expert_grad_scale,
                                                expert_parameters)
 from shardtrain.parallel.pipeline.runtime import Pipeline
+from shardtrain.parallel.pipeline.schedules import placement
 from shardtrain.parallel.pipeline.stage import split_stages
 from shardtrain.parallel.pipeline.state import StageShards
 from shardtrain.parallel.precision import LossScaler, PrecisionPolicy
@@ -95,8 +96,11 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
     init_rope(module, cfg.model)
     if split is not None:  # RoPE and learned positions: the global positions held here
         module.positions = split.positions(mesh.comm("cp").rank, device)
+    par = cfg.parallel  # tied copies on two stages exchange gradients (state.py)
+    apart = placement(par.schedule, par.pp, par.virtual_stages).ends_apart
     shards = StageShards(module, tp, placements, pp=pp, reference_keys=reference_keys,
-                         tied=cfg.model.tie_embeddings, ep=ep, ep_placements=ep_placements)
+                         tied=cfg.model.tie_embeddings and apart, ep=ep,
+                         ep_placements=ep_placements)
     fill = filler(values(shards) if values is not None else
                   lambda wants: shards.initial_values(cfg.train.seed, wants))
     policy = PrecisionPolicy.from_config(cfg)  # the one source of every dtype below

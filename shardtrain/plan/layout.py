@@ -19,7 +19,7 @@ from shardtrain.plan.optim_states import OPTIM_STATES, config_optim, optim_field
 
 # What parallel.schedule runs and the planner weighs: never pipedream-2bw, whose numbers
 # differ from synchronous training by design (docs/planner.md).
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "cpu", "nvme")
 PRECISIONS = ("fp32", "bf16", "amp")  # amp: the runtime's bf16/fp16 policy (memory.py)
@@ -163,8 +163,14 @@ def check(layout: Layout, cfg: ModelConfig, *, gpus: int, node_size: int, global
         if lay.pp * lay.v > cfg.n_layers:
             raise PlanError(f"layout pp x v = {lay.pp * lay.v} exceeds "
                             f"model.n_layers={cfg.n_layers}")
+    elif lay.schedule in ("zbv", "dualpipev"):
+        least = 2 * lay.pp if lay.schedule == "dualpipev" else 1
+        if lay.pp == 1 or lay.v != 2 or cfg.n_layers % (2 * lay.pp) or lay.microbatches < least:
+            raise PlanError(f"layout schedule={lay.schedule} needs pp > 1, v = 2, model.n_layers "
+                            f"a multiple of 2 pp and microbatches >= {least} (got pp={lay.pp}, "
+                            f"v={lay.v}, microbatches={lay.microbatches})")
     elif lay.v != 1:
-        raise PlanError(f"layout v={lay.v} needs schedule=interleaved")
+        raise PlanError(f"layout v={lay.v} needs schedule=interleaved, zbv or dualpipev")
 
 
 def check_layer_partition(lay: Layout, cfg: ModelConfig) -> None:

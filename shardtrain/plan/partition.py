@@ -3,7 +3,8 @@
 The planner reports the busiest rank: the pipeline stage with the most parameters. Each
 stage holds ceil(L / (p v)) layers per virtual chunk; the first stage also holds the
 token (and position) embedding, the last the final norm and the output head, or a copy of
-the tied embedding as Megatron-LM keeps one (Narayanan et al. 2021). Tensor parallelism
+the tied embedding as Megatron-LM keeps one (Narayanan et al. 2021); under the V placement
+(zbv, dualpipev) the first stage holds all of them, as one process does. Tensor parallelism
 splits every dense weight t ways (vocabulary-parallel embedding and head; replicated norms,
 biases and the MoE router are counted as split too, a < 0.1% simplification). Experts are
 not split by tp: each tp rank holds whole experts (parallel/expert/layers.py) and expert
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 from shardtrain.config import ModelConfig
 from shardtrain.cost.counts import kept_params, mlp_params, norm_params, param_counts
+from shardtrain.parallel.pipeline.schedules import V_SHAPED
 from shardtrain.plan.layout import Layout
 
 
@@ -47,7 +49,7 @@ def rank_params(cfg: ModelConfig, layout: Layout) -> RankParams:
     layers = layers_per_stage(cfg, layout)
     outside = counts.total - cfg.n_layers * counts.per_layer  # embeddings, head, final norm
     kept_layer, kept_expert, kept_outside = kept_params(cfg)
-    if layout.pp > 1:
+    if layout.pp > 1 and layout.schedule not in V_SHAPED:  # the V: all on stage 0, as pp = 1
         word = cfg.vocab_size * cfg.dim
         first = counts.embedding - (0 if cfg.tie_embeddings else word)  # word (+ position)
         last = norm_params(cfg) + word  # the untied head, or the tied embedding's copy

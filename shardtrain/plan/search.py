@@ -6,8 +6,9 @@ count; cp > 1 only for sequences of 8K tokens or more, ring and Ulysses; for a
 mixture-of-experts model ep among the divisors of dp x cp that divide the experts;
 micro-batches of 1-16 sequences dividing the per-replica batch; ZeRO 0-3 when there is
 data parallelism (one stage otherwise: they coincide); recompute none / selective / full;
-sp with tp; GPipe, 1F1B and interleaved (v dividing the layers per stage, m a multiple of
-p). Every candidate then goes through the trainer's own config validation
+sp with tp; GPipe, ZB-H1, interleaved (v dividing the layers per stage, m a multiple of
+p; ZB-V and DualPipeV are evaluated only as a given --layout: see _inner). Every candidate
+then goes through the trainer's own config validation
 (`layout.trainer_refusal`: `Config.validate` of the config `layout_overrides` describes),
 so a layout the trainer refuses (a tp that does not split the kv heads, an sp or cp that
 does not split the sequence, Ulysses heads cp does not divide, ...) is never proposed, and
@@ -112,6 +113,9 @@ def _inner(cfg: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, ep: int, cp_
             if m % pp == 0:
                 schedules += [("interleaved", v) for v in _divisors(cfg.n_layers // pp)
                               if 2 <= v <= 8]
+            # ZB-V and DualPipeV (which the trainer runs) are not enumerated: they add a
+            # third of the candidates, a cost the README's test command cannot take, and
+            # `shardtrain plan --layout ... schedule=zbv` evaluates them (layout.py).
         for zero in zeros:
             for recompute in ("none", "selective", "full"):
                 for sp in sps:

@@ -1,8 +1,8 @@
 """Run one rank's part of any valid pipeline schedule, and record its timeline.
 
-The executor knows nothing about transformers: it drives a list of chunk modules (local
-chunk c is virtual stage c * pp + stage, schedules.py) and, on the last virtual stage, a
-loss function. Virtual stage 0 takes the micro-batch's inputs; every other chunk takes an
+The executor knows nothing about transformers: it drives a list of chunk modules (which
+virtual stage local chunk c is: the placement, schedules.Placement) and, on the last
+virtual stage, a loss function. Virtual stage 0 takes the micro-batch's inputs; every other chunk takes an
 activation received from the previous virtual stage. All boundary activations share one
 shape and dtype, known in advance ([micro_batch, seq_len / seq_shards, dim] for the
 transformer), so receives are posted into preallocated buffers with no shape handshake.
@@ -12,7 +12,9 @@ upcast on arrival, so every chunk computes on the residual stream's dtype.
 
 Transfers go through the pipeline communicator (so the ledger counts them): consecutive
 transfer actions are posted as one batch and waited for together, the semantics the
-validator proved deadlock-free. Gradients accumulate over the micro-batches; the caller's
+validator proved deadlock-free (under the V placement sends are eager: posted, then waited
+for at the end of the run; a hand-off between two chunks of this rank is no transfer).
+Gradients accumulate over the micro-batches; the caller's
 `no_sync` context suppresses gradient communication on every backward except each chunk's
 last, so a data-parallel reducer all-reduces once, overlapping the remaining backwards.
 A (micro-batch, chunk) with a W in the schedule has its backward split (split_backward.py):
@@ -47,7 +49,6 @@ The micro-batches' host tensors reach the device through `Feed`, pinned and one 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -56,58 +57,29 @@ import torch
 from torch import nn
 
 from shardtrain.comm import Communicator
+from shardtrain.parallel.pipeline.clock import Clock
 from shardtrain.parallel.pipeline.feed import Feed
-from shardtrain.parallel.pipeline.schedules import COMPUTE, Action
+from shardtrain.parallel.pipeline.schedules import COMPUTE, Action, Placement
 from shardtrain.parallel.pipeline.split_backward import Kept, input_backward, weight_backward
 from shardtrain.model.moe import loss_grad_scale
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (output, targets) -> mean
 
 
-class Clock:
-    """Time marks of one run: perf_counter on CPU; CUDA events on a GPU, resolved to seconds
-    from `origin` (a mark of an earlier run; None: this run's first mark) by `seconds`."""
-
-    def __init__(self, device: torch.device, origin: float | torch.cuda.Event | None = None):
-        self.cuda = device.type == "cuda"
-        self.marks: list = []
-        self.origin = origin
-
-    @staticmethod
-    def stamp(cuda: bool) -> float | torch.cuda.Event:
-        """Now: perf_counter's seconds, or an event recorded on the current stream."""
-        if not cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def mark(self) -> int:
-        self.marks.append(self.stamp(self.cuda))
-        if self.origin is None:
-            self.origin = self.marks[0]
-        return len(self.marks) - 1
-
-    def seconds(self) -> list[float]:
-        """Each mark's time from the origin. On CUDA the last mark must have passed
-        (`PipelineExecutor.settle`): waiting for it is the step's own agreed decision's."""
-        if not self.cuda:
-            return [t - self.origin for t in self.marks]
-        self.marks[-1].synchronize()  # passed already: STEP_SYNCS (train/syncs.py)
-        return [self.origin.elapsed_time(e) / 1e3 for e in self.marks]
-
-
 class PipelineExecutor:
     def __init__(self, chunks: Sequence[nn.Module], comm: Communicator, *, loss: LossFn,
                  act_shape: tuple[int, ...], act_dtype: torch.dtype, device: torch.device,
                  wire_dtype: torch.dtype | None = None,
-                 autocast: AbstractContextManager | None = None, rank: int = 0):
+                 autocast: AbstractContextManager | None = None, rank: int = 0,
+                 place: Placement | None = None):
         """`comm`: the pipeline group (group rank = stage); `act_shape`/`act_dtype`: the
         boundary activation of one micro-batch; `wire_dtype`: what it and its gradient
         travel in (default act_dtype); `autocast`: entered around each forward; `rank`:
-        the global rank, for the timeline."""
+        the global rank, for the timeline; `place`: the virtual stages' placement (default:
+        the loop over len(chunks) chunks)."""
         self.chunks, self.comm, self.loss = list(chunks), comm, loss
         self.stage, self.pp = comm.rank, comm.size
+        self.place = place or Placement(comm.size, len(self.chunks))
         self.act_shape, self.act_dtype, self.device = act_shape, act_dtype, device
         self.wire_dtype = wire_dtype or act_dtype
         self.autocast = autocast or nullcontext()
@@ -169,6 +141,8 @@ class PipelineExecutor:
             run.transfer(actions[i:j])
             run.record(actions[i:j], start)
             i = j
+        for work in run.sending:  # eager sends: their receivers have taken them by now
+            work.wait()
         self.peak_live = run.peak_live
         self.timeline = {"rank": self.rank, "stage": self.stage, "pp": self.pp,
                          "microbatches": m, "virtual_stages": self.virtual_stages,
@@ -187,7 +161,11 @@ class PipelineExecutor:
         return self.timeline
 
     def _virtual(self, chunk: int) -> int:
-        return chunk * self.pp + self.stage
+        return self.place.virtual(self.stage, chunk)
+
+    def _neighbour(self, chunk: int, step: int) -> tuple[int, int]:
+        """(stage, local chunk) of the virtual stage `step` (+1 or -1) from this chunk's."""
+        return self.place.where(self._virtual(chunk) + step)
 
 
 class _Run:
@@ -203,6 +181,7 @@ class _Run:
         # virtual stage 0, whose input gradient nobody needs: its W is the whole backward
         self.kept: dict[tuple[int, int], Kept | tuple] = {}
         self.outgoing: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.sending: list = []  # eager sends' works (PeerWork), waited for at the end
         self.loss_sum = torch.zeros((), device=ex.device)
         self.clock = Clock(ex.device, ex.origin)
         self.spans: list[tuple[Action, int, int]] = []  # (action, start mark, end mark)
@@ -215,7 +194,7 @@ class _Run:
         if g == 0:
             x = self.feed.take("inputs", a.mb)
         else:
-            x = self.received.pop(("act", a.mb, a.chunk)).to(ex.act_dtype)  # upcast
+            x = self._incoming("act", a.mb, a.chunk, -1).to(ex.act_dtype)  # upcast
             x.requires_grad_(self.backward_pass)
         # The MoE auxiliary losses' gradients are scaled as this loss's is (model/moe.py).
         extra = (self.feed.take("positions", a.mb),) if self.feed.has("positions") else ()
@@ -243,7 +222,7 @@ class _Run:
         x, out = self.saved[key] if key in self.split else self.saved.pop(key)
         # None: out is this micro-batch's loss x loss_scale / m
         grad = None if g == self.last_virtual else \
-            self.received.pop(("grad", a.mb, a.chunk)).to(out.dtype)
+            self._incoming("grad", a.mb, a.chunk, +1).to(out.dtype)
         if key not in self.split:
             out.backward(grad)
         elif g == 0:
@@ -252,6 +231,14 @@ class _Run:
             self.kept[key] = input_backward(out, grad, x)
         if g > 0:
             self.outgoing[("grad", a.mb, a.chunk)] = x.grad.to(self.ex.wire_dtype)
+
+    def _incoming(self, kind: str, mb: int, chunk: int, step: int) -> torch.Tensor:
+        """The input activation (step -1) or output gradient (+1): received, or handed
+        over by the neighbouring virtual stage's chunk on this rank (the V's turn)."""
+        stage, other = self.ex._neighbour(chunk, step)
+        if stage != self.ex.stage:
+            return self.received.pop((kind, mb, chunk))
+        return self.outgoing.pop((kind, mb, other))
 
     def weight(self, a: Action) -> None:
         """W: the weight gradients of a split backward; then its activations go."""
@@ -268,15 +255,21 @@ class _Run:
         sends, recvs = [], []
         for a in batch:
             kind = "act" if a.op.endswith("act") else "grad"
+            # activations go to the next virtual stage, gradients to the previous one
+            ahead = (kind == "act") == a.op.startswith("send")
+            peer = ex._neighbour(a.chunk, 1 if ahead else -1)[0]
             if a.op.startswith("send"):
-                peer = (ex.stage + 1) % ex.pp if kind == "act" else (ex.stage - 1) % ex.pp
                 sends.append((peer, self.outgoing.pop((kind, a.mb, a.chunk)), f"pp_{kind}"))
             else:
-                peer = (ex.stage - 1) % ex.pp if kind == "act" else (ex.stage + 1) % ex.pp
                 buffer = torch.empty(ex.act_shape, dtype=ex.wire_dtype, device=ex.device)
                 self.received[(kind, a.mb, a.chunk)] = buffer
                 recvs.append((peer, buffer, f"pp_{kind}"))
-        ex.comm.exchange(sends, recvs)
+        if ex.place.eager_sends:  # the tensors stay alive in the works until the end
+            self.sending += [ex.comm.isend(t.contiguous(), peer, tag=tag)
+                             for peer, t, tag in sends]
+            sends = []
+        if sends or recvs:
+            ex.comm.exchange(sends, recvs)
 
     def record(self, actions: list[Action], start: int) -> None:
         end = self.clock.mark()

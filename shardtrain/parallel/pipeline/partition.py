@@ -3,7 +3,9 @@
 The embedding sits on the first stage, the final norm, head and loss on the last; the layers
 are cut into pp x v contiguous ranges, one per virtual stage. Chunk c of stage s is virtual
 stage g = c pp + s and holds the g-th range (Narayanan et al. 2021, sec. 2.2), so a
-micro-batch visits stage 0, 1, ..., pp - 1, then stage 0 again for the next chunk.
+micro-batch visits stage 0, 1, ..., pp - 1, then stage 0 again for the next chunk. Under
+the V placement (ZB-V, DualPipeV: schedules.Placement) stage s holds virtual stages s and
+2 pp - 1 - s: stage 0 then holds the embedding and the head.
 
 With one chunk per stage the cut balances a cost -- FLOPs (the step time is the slowest
 stage's) or parameters (memory) -- counting the embedding on the first stage and the head
@@ -35,17 +37,19 @@ def stage_costs(cfg: ModelConfig, *, by: str = "flops", seq_len: int = 1
     raise ValueError(f"balance by {by!r}: one of flops, params")
 
 
-def layer_ranges(n_layers: int, pp: int, v: int = 1, *,
+def layer_ranges(n_layers: int, pp: int, v: int = 1, *, shape: str = "loop",
                  costs: tuple[float, float, float] = (1.0, 0.0, 0.0)) -> list[list[range]]:
-    """[stage][chunk] -> the range of layer indices it holds."""
+    """[stage][chunk] -> the range of layer indices it holds; `shape`: the placement."""
+    from shardtrain.parallel.pipeline.schedules import Placement  # schedules is pure data
+
     if not 1 <= pp <= n_layers:
         raise ValueError(f"{n_layers} layers cannot fill {pp} pipeline stages")
     if v > 1:
         if n_layers % (pp * v):
             raise ValueError(f"{n_layers} layers do not split into pp x v = {pp * v} equal chunks")
-        k = n_layers // (pp * v)
-        return [[range((c * pp + s) * k, (c * pp + s + 1) * k) for c in range(v)]
-                for s in range(pp)]
+        k, place = n_layers // (pp * v), Placement(pp, v, shape)
+        return [[range(place.virtual(s, c) * k, (place.virtual(s, c) + 1) * k)
+                 for c in range(v)] for s in range(pp)]
     bounds = _balanced_bounds(n_layers, pp, *costs)
     return [[range(bounds[s], bounds[s + 1])] for s in range(pp)]
 

@@ -48,19 +48,19 @@ class Pipeline:
         self.versions = WeightVersions(chunks) if p.schedule == pipedream.NAME else None
         executed = pipedream.EXECUTED if self.versions else p.schedule
         self.schedule = executed  # what the timeline names: the order each step ran in
+        self.place = schedules.placement(executed, self.pp.size, v)
         plan = schedules.build(executed, self.pp.size, self.m, v)
-        validate(plan, self.pp.size, self.m, v,
-                 shape=schedules.placement(executed, self.pp.size, v).shape,
+        validate(plan, self.pp.size, self.m, v, shape=self.place.shape,
                  bound=schedules.activation_bound(executed, self.pp.size, self.m, v))
-        evaluation = schedules.build_forward_only(self.pp.size, 1, v)
-        validate(evaluation, self.pp.size, 1, v, backward=False)
+        evaluation = schedules.build_forward_only(self.pp.size, 1, v, self.place.shape)
+        validate(evaluation, self.pp.size, 1, v, backward=False, shape=self.place.shape)
         self.actions, self.eval_actions = plan[self.pp.rank], evaluation[self.pp.rank]
         # context and sequence parallel: the activations between stages are split
         seq = t.seq_len // p.cp // (p.tp if p.sp else 1)
         self.executor = PipelineExecutor(
             chunks, self.pp, loss=loss, act_shape=(t.micro_batch, seq, cfg.model.dim),
             act_dtype=policy.residual_dtype, wire_dtype=policy.boundary_dtype, device=device,
-            autocast=policy.autocast(device), rank=mesh.rank)
+            autocast=policy.autocast(device), rank=mesh.rank, place=self.place)
         # The last training step's timeline (format: executor.py) and the most micro-batches
         # whose activations this rank held at once during it.
         self.timeline: dict[str, Any] | None = None
@@ -127,5 +127,6 @@ class Pipeline:
         return tuple(self.split.take(x, self.cp_rank, dim=1) for x in batch)
 
     def _from_last_stage(self, loss: torch.Tensor) -> torch.Tensor:
-        self.pp.broadcast(loss, src=self.pp.size - 1, tag="metric")
+        """From the stage holding the last virtual stage (stage 0 under the V)."""
+        self.pp.broadcast(loss, src=self.place.where(self.place.last)[0], tag="metric")
         return loss

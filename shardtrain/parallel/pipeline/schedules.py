@@ -23,7 +23,11 @@ transfer actions of a rank form one batch, posted together (batch_isend_irecv) a
 for together; a transfer completes only once its peer has posted the matching one
 (rendezvous: no buffering is assumed). Activations and gradients travel under different
 message tags, and on each (sender, receiver, kind) channel the k-th send matches the k-th
-receive.
+receive. Under the V placement sends are eager instead: a send is posted (isend) and
+the rank goes on, waiting for it only at the end of the step; a receive still waits for its
+message. The V's two chunks send both ways between neighbours (chunk 0 down, chunk 1 up),
+and with rendezvous sends two neighbours each sending before receiving would wait for each
+other; eager sends leave only the data dependencies, which the validator replays.
 
 Schedules (the compute order in steps; `with_transfers` places the transfers):
 - GPipe (Huang et al. 2019): all forwards, then all backwards; stage 0 holds the
@@ -72,8 +76,18 @@ class Placement:
     shape: str = "loop"  # loop | v
 
     @property
+    def eager_sends(self) -> bool:
+        """Whether sends complete when posted (module doc): the V placement's."""
+        return self.shape == "v"
+
+    @property
     def last(self) -> int:
         return self.pp * self.v - 1
+
+    @property
+    def ends_apart(self) -> bool:
+        """Whether the first and the last virtual stage are on different ranks."""
+        return self.where(0)[0] != self.where(self.last)[0]
 
     def virtual(self, stage: int, chunk: int) -> int:
         if self.shape == "v":

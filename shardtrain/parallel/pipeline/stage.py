@@ -8,7 +8,12 @@ full state dicts are the union of the stages'. Its chunks (one per virtual stage
 modules the executor runs: tokens -> activations on the first, activations -> logits on the
 last, activations -> activations between.
 
-Tied embeddings (Press & Wolf 2017): the last stage keeps its own copy of the embedding
+Which stage holds the first and the last virtual stage follows the schedule's placement
+(schedules.Placement): stage 0 and stage pp - 1 in the loop, stage 0 for both in the V.
+
+Tied embeddings (Press & Wolf 2017): under the V placement stage 0 holds both ends, and the
+head shares the embedding's tensor as in the full model (no copy, nothing to exchange).
+Otherwise the last stage keeps its own copy of the embedding
 matrix as the head's weight, registered as `tok_emb` (the first name, as in the full model)
 though only the head uses it there; the two copies start equal and stay equal because
 their gradients are summed across the first and last stage every step (state.py), as
@@ -25,16 +30,19 @@ from shardtrain.config import Config
 from shardtrain.model.positions import document_mask, position_ids, position_index
 from shardtrain.model.transformer import Transformer, init_parameters
 from shardtrain.parallel.pipeline.partition import layer_ranges, stage_costs
+from shardtrain.parallel.pipeline.schedules import Placement, placement
 
 
 class PipelineStage(nn.Module):
-    def __init__(self, model: Transformer, ranges: list[range], *, stage: int, pp: int,
-                 seq_shards: int):
-        """`ranges`: the layers of each local chunk; `seq_shards`: how many ways the
-        activations between stages are split along the sequence (tp under sp, else 1)."""
+    def __init__(self, model: Transformer, ranges: list[range], *, stage: int,
+                 place: Placement, seq_shards: int):
+        """`ranges`: the layers of each local chunk; `place`: the virtual stages' placement;
+        `seq_shards`: how many ways the activations between stages are split along the
+        sequence (tp under sp, else 1)."""
         super().__init__()
         cfg = self.cfg = model.cfg
-        first, last = stage == 0, stage == pp - 1
+        ends = [place.virtual(stage, c) for c in range(len(ranges))]
+        first, last = 0 in ends, place.last in ends
         if first or (last and cfg.tie_embeddings):
             self.tok_emb = model.tok_emb
         if first and model.pos_emb is not None:
@@ -47,9 +55,8 @@ class PipelineStage(nn.Module):
         if cfg.style == "llama":  # filled in by init_weights, after materialisation
             self.register_buffer("rope_cos", torch.empty(0), persistent=False)
             self.register_buffer("rope_sin", torch.empty(0), persistent=False)
-        v = len(ranges)
         # A plain list: the chunks share this module's parameters, registered above.
-        self.chunks = [StageChunk(self, r, first=first and c == 0, last=last and c == v - 1)
+        self.chunks = [StageChunk(self, r, first=ends[c] == 0, last=ends[c] == place.last)
                        for c, r in enumerate(ranges)]
 
     def tie_weights(self) -> None:
@@ -109,7 +116,9 @@ def split_stages(model: Transformer, cfg: Config, stage: int) -> tuple[nn.Module
     if p.pp == 1:
         return model, [model]
     costs = stage_costs(cfg.model, by="flops", seq_len=cfg.train.seq_len)
-    ranges = layer_ranges(cfg.model.n_layers, p.pp, p.virtual_stages, costs=costs)[stage]
-    module = PipelineStage(model, ranges, stage=stage, pp=p.pp,
+    place = placement(p.schedule, p.pp, p.virtual_stages)
+    ranges = layer_ranges(cfg.model.n_layers, p.pp, p.virtual_stages, shape=place.shape,
+                          costs=costs)[stage]
+    module = PipelineStage(model, ranges, stage=stage, place=place,
                            seq_shards=p.tp if p.sp else 1)
     return module, module.chunks

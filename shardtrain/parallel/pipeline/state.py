@@ -26,7 +26,8 @@ class StageShards(TensorShards):
     def __init__(self, module: nn.Module, tp: Communicator, placements: dict[str, Placement],
                  *, pp: Communicator, reference_keys: list[str], tied: bool,
                  ep: Communicator | None = None, ep_placements: dict[str, Placement] | None = None):
-        """`reference_keys`: the full model's state-dict keys in order; `tied`: the model ties its embedding and head; `ep`, `ep_placements`: the experts'
+        """`reference_keys`: the full model's state-dict keys in order; `tied`: the model ties its embedding and head, and they are on different stages
+        (under the V placement both are on stage 0, one tensor: stage.py); `ep`, `ep_placements`: the experts'
         split (tensor/sharding.py)."""
         super().__init__(module, tp, placements, ep=ep, ep_placements=ep_placements)
         self.pp = pp

@@ -14,7 +14,9 @@ Checks, for every rank (stage) of a schedule built for (pp, m, v) and a placemen
    (consecutive transfers posted as one batch, a batch done once every transfer in it has
    met its peer's; no buffering). On each (sender, receiver, kind) channel the k-th send
    must carry what the k-th receive expects (same micro-batch, same pipeline boundary);
-   a state where no rank can move while some have actions left is a deadlock.
+   a state where no rank can move while some have actions left is a deadlock. Under the V
+   placement (ZB-V, DualPipeV) sends are eager (schedules.py): a send completes once
+   posted, a receive once its peer's send is posted.
 """
 
 from __future__ import annotations
@@ -125,6 +127,10 @@ def _simulate(schedule: Schedule, place: Placement) -> None:
             posted[s] = None
         return pc[s] != start
 
+    def _matched(s: int, item: tuple) -> bool:
+        return (eager and item[0].op.startswith("send")) or _peer_posted(s, item)
+
+    eager = place.eager_sends
     while True:
         moved = [advance(s) for s in range(pp)]
         if all(pc[s] == len(a) for s, a in enumerate(schedule)):
@@ -136,7 +142,7 @@ def _simulate(schedule: Schedule, place: Placement) -> None:
                                 f"posted transfers: {stuck}")
 
 
-def _matched(s: int, item: tuple) -> bool:
+def _peer_posted(s: int, item: tuple) -> bool:
     """Whether the peer has posted the transfer matching this one (and it carries the same)."""
     a, channel, index, theirs, msg = item
     peer_log = theirs.get(channel, [])
