@@ -71,6 +71,12 @@ COPIES_ALLOWED = {
         "flag joins it just before the listed tolist reads both (elsewhere: one device)",
     ("train/pace.py", "gather", "tensor"):
         "logged steps: this rank's three host figures, gathered after the flush",
+    ("parallel/zero/model.py", "clip_grad_norm", "to"):
+        "gradient offload only (elsewhere a no-op: one device): a host gradient shard's "
+        "squared norm joins the device total, and the clip scale reaches the host shard",
+    ("parallel/zero/reducer.py", "_complete", "to"):
+        "gradient offload only (elsewhere a no-op): the reduced shard leaves the device into "
+        "the host optimizer's buffer, once per micro-batch, as ZeRO-Offload moves it",
     ("train/pending.py", "add", "to"):
         "a cast on the step's device; only a parameter server's gradient norm (a host "
         "scalar: that layout's host work, by design) is copied to the loss's device",

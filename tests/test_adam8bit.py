@@ -132,6 +132,7 @@ def _against_torch_adamw(sync_moments: bool) -> tuple[list[float], list[float]]:
     return abs_err, rel_err
 
 
+@pytest.mark.slow  # README command's time: run by .ci/run's slow tier
 def test_matches_torch_adamw_as_bitsandbytes_tests_it():
     """With bitsandbytes' protocol (parameters and moments re-synchronised each step) the
     parameter error is that of one step from the same state, within bitsandbytes' bounds

@@ -19,6 +19,7 @@ def test_the_median_call_ignores_a_burst_of_load():
     assert figures["iters"] == 10 and figures["calls_s"] == calls
 
 
+@pytest.mark.slow  # README command's time: run by .ci/run's slow tier
 def test_bench_comm_end_to_end(tmp_path, capsys):
     """Two processes, two ops, sizes 1 and 8 KiB: every algorithm that serves the op is
     timed at every size, busbw follows nccl-tests, the model predicts every fitted row,

@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # README command's time: run by .ci/run's slow tier
 def test_bert_example_matches_torch_ddp(tmp_path):
     out = tmp_path / "losses.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -30,6 +30,7 @@ MARGIN = 64 << 20  # allocator and interpreter slack of a build, bytes
 HERE = Path(__file__).parent
 
 
+@pytest.mark.slow  # README command's time: run by .ci/run's slow tier
 def test_build_holds_the_ranks_share_not_the_model(tmp_path):
     cache = tiny_data(tmp_path)[1]
     run = subprocess.run([sys.executable, str(HERE / "build_memory.py"), cache, str(tmp_path),

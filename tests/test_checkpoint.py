@@ -76,6 +76,7 @@ def _save_memory(rank: int, world_size: int, cfg_text: str) -> dict:
     return {"growth": peak[0] - before, "state": sum(sizes), "largest": max(sizes)}
 
 
+@pytest.mark.slow  # README command's time: run by .ci/run's slow tier
 def test_save_holds_no_copy_of_the_state(tmp_path):
     """Saving writes each tensor from where it lives: the resident memory grows by far
     less than the state while it runs (a gathered copy would add all of it)."""

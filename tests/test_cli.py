@@ -76,6 +76,7 @@ def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # README command's time: run by .ci/run's slow tier
 def test_nproc_2_then_torchrun_resume_then_generate(tmp_path):
     """Our launcher trains 4 steps on 2 processes; torchrun resumes to 8; generate samples."""
     common = ["--config", "tiny", "--train.run_dir", str(tmp_path / "run"),

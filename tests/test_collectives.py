@@ -26,6 +26,7 @@ def suite() -> list[dict]:
     return run_distributed(world_checks, 8, timeout_s=600)
 
 
+@pytest.mark.slow  # README command's time: run by .ci/run's slow tier
 def test_every_op_and_algorithm_equals_native(suite):
     """World sizes 2-8 (3, 5, 6, 7 included), counts 0, 1, 7, 1000, 2^15+3; hierarchical
     and torus with virtual nodes of 2 and 3 (grids 2x2, 2x3, 3x2, 2x4, ...); mesh2d,
@@ -50,6 +51,7 @@ def _core(p: int) -> int:
     return 1 << (p.bit_length() - 1)
 
 
+@pytest.mark.slow  # README command's time: run by .ci/run's slow tier
 def test_ledger_volumes_equal_theory(suite):
     """Bytes sent per rank, S the message (the gathered size for all_gather / reduce_scatter;
     S divisible by every p here, so no padding):
@@ -94,6 +96,7 @@ def test_ledger_volumes_equal_theory(suite):
             assert v[("all_reduce", "torus2d")][2] == 2 * (rows - 1) * S // (rows * k)
 
 
+@pytest.mark.slow  # README command's time: run by .ci/run's slow tier
 def test_grid_ledger_equals_cost_model_to_the_byte(suite):
     """mesh2d, torus3d, ring_tree and gather_broadcast: the bytes each rank sent (the
     ledger, counted message by message) against the cost model's busiest rank and mean,
@@ -124,6 +127,7 @@ def test_grid_ledger_equals_cost_model_to_the_byte(suite):
         assert v[("all_reduce", "mesh2d")][2] == (2 * S if interior else S), rank
 
 
+@pytest.mark.slow  # README command's time: run by .ci/run's slow tier
 def test_grid_link_bytes_equal_cost_model(suite):
     """Per directed link, the ledger's bytes (each rank's `sent_to`) equal the cost model's
     (topology.link_bytes) to the byte: torus3d 2 x 2 x 2, mesh2d 2 x 2, 3 x 2 (nodes of
@@ -141,6 +145,7 @@ def test_grid_link_bytes_equal_cost_model(suite):
                 assert sorted(set(ledger.values())) == [S // 4, S // 2, S]
 
 
+@pytest.mark.slow  # README command's time: run by .ci/run's slow tier
 def test_bad_input_fails_clearly(suite):
     e = suite[0]["errors"]
     assert "all_reduce on group err0: unknown algorithm 'warp'" in e["unknown"]

@@ -5,6 +5,8 @@ sequence number and rank 2."""
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import re
@@ -89,6 +91,7 @@ def test_watchdog_diagnoses_from_the_store_and_writes_the_dump(tmp_path):
     assert dump["diagnosis"] == [text] and dump["entries"][-1]["state"] == "issued"
 
 
+@pytest.mark.slow  # README command's time: run by .ci/run's slow tier
 def test_a_rank_that_sleeps_in_a_step_ends_every_rank_with_a_diagnosis(tmp_path):
     cfg = tiny(tmp_path, "hang")
     load_dataset(cfg.data, seq_len=cfg.train.seq_len)  # the token cache, built once here

@@ -139,16 +139,18 @@ def test_a_layout_that_does_not_fit_is_still_reported():
 
 
 def test_a_model_that_fits_nowhere_is_still_reported():
-    code, out, err = run_cli(["--model", "llama3-405b", "--gpus", "8", "--gpu", "a100-40gb",
+    # On 8 GPUs it now fits with nvme offload (ZeRO-Infinity: 101 GB of gradient buffers per
+    # GPU in host memory); on 4, the node's host memory per GPU is too small for them.
+    code, out, err = run_cli(["--model", "llama3-405b", "--gpus", "4", "--gpu", "a100-40gb",
                               "--json"])
-    assert code == 2 and "fits nowhere" in err
+    assert code == 2 and "fits nowhere" in err and "host memory" in err
     doc = json.loads(out)
     assert doc["fits"] is False and doc["ranked"] == [] and "fits nowhere" in doc["reason"]
     assert doc["rejected"] and doc["search"]["rejected_total"] > 0
     # the closest layout, evaluated in full
     assert doc["layout"]["text"] == doc["rejected"][0]["layout"]["text"]
     assert doc["memory_per_gpu_bytes"]["fits"] is False and doc["time"]["step_s"] > 0
-    code, out, err = run_cli(["--model", "llama3-405b", "--gpus", "8", "--gpu", "a100-40gb"])
+    code, out, err = run_cli(["--model", "llama3-405b", "--gpus", "4", "--gpu", "a100-40gb"])
     assert code == 2 and "closest:" in out and "memory per GPU" in out
 
 

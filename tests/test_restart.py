@@ -80,6 +80,7 @@ def _matches(plain: Path, run_dir: Path) -> None:
     assert [r["loss"] for r in records] == [r["loss"] for r in _records(plain)]
 
 
+@pytest.mark.slow  # README command's time: run by .ci/run's slow tier
 def test_killed_rank_restarts_and_matches(tmp_path, plain):
     restarted = _train(tmp_path, "restarted", "--max-restarts", "1", kill="1:3")
     assert restarted.returncode == 0, restarted.stderr[-3000:]

@@ -55,6 +55,7 @@ def _report(run_dir: Path) -> str:
     return out.getvalue()
 
 
+@pytest.mark.slow  # README command's time: run by .ci/run's slow tier
 def test_slow_rank_is_named_in_warning_metrics_and_report(tmp_path):
     proc, run_dir = _train(tmp_path, "slow", "--train.slow_ranks", "2:30")
     warned = [line for line in proc.stderr.splitlines() if "is a straggler" in line]
@@ -79,6 +80,7 @@ def test_slow_rank_is_named_in_warning_metrics_and_report(tmp_path):
     assert [line.split()[0] for line in lines[at + 2:at + 6]] == ["0", "1", "2", "3"], text
 
 
+@pytest.mark.slow  # README command's time: run by .ci/run's slow tier
 def test_run_without_slow_ranks_names_nobody(tmp_path):
     proc, run_dir = _train(tmp_path, "even")
     assert "straggler" not in proc.stderr, proc.stderr[-3000:]

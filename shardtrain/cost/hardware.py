@@ -52,6 +52,7 @@ class Hardware:
     inter_latency_s: float = 5e-6
     gpus_per_node: int = 8  # 0: every device on one node
     host_bw: float  # device <-> host per GPU per direction (offload), bytes/s
+    host_memory_bytes: float  # the node's host memory per GPU: what offload may fill
     nvme_bw: float  # per node, bytes/s
     reduce_bw: float = 0.0  # bytes/s of a local reduction; 0: one pass over memory_bw
     shared_bw: float = 0.0  # bytes/s of all ranks' traffic on a medium they share; 0: none
@@ -94,24 +95,28 @@ class Hardware:
 
 _DGX_A100 = dict(peak_flops=312e12, peak_flops_fp32=19.5e12, intra_bw=300e9,
                  inter_bw_per_node=200e9, host_bw=32e9, nvme_bw=25e9)
+# Host memory per GPU: DGX A100 1 TB (40 GB GPUs) or 2 TB (80 GB), DGX H100/H200 2 TB,
+# DGX B200 4 TB, over 8 GPUs
 _DGX_H100 = dict(peak_flops=989e12, peak_flops_fp32=67e12, memory_bytes=80 * GiB,
                  memory_bw=3.35e12, intra_bw=450e9, inter_bw_per_node=400e9, host_bw=64e9,
-                 nvme_bw=50e9)
+                 nvme_bw=50e9, host_memory_bytes=256 * GiB)
 
 PRESETS: dict[str, Hardware] = {
     "a100-40gb": Hardware(name="a100-40gb", memory_bytes=40 * GiB, memory_bw=1.555e12,
-                          **_DGX_A100),
+                          host_memory_bytes=128 * GiB, **_DGX_A100),
     "a100-80gb": Hardware(name="a100-80gb", memory_bytes=80 * GiB, memory_bw=2.039e12,
-                          **_DGX_A100),
+                          host_memory_bytes=256 * GiB, **_DGX_A100),
     "h100-sxm": Hardware(name="h100-sxm", **_DGX_H100),
     "h100-pcie": Hardware(name="h100-pcie", peak_flops=756e12, peak_flops_fp32=51e12,
                           memory_bytes=80 * GiB, memory_bw=2.0e12, intra_bw=64e9,
-                          inter_bw_per_node=200e9, host_bw=64e9, nvme_bw=25e9),
+                          inter_bw_per_node=200e9, host_bw=64e9, nvme_bw=25e9,
+                          host_memory_bytes=256 * GiB),
     "h200": Hardware(name="h200", **(_DGX_H100 | dict(memory_bytes=141 * GiB,
                                                       memory_bw=4.8e12))),
     "b200": Hardware(name="b200", peak_flops=2.25e15, peak_flops_fp32=75e12,
                      memory_bytes=180 * GiB, memory_bw=8e12, intra_bw=900e9,
-                     inter_bw_per_node=400e9, host_bw=64e9, nvme_bw=50e9),
+                     inter_bw_per_node=400e9, host_bw=64e9, nvme_bw=50e9,
+                     host_memory_bytes=512 * GiB),
 }
 ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm"}
 NAMES = tuple(PRESETS) + tuple(ALIASES) + ("cpu",)
@@ -127,6 +132,7 @@ def cpu(calibration_path: str | os.PathLike | None = None, processes: int = 1) -
                     memory_bw=_inverse(cal.gamma_s_per_byte), intra_bw=bandwidth,
                     intra_latency_s=cal.alpha_s, inter_bw_per_node=bandwidth,
                     inter_latency_s=cal.alpha_s, gpus_per_node=0, host_bw=bandwidth,
+                    host_memory_bytes=float(pages),
                     nvme_bw=1e9, reduce_bw=_inverse(cal.gamma_s_per_byte),
                     shared_bw=_inverse(cal.shared_s_per_byte) if cal.shared_s_per_byte else 0.0,
                     native_latency_s=cal.link().native_alpha_s,
@@ -172,7 +178,7 @@ def get(name: str, overrides: dict[str, str] | None = None, *,
 GENERIC_PCIE = Hardware(name="generic-pcie", peak_flops=100e12, peak_flops_fp32=20e12,
                         memory_bytes=24 * GiB, memory_bw=1e12, intra_bw=25e9,
                         intra_latency_s=10e-6, inter_bw_per_node=12.5e9, host_bw=25e9,
-                        nvme_bw=5e9)
+                        nvme_bw=5e9, host_memory_bytes=64 * GiB)
 # CUDA device names (torch.cuda.get_device_name) -> preset, first match wins.
 _GPU_NAMES = (("H100 PCIe", "h100-pcie"), ("H100", "h100-sxm"), ("H200", "h200"),
               ("B200", "b200"), ("A100-SXM4-40GB", "a100-40gb"), ("A100-PCIE-40GB", "a100-40gb"),

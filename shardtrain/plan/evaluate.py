@@ -42,6 +42,13 @@ CONVENTIONS = {
 }
 
 
+def fits(memory: MemoryBreakdown, hw: Hardware) -> bool:
+    """The device's share within its usable bytes, and what offload keeps in host memory
+    within the node's host memory per GPU (the same usable fraction)."""
+    return memory.total <= hw.usable_bytes and \
+        memory.host <= hw.usable_fraction * hw.host_memory_bytes
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     name: str
@@ -59,7 +66,7 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.memory.total <= self.hw.usable_bytes
+        return fits(self.memory, self.hw)
 
     @property
     def tokens(self) -> int:

@@ -13,12 +13,13 @@ optimizer term is 4 bytes per fp32 state of the layout's `optim` (plan/optim_sta
 - ZeRO-1 shards master + optimizer over N_d, ZeRO-2 the gradients too, ZeRO-3 also the
   parameters. Offload (cpu: to host memory, nvme: to NVMe; the same bytes, in different
   places) moves the sharded optimizer state and an fp32 master shard off the GPU (4 bytes
-  per sharded parameter: where the parameters are their own fp32 master, the host keeps
-  the copy the step updates), and under ZeRO-3 the parameter shards too, as ZeRO-Infinity
-  does: fp32 ones are that master (no extra bytes), a 16-bit one (the bf16 convention) is
-  kept beside it; under ZeRO-2 and 3 the gradient shards too (the step reads them on the
-  host). ZeRO-1 and 2 keep their full parameters on the device by definition.
-  All of it is reported under `offloaded`, not in `total` (`offload_states`).
+  per sharded parameter: where the parameters are their own fp32 master, the host keeps the
+  copy the step updates), and under ZeRO-3 the parameter shards too, as ZeRO-Infinity does:
+  fp32 ones are that master (no extra bytes), a 16-bit one (the bf16 convention) is kept
+  beside it; under ZeRO-2 and 3 the gradient shards too (the step reads them on the host).
+  ZeRO-1 and 2 keep their full parameters on the device by definition. All of it is reported
+  under `offloaded`, not in `total` (`offload_states`); `host` is what of it host memory
+  holds (evaluate.py `fits` checks it against the node's).
 Activations, per layer and micro-batch: under the `bf16` convention the published forms
 of Korthikanti et al. 2022 (Megatron-LM's kernels: 16-bit values, stored attention
 probabilities, 1-byte dropout masks; `activation_bytes_per_layer`); under `fp32` and
@@ -47,14 +48,14 @@ steps; and for pp > 1 a send and a receive buffer of one boundary activation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from shardtrain.config import ModelConfig
 from shardtrain.plan.activations import (head_activation_bytes, moe_block_bytes,
                                          runtime_activation_bytes)
 from shardtrain.plan.buffers import (block_units, gathered_units, loss_moment, weight_casts,
                                      zero_moments)
-from shardtrain.plan.layout import Layout, PlanError
+from shardtrain.plan.layout import Layout
 from shardtrain.plan.optim_states import OPTIM_STATES
 from shardtrain.plan.partition import rank_params
 from shardtrain.plan.schedule_terms import schedule_terms
@@ -117,29 +118,6 @@ def zero3_gather_bytes(params: float, kept: float, precision: str) -> float:
 def replicas_per_node(layout: Layout, node_size: int) -> int:
     """The replica group's ranks on one node (tp innermost: they sit tp apart)."""
     return max(1, min(layout.replicas, node_size // layout.tp))
-
-
-def zeropp_states(states: ModelStates, layout: Layout, ranks, *, node_size: int) -> ModelStates:
-    """ZeRO++'s model-state terms (Wang et al. 2023; parallel/zero/zeropp.py): hpZ keeps a
-    secondary shard, 1/s of each unit gathered (s = the replicas on a node; experts: their
-    edp group's), in the gather dtype; qwZ at stages 1-2 gives the parameters that are their
-    own fp32 master (fp32, amp) a master shard of their own (the dequantized gather lands in
-    the parameter shard)."""
-    lay, out = layout, states
-    if lay.hpz:
-        if node_size < 1:
-            raise PlanError("layout hpz=true: hpZ's secondary shard is 1/s of the parameters, "
-                            "s the dp ranks per node; give the planner the node size")
-        groups = ((ranks.dense, ranks.kept, lay.replicas),
-                  (ranks.expert, ranks.kept_expert, lay.replicas // lay.ep))
-        local = replicas_per_node(lay, node_size)
-        out = replace(out, params=out.params + sum(
-            zero3_gather_bytes(n, kept, lay.precision) / min(size, local)
-            for n, kept, size in groups if n))
-    if lay.qwz and lay.zero < 3 and not out.master and lay.offload == "none":
-        out = replace(out, master=4 * (ranks.dense / lay.replicas
-                                       + ranks.expert / (lay.replicas // lay.ep)))
-    return out
 
 
 def model_states(params: float, *, nd: int = 1, zero: int = 0,
@@ -223,6 +201,7 @@ class MemoryBreakdown:
     activations_per_layer: float  # one layer, one micro-batch
     buffers: float
     offloaded: float  # held in host memory or on NVMe instead
+    host: float = 0.0  # what of `offloaded` host memory holds (offload = nvme: the gradients)
 
     @property
     def total(self) -> float:
@@ -231,7 +210,7 @@ class MemoryBreakdown:
 
     def to_dict(self) -> dict[str, float]:
         names = ("params", "grads", "optimizer", "master", "activations",
-                 "activations_per_layer", "buffers", "offloaded")
+                 "activations_per_layer", "buffers", "offloaded", "host")
         return {n: float(getattr(self, n)) for n in names} | {"total": float(self.total)}
 
 
@@ -249,10 +228,14 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
         states = layer_states(cfg, lay)
     if lay.ps_servers:  # the optimizer lives on the parameter servers
         states = ModelStates(params=states.params, grads=states.grads, master=0, optimizer=0)
+    host = states.grads if lay.zero >= 2 else 0.0  # nvme: the gradients' host buffers
     if lay.offload != "none":  # each rank's shard: the dense over N_d, experts over N_d / ep
         shard = ranks.dense / lay.replicas + ranks.expert / (lay.replicas // lay.ep)
         states = offload_states(states, shard_params=shard, zero=lay.zero)
-    states = zeropp_states(states, lay, ranks, node_size=node_size)
+    host = {"none": 0.0, "cpu": states.offloaded}.get(lay.offload, host)
+    if lay.qwz or lay.hpz:  # (plan/zeropp.py imports this module)
+        from shardtrain.plan.zeropp import zeropp_states
+        states = zeropp_states(states, lay, ranks, node_size=node_size)
     value_bytes = 4 if lay.precision == "fp32" else 2
     s = seq_len // lay.cp
     per_layer = layer_activation_bytes(cfg, lay, seq_len=seq_len)
@@ -295,4 +278,5 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
     return MemoryBreakdown(params=states.params, grads=states.grads, optimizer=states.optimizer,
                            master=states.master, activations=activations,
                            activations_per_layer=per_layer, buffers=buffers,
-                           offloaded=states.offloaded)
+                           offloaded=states.offloaded, host=host)
+

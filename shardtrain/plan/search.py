@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from shardtrain.config import DataConfig, ModelConfig
 from shardtrain.cost.counts import param_counts
-from shardtrain.plan.evaluate import Plan, dp_exposed_s, evaluate
+from shardtrain.plan.evaluate import Plan, dp_exposed_s, evaluate, fits
 from shardtrain.cost.hardware import Hardware
 from shardtrain.plan.layout import Layout, PlanError, check, trainer_refusal
 from shardtrain.plan.memory import MemoryBreakdown, memory_per_gpu, replicas_per_node
@@ -168,7 +168,7 @@ def with_zeropp(plans: list[Plan], cfg: ModelConfig, hw: Hardware, *, top: int,
                 continue
             ran += 1
             memory = memory_per_gpu(cfg, variant, seq_len=plan.seq_len, node_size=node)
-            if memory.total <= hw.usable_bytes:
+            if fits(memory, hw):
                 added.append(evaluate(cfg, variant, hw, global_batch=plan.global_batch,
                                       seq_len=plan.seq_len, name=plan.name, memory=memory))
                 bisect.insort(best, added[-1].time.step_s)
@@ -202,7 +202,7 @@ def search(cfg: ModelConfig, hw: Hardware, *, gpus: int, global_batch: int, seq_
                 continue
             considered += 1
             memory = memory_per_gpu(cfg, layout, seq_len=seq_len, node_size=node)
-            if memory.total <= hw.usable_bytes:
+            if fits(memory, hw):
                 fitting.append((layout, memory))
             else:
                 rejected.append(Rejected(layout=layout, memory=memory,
@@ -239,8 +239,13 @@ def search(cfg: ModelConfig, hw: Hardware, *, gpus: int, global_batch: int, seq_
 
 
 def shortfall(memory: MemoryBreakdown, hw: Hardware) -> str:
+    if memory.total <= hw.usable_bytes:  # the device has room: the host has not (`fits`)
+        room = hw.usable_fraction * hw.host_memory_bytes
+        return (f"offloads {memory.host / GB:.2f} GB per GPU to host memory, "
+                f"{(memory.host - room) / GB:.2f} GB more than the {room / GB:.2f} GB usable "
+                "of the node's host memory per GPU")
     items = {k: v for k, v in memory.to_dict().items()
-             if k not in ("total", "activations_per_layer", "offloaded")}
+             if k not in ("total", "activations_per_layer", "offloaded", "host")}
     largest = max(items, key=items.__getitem__)
     return (f"needs {memory.total / GB:.2f} GB per GPU, {(memory.total - hw.usable_bytes) / GB:.2f}"
             f" GB more than the {hw.usable_bytes / GB:.2f} GB usable (largest: {largest} "

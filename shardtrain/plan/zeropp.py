@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardtrain.config import CommConfig, ModelConfig
 from shardtrain.cost.hardware import Hardware
 from shardtrain.cost.units import ROUNDED, coalesce, launch_order, unit_key
 from shardtrain.plan.layout import Layout, PlanError
-from shardtrain.plan.memory import REDUCE_BYTES, STATE_BYTES, replicas_per_node, zero3_gather_bytes
+from shardtrain.plan.memory import (REDUCE_BYTES, STATE_BYTES, ModelStates, replicas_per_node,
+                                     zero3_gather_bytes)
 from shardtrain.plan.ops import CommOp, Placement, a2a, collective, placement
 from shardtrain.plan.partition import rank_params
 from shardtrain.plan.rank_states import rank0_tensors, zero_units
@@ -190,3 +191,26 @@ def zeropp_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, bucket_bytes: 
             + zeropp_group_ops(even_units(ranks.expert, ranks.kept_expert, ranks.layers, lay),
                                lay, size=edp, local=max(1, local // lay.ep), group="edp",
                                where=placement(hw, node, lay.tp * lay.ep, edp), **common))
+
+
+def zeropp_states(states: ModelStates, layout: Layout, ranks, *, node_size: int) -> ModelStates:
+    """ZeRO++'s model-state terms (Wang et al. 2023; parallel/zero/zeropp.py): hpZ keeps a
+    secondary shard, 1/s of each unit gathered (s = the replicas on a node; experts: their
+    edp group's), in the gather dtype; qwZ at stages 1-2 gives the parameters that are their
+    own fp32 master (fp32, amp) a master shard of their own (the dequantized gather lands in
+    the parameter shard)."""
+    lay, out = layout, states
+    if lay.hpz:
+        if node_size < 1:
+            raise PlanError("layout hpz=true: hpZ's secondary shard is 1/s of the parameters, "
+                            "s the dp ranks per node; give the planner the node size")
+        groups = ((ranks.dense, ranks.kept, lay.replicas),
+                  (ranks.expert, ranks.kept_expert, lay.replicas // lay.ep))
+        local = replicas_per_node(lay, node_size)
+        out = replace(out, params=out.params + sum(
+            zero3_gather_bytes(n, kept, lay.precision) / min(size, local)
+            for n, kept, size in groups if n))
+    if lay.qwz and lay.zero < 3 and not out.master and lay.offload == "none":
+        out = replace(out, master=4 * (ranks.dense / lay.replicas
+                                       + ranks.expert / (lay.replicas // lay.ep)))
+    return out

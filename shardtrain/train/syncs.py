@@ -18,7 +18,7 @@ STEP_SYNCS: dict[tuple[str, str, str], str] = {
         "the step's one agreed decision: whether its loss and gradient norm are finite (two "
         "flags, one transfer); the host must know whether the optimizer steps and where "
         "fp16's loss scale goes",
-    ("parallel/pipeline/executor.py", "seconds", "synchronize"):
+    ("parallel/pipeline/clock.py", "seconds", "synchronize"):
         "the timeline's last mark, read after the decision above has passed it: returns at "
         "once (it keeps a timeline read before the decision correct)",
     # -- logged steps only (train.log_every, the last, evals, bad steps, checkpoints)
