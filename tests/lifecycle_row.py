@@ -83,8 +83,8 @@ def run_row(rank: int, world_size: int, tmp: Path, row: Row, backend: str) -> di
             stack.enter_context(mock.patch.object(owner, name, _gathered))
         stack.enter_context(mock.patch.object(torch, "compile", partial(COMPILE, backend=backend)))
         results = []
-        for cfg in (a, b):  # as two launches would: B compiles its own graphs (a
-            torch._dynamo.reset()  # zero-bubble B cannot reuse graphs A compiled for 1F1B)
+        for cfg in (a, b):  # as two launches would: B compiles its own graphs
+            torch._dynamo.reset()
             results.append(_run(cfg, make_mesh(cfg, rank, world_size)))
     if rank != 0:
         return None

@@ -42,11 +42,9 @@ ROWS = [  # label, overrides, precision bound (None: fp32 parity, parity.py), ba
                                     "full", "--train.sample_tokens", "4"], None, "inductor"),
     ("cp2 ring x ep2 MoE", ["--parallel.cp", "2", "--model.n_experts", "2", "--parallel.ep",
                             "2"], None, "aot_eager"),
-    # zero-bubble: backward in two calls (B keeps the graph for W); 1F1B compiled: the
-    # lifecycle matrix's pp rows
-    ("bf16 pp2 zb-h1 + selective checkpointing",
-     ["--train.precision", "bf16", "--parallel.pp", "2", "--parallel.schedule", "zb-h1",
-      "--train.activation_checkpointing", "selective"], BF16_LOSS_RTOL[False], "inductor"),
+    ("bf16 pp2 + selective checkpointing", ["--train.precision", "bf16", "--parallel.pp", "2",
+                                            "--train.activation_checkpointing", "selective"],
+     BF16_LOSS_RTOL[False], "inductor"),
     ("tp2", [*TP], None, "aot_eager_decomp_partition"),
     ("tp2 + sp", [*TP, "--parallel.sp", "true"], None, "aot_eager_decomp_partition"),
 ]
@@ -110,6 +108,11 @@ def test_refused_layout_names_both_fields(tmp_path):
     with pytest.raises(ConfigError, match=r"train.compile=true with parallel.ps_servers=1: .* "
                                           r"set parallel.ps_servers=0 or train.compile=false"):
         cfg.validate(3)
+    cfg = tiny(tmp_path, "zb", "--train.compile", "true", "--parallel.pp", "2",
+               "--parallel.schedule", "zb-h1")
+    with pytest.raises(ConfigError, match=r"train.compile=true with parallel.schedule=zb-h1: .* "
+                                          r"set train.compile=false or parallel.schedule=1f1b"):
+        cfg.validate(2)
     for _, overrides, *_ in ROWS:  # what the rows above train compiled is accepted
         tiny(tmp_path, "ok", "--train.compile", "true", *overrides).validate(2)
     assert not tiny(tmp_path, "default").train.compile  # off unless asked for

@@ -186,6 +186,12 @@ def check_compile(cfg: Config) -> None:
     Refused: a parameter server, whose worker communicates around every linear and norm
     inside the block, in Python the graph would break at and trace through."""
     p = cfg.parallel
+    if cfg.train.compile and p.pp > 1 and p.schedule in ("zb-h1", "zbv", "dualpipev"):
+        raise ConfigError(f"train.compile=true with parallel.schedule={p.schedule}: its split "
+                          "backward calls each block's compiled backward twice (B, then W), "
+                          "which AOT autograd's donated buffers forbid (graphs compiled or "
+                          "cached for another schedule carry them); set train.compile=false "
+                          "or parallel.schedule=1f1b")
     if cfg.train.compile and p.ps_servers:
         raise ConfigError(f"train.compile=true with parallel.ps_servers={p.ps_servers}: a "
                           "parameter-server worker waits for each module's pulled weights in "

@@ -35,12 +35,6 @@ seq_len, dim] (the tokens a rank holds under cp or sp). Forward-only calls -- ev
 and sampling, whose context grows by one token per call -- run the same forward eagerly:
 each new length would otherwise be a new graph, compiled once and used once.
 
-A schedule that splits backward (zero-bubble: its B keeps the graph for the W that
-follows) calls a compiled backward twice; AOT autograd's donated buffers (saved tensors
-freed by the first call) forbid that, so those blocks compile without them. (Dynamo keys a
-block's graphs by its code, not by this option: a process that trains twice, first
-with 1F1B, then zero-bubble, must call torch._dynamo.reset() between.)
-
 Which layouts compose is decided before any work: config/layout.py, `check_compile`.
 """
 
@@ -59,27 +53,24 @@ from shardtrain.parallel.context.apply import context_cores
 class CompiledForward:
     """A block's forward: compiled while autograd records (training), eager otherwise."""
 
-    def __init__(self, forward: Callable[..., torch.Tensor], *, keep_graph: bool = False):
+    def __init__(self, forward: Callable[..., torch.Tensor]):
         self.eager = forward
         self.compiled = torch.compile(forward, dynamic=False)
-        # read when the graph compiles, at its first call
-        self.options = {"donated_buffer": False} if keep_graph else {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         if torch.is_grad_enabled():
-            with torch._functorch.config.patch(self.options):
-                return self.compiled(*args, **kwargs)
+            return self.compiled(*args, **kwargs)
         return self.eager(*args, **kwargs)
 
 
-def compile_blocks(blocks: nn.ModuleList, *, keep_graph: bool = False) -> None:
+def compile_blocks(blocks: nn.ModuleList) -> None:
     """Compile each block's forward, in place (parameter names and hooks unchanged), with
     an MoE layer and a context-parallel core's exchanges left eager; compilation itself
-    happens at each graph's first call. `keep_graph`: backward runs in two calls (B, W)."""
+    happens at each graph's first call."""
     for block in blocks:
         if isinstance(block.mlp, MoE):
             block.mlp.forward = torch.compiler.disable(block.mlp.forward)
         for core in context_cores(block):  # a core several blocks share: wrapped once
             if not hasattr(core.attend, "_torchdynamo_disable"):
                 core.attend = torch.compiler.disable(core.attend)
-        block.forward = CompiledForward(block.forward, keep_graph=keep_graph)
+        block.forward = CompiledForward(block.forward)

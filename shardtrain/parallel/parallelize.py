@@ -34,7 +34,6 @@ from shardtrain.model.transformer import Transformer, init_rope
 from shardtrain.parallel.build import Fill, ModuleTarget, Values, filler, materialize
 from shardtrain.parallel.activation import checkpoint_attention_cores, checkpoint_blocks
 from shardtrain.parallel.compile import compile_blocks
-from shardtrain.parallel.pipeline.schedules import SPLIT_BACKWARD
 from shardtrain.parallel.context.apply import apply_context_parallel
 from shardtrain.parallel.data.ddp import DataParallel, ReplicatedUpdate
 from shardtrain.parallel.data.topk import SparseUpdates
@@ -79,8 +78,7 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
         ep_placements = apply_expert_parallel(model, ep)
     apply_token_groups(model, tp, mesh.comm("cp"), sp=cfg.parallel.sp)
     if cfg.train.compile:  # before checkpointing: a checkpoint runs the compiled forward
-        compile_blocks(model.layers, keep_graph=mesh.shape.pp > 1 and
-                       cfg.parallel.schedule in SPLIT_BACKWARD)
+        compile_blocks(model.layers)
     if cfg.train.activation_checkpointing == "full":
         checkpoint_blocks(model.layers)
     elif cfg.train.activation_checkpointing == "selective":  # after cp: it sees the cp core

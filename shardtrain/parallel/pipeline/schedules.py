@@ -189,7 +189,6 @@ def compute_steps(schedule: str, pp: int, m: int, v: int = 1) -> Steps:
 
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev", "pipedream-2bw")
-SPLIT_BACKWARD = ("zb-h1", "zbv", "dualpipev")  # W actions: a B keeps its graph for the W
 V_SHAPED = ("zbv", "dualpipev")
 
 
