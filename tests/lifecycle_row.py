@@ -108,6 +108,8 @@ def check_row(tmp: Path, row: Row, got: dict) -> None:
     low = row["precision"] != "fp32"
     loss_rtol = BF16_LOSS_RTOL[got["tp"]] if low else LOSS_RTOL
     weight_rtol = WEIGHT_RTOL_16[got["tp"]] if low else WEIGHT_TOL
+    if low and row.get("optim") == "rmsprop":  # its first steps move up to lr / sqrt(1 -
+        weight_rtol *= 10  # alpha) = 10 lr (no bias correction): 16-bit noise 10x Adam's
     torch.testing.assert_close(torch.tensor(got["b"]), torch.tensor(got["a"][HALF:]),
                                rtol=loss_rtol, atol=0,
                                msg=lambda m: f"{name}: resumed losses differ\n{m}")
