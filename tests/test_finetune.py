@@ -1,6 +1,6 @@
 """Fine-tuning end to end: a `transformers` Llama directory fine-tuned with QLoRA and 8-bit
 AdamW by the trainer, exported, reloaded by `transformers` and sampled by `shardtrain
-generate`; parity rows for LoRA under dp=2, ZeRO-2 and tp=2 (with and without sp; dp=2
+generate`; parity rows for LoRA under dp=2, ZeRO-2, pp=2 (ZB-H1) and tp=2 (with and without sp; dp=2
 and tp=2 in bf16 too, tp within the bf16 bound of parity.py), for QLoRA under dp=2 and
 ZeRO-2 and for adamw8bit under ZeRO-2; the memory ledger of an adapter run. Chat SFT rows
 (tests/test_chat.py has the rest) share the spawn: packed conversations under dp=2 with
@@ -123,6 +123,8 @@ ROWS = [("lora dp2", LORA, []),
         ("lora zero2 dp2", LORA, ["--parallel.zero", "2"]),
         ("lora tp2", LORA, ["--parallel.tp", "2"]),
         ("lora tp2 sp", LORA, ["--parallel.tp", "2", "--parallel.sp", "true"]),
+        # a frozen base under split backward (test_pipeline_zero_bubble.py has the rest)
+        ("lora pp2 zb-h1", LORA, ["--parallel.pp", "2", "--parallel.schedule", "zb-h1"]),
         ("lora dp2 bf16", LORA16, []),
         ("lora tp2 bf16", LORA16, ["--parallel.tp", "2"]),
         ("qlora dp2", QLORA, []),

@@ -150,9 +150,6 @@ def test_partition():
     (["--parallel.pp", "2", "--model.n_layers", "4", "--parallel.schedule", "dualpipev",
       "--parallel.virtual_stages", "2", "--parallel.microbatches", "2"],
      "parallel.microbatches=2 is below 2 x parallel.pp=4"),
-    (["--parallel.pp", "2", "--model.n_layers", "4", "--parallel.schedule", "zbv",
-      "--parallel.virtual_stages", "2", "--model.tie_embeddings", "true"],
-     "parallel.schedule=zbv with model.tie_embeddings=true and 2 data-parallel replicas"),
 ])
 def test_bad_pipeline_layouts_name_the_fields(args, needle):
     with pytest.raises(ConfigError) as e:

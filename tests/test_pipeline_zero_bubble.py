@@ -1,8 +1,9 @@
 """ZB-H1 (split backward: B, then W later), ZB-V and DualPipeV (two chunks per stage in a
 V: schedules.py) reproduce the single-process run, fp32 (losses,
 eval loss, final weights) and bf16 (parity.py's bound), at pp = 2 and 4, alone and with
-full recomputation, tied embeddings (test_pipeline_parity.py's row), ZeRO-1/2/3 over dp = 2
-and tensor + sequence parallelism inside a stage; each run's measured timeline
+full recomputation, LoRA, tied embeddings (test_pipeline_parity.py's row; under the V with
+data parallelism too), ZeRO-1/2/3 over dp = 2 and tensor + sequence parallelism inside a
+stage; each run's measured timeline
 (timeline_rank*.json) runs its computes in the simulator's order; the split itself gives a
 full backward's gradients under LoRA (one process)."""
 
@@ -12,13 +13,14 @@ import pytest
 import torch
 from dist import run_distributed
 from parity import BF16_LOSS_RTOL, assert_parity, train_layouts, worst_loss_deviation
-from test_pipeline_parity import RECOMPUTE, _cfg, _check_order, _pp
+from test_pipeline_parity import GPT2, RECOMPUTE, _cfg, _check_order, _pp
 from test_pipeline_parity import references, tmp  # noqa: F401 (the module's fixtures)
 
 from shardtrain import config
 from shardtrain.parallel.pipeline.split_backward import input_backward, weight_backward
 
 BF16 = ("--train.precision", "bf16")
+LORA = ("--lora.rank", "4", "--lora.targets", "q,v,gate,down", "--train.lr", "1e-2")
 # spawn -> (world size, [(label, model overrides -- the reference has them too --, layout
 # overrides)]), all in the slow tier: the README's command runs ZB-H1 with tied embeddings
 # and full recomputation, and ZB-V and DualPipeV with tied embeddings, in
@@ -30,7 +32,9 @@ LAYOUTS = {
                 *[row for s in ("zbv", "dualpipev") for row in (
                     (f"pp2 {s} m8", (), _pp(2, s, 8)),
                     (f"pp2 {s} m4 bf16", BF16, _pp(2, s, 4)),
-                    (f"pp2 {s} m4 full recomputation", (), _pp(2, s, 4, *RECOMPUTE)))]]),
+                    (f"pp2 {s} m4 full recomputation", (), _pp(2, s, 4, *RECOMPUTE)),
+                    (f"pp2 {s} m4 lora", LORA, _pp(2, s, 4)))],
+                ("pp2 zb-h1 m4 lora", LORA, _pp(2, "zb-h1", 4))]),
     "4 ranks": (4, [("pp4 zb-h1 m8", (), _pp(4, "zb-h1", 8)),
                     ("pp4 zb-h1 m4 full recomputation", (), _pp(4, "zb-h1", 4, *RECOMPUTE)),
                     ("pp2 x dp2 zb-h1 zero1", (), _pp(2, "zb-h1", 2, "--parallel.zero", "1")),
@@ -44,8 +48,13 @@ LAYOUTS = {
                     ("pp4 dualpipev m8", (), _pp(4, "dualpipev", 8)),
                     ("pp4 dualpipev m8 bf16", BF16, _pp(4, "dualpipev", 8)),
                     ("pp4 dualpipev m8 full recomputation", (), _pp(4, "dualpipev", 8, *RECOMPUTE)),
+                    ("pp4 dualpipev m8 lora", LORA, _pp(4, "dualpipev", 8)),
                     *[row for s in ("zbv", "dualpipev") for row in (
                         (f"pp2 x dp2 {s} zero1", (), _pp(2, s, 4, "--parallel.zero", "1")),
+                        # the tied table's two uses on stage 0, both awaited by the reducer
+                        (f"pp2 x dp2 {s} gpt2 tied", GPT2, _pp(2, s, 4)),
+                        (f"pp2 x dp2 {s} gpt2 tied zero1", GPT2,
+                         _pp(2, s, 4, "--parallel.zero", "1")),
                         (f"pp2 x tp2 sp {s}", (), _pp(2, s, 4, "--parallel.tp", "2",
                                                       "--parallel.sp", "true")))]]),
 }

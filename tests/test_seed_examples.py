@@ -254,7 +254,7 @@ GUIDE = [
             schedule="interleaved", v=4)),
     ("70-175B on 512-2048: 3D + ZeRO-3", ("gpt3-175b", (), 1024, 2048),
      Layout(dp=32, tp=2, pp=16, zero=1, microbatches=64, sp=True, recompute="selective",
-            schedule="zb-h1"),
+            schedule="zbv", v=2),
      Layout(dp=16, tp=8, pp=8, zero=3, microbatches=128, sp=True, schedule="interleaved",
             v=4)),
     ("175B+ on 2000+: 3D + ZeRO-3 + ZeRO++", ("llama3-405b", (), 2048, 8192),

@@ -54,17 +54,9 @@ def check_pipeline(cfg: Config, world_size: int) -> None:
 def check_v_shape(cfg: Config, world_size: int) -> None:
     """ZB-V and DualPipeV: two equal chunks per stage in a V (docs/pipeline.md); DualPipeV
     needs 2 pp micro-batches to fill it (zero_bubble.check_dualpipev). A tied embedding is
-    one tensor used by both chunks of stage 0, in two separate backwards; the gradient
-    communication of data parallelism fires on each chunk's last backward (executor.py),
-    so it would reduce the tied gradient before the other chunk's share arrives."""
+    one tensor both chunks of stage 0 use; data parallelism's reducer waits for both
+    chunks' shares (parallelize.shared_uses)."""
     m, p = cfg.model, cfg.parallel
-    replicas = p.resolved_dp(world_size) * p.cp
-    if m.tie_embeddings and replicas > 1:
-        raise ConfigError(f"parallel.schedule={p.schedule} with model.tie_embeddings=true and "
-                          f"{replicas} data-parallel replicas (parallel.dp x parallel.cp): "
-                          "stage 0's two chunks both use the tied embedding, and its gradient "
-                          "would be averaged before the second chunk's share; set "
-                          "model.tie_embeddings=false, one replica, or another schedule")
     if p.pp < 2 or p.virtual_stages != 2:
         raise ConfigError(f"parallel.schedule={p.schedule} needs parallel.pp >= 2 and "
                           f"parallel.virtual_stages=2, two chunks per stage in a V (got pp="

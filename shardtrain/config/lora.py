@@ -62,13 +62,12 @@ def check_finetune_layout(cfg) -> None:
         for name, value, why in (
                 ("tp", p.tp if cfg.lora.quantize_base == "nf4" else 1, "an NF4 base is not "
                  "split with the tensor-parallel linears (lora.quantize_base=none is)"),
-                ("pp", p.pp, "pipeline stages with frozen tied embeddings are not supported"),
                 ("zero", 0 if p.zero < 3 else p.zero, "ZeRO-3 gathers units of trainable "
                  "parameters by block and the frozen base has none; use parallel.zero=2")):
             if value > 1:
                 raise ConfigError(f"lora.rank={cfg.lora.rank} with parallel.{name}={value}: "
-                                  f"{why}; LoRA composes with data and tensor parallelism "
-                                  "and ZeRO-1/2")
+                                  f"{why}; LoRA composes with data, tensor and pipeline "
+                                  "parallelism and ZeRO-1/2")
     if cfg.optim.name == "adamw8bit" and p.offload != "none":
         raise ConfigError("optim.name=adamw8bit keeps its 8-bit moments beside the model; "
                           f"parallel.offload={p.offload} moves fp32 AdamW state: set "

@@ -108,7 +108,8 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
         update = _zero(module, shards, mesh, cfg, policy, fill=fill, device=device)
     else:  # the replicated layouts hold the whole stage: filled before they copy it
         fill(ModuleTarget(module))
-        update = _update(module, shards, mesh, cfg, policy, make_optimizer)
+        update = _update(module, shards, mesh, cfg, policy, make_optimizer,
+                         shared_uses(chunks))
     return Strategy(shards=shards, pipeline=pipeline, update=update,
                     policy=policy, scaler=LossScaler.from_config(cfg),
                     average_loss=steps_together(cfg))
@@ -129,10 +130,24 @@ def _zero(module: torch.nn.Module, shards: StageShards, mesh: ParallelMesh, cfg:
                      expert_comm=expert_comm, fill=fill, device=device)
 
 
+def shared_uses(chunks: list[torch.nn.Module]) -> dict[torch.nn.Parameter, int]:
+    """Parameters more than one of this rank's pipeline chunks uses, with how many: the
+    tied table under the V placement (embedding and head both on stage 0), whose gradient
+    is complete only after both chunks' backwards."""
+    if len(chunks) < 2:
+        return {}
+    uses: dict[torch.nn.Parameter, int] = {}
+    for chunk in chunks:
+        for p in chunk.used_parameters():
+            uses[p] = uses.get(p, 0) + 1
+    return {p: n for p, n in uses.items() if n > 1}
+
+
 def _update(module: torch.nn.Module, shards: StageShards, mesh: ParallelMesh, cfg: Config,
-            policy: PrecisionPolicy, make_optimizer: MakeOptimizer) -> Update:
+            policy: PrecisionPolicy, make_optimizer: MakeOptimizer,
+            arrivals: dict[torch.nn.Parameter, int]) -> Update:
     """The update half of a replicated layout: a parameter server's worker, top-k update
-    compression, or plain bucketed data parallelism."""
+    compression, or plain bucketed data parallelism. `arrivals`: shared_uses."""
     dp, c = mesh.comm(mesh.replica_dim), cfg.comm
     if cfg.parallel.ps_servers:
         return PSUpdate(module, mesh, cfg, shards)
@@ -140,17 +155,18 @@ def _update(module: torch.nn.Module, shards: StageShards, mesh: ParallelMesh, cf
         return SparseUpdates(dp, make_optimizer(module), shards, ratio=c.topk_ratio,
                              error_feedback=c.error_feedback, warmup_steps=c.topk_warmup_steps,
                              file=rank_file(mesh.coords))
-    reducer = _reducer(module, mesh, dp, cfg, policy)
+    reducer = _reducer(module, mesh, dp, cfg, policy, arrivals)
     return ReplicatedUpdate(reducer, make_optimizer(module), shards)
 
 
 def _reducer(module: torch.nn.Module, mesh: ParallelMesh, dp: Communicator, cfg: Config,
-             policy: PrecisionPolicy) -> DataParallel | ExpertDataParallel:
+             policy: PrecisionPolicy, arrivals: dict[torch.nn.Parameter, int]
+             ) -> DataParallel | ExpertDataParallel:
     """Bucketed gradient averaging over dp; under expert parallelism the experts' own
     reducer over edp (expert/reduce.py)."""
     c = cfg.comm
     kw = {"bucket_mb": c.bucket_mb, "compress": c.compress, "quant_block": c.quant_block,
-          "reduce_dtype": policy.reduce_dtype}
+          "reduce_dtype": policy.reduce_dtype, "arrivals": arrivals}
     if mesh.shape.ep == 1:
         return DataParallel(module, dp, **kw)
     experts = expert_parameters(module)

@@ -13,17 +13,22 @@ issues the same collectives.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from torch import nn
 
 
 class ReadyInOrder:
-    def __init__(self, groups: Sequence[Sequence[nn.Parameter]], launch: Callable[[int], None]):
+    def __init__(self, groups: Sequence[Sequence[nn.Parameter]], launch: Callable[[int], None],
+                 arrivals: Mapping[nn.Parameter, int] | None = None):
         """`groups`: the parameters of each group, in launch order (roughly the order
         backward produces them: last layer first); `launch(i)` starts group i's
-        communication. A parameter belongs to one group."""
-        self.sizes = [len(g) for g in groups]
+        communication. A parameter belongs to one group. `arrivals`: how many communicating
+        backwards accumulate into a parameter per step, where more than one (a tied table
+        both of whose uses are on this rank, in two pipeline chunks: each chunk's last
+        backward communicates, and the table is complete only after both)."""
+        arrivals = arrivals or {}
+        self.sizes = [sum(arrivals.get(p, 1) for p in g) for g in groups]
         self._launch = launch
         self._group_of = {p: i for i, g in enumerate(groups) for p in g}
         self.enabled = True  # False: hooks only count nothing (accumulation micro-steps)

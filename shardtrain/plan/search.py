@@ -7,7 +7,8 @@ mixture-of-experts model ep among the divisors of dp x cp that divide the expert
 micro-batches of 1-16 sequences dividing the per-replica batch; ZeRO 0-3 when there is
 data parallelism (one stage otherwise: they coincide); recompute none / selective / full;
 sp with tp; GPipe, ZB-H1, interleaved (v dividing the layers per stage, m a multiple of
-p; ZB-V and DualPipeV are evaluated only as a given --layout: see _inner). Every candidate
+p); ZB-V and DualPipeV as variants of the fitting ZB-H1 layouts that could then rank in
+the top (variants.py). Every candidate
 then goes through the trainer's own config validation
 (`layout.trainer_refusal`: `Config.validate` of the config `layout_overrides` describes),
 so a layout the trainer refuses (a tp that does not split the kv heads, an sp or cp that
@@ -16,7 +17,7 @@ no rule is restated here: when the trainer learns a composition, the search prop
 ZeRO++ (qwZ, hpZ, qgZ), asked for (`zeropp`: its int8 weights and gradients change the
 numbers, at an accuracy cost the planner does not price), is tried on the fitting ZeRO-3
 layouts whose replica group spans nodes and that could then rank in the top
-(`with_zeropp`). The
+(variants.py). The
 run's data section takes part (`data`): data.document_mask rules out context parallelism. Offload
 (cpu, nvme) is tried only when nothing fits without it. Ranked by predicted step time,
 then memory.
@@ -24,7 +25,6 @@ then memory.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
 from collections.abc import Iterator
@@ -32,10 +32,11 @@ from dataclasses import dataclass
 
 from shardtrain.config import DataConfig, ModelConfig
 from shardtrain.cost.counts import param_counts
-from shardtrain.plan.evaluate import Plan, dp_exposed_s, evaluate, fits
+from shardtrain.plan.evaluate import Plan, evaluate, fits
 from shardtrain.cost.hardware import Hardware
 from shardtrain.plan.layout import Layout, PlanError, check, trainer_refusal
-from shardtrain.plan.memory import MemoryBreakdown, memory_per_gpu, replicas_per_node
+from shardtrain.plan.memory import MemoryBreakdown, memory_per_gpu
+from shardtrain.plan.variants import v_variants, with_variants, zeropp_variants
 
 GB = 1e9
 
@@ -113,9 +114,7 @@ def _inner(cfg: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, ep: int, cp_
             if m % pp == 0:
                 schedules += [("interleaved", v) for v in _divisors(cfg.n_layers // pp)
                               if 2 <= v <= 8]
-            # ZB-V and DualPipeV (which the trainer runs) are not enumerated: they add a
-            # third of the candidates, a cost the README's test command cannot take, and
-            # `shardtrain plan --layout ... schedule=zbv` evaluates them (layout.py).
+            # ZB-V and DualPipeV: variants of the fitting ZB-H1 layouts (variants.py)
         for zero in zeros:
             for recompute in ("none", "selective", "full"):
                 for sp in sps:
@@ -135,50 +134,6 @@ def _partitions(cfg: ModelConfig, zero: int, dp: int, model_ranks: int,
     layer = zero == 3 and dp > 1 and model_ranks == 1 and offload == "none" \
         and not cfg.n_experts
     return ("flat", "layer") if layer else ("flat",)
-
-
-def zeropp_variants(layout: Layout, *, node_size: int) -> list[Layout]:
-    """ZeRO++ (plan/zeropp.py) for a ZeRO-3 layout whose replica group spans nodes, where
-    its bytes cross the slow links: qwZ + hpZ + qgZ, then qwZ + qgZ (no secondary shard's
-    memory; the only one under a pipeline, where the trainer refuses hpZ)."""
-    lay = layout
-    if lay.zero != 3 or lay.qwz or lay.replicas <= replicas_per_node(lay, node_size):
-        return []
-    light = dataclasses.replace(lay, qwz=True, qgz=True)
-    return ([dataclasses.replace(light, hpz=True)] if lay.pp == 1 else []) + [light]
-
-
-def with_zeropp(plans: list[Plan], cfg: ModelConfig, hw: Hardware, *, top: int,
-                data: DataConfig | None) -> tuple[list[Plan], int, int]:
-    """`plans` (ranked) plus the fastest ZeRO++ variant the trainer runs and that fits of
-    each plan that could then enter the `top`: ZeRO++ changes only the dp group's ops, so
-    a variant is never faster than its plan less the plan's exposed dp communication
-    (the bound that spares evaluating the rest). Returns (ranked plans, variants the trainer
-    ran, variants it refused)."""
-    plans, added, ran, refused = sorted(plans, key=_rank), [], 0, 0
-    best = [p.time.step_s for p in plans[:top]]  # the top's step times, ascending
-    for plan in plans:
-        cutoff = best[-1] if len(best) >= top else math.inf
-        if plan.time.step_s - dp_exposed_s(plan) >= cutoff:
-            continue
-        node = hw.node_size(plan.layout.gpus)
-        for variant in zeropp_variants(plan.layout, node_size=node):
-            if trainer_refusal(variant, cfg, seq_len=plan.seq_len, data=data) is not None:
-                refused += 1
-                continue
-            ran += 1
-            memory = memory_per_gpu(cfg, variant, seq_len=plan.seq_len, node_size=node)
-            if fits(memory, hw):
-                added.append(evaluate(cfg, variant, hw, global_batch=plan.global_batch,
-                                      seq_len=plan.seq_len, name=plan.name, memory=memory))
-                bisect.insort(best, added[-1].time.step_s)
-                del best[top:]
-                break
-    return sorted(plans + added, key=_rank), ran, refused
-
-
-def _rank(plan: Plan) -> tuple[float, float]:
-    return plan.time.step_s, plan.memory.total
 
 
 def search(cfg: ModelConfig, hw: Hardware, *, gpus: int, global_batch: int, seq_len: int,
@@ -229,12 +184,10 @@ def search(cfg: ModelConfig, hw: Hardware, *, gpus: int, global_batch: int, seq_
                      global_batch=global_batch, memory=near.memory, data=data)))
     plans = [evaluate(cfg, lay, hw, global_batch=global_batch, seq_len=seq_len, name=name,
                       memory=mem) for lay, mem in fitting]
-    if zeropp:
-        plans, ran, refused_zeropp = with_zeropp(plans, cfg, hw, top=top, data=data)
+    for make in (v_variants, *([zeropp_variants] if zeropp else [])):
+        plans, ran, refused_variants = with_variants(plans, cfg, hw, make, top=top, data=data)
         counts["considered"] += ran
-        counts["refused"] += refused_zeropp
-    else:
-        plans = sorted(plans, key=_rank)
+        counts["refused"] += refused_variants
     return SearchResult(ranked=tuple(plans[:top]), **counts)
 
 

@@ -49,18 +49,20 @@ class DataParallel:
     def __init__(self, module: nn.Module, comm: Communicator, *, bucket_mb: float = 25.0,
                  compress: str = "none", quant_block: int = 256,
                  reduce_dtype: torch.dtype = torch.float32,
-                 params: list[nn.Parameter] | None = None):
+                 params: list[nn.Parameter] | None = None,
+                 arrivals: dict[nn.Parameter, int] | None = None):
         """`params`: the parameters to reduce (default: all of the module's that train;
         expert parallelism gives its experts a reducer of their own). `compress`: gradient
         compression (comm/compress.py), none or int8, one compressor per bucket
         (comm.compress=topk sparsifies optimizer updates instead of gradients: topk.py).
-        `reduce_dtype`: the dtype gradients travel in (the policy's)."""
+        `reduce_dtype`: the dtype gradients travel in (the policy's). `arrivals`: parameters
+        that two pipeline chunks of this rank use (ready.py)."""
         self.module, self.comm, self.reduce_dtype = module, comm, reduce_dtype
         if params is None:
             params = [p for p in module.parameters() if p.requires_grad]  # tied weights once
         self.buckets = _make_buckets(list(reversed(params)), bucket_mb * 2**20, comm.size)
         self.compressors = [make_compressor(compress, block=quant_block) for _ in self.buckets]
-        self.launcher = ReadyInOrder([b.params for b in self.buckets], self._launch)
+        self.launcher = ReadyInOrder([b.params for b in self.buckets], self._launch, arrivals)
 
     @contextmanager
     def no_sync(self):

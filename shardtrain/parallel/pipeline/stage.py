@@ -88,6 +88,16 @@ class StageChunk(nn.Module):
         self.__dict__["stage"] = stage  # not a submodule: the stage owns the parameters
         self.indices, self.first, self.last = layers, first, last
 
+    def used_parameters(self) -> list[nn.Parameter]:
+        """The stage's parameters this chunk's forward reads (a tied table once per use)."""
+        stage = self.stage
+        mods = [stage.layers[str(i)] for i in self.indices]
+        if self.first:
+            mods += [stage.tok_emb, *([stage.pos_emb] if hasattr(stage, "pos_emb") else [])]
+        if self.last:
+            mods += [stage.norm, stage.head]
+        return list({id(p): p for m in mods for p in m.parameters()}.values())
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """`positions` [B, S]: packed documents (model/positions.py); every chunk takes
         them, as every chunk's attention masks by document."""

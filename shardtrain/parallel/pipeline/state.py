@@ -33,6 +33,8 @@ class StageShards(TensorShards):
         self.pp = pp
         self.reference_keys = reference_keys
         ends = pp.size > 1 and pp.rank in (0, pp.size - 1)
+        # A frozen table (LoRA's base) has no gradient to exchange: its copies stay equal.
+        tied = tied and ends and self.named[TIED].requires_grad
         self.tied_peer = (pp.size - 1 - pp.rank) if tied and ends else None
         # The last stage's copy of the tied embedding: the first stage counts it in the norm.
         self.counted_elsewhere = frozenset({TIED}) if tied and ends and pp.rank > 0 \
