@@ -38,8 +38,6 @@ def check_pipedream(cfg: Config) -> None:
         ("parallel.ps_servers", p.ps_servers, "the parameter servers own the weights"),
         ("comm.compress", cfg.comm.compress if cfg.comm.compress == "topk" else 0,
          "top-k steps each rank's own optimizer"),
-        ("checkpoint.resume", cfg.checkpoint.resume, "checkpoints do not hold the stashed "
-                                                     "version W(t-1) a resumed step computes on"),
     ]
     for name, value, why in unsupported:
         if value:

@@ -37,6 +37,11 @@ def optim_key(name: str, state: str) -> str:
     return f"optim/{name}/{state}"
 
 
+def stash_key(name: str) -> str:
+    """PipeDream-2BW's stashed weight version of `name` (pipeline/pipedream.py)."""
+    return f"stash/{name}"
+
+
 def box_of(shards: StageShards, name: str, local: torch.Size) -> tuple[tuple, tuple]:
     """(full shape, box) of the block `name` this rank holds, of local shape `local`: sliced
     over ep, then over tp (tensor/sharding.py)."""

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from shardtrain.ckpt.files import Piece, Reader
+from shardtrain.parallel.pieces import local_tensor, stash_key, tensor_piece
 from shardtrain.parallel.precision import LossScaler, PrecisionPolicy
 
 if TYPE_CHECKING:
@@ -174,12 +175,26 @@ class Strategy:
         extra = {"optim_steps": self.update.optim_steps()}
         if self.scaler.dynamic:
             extra["scaler"] = self.scaler.state_dict()
-        return self.update.state_pieces(), extra
+        return self.update.state_pieces() + self._stash_pieces(), extra
+
+    def _stash_pieces(self) -> list[Piece]:
+        """PipeDream-2BW's second weight version (pipeline/pipedream.py), or none."""
+        versions = self.pipeline.versions
+        if versions is None:
+            return []
+        stashed = versions.stashed(self.shards.named, set(self.shards.tied_to))
+        return [tensor_piece(self.shards, stash_key(n), n, t) for n, t in stashed.items()]
 
     def load_state(self, reader: Reader) -> None:
         """A checkpoint of any layout. One written in another precision has no scaler
         state: an fp16 run resumed from it starts at the initial scale."""
         self.update.load_state(reader, int(reader.extra.get("optim_steps", 0)))
+        if self.pipeline.versions is not None:  # W(t-1) where the checkpoint has it
+            stashed = self.pipeline.versions.stashed(self.shards.named, set(self.shards.tied_to))
+            with torch.no_grad():
+                for n, t in stashed.items():
+                    if reader.has(stash_key(n)):
+                        t.copy_(local_tensor(self.shards, reader, stash_key(n), n, t))
         if self.scaler.dynamic and "scaler" in reader.extra:
             self.scaler.load_state_dict(reader.extra["scaler"])
 

@@ -21,6 +21,10 @@ one's drain, the same (p - 1)(F + B) per rank however many batches run
 (tests/test_pipedream_2bw.py; docs/pipeline.md). Micro-batch n of the drawing is
 micro-batch n % m of batch n // m.
 
+A checkpoint holds both versions (the stash as `stash/<name>`, strategy.py), so a resumed
+run computes its next step on the version the uninterrupted run would; one written by
+another schedule holds none, and the resumed run starts with W(t-1) = W(t), as at step 0.
+
 The runtime (runtime.py): every micro-batch of batch t runs on W(t-1) (`WeightVersions`),
 so its numbers are those of the schedule above; each step's micro-batches run through the
 executor in 1F1B's order (`EXECUTED`), the step's last backward before its update. The
@@ -98,6 +102,23 @@ class WeightVersions:
         self.params: list[nn.Parameter] = []
         self.stash: list[torch.Tensor] | None = None  # taken at the first step (below)
 
+    def take(self) -> None:
+        """The stash, W(-1) = W(0), once the parameters are filled (initialised or loaded:
+        only after the pipeline is built)."""
+        if self.stash is None:
+            # a pipeline chunk registers no parameters: its stage owns them (stage.py)
+            owners = {id(o): o for o in (getattr(c, "stage", c) for c in self.chunks)}
+            self.params = [p for o in owners.values() for p in o.parameters() if p.requires_grad]
+            self.stash = [p.detach().clone() for p in self.params]
+
+    def stashed(self, named: dict[str, nn.Parameter], skip: set[str]) -> dict[str, torch.Tensor]:
+        """{parameter name: its stashed version} (`named`: the stage's parameters by name;
+        `skip`: aliases of a tied one). A checkpoint holds it beside W(t): the version the
+        next step computes on (strategy.py)."""
+        self.take()
+        at = {id(p): s for p, s in zip(self.params, self.stash)}
+        return {n: at[id(p)] for n, p in named.items() if id(p) in at and n not in skip}
+
     @property
     def nbytes(self) -> int:
         return sum(s.numel() * s.element_size() for s in self.stash or [])
@@ -107,13 +128,8 @@ class WeightVersions:
         """Run batch t on W(t-1): the parameters hold it inside the block (their gradients
         are then grad f(W(t-1))); on exit they hold W(t) again, ready for the update, and the
         stash holds W(t) too -- batch t + 1's version, kept before the update overwrites
-        the parameters with W(t+1). The first step takes the stash, W(-1) = W(0): the
-        parameters are filled (initialised or loaded) only after the pipeline is built."""
-        if self.stash is None:
-            # a pipeline chunk registers no parameters: its stage owns them (stage.py)
-            owners = {id(o): o for o in (getattr(c, "stage", c) for c in self.chunks)}
-            self.params = [p for o in owners.values() for p in o.parameters() if p.requires_grad]
-            self.stash = [p.detach().clone() for p in self.params]
+        the parameters with W(t+1)."""
+        self.take()
         with torch.no_grad():
             for p, s in zip(self.params, self.stash):  # swap, one tensor's copy at a time
                 current = p.detach().clone()
