@@ -41,6 +41,7 @@ def _validate(preset: str, layout: Layout, seq_len: int, *extra: str) -> None:
     assert cfg.train.activation_checkpointing == layout.recompute
     assert (p.zero_quantized_weights, p.zero_hpz, p.zero_quantized_gradients) == (
         layout.qwz, layout.hpz, layout.qgz)  # ZeRO++: the search proposes it (search.py)
+    assert p.zero_accumulate == layout.accumulate  # so it does unsharded accumulation
 
 
 @pytest.mark.parametrize("preset, hw, gpus, batch, seq, extra", CASES,
@@ -54,6 +55,7 @@ def test_ranked_layouts_pass_config_validation(preset, hw, gpus, batch, seq, ext
         _validate(preset, plan.layout, seq, *extra)
     if (preset, extra) == ("llama3-8b", ()):  # its dp groups span nodes: ZeRO++ ranks
         assert any(p.layout.qwz or p.layout.qgz for p in result.ranked)
+        assert any(p.layout.accumulate == "unsharded" for p in result.ranked)
     print(f"{preset}{' moe' if extra else ''} on {gpus}: {result.considered} candidates run, "
           f"{result.refused} refused by config validation; best {result.ranked[0].layout.describe()}")
 

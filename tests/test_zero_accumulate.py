@@ -16,6 +16,9 @@ from parity import (BF16_LOSS_RTOL, assert_parity, make_mesh, reference_runs, ti
 from shardtrain import config
 from shardtrain.config import ConfigError
 from shardtrain.plan.accumulate import kept_bytes
+from shardtrain.plan.layout import Layout
+from shardtrain.plan.memory import BUCKET_BYTES, memory_per_gpu
+from shardtrain.plan.partition import rank_params
 from shardtrain.plan.traffic import bytes_per_step, data_parallel_ops
 from shardtrain.train.trainer import Trainer
 
@@ -83,7 +86,8 @@ def _ledger(rank: int, tmp) -> dict:
                 "units": len(z.units), "sent": sum(r.sent_bytes for r in trainer.mesh.ledger.records
                                                    if r.tag in ("grad", "param")
                                                    and r.group == "dp"),
-                "held_grads": sum(u.grad_flat.untyped_storage().nbytes() for u in z.units)}
+                "held_grads": sum(u.grad_flat.untyped_storage().nbytes() for u in z.units),
+                "buckets": len(z.reducer.buckets), "in_backward": z.reducer.in_backward}
     return out
 
 
@@ -140,6 +144,8 @@ def test_bytes_per_step_independent_of_microbatches(fast):
             print(f"rank {rank} zero{zero}: m=1 {got[1]['sent']} B, m=4 {got[4]['sent']} B; "
                   f"planner {plan:.0f} B (sharded accumulation {sharded:.0f} B)")
             assert got[4]["sent"] == got[1]["sent"]
+            for m in (1, 4):  # every reduce-scatter launched in the last backward, none after
+                assert got[m]["in_backward"] == got[m]["buckets"] == got[m]["units"], (zero, m)
             assert plan == pytest.approx(got[4]["sent"], abs=8)
             assert sharded > 1.5 * plan
 
@@ -156,6 +162,26 @@ def test_memory_ledger_shows_what_is_kept(fast):
             assert rec["kept_params_bytes"] == (4 * got["padded"] if zero == 3 else 0)
             assert got["held_grads"] == 0
             assert rec["grads_bytes"] == 4 * got["padded"] // 2  # the fp32 shard, dp 2
+
+
+@pytest.mark.parametrize("precision", ["amp", "bf16"])
+@pytest.mark.parametrize("zero", [2, 3])
+def test_planner_memory_adds_what_is_kept(zero, precision):
+    """The planner's step memory under unsharded accumulation: the sharded layout's plus
+    the kept full gradient (ZeRO-3: parameters), in shardtrain's runtime convention (amp)
+    and the published one (bf16)."""
+    model = config.load("llama3-8b", []).model
+    lay = Layout(dp=8, zero=zero, precision=precision, micro_batch=1, microbatches=4)
+    unsharded = Layout(**{**lay.to_dict(), "accumulate": "unsharded"})
+    ranks = rank_params(model, lay)
+    before, after = (memory_per_gpu(model, x, seq_len=4096) for x in (lay, unsharded))
+    kept = kept_bytes(ranks.total, zero=zero, precision=precision,
+                      kept=ranks.kept + ranks.kept_expert)
+    if precision == "amp":  # on top of the moments of backward (buffers.py)
+        assert after.total - before.total == pytest.approx(kept)
+    else:  # two gradient buckets, and the kept copies in place of ZeRO-3's gathered units
+        assert after.buffers == pytest.approx(kept + 2 * min(BUCKET_BYTES, 2 * ranks.total))
+    assert kept >= (4 if precision == "amp" else 2) * ranks.total
 
 
 @pytest.mark.parametrize("overrides, words", [

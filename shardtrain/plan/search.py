@@ -16,7 +16,8 @@ no rule is restated here: when the trainer learns a composition, the search prop
 ZeRO++ (qwZ, hpZ, qgZ), asked for (`zeropp`: its int8 weights and gradients change the
 numbers, at an accuracy cost the planner does not price), is tried on the fitting ZeRO-3
 layouts whose replica group spans nodes and that could then rank in the top
-(`with_zeropp`). The
+(`with_variants`), as is unsharded accumulation (parallel.zero_accumulate) on every
+fitting ZeRO-2/3 layout with micro-batches to accumulate that could then rank. The
 run's data section takes part (`data`): data.document_mask rules out context parallelism. Offload
 (cpu, nvme) is tried only when nothing fits without it. Ranked by predicted step time,
 then memory.
@@ -35,7 +36,8 @@ from shardtrain.cost.counts import param_counts
 from shardtrain.plan.evaluate import Plan, dp_exposed_s, evaluate, fits
 from shardtrain.cost.hardware import Hardware
 from shardtrain.plan.layout import Layout, PlanError, check, trainer_refusal
-from shardtrain.plan.memory import MemoryBreakdown, memory_per_gpu, replicas_per_node
+from shardtrain.plan.memory import MemoryBreakdown, memory_per_gpu
+from shardtrain.plan.variants import variants
 
 GB = 1e9
 
@@ -137,24 +139,13 @@ def _partitions(cfg: ModelConfig, zero: int, dp: int, model_ranks: int,
     return ("flat", "layer") if layer else ("flat",)
 
 
-def zeropp_variants(layout: Layout, *, node_size: int) -> list[Layout]:
-    """ZeRO++ (plan/zeropp.py) for a ZeRO-3 layout whose replica group spans nodes, where
-    its bytes cross the slow links: qwZ + hpZ + qgZ, then qwZ + qgZ (no secondary shard's
-    memory; the only one under a pipeline, where the trainer refuses hpZ)."""
-    lay = layout
-    if lay.zero != 3 or lay.qwz or lay.replicas <= replicas_per_node(lay, node_size):
-        return []
-    light = dataclasses.replace(lay, qwz=True, qgz=True)
-    return ([dataclasses.replace(light, hpz=True)] if lay.pp == 1 else []) + [light]
-
-
-def with_zeropp(plans: list[Plan], cfg: ModelConfig, hw: Hardware, *, top: int,
-                data: DataConfig | None) -> tuple[list[Plan], int, int]:
-    """`plans` (ranked) plus the fastest ZeRO++ variant the trainer runs and that fits of
-    each plan that could then enter the `top`: ZeRO++ changes only the dp group's ops, so
-    a variant is never faster than its plan less the plan's exposed dp communication
-    (the bound that spares evaluating the rest). Returns (ranked plans, variants the trainer
-    ran, variants it refused)."""
+def with_variants(plans: list[Plan], cfg: ModelConfig, hw: Hardware, *, top: int,
+                  data: DataConfig | None, zeropp: bool) -> tuple[list[Plan], int, int]:
+    """`plans` (ranked) plus the fastest variant (plan/variants.py: unsharded accumulation;
+    ZeRO++ when `zeropp`) the trainer runs and that fits of each plan that could then enter
+    the `top`: a variant changes only the dp group's ops, so it is never faster than its
+    plan less the plan's exposed dp communication (the bound that spares evaluating the
+    rest). Returns (ranked plans, variants the trainer ran, variants it refused)."""
     plans, added, ran, refused = sorted(plans, key=_rank), [], 0, 0
     best = [p.time.step_s for p in plans[:top]]  # the top's step times, ascending
     for plan in plans:
@@ -162,18 +153,19 @@ def with_zeropp(plans: list[Plan], cfg: ModelConfig, hw: Hardware, *, top: int,
         if plan.time.step_s - dp_exposed_s(plan) >= cutoff:
             continue
         node = hw.node_size(plan.layout.gpus)
-        for variant in zeropp_variants(plan.layout, node_size=node):
-            if trainer_refusal(variant, cfg, seq_len=plan.seq_len, data=data) is not None:
-                refused += 1
-                continue
-            ran += 1
-            memory = memory_per_gpu(cfg, variant, seq_len=plan.seq_len, node_size=node)
-            if fits(memory, hw):
-                added.append(evaluate(cfg, variant, hw, global_batch=plan.global_batch,
-                                      seq_len=plan.seq_len, name=plan.name, memory=memory))
-                bisect.insort(best, added[-1].time.step_s)
-                del best[top:]
-                break
+        for group in variants(plan.layout, node_size=node, zeropp=zeropp):
+            for variant in group:  # fastest first: the first that runs and fits
+                if trainer_refusal(variant, cfg, seq_len=plan.seq_len, data=data) is not None:
+                    refused += 1
+                    continue
+                ran += 1
+                memory = memory_per_gpu(cfg, variant, seq_len=plan.seq_len, node_size=node)
+                if fits(memory, hw):
+                    added.append(evaluate(cfg, variant, hw, global_batch=plan.global_batch,
+                                          seq_len=plan.seq_len, name=plan.name, memory=memory))
+                    bisect.insort(best, added[-1].time.step_s)
+                    del best[top:]
+                    break
     return sorted(plans + added, key=_rank), ran, refused
 
 
@@ -229,12 +221,10 @@ def search(cfg: ModelConfig, hw: Hardware, *, gpus: int, global_batch: int, seq_
                      global_batch=global_batch, memory=near.memory, data=data)))
     plans = [evaluate(cfg, lay, hw, global_batch=global_batch, seq_len=seq_len, name=name,
                       memory=mem) for lay, mem in fitting]
-    if zeropp:
-        plans, ran, refused_zeropp = with_zeropp(plans, cfg, hw, top=top, data=data)
-        counts["considered"] += ran
-        counts["refused"] += refused_zeropp
-    else:
-        plans = sorted(plans, key=_rank)
+    plans, ran, refused_variants = with_variants(plans, cfg, hw, top=top, data=data,
+                                                 zeropp=zeropp)
+    counts["considered"] += ran
+    counts["refused"] += refused_variants
     return SearchResult(ranked=tuple(plans[:top]), **counts)
 
 

@@ -36,11 +36,12 @@ class UnshardedReducer(ZeroReducer):
     docstring): the full buffers of `per_step`, and the backward launches of stages 2 and 3,
     enabled only outside `no_sync` (the step's last backward: pipeline/executor.py)."""
 
-    def __init__(self, units, **kwargs):
+    def __init__(self, units: list[FlatUnit], **kwargs):
         kwargs["per_step"] = True  # the full buffers, .grad views of them
         super().__init__(units, **kwargs)
         self.launcher = ReadyInOrder([u.params for u in self.order], self._launch)
         self.kept = {"kept_grads_bytes": 0, "kept_params_bytes": 0}  # at the last backward
+        self.in_backward = 0  # instrument: buckets the last step launched during backward
 
     @contextmanager
     def no_sync(self):
@@ -53,6 +54,7 @@ class UnshardedReducer(ZeroReducer):
 
     @torch.no_grad()
     def finish(self) -> None:
+        self.in_backward = self.launcher.next
         self._drain()  # the units whose gradients never all arrived in the last backward
         self._scale()
 
@@ -61,7 +63,7 @@ class UnshardedReducer(ZeroReducer):
             self._measure()
         super()._launch(i)
 
-    def _flat_gradient(self, u) -> torch.Tensor:
+    def _flat_gradient(self, u: FlatUnit) -> torch.Tensor:
         """u's accumulated full gradient [padded] in the reduce dtype: its buffer itself
         (fp32), or a copy (bf16 on the wire; the buffer goes at once)."""
         if u.grad_flat.dtype == self.reduce_dtype:
