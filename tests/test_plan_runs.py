@@ -42,6 +42,7 @@ def _validate(preset: str, layout: Layout, seq_len: int, *extra: str) -> None:
     assert (p.schedule, p.virtual_stages) == (layout.schedule, layout.v)
     assert (p.zero_quantized_weights, p.zero_hpz, p.zero_quantized_gradients) == (
         layout.qwz, layout.hpz, layout.qgz)  # ZeRO++: the search proposes it (search.py)
+    assert p.zero_accumulate == layout.accumulate  # so it does unsharded accumulation
 
 
 @pytest.mark.parametrize("preset, hw, gpus, batch, seq, extra", CASES,
@@ -55,6 +56,7 @@ def test_ranked_layouts_pass_config_validation(preset, hw, gpus, batch, seq, ext
         _validate(preset, plan.layout, seq, *extra)
     if (preset, extra) == ("llama3-8b", ()):  # its dp groups span nodes: ZeRO++ ranks
         assert any(p.layout.qwz or p.layout.qgz for p in result.ranked)
+        assert any(p.layout.accumulate == "unsharded" for p in result.ranked)
     if preset == "gpt3-175b":  # 48 micro-batches over 16 stages: the V's bubble pays
         assert any(p.layout.schedule in ("zbv", "dualpipev") for p in result.ranked)
     print(f"{preset}{' moe' if extra else ''} on {gpus}: {result.considered} candidates run, "

@@ -42,6 +42,11 @@ class ParallelConfig:
     # layer: each rank owns whole units (broadcast from the owner, reduce to it: seed 001's
     # inter-layer partitioning; parallel/zero/layer.py).
     zero_partition: Literal["flat", "layer"] = "flat"
+    # ZeRO-2/3 under gradient accumulation (parallel/zero/accumulate.py): sharded reduce-
+    # scatters every micro-batch (ZeRO-3 also gathers every unit twice per micro-batch);
+    # unsharded keeps the full gradient (ZeRO-3 the gathered units) through the step and
+    # reduces once: one micro-batch's bytes per step, for the stage's full gradient in memory.
+    zero_accumulate: Literal["sharded", "unsharded"] = "sharded"
     offload: Literal["none", "cpu", "nvme"] = "none"  # where optimizer state and step live
     offload_dir: str = ""  # nvme offload: directory of the memory-mapped shard files
     zero_quantized_weights: bool = False  # ZeRO++ qwZ: int8 parameter all-gather
@@ -104,6 +109,7 @@ class ParallelConfig:
                               f"{self.zero}): set zero=3 or drop zero_unit_blocks")
         self._validate_offload_and_zeropp()
         self._validate_layer_partition()
+        self._validate_accumulate()
         positive("parallel", self, "virtual_stages")
         if (dp * self.cp) % self.ep:
             raise ConfigError(f"parallel.ep={self.ep} must divide dp x cp = {dp * self.cp}")
@@ -124,6 +130,26 @@ class ParallelConfig:
             raise ConfigError(f"parallel.zero_partition=layer runs over plain data parallelism "
                               f"without offload or ZeRO++; this run has parallel.{used[0]}: use "
                               "zero_partition=flat or drop it")
+
+    def _validate_accumulate(self) -> None:
+        """unsharded changes what ZeRO-2 and 3 do between micro-batches, where they do it."""
+        if self.zero_accumulate == "sharded":
+            return
+        why = ""
+        if self.zero < 2:
+            why = (f"parallel.zero={self.zero} keeps no sharded gradient to accumulate into "
+                   "(DP and ZeRO-1 reduce once per step already): set zero=2 or 3")
+        elif self.pp > 1:
+            why = (f"parallel.pp={self.pp}: under a pipeline ZeRO-2 and 3 already keep the full "
+                   "gradient and reduce once per step (docs/zero.md): drop zero_accumulate")
+        elif self.zero_hpz:
+            why = ("parallel.zero_hpz serves ZeRO-3's backward gathers, which unsharded "
+                   "accumulation does not make (units stay gathered): drop one of the two")
+        elif self.zero_partition == "layer":
+            why = ("parallel.zero_partition=layer broadcasts whole units per micro-batch; "
+                   "unsharded accumulation runs on the flat partition: drop one of the two")
+        if why:
+            raise ConfigError(f"parallel.zero_accumulate=unsharded with {why}")
 
     def _validate_offload_and_zeropp(self) -> None:
         """Offload and ZeRO++ act on ZeRO's flat shards; hpZ on stage 3's backward gathers.

@@ -25,6 +25,7 @@ OFFLOAD = ("none", "cpu", "nvme")
 PRECISIONS = ("fp32", "bf16", "amp")  # amp: the runtime's bf16/fp16 policy (memory.py)
 CP_MODES = ("ring", "ulysses")  # parallel.cp_mode
 ATTENTION = ("flash", "math")  # SDPA kernel: what activations keep (plan/activations.py)
+ACCUMULATE = ("sharded", "unsharded")  # parallel.zero_accumulate (plan/accumulate.py)
 
 
 class PlanError(ConfigError):
@@ -42,6 +43,9 @@ class Layout:
     zero: int = 0
     unit_blocks: int = 1  # ZeRO-3: transformer blocks per unit (parallel.zero_unit_blocks)
     partition: str = "flat"  # ZeRO-3: flat or layer (parallel.zero_partition)
+    # ZeRO-2/3 under accumulation: sharded or unsharded (parallel.zero_accumulate,
+    # plan/accumulate.py)
+    accumulate: str = "sharded"
     offload: str = "none"
     precision: str = "bf16"
     reduce_dtype: str = ""  # gradients on the wire (train.grad_reduce_dtype); "": precision's
@@ -84,7 +88,9 @@ class Layout:
         if self.pp > 1:
             parts.append(self.schedule + (f"(v={self.v})" if self.v > 1 else ""))
         parts += [f"{k}={v}" for k, v in (("unit_blocks", self.unit_blocks),
-                                          ("partition", self.partition)) if v not in (1, "flat")]
+                                          ("partition", self.partition),
+                                          ("accumulate", self.accumulate))
+                  if v not in (1, "flat", "sharded")]
         if self.offload != "none":
             parts.append(f"offload={self.offload}")
         if self.ps_servers:
@@ -106,7 +112,7 @@ def check(layout: Layout, cfg: ModelConfig, *, gpus: int, node_size: int, global
     for name, choices in (("schedule", SCHEDULES), ("recompute", RECOMPUTE),
                           ("offload", OFFLOAD), ("precision", PRECISIONS),
                           ("cp_mode", CP_MODES), ("attention", ATTENTION),
-                          ("optim", tuple(OPTIM_STATES))):
+                          ("optim", tuple(OPTIM_STATES)), ("accumulate", ACCUMULATE)):
         if getattr(lay, name) not in choices:
             raise PlanError(f"layout {name}={getattr(lay, name)!r} is not one of "
                             f"{', '.join(choices)}")
@@ -210,6 +216,7 @@ def _config_fields(layout: Layout, *, seq_len: int | None,
         ("parallel", "ep"): lay.ep, ("parallel", "sp"): lay.sp, ("parallel", "zero"): lay.zero,
         ("parallel", "zero_unit_blocks"): lay.unit_blocks,
         ("parallel", "zero_partition"): lay.partition,
+        ("parallel", "zero_accumulate"): lay.accumulate,
         ("parallel", "offload"): lay.offload, ("parallel", "microbatches"): lay.microbatches,
         ("parallel", "schedule"): lay.schedule, ("parallel", "virtual_stages"): lay.v,
         ("parallel", "ps_servers"): lay.ps_servers, ("train", "micro_batch"): lay.micro_batch,
@@ -271,7 +278,8 @@ def config_layout(cfg: Config, world_size: int) -> Layout:
     dp = p.resolved_dp(world_size)
     return Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, cp_mode=p.cp_mode, ep=p.ep, zero=p.zero,
                   unit_blocks=p.zero_unit_blocks, partition=p.zero_partition,
-                  offload=p.offload, precision="fp32" if t.precision == "fp32" else "amp",
+                  accumulate=p.zero_accumulate, offload=p.offload,
+                  precision="fp32" if t.precision == "fp32" else "amp",
                   reduce_dtype="" if t.grad_reduce_dtype == "fp32" else t.grad_reduce_dtype,
                   recompute=t.activation_checkpointing, sp=p.sp, micro_batch=t.micro_batch,
                   microbatches=p.microbatches or t.global_batch // (dp * t.micro_batch),

@@ -43,7 +43,8 @@ the weights autocast rounds gathered in 16 bits, `zero3_gather_bytes`) and one l
 full gradients; with pp > 1, ZeRO-2 and 3 instead hold the stage's full gradients (and
 ZeRO-3 its full parameters) from the step's first micro-batch to its reduce-scatter
 (zero/model.py): the step's peak is ZeRO-1's, the sharded states are what stays between
-steps; and for pp > 1 a send and a receive buffer of one boundary activation.
+steps (so does parallel.zero_accumulate = unsharded, plan/accumulate.py, on top of the
+moments above); and for pp > 1 a send and a receive buffer of one boundary activation.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from shardtrain.plan.buffers import (block_units, gathered_units, loss_moment, w
                                      zero_moments)
 from shardtrain.plan.layout import Layout
 from shardtrain.plan.optim_states import OPTIM_STATES
-from shardtrain.plan.partition import rank_params
+from shardtrain.plan.partition import RankParams, rank_params
 from shardtrain.plan.schedule_terms import schedule_terms
 
 BUCKET_BYTES = 25e6
@@ -214,6 +215,13 @@ class MemoryBreakdown:
         return {n: float(getattr(self, n)) for n in names} | {"total": float(self.total)}
 
 
+def _kept(ranks: RankParams, lay: Layout) -> float:
+    """The full gradient (ZeRO-3: and parameters) held through a step (plan/accumulate.py)."""
+    from shardtrain.plan.accumulate import kept_bytes  # (it imports this module)
+    return kept_bytes(ranks.total, zero=lay.zero, precision=lay.precision,
+                      kept=ranks.kept + ranks.kept_expert)
+
+
 def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
                    bucket_bytes: float = BUCKET_BYTES, node_size: int = 0) -> MemoryBreakdown:
     """`node_size`: ranks per node (hpZ's secondary shard needs it)."""
@@ -254,16 +262,16 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
         buffers += zero_moments(cfg, lay, ranks, seq_len=seq_len, activations=activations,
                                 bucket_bytes=bucket_bytes,
                                 gather_bytes=STATE_BYTES[lay.precision][0])
+        if lay.accumulate == "unsharded" and lay.replicas > 1:  # under every moment
+            buffers += _kept(ranks, lay)
     else:
         if lay.replicas > 1:  # the gradient buckets' copies
             buffers += 2 * min(bucket_bytes, STATE_BYTES[lay.precision][1] * ranks.total)
         if mine:  # held at backward's end, the loss's gradients at its start
             buffers = max(buffers, loss_moment(cfg, lay, seq_len=seq_len))
-        if lay.replicas > 1 and lay.pp > 1 and lay.zero >= 2:  # full copies held all step
-            buffers += ranks.total * STATE_BYTES[lay.precision][1]
-            if lay.zero == 3:
-                buffers += zero3_gather_bytes(ranks.total, ranks.kept + ranks.kept_expert,
-                                              lay.precision)
+        once = lay.pp > 1 or lay.accumulate == "unsharded"  # reduced once per step
+        if lay.replicas > 1 and lay.zero >= 2 and once:  # full copies held all step
+            buffers += _kept(ranks, lay)
         elif lay.replicas > 1 and lay.zero == 3:  # the unit's kept share taken as the rank's
             units = block_units(ranks.layers, ranks.layer, lay.unit_blocks)
             both = gathered_units(units)  # the unit computing and the next

@@ -17,7 +17,8 @@ no rule is restated here: when the trainer learns a composition, the search prop
 ZeRO++ (qwZ, hpZ, qgZ), asked for (`zeropp`: its int8 weights and gradients change the
 numbers, at an accuracy cost the planner does not price), is tried on the fitting ZeRO-3
 layouts whose replica group spans nodes and that could then rank in the top
-(variants.py). The
+(variants.py), as is unsharded accumulation (parallel.zero_accumulate) on every fitting
+ZeRO-2/3 layout with micro-batches to accumulate that could then rank. The
 run's data section takes part (`data`): data.document_mask rules out context parallelism. Offload
 (cpu, nvme) is tried only when nothing fits without it. Ranked by predicted step time,
 then memory.
@@ -36,7 +37,8 @@ from shardtrain.plan.evaluate import Plan, evaluate, fits
 from shardtrain.cost.hardware import Hardware
 from shardtrain.plan.layout import Layout, PlanError, check, trainer_refusal
 from shardtrain.plan.memory import MemoryBreakdown, memory_per_gpu
-from shardtrain.plan.variants import v_variants, with_variants, zeropp_variants
+from shardtrain.plan.variants import (accumulate_variants, v_variants, with_variants,
+                                     zeropp_variants)
 
 GB = 1e9
 
@@ -184,7 +186,7 @@ def search(cfg: ModelConfig, hw: Hardware, *, gpus: int, global_batch: int, seq_
                      global_batch=global_batch, memory=near.memory, data=data)))
     plans = [evaluate(cfg, lay, hw, global_batch=global_batch, seq_len=seq_len, name=name,
                       memory=mem) for lay, mem in fitting]
-    for make in (v_variants, *([zeropp_variants] if zeropp else [])):
+    for make in (v_variants, accumulate_variants, *([zeropp_variants] if zeropp else [])):
         plans, ran, refused_variants = with_variants(plans, cfg, hw, make, top=top, data=data)
         counts["considered"] += ran
         counts["refused"] += refused_variants

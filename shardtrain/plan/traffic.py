@@ -9,7 +9,8 @@ one micro-batch, s = seq / cp; P, G = this rank's parameter and gradient bytes):
   every micro-batch: 1.5x DP's bytes when m = 1 (under amp it gathers the weights autocast
   rounds in 16 bits, the rest in fp32: cost/units.py). With pp > 1 (zero/model.py) ZeRO-2
   and 3 reduce-scatter G once per step, after the last micro-batch, and ZeRO-3 all-gathers P once
-  per step, before the first: ZeRO-2 moves ZeRO-1's bytes, ZeRO-3 DP's. DP's gradients
+  per step, before the first: ZeRO-2 moves ZeRO-1's bytes, ZeRO-3 DP's; so does
+  parallel.zero_accumulate = unsharded at pp = 1 (plan/accumulate.py). DP's gradients
   travel in buckets of comm.bucket_mb (25 MB); ZeRO's in buckets of whole consecutive
   units of at most that size (a larger unit alone: cost/units.py `coalesce`), its
   parameters one unit (layer) at a time. `edp` is the same for expert parameters
@@ -75,11 +76,12 @@ def data_parallel_ops(*, params: float, size: int, zero: int, microbatches: int 
                       precision: str = "bf16", where: Placement = FREE, group: str = "dp",
                       layers: int = 1, bucket_bytes: float = BUCKET_BYTES,
                       reduce_dtype: str = "", pipelined: bool = False,
-                      kept: float = 0.0) -> list[CommOp]:
+                      kept: float = 0.0, unsharded: bool = False) -> list[CommOp]:
     """Gradient synchronisation and ZeRO parameter traffic of `params` parameters held by
     each of `size` ranks (see the module docstring); `layers`: ZeRO's units (ZeRO-3 gathers
     one at a time, ZeRO-1/2 after the step; their gradients go in `bucket_bytes` buckets);
-    `pipelined` (pp > 1): ZeRO-2/3 reduce (and ZeRO-3 gathers) once per step.
+    `pipelined` (pp > 1) or `unsharded` (parallel.zero_accumulate): ZeRO-2/3 reduce (and
+    ZeRO-3 gathers) once per step.
     Parameters travel in the precision's parameter bytes (STATE_BYTES), except ZeRO-3's
     gathers under amp (`zero3_gather_bytes`: `kept` of them in fp32, the rest 16-bit);
     gradients in `reduce_dtype`'s (train.grad_reduce_dtype; "": the precision's)."""
@@ -90,7 +92,7 @@ def data_parallel_ops(*, params: float, size: int, zero: int, microbatches: int 
         p_bytes = zero3_gather_bytes(params, kept, precision)
     if reduce_dtype:
         g_bytes = REDUCE_BYTES[reduce_dtype] * params
-    m = microbatches
+    m, pipelined = microbatches, pipelined or unsharded
     if zero == 0:
         buckets = max(1, math.ceil(g_bytes / bucket_bytes))
         return [collective(group, "all_reduce", size, g_bytes / buckets, buckets, where, "step")]
@@ -124,7 +126,8 @@ def step_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, seq_len: int,
         return ps_ops(cfg, lay, hw.inter_link() if lay.gpus > node else hw.intra_link())
     units = len(block_units(ranks.layers, ranks.layer, lay.unit_blocks))  # ZeRO's block units
     common = dict(zero=lay.zero, microbatches=m, precision=lay.precision, layers=units,
-                  bucket_bytes=bucket_bytes, pipelined=lay.pp > 1, reduce_dtype=lay.reduce_dtype)
+                  bucket_bytes=bucket_bytes, pipelined=lay.pp > 1, reduce_dtype=lay.reduce_dtype,
+                  unsharded=lay.accumulate == "unsharded")
     dp_where = placement(hw, node, lay.tp, lay.replicas)
     if any_zeropp(lay):  # quantized and node-local collectives (plan/zeropp.py)
         ops += zeropp_ops(cfg, lay, hw, bucket_bytes=bucket_bytes)

@@ -1,13 +1,21 @@
 """Layouts evaluated after the search's grid, as variants of the fitting plans that could
-then rank in the top: ZeRO++'s quantized collectives and the V schedules.
+then rank in the top:
 
-Each kind of variant changes one part of the step, so a variant is never faster than its
-plan less that part's seconds: ZeRO++ changes only the dp group's ops (bound: the plan's
-exposed dp communication), ZB-V and DualPipeV only the pipeline's schedule, whose best is
-no bubble at all (bound: the plan's bubble). The bound spares evaluating the rest; pricing
-every V layout in the grid would add a third of its candidates. Each variant still goes
-through the trainer's config validation (`trainer_refusal`), so none the trainer refuses is
-proposed.
+- ZB-V and DualPipeV (two chunks per stage in a V) of a ZB-H1 layout: another bubble and
+  activation peak, the embedding and head both on stage 0.
+- Unsharded accumulation (parallel.zero_accumulate, plan/accumulate.py): a ZeRO-2 or 3
+  layout without a pipeline (under one it is what already runs) whose replicas accumulate
+  several micro-batches sends one micro-batch's bytes per step and holds the stage's full
+  gradient (ZeRO-3 also its parameters) through the step.
+- ZeRO++ (plan/zeropp.py), asked for: its int8 weights and gradients change the numbers.
+
+Each kind changes one part of the step, so a variant is never faster than its plan less
+that part's seconds: the V only the pipeline's schedule, whose best is no bubble at all
+(bound: the plan's bubble); accumulation and ZeRO++ only the dp group's ops (bound: the
+plan's exposed dp communication). The bound spares evaluating the rest; pricing every V
+layout in the grid would add a third of its candidates. The kinds run one after another,
+so a V layout can take ZeRO++ too. Each variant still goes through the trainer's config
+validation (`trainer_refusal`), so none the trainer refuses is proposed.
 """
 
 from __future__ import annotations
@@ -38,6 +46,16 @@ def zeropp_variants(plan: Plan, node_size: int) -> tuple[list[Layout], float, bo
     light = dataclasses.replace(lay, qwz=True, qgz=True)
     return ([dataclasses.replace(light, hpz=True)] if lay.pp == 1 else []) + [light], \
         dp_exposed_s(plan), True
+
+
+def accumulate_variants(plan: Plan, node_size: int) -> tuple[list[Layout], float, bool]:
+    """The unsharded-accumulation variant of a ZeRO-2/3 layout that accumulates over
+    replicas without a pipeline (module docstring), or none."""
+    lay = plan.layout
+    if (lay.zero < 2 or lay.pp > 1 or lay.microbatches < 2 or lay.replicas < 2
+            or lay.accumulate == "unsharded"):
+        return [], 0.0, True
+    return [dataclasses.replace(lay, accumulate="unsharded")], dp_exposed_s(plan), True
 
 
 def v_variants(plan: Plan, node_size: int) -> tuple[list[Layout], float, bool]:

@@ -110,7 +110,7 @@ def zeropp_group_ops(units: list[Unit], layout: Layout, *, size: int, local: int
     lay, m = layout, layout.microbatches
     if size <= 1 or not units:
         return []
-    pipelined = lay.pp > 1
+    pipelined = lay.pp > 1 or lay.accumulate == "unsharded"  # once per step (traffic.py)
     grad_bytes = REDUCE_BYTES[lay.reduce_dtype] if lay.reduce_dtype \
         else STATE_BYTES[lay.precision][1]
     gathers = 1 if lay.zero < 3 or pipelined else m  # per unit and kind (forward, backward)

@@ -14,7 +14,8 @@ What each stage shards (N_d = dp ranks; each rank owns 1/N_d of every unit):
   activations by then (a flat buffer attached at its first gradient would instead meet the
   activation peak at the start of backward). With gradient accumulation every micro-batch
   is reduce-scattered into the accumulated shard (as DeepSpeed's stage 2 does): memory
-  stays at the shard, and the gradient bytes moved grow with the number of micro-batches.
+  stays at the shard, and the gradient bytes moved grow with the number of micro-batches
+  (parallel.zero_accumulate = sharded; unsharded reduces once per step: accumulate.py).
 - Stage 3: the parameters too (gather.py): a unit is all-gathered before its forward
   and again before its backward, and freed after each; the next `prefetch` units are
   gathered while the current one computes; no all-gather after the step. Gradients as
@@ -65,11 +66,11 @@ from shardtrain.parallel.pieces import (local_model_state, local_tensor, model_k
 from shardtrain.parallel.pipeline.state import StageShards
 from shardtrain.parallel.precision import PrecisionPolicy
 from shardtrain.parallel.strategy import nbytes
-from shardtrain.parallel.zero.gather import ParamGatherer, StepGatherer, UnitGatherer
+from shardtrain.parallel.zero.gather import StepGatherer
 from shardtrain.parallel.zero.layer import layer_comms
 from shardtrain.parallel.zero.offload import build_shard_optimizer
 from shardtrain.parallel.zero.optim import ShardOptimizer, moment_names
-from shardtrain.parallel.zero.reducer import ZeroReducer
+from shardtrain.parallel.zero.accumulate import build_accumulation
 from shardtrain.parallel.zero.units import UnitComm, build_units, merge_units, partial_runs
 from shardtrain.quant.adam8bit import MIN_QUANTIZED_NUMEL
 from shardtrain.quant.blockwise import BLOCK as ADAM8BIT_BLOCK
@@ -122,18 +123,13 @@ class ZeroModel:
             fill(self)
         fp32 = dtype == policy.master_dtype  # the parameter shard is its own master
         masters = [u.shard if fp32 else u.shard.to(policy.master_dtype) for u in self.units]
-        self.gatherer: UnitGatherer | None = None
-        # Pipeline parallelism: gradients reduced (and ZeRO-3 parameters gathered) once per
-        # step, not once per micro-batch (module docstring).
-        per_step = shards.pp.size > 1
-        if self.stage == 3 and per_step:
-            self.gatherer = StepGatherer(self.units, model.chunks, prefetch=p.zero_prefetch)
-        elif self.stage == 3:
-            self.gatherer = ParamGatherer.for_model(model, self.units, prefetch=p.zero_prefetch)
-        self.reducer = ZeroReducer(self.units, stage=self.stage, gatherer=self.gatherer,
-                                   reduce_dtype=policy.reduce_dtype, per_step=per_step,
-                                   tied=model.cfg.tie_embeddings,
-                                   bucket_bytes=cfg.comm.bucket_mb * 2**20)
+        # ZeRO-3's gatherer and the reducer: once per step under a pipeline (module
+        # docstring) and under zero_accumulate = unsharded (accumulate.py).
+        self.gatherer, self.reducer = build_accumulation(
+            model, self.units, stage=self.stage, pipelined=shards.pp.size > 1,
+            unsharded=p.zero_accumulate == "unsharded", prefetch=p.zero_prefetch,
+            reduce_dtype=policy.reduce_dtype, tied=model.cfg.tie_embeddings,
+            bucket_bytes=cfg.comm.bucket_mb * 2**20)
         aliased = fp32
         if p.zero_quantized_weights and self.stage < 3 and fp32:
             # qwZ's post-step gather writes dequantized values over this rank's slice of the
@@ -254,8 +250,9 @@ class ZeroModel:
         """Model-state bytes this rank holds, from the tensors: parameters (stages 1-2 the
         full flat buffers, stage 3 the shards; units gathered for compute are transient, as
         are a pipeline's full copies held through a step), gradients, master weights and
-        optimizer state. Offloaded ZeRO-3 shards count the storage their staging buffers
-        hold: none at rest, a unit's shard while it is gathered (gather.py)."""
+        optimizer state. Offloaded ZeRO-3 shards count their staging buffers' storage: none
+        at rest, a unit's shard while it is gathered (gather.py). Under zero_accumulate =
+        unsharded, `kept_*_bytes`: what the last step kept (accumulate.py)."""
         if self.offload_params:
             params = sum(u.shard.untyped_storage().nbytes() for u in self.units)
         elif self.stage == 3:
@@ -264,7 +261,7 @@ class ZeroModel:
             params = nbytes(*(u.flat for u in self.units))
         params += sum(c.held_param_bytes for c in self.comms)
         return {"params_bytes": params, "grads_bytes": self.reducer.grad_bytes,
-                **self.optimizer.memory()}
+                **getattr(self.reducer, "kept", {}), **self.optimizer.memory()}
 
     def state_pieces(self) -> list[Piece]:
         """The module's tensors outside the units (buffers, frozen weights), the master

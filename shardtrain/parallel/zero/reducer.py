@@ -124,6 +124,10 @@ class ZeroReducer:
             self._reduce_all()
         else:
             self._drain()
+        self._scale()
+
+    def _scale(self) -> None:
+        """Each unit's reduced shard times its group's `grad_scale` (expert units)."""
         for u in self.units:
             if u.comm.grad_scale != 1.0:
                 u.grad_shard.mul_(u.comm.grad_scale)
