@@ -27,10 +27,10 @@ Recomputation composes: a non-reentrant checkpoint's region saves through its ow
 
 On CUDA the copies run on a side stream into pinned buffers: the side stream waits for the
 compute stream before each copy down, the source's block is recorded on the side stream
-(the allocator will not reuse it before the copy), and a block starting waits (on the GPU,
-not the host) for the copies of the block two back, so at most about two blocks of
-activations are on the device in forward; reloads are events the compute stream waits on
-at first use. On a CPU host and device are one: the copies are plain memcpys and save
+(the allocator will not reuse it before the copy), and a block starting waits (on the
+host: `_retire` says why) for the copies of the block two back, so at most about two blocks
+of activations are on the device in forward; reloads are events the compute stream waits
+on at first use. On a CPU host and device are one: the copies are plain memcpys and save
 nothing, but the mechanism, its order and its bytes are the same.
 """
 
@@ -163,12 +163,17 @@ class ActivationOffload:
         return dst
 
     def _retire(self, keep: int) -> None:
-        """Copies down of all but the newest `keep` pending blocks: waited for (by the
-        compute stream), their device bytes no longer held."""
+        """Copies down of all but the newest `keep` pending blocks: waited for, their
+        device bytes no longer held. On CUDA the host waits for the event: the caching
+        allocator hands a freed block with pending side-stream use to no one until that
+        use is over, so a host running ahead of the GPU would allocate every block's
+        activations anew and the window would not bound memory (FSDP's rate limiter,
+        limit_all_gathers, waits on the host for the same reason). It waits only when the
+        copies lag two blocks behind the compute."""
         while len(self._pending) > keep:
             rec = self._pending.popleft()
             if rec.down is not None:
-                torch.cuda.current_stream(self.device).wait_event(rec.down)
+                rec.down.synchronize()
             self._account(device=-rec.bytes)
 
     # backward -----------------------------------------------------------------------------
