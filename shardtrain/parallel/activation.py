@@ -8,7 +8,8 @@
 - `SavedActivations` counts the bytes autograd saves for backward during a forward
   (torch.autograd.graph.saved_tensors_hooks), deduplicated by storage, parameters and
   buffers left out: the runtime side of the planner's activation figures (plan/memory.py,
-  docs/recompute.md).
+  docs/recompute.md). `WeightFilter` is its rule for what is a weight, not an
+  activation, which activation offload (offload_activations.py) follows too.
 
 Both recomputations replace callables on the instances (`block.forward`, `attn.core`)
 rather than wrapping modules, so parameter names and checkpoints are the same either way.
