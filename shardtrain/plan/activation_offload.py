@@ -7,8 +7,9 @@ block input) goes to host memory during forward and comes back one layer ahead i
 
 - host: every layer of every micro-batch in flight on the busiest stage, the bytes the
   device would otherwise hold (layers x in-flight x per_layer);
-- device: a two-layer window (the layer computing and the one copying down; in backward
-  the layer computing and the one reloading);
+- device: a two-layer window (the layer computing and the one copying down, of whichever
+  micro-batch; in backward the layer computing and the one reloading), or all of them
+  where the rank holds fewer;
 - moved per step and direction: every layer of each of the step's m micro-batches
   (layers x m x per_layer), down in forward and up in backward;
 - time: each direction over the host link at `host_bw` (cost/hardware.py: bytes/s per GPU
@@ -47,5 +48,5 @@ def offload_terms(per_layer: float, *, layers: int, in_flight: float,
     """The terms for one rank holding `layers` layers of `per_layer` bytes each per
     micro-batch, `in_flight` micro-batches at the peak, m = `microbatches` per step."""
     return OffloadTerms(host_bytes=per_layer * layers * in_flight,
-                        device_bytes=2 * per_layer,
+                        device_bytes=min(2.0, layers * in_flight) * per_layer,
                         moved_bytes=per_layer * layers * microbatches)
