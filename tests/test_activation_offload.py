@@ -99,21 +99,24 @@ def _chains(trace: list) -> dict[int, list]:
 
 
 def test_hooks_offload_per_block_and_reload_one_block_ahead():
-    """Two micro-batches forward, then their backwards (GPipe's order): each keeps its own
-    chain; in each, blocks go down in forward order, and block i - 1's reload starts
-    before block i's first unpack (its backward), block i's own before that."""
+    """Micro-batches in 1F1B's order (F0 F1 B0 F2 B1 B2): each keeps its own chain; in
+    each, blocks go down in forward order, and block i - 1's reload starts before block
+    i's first unpack (its backward), block i's own before that."""
     cfg = MODELS["llama-gqa"]
     trace: list = []
     offload = ActivationOffload(torch.device("cpu"), trace=trace)
     model = _model(cfg, "selective", offload)
-    tokens = torch.randint(0, cfg.vocab_size, (2, B, S), generator=torch.Generator().manual_seed(1))
-    outs = [model(t).square().mean() for t in tokens]
+    tokens = torch.randint(0, cfg.vocab_size, (3, B, S), generator=torch.Generator().manual_seed(1))
+    outs = {}
+    for op, mb in (("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)):
+        if op == "F":
+            outs[mb] = model(tokens[mb]).square().mean()
+        else:
+            outs.pop(mb).backward()
     per_layer = offload.host_peak // (2 * cfg.n_layers)
-    assert offload.host_peak == 2 * cfg.n_layers * per_layer  # both micro-batches held
-    for out in reversed(outs):
-        out.backward()
+    assert offload.host_peak == 2 * cfg.n_layers * per_layer  # two micro-batches in flight
     chains = _chains(trace)
-    assert len(chains) == 2
+    assert len(chains) == 3
     layers = range(cfg.n_layers)
     for events in chains.values():
         assert [b for w, b in events if w == "offload"] == list(layers)
