@@ -184,6 +184,12 @@ def check_compile(cfg: Config) -> None:
                           "which AOT autograd's donated buffers forbid (graphs compiled or "
                           "cached for another schedule carry them); set train.compile=false "
                           "or parallel.schedule=1f1b")
+    if cfg.train.compile and cfg.train.activation_offload != "none":
+        raise ConfigError(f"train.compile=true with train.activation_offload="
+                          f"{cfg.train.activation_offload}: a compiled block saves what AOT "
+                          "autograd's partitioner picks, not the tensors the planner's offload "
+                          "term counts, and the pair has no parity rows yet; set "
+                          "train.compile=false or train.activation_offload=none")
     if cfg.train.compile and p.ps_servers:
         raise ConfigError(f"train.compile=true with parallel.ps_servers={p.ps_servers}: a "
                           "parameter-server worker waits for each module's pulled weights in "

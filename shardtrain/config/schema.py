@@ -73,6 +73,9 @@ class TrainConfig:
     # none; selective: recompute the attention core (QK^T, softmax, over V) in backward
     # (Korthikanti et al. 2022); full: keep only each block's input (Chen et al. 2016).
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    # cpu: what each block saves for backward goes to host memory during forward and comes
+    # back one block ahead in backward (parallel/offload_activations.py, docs/recompute.md)
+    activation_offload: Literal["none", "cpu"] = "none"
     # torch.compile each transformer block for the training step (parallel/compile.py);
     # the layouts it composes with: docs/configuration.md, "Compiled blocks".
     compile: bool = False

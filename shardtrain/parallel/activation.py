@@ -8,7 +8,8 @@
 - `SavedActivations` counts the bytes autograd saves for backward during a forward
   (torch.autograd.graph.saved_tensors_hooks), deduplicated by storage, parameters and
   buffers left out: the runtime side of the planner's activation figures (plan/memory.py,
-  docs/recompute.md).
+  docs/recompute.md). `WeightFilter` is its rule for what is a weight, not an
+  activation, which activation offload (offload_activations.py) follows too.
 
 Both recomputations replace callables on the instances (`block.forward`, `attn.core`)
 rather than wrapping modules, so parameter names and checkpoints are the same either way.
@@ -68,27 +69,48 @@ class _CheckpointedCore:
         return checkpoint(self.core, q, k, v, *mask, use_reentrant=False)
 
 
+class WeightFilter:
+    """What of a saved tensor is not an activation (the one rule for the meter below and
+    for activation offload): a parameter or buffer of `module` or one of `extra`
+    tensors, a view of one (by storage, or by its base where a storage was swapped since),
+    or autocast's low-precision copy of a parameter (a cast whose grad_fn leads straight to
+    the parameter: weights, cached once per forward). Storages are read when built: build
+    it while the weights hold theirs (ZeRO-3 gathers a block's weights before its forward)."""
+
+    def __init__(self, module: nn.Module | None = None, extra: list[torch.Tensor] = ()):
+        tensors = list(module.parameters()) + list(module.buffers()) if module is not None \
+            else []
+        self.storages = {t.untyped_storage().data_ptr() for t in tensors + list(extra)
+                         if t.numel()}
+        self.ids = {id(t) for t in tensors}
+
+    def __call__(self, t: torch.Tensor) -> bool:
+        base = t if t._base is None else t._base
+        if t.untyped_storage().data_ptr() in self.storages or id(base) in self.ids:
+            return True
+        fn = t.grad_fn
+        while fn is not None and type(fn).__name__.startswith(("ToCopyBackward", "TBackward",
+                                                               "TransposeBackward")):
+            fn = fn.next_functions[0][0] if fn.next_functions else None
+            if fn is not None and type(fn).__name__ == "AccumulateGrad":
+                return id(fn.variable) in self.ids
+        return False
+
+
 class SavedActivations:
     """Context manager: the bytes autograd saves for backward inside it.
 
     Each saved tensor is keyed by its storage (a tensor saved by two ops, or two views of
-    one storage, count once: the storage's full size). Left out: tensors whose storage
-    belongs to a parameter or buffer of `exclude` (a module; views of them too), and
-    autocast's low-precision copies of those parameters (a cast whose grad_fn leads
-    straight to the parameter: weights, not activations, and cached once per forward).
-    Under a non-reentrant checkpoint the region's own saved tensors are never packed
-    outside the recomputation, so they are not counted.
+    one storage, count once: the storage's full size). Left out: what `WeightFilter` says
+    is a weight of `exclude` (a module) or of the `extra` tensors. Under a non-reentrant
+    checkpoint the region's own saved tensors are never packed outside the recomputation,
+    so they are not counted.
 
     `bytes` total; `by_dtype` {dtype name: bytes}; `shapes` [(shape, dtype)] of the
     counted storages, in the order first saved (for docs and debugging)."""
 
-    def __init__(self, exclude: nn.Module | None = None):
-        self._skip: set[int] = set()
-        self._params: set[int] = set()
-        if exclude is not None:
-            tensors = list(exclude.parameters()) + list(exclude.buffers())
-            self._skip = {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
-            self._params = {id(t) for t in tensors}
+    def __init__(self, exclude: nn.Module | None = None, extra: list[torch.Tensor] = ()):
+        self._weights = WeightFilter(exclude, extra)
         self._seen: dict[int, tuple[int, torch.dtype, tuple[int, ...]]] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
@@ -96,18 +118,9 @@ class SavedActivations:
         if t.device.type != "meta" and t.numel():
             storage = t.untyped_storage()
             key = storage.data_ptr()
-            if key not in self._skip and key not in self._seen and not self._cast_of_param(t):
+            if key not in self._seen and not self._weights(t):
                 self._seen[key] = (storage.nbytes(), t.dtype, tuple(t.shape))
         return t
-
-    def _cast_of_param(self, t: torch.Tensor) -> bool:
-        fn = t.grad_fn
-        while fn is not None and type(fn).__name__.startswith(("ToCopyBackward", "TBackward",
-                                                               "TransposeBackward")):
-            fn = fn.next_functions[0][0] if fn.next_functions else None
-            if fn is not None and type(fn).__name__ == "AccumulateGrad":
-                return id(fn.variable) in self._params
-        return False
 
     def __enter__(self) -> SavedActivations:
         self._hooks.__enter__()
@@ -145,16 +158,16 @@ def saved_bytes_per_block(block: nn.Module, x: torch.Tensor, *args: Any) -> Save
     block's parameters and buffers and the extra `args` (the RoPE tables: the model's
     buffers) are excluded; x itself is counted when the block saves it (the layer input)."""
     x = x.detach().clone().requires_grad_(True)
-    meter = SavedActivations(exclude=block)
-    meter._skip |= {t.untyped_storage().data_ptr() for t in _tensors(args)}
+    meter = SavedActivations(exclude=block, extra=tensors_of(args))
     with meter:
         block(x, *args)
     return meter
 
 
-def _tensors(args: Any) -> list[torch.Tensor]:
+def tensors_of(args: Any) -> list[torch.Tensor]:
+    """The tensors in `args` (nested tuples and lists)."""
     if isinstance(args, torch.Tensor):
         return [args]
     if isinstance(args, (tuple, list)):
-        return [t for a in args for t in _tensors(a)]
+        return [t for a in args for t in tensors_of(a)]
     return []

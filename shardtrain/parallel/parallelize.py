@@ -2,7 +2,7 @@
 
 Order: tensor/sequence parallel (tensor/) -> context parallel (context/) -> expert
 parallel (expert/) -> compiled blocks (compile.py, when train.compile) -> activation
-checkpointing -> pipeline split (pipeline/) -> ZeRO
+checkpointing -> activation offload (offload_activations.py) -> pipeline split (pipeline/) -> ZeRO
 (zero/) or data parallel (data/), or a parameter server (ps/). Expert parallelism swaps
 each MoE layer's experts for this rank's slice (placements over the ep group, beside the
 tp ones in StageShards) and, where cp or sp split a micro-batch's tokens, gives the MoE
@@ -39,6 +39,7 @@ from shardtrain.parallel.data.ddp import DataParallel, ReplicatedUpdate
 from shardtrain.parallel.data.topk import SparseUpdates
 from shardtrain.parallel.expert.groups import apply_token_groups
 from shardtrain.parallel.expert.layers import apply_expert_parallel
+from shardtrain.parallel.offload_activations import ActivationOffload
 from shardtrain.parallel.expert.reduce import (ExpertDataParallel, expert_grad_scale,
                                                expert_parameters)
 from shardtrain.parallel.pipeline.runtime import Pipeline
@@ -83,6 +84,10 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
         checkpoint_blocks(model.layers)
     elif cfg.train.activation_checkpointing == "selective":  # after cp: it sees the cp core
         checkpoint_attention_cores(model.layers)
+    offload = None
+    if cfg.train.activation_offload == "cpu":  # last: a checkpoint saves through its hooks
+        offload = ActivationOffload(device)
+        offload.install(model.layers)
     # Pipeline split: this rank's stage (the model itself when pp = 1), the only part
     # materialised; the full model's names order the layout-independent state dicts.
     module, chunks = split_stages(model, cfg, stage=pp.rank)
@@ -112,7 +117,7 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
                          shared_uses(chunks))
     return Strategy(shards=shards, pipeline=pipeline, update=update,
                     policy=policy, scaler=LossScaler.from_config(cfg),
-                    average_loss=steps_together(cfg))
+                    average_loss=steps_together(cfg), activation_offload=offload)
 
 
 def _zero(module: torch.nn.Module, shards: StageShards, mesh: ParallelMesh, cfg: Config,

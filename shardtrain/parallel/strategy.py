@@ -31,6 +31,7 @@ from shardtrain.parallel.pieces import local_tensor, stash_key, tensor_piece
 from shardtrain.parallel.precision import LossScaler, PrecisionPolicy
 
 if TYPE_CHECKING:
+    from shardtrain.parallel.offload_activations import ActivationOffload
     from shardtrain.parallel.pipeline.runtime import Batch, Pipeline
     from shardtrain.parallel.pipeline.state import StageShards
 
@@ -91,6 +92,7 @@ class Strategy:
     # and ssp workers): the loss is then this rank's own, as a per-step all-reduce would
     # make them wait for each other.
     average_loss: bool = True
+    activation_offload: ActivationOffload | None = None  # train.activation_offload = cpu
     # The last step's mean loss (replica-averaged): a non-finite one skips the step too.
     last_loss: torch.Tensor | None = field(default=None, init=False)
 
@@ -163,6 +165,12 @@ class Strategy:
 
     def memory(self) -> dict[str, int]:
         return self.update.memory()
+
+    def activation_ledger(self) -> dict[str, int]:
+        """Activation offload's bytes moved down and up and the peaks held on the host and
+        in the device window (offload_activations.py); {} without it."""
+        offload = self.activation_offload
+        return offload.ledger() if offload is not None else {}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The single-process model's state dict (a collective over tp, pp and, for ZeRO,

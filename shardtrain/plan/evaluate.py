@@ -6,11 +6,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardtrain.config import ModelConfig
+from shardtrain.plan.activation_offload import OffloadTerms, offload_terms
 from shardtrain.plan.closed_form import narayanan_params, training_flops
 from shardtrain.cost.counts import hardware_flops_per_token, model_flops_per_token, param_counts
 from shardtrain.cost.hardware import Hardware
 from shardtrain.plan.layout import Layout
-from shardtrain.plan.memory import BUCKET_BYTES, STATE_BYTES, MemoryBreakdown, memory_per_gpu
+from shardtrain.plan.memory import (BUCKET_BYTES, STATE_BYTES, MemoryBreakdown, in_flight,
+                                   memory_per_gpu)
 from shardtrain.plan.partition import rank_params
 from shardtrain.plan.ps import ps_summary
 from shardtrain.plan.roofline import RoofOp, roofline_ops
@@ -94,6 +96,10 @@ class Plan:
         }
         if self.layout.ps_servers:
             out["ps"] = ps_summary(self.cfg, self.layout)
+        terms = activation_offload_terms(self.cfg, self.layout, self.memory)
+        if terms is not None:  # bytes per step and direction; the link's seconds
+            out["activation_offload"] = terms.to_dict() | {
+                "transfer_s": terms.transfer_s(self.hw.host_bw)}
         if measured_step_s is not None:
             out["measured"] = {
                 "step_s": measured_step_s, "tokens_per_s": self.tokens / measured_step_s,
@@ -131,10 +137,16 @@ def evaluate(cfg: ModelConfig, layout: Layout, hw: Hardware, *, global_batch: in
     ops = step_ops(cfg, lay, hw, seq_len=seq_len, bucket_bytes=bucket_bytes)
     peak = hw.flops(lay.precision)
     roof = roofline_ops(cfg, lay, hw, global_batch=global_batch, seq_len=seq_len)
-    time = step_time(ops=ops, roof=roof,
-                     backward_share=backward_share(hardware_flops, model_flops),
+    share = backward_share(hardware_flops, model_flops)
+    offload_s = _offload_seconds(cfg, lay, hw, memory)
+    terms = activation_offload_terms(cfg, lay, memory)
+    if terms is not None:  # the copies overlap the compute: what they take beyond it
+        compute_s = sum(o.time_s for o in roof if o.in_pipeline)
+        offload_s += terms.exposed_s(hw.host_bw, forward_s=compute_s * (1 - share),
+                                     backward_s=compute_s * share)
+    time = step_time(ops=ops, roof=roof, backward_share=share,
                      pp=lay.pp, microbatches=lay.microbatches, v=lay.v,
-                     offload_s=_offload_seconds(cfg, lay, hw, memory), tokens=tokens,
+                     offload_s=offload_s, tokens=tokens,
                      model_flops=model_flops, hardware_flops=hardware_flops, gpus=lay.gpus,
                      peak_flops=peak, schedule=lay.schedule)
     return Plan(name=name, cfg=cfg, hw=hw, layout=lay, global_batch=global_batch,
@@ -168,3 +180,15 @@ def _offload_seconds(cfg: ModelConfig, layout: Layout, hw: Hardware,
     if layout.offload == "nvme":
         seconds += 2 * memory.offloaded / (hw.nvme_bw / hw.node_size(layout.gpus))
     return seconds
+
+
+def activation_offload_terms(cfg: ModelConfig, layout: Layout,
+                             memory: MemoryBreakdown) -> OffloadTerms | None:
+    """Activation offload's host bytes, device window and bytes moved (activation_offload.py),
+    None without it."""
+    if layout.activation_offload == "none":
+        return None
+    return offload_terms(memory.activations_per_layer, layers=rank_params(cfg, layout).layers,
+                         in_flight=in_flight(layout.schedule, layout.microbatches, layout.pp,
+                                             layout.v),
+                         microbatches=layout.microbatches)

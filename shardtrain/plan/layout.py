@@ -22,6 +22,7 @@ from shardtrain.plan.optim_states import OPTIM_STATES, config_optim, optim_field
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "cpu", "nvme")
+ACTIVATION_OFFLOAD = ("none", "cpu")
 PRECISIONS = ("fp32", "bf16", "amp")  # amp: the runtime's bf16/fp16 policy (memory.py)
 CP_MODES = ("ring", "ulysses")  # parallel.cp_mode
 ATTENTION = ("flash", "math")  # SDPA kernel: what activations keep (plan/activations.py)
@@ -50,6 +51,7 @@ class Layout:
     precision: str = "bf16"
     reduce_dtype: str = ""  # gradients on the wire (train.grad_reduce_dtype); "": precision's
     recompute: str = "none"
+    activation_offload: str = "none"  # cpu: train.activation_offload (activation_offload.py)
     sp: bool = False
     micro_batch: int = 1  # sequences per forward/backward on one data-parallel rank
     microbatches: int = 1  # m: micro-batches per optimizer step
@@ -85,6 +87,8 @@ class Layout:
             parts.append("sp")
         if self.recompute != "none":
             parts.append(f"recompute={self.recompute}")
+        if self.activation_offload != "none":
+            parts.append(f"activation_offload={self.activation_offload}")
         if self.pp > 1:
             parts.append(self.schedule + (f"(v={self.v})" if self.v > 1 else ""))
         parts += [f"{k}={v}" for k, v in (("unit_blocks", self.unit_blocks),
@@ -110,7 +114,8 @@ def check(layout: Layout, cfg: ModelConfig, *, gpus: int, node_size: int, global
     """Raise PlanError naming the field and the fix if the layout cannot run."""
     lay = layout
     for name, choices in (("schedule", SCHEDULES), ("recompute", RECOMPUTE),
-                          ("offload", OFFLOAD), ("precision", PRECISIONS),
+                          ("offload", OFFLOAD), ("activation_offload", ACTIVATION_OFFLOAD),
+                          ("precision", PRECISIONS),
                           ("cp_mode", CP_MODES), ("attention", ATTENTION),
                           ("optim", tuple(OPTIM_STATES)), ("accumulate", ACCUMULATE)):
         if getattr(lay, name) not in choices:
@@ -222,6 +227,7 @@ def _config_fields(layout: Layout, *, seq_len: int | None,
         ("parallel", "ps_servers"): lay.ps_servers, ("train", "micro_batch"): lay.micro_batch,
         ("train", "global_batch"): lay.dp * lay.micro_batch * lay.microbatches,
         ("train", "activation_checkpointing"): lay.recompute,
+        ("train", "activation_offload"): lay.activation_offload,
         ("train", "precision"): "fp32" if lay.precision == "fp32" else "bf16",
         **({("train", "grad_reduce_dtype"): lay.reduce_dtype} if lay.reduce_dtype else {}),
         ("parallel", "zero_quantized_weights"): lay.qwz, ("parallel", "zero_hpz"): lay.hpz,
@@ -281,7 +287,8 @@ def config_layout(cfg: Config, world_size: int) -> Layout:
                   accumulate=p.zero_accumulate, offload=p.offload,
                   precision="fp32" if t.precision == "fp32" else "amp",
                   reduce_dtype="" if t.grad_reduce_dtype == "fp32" else t.grad_reduce_dtype,
-                  recompute=t.activation_checkpointing, sp=p.sp, micro_batch=t.micro_batch,
+                  recompute=t.activation_checkpointing,
+                  activation_offload=t.activation_offload, sp=p.sp, micro_batch=t.micro_batch,
                   microbatches=p.microbatches or t.global_batch // (dp * t.micro_batch),
                   schedule=p.schedule, v=p.virtual_stages, ps_servers=p.ps_servers,
                   qwz=p.zero_quantized_weights, hpz=p.zero_hpz,

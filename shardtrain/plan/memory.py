@@ -28,7 +28,8 @@ runtime's measurement (plan/activations.py, with the layout's `attention` kernel
 context-parallel mode). Times the layers of the first stage, times the micro-batches it
 holds in flight (m under GPipe, min(m, p) under 1F1B, (1 + (p-1)/(p v)) x min(m, p)
 interleaved); full recomputation adds one layer's full activations, rebuilt during its
-backward. cp splits the sequence: s -> s / cp.
+backward. cp splits the sequence: s -> s / cp. Activation offload (activation_offload.py)
+keeps a two-layer window of them on the device and the rest in `offloaded` and `host`.
 Under fp32 and amp without a pipeline (shardtrain's runtime) activations also count what
 the head and the loss keep (`activations.head_activation_bytes`: the loss's fp32 [n, V/t]
 log-probabilities above all), and buffers are the largest of backward's moments
@@ -52,6 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardtrain.config import ModelConfig
+from shardtrain.plan.activation_offload import offload_terms
 from shardtrain.plan.activations import (head_activation_bytes, moe_block_bytes,
                                          runtime_activation_bytes)
 from shardtrain.plan.buffers import (block_units, gathered_units, loss_moment, weight_casts,
@@ -247,8 +249,14 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
     value_bytes = 4 if lay.precision == "fp32" else 2
     s = seq_len // lay.cp
     per_layer = layer_activation_bytes(cfg, lay, seq_len=seq_len)
-    activations = per_layer * ranks.layers * in_flight(lay.schedule, lay.microbatches, lay.pp,
-                                                       lay.v)
+    flight = in_flight(lay.schedule, lay.microbatches, lay.pp, lay.v)
+    activations = per_layer * ranks.layers * flight
+    offloaded = states.offloaded
+    if lay.activation_offload == "cpu":  # all but a two-layer window on the host
+        off = offload_terms(per_layer, layers=ranks.layers, in_flight=flight,
+                            microbatches=lay.microbatches)
+        activations, host, offloaded = (off.device_bytes, host + off.host_bytes,
+                                        offloaded + off.host_bytes)
     if lay.recompute == "full":
         activations += layer_activation_bytes(cfg, lay, seq_len=seq_len, recompute="none")
     buffers = 0.0
@@ -286,5 +294,5 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
     return MemoryBreakdown(params=states.params, grads=states.grads, optimizer=states.optimizer,
                            master=states.master, activations=activations,
                            activations_per_layer=per_layer, buffers=buffers,
-                           offloaded=states.offloaded, host=host)
+                           offloaded=offloaded, host=host)
 

@@ -125,7 +125,7 @@ class LiveSavedActivations(SavedActivations):
         if t.device.type == "meta" or not t.numel() or isinstance(t, torch.nn.Parameter):
             return t
         key = t.untyped_storage().data_ptr()
-        if key in self._skip or self._cast_of_param(t):
+        if self._weights(t):
             return t
         entry = self._live.setdefault(key, [0, t.untyped_storage().nbytes()])
         if entry[0] == 0:
