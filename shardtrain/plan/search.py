@@ -149,11 +149,12 @@ def with_variants(plans: list[Plan], cfg: ModelConfig, hw: Hardware, *, top: int
     plans, added, ran, refused = sorted(plans, key=_rank), [], 0, 0
     best = [p.time.step_s for p in plans[:top]]  # the top's step times, ascending
     for plan in plans:
-        cutoff = best[-1] if len(best) >= top else math.inf
-        if plan.time.step_s - dp_exposed_s(plan) >= cutoff:
-            continue
         node = hw.node_size(plan.layout.gpus)
-        for group in variants(plan.layout, node_size=node, zeropp=zeropp):
+        groups = [g for g in variants(plan.layout, node_size=node, zeropp=zeropp) if g]
+        cutoff = best[-1] if len(best) >= top else math.inf
+        if not groups or plan.time.step_s - dp_exposed_s(plan) >= cutoff:
+            continue
+        for group in groups:
             for variant in group:  # fastest first: the first that runs and fits
                 if trainer_refusal(variant, cfg, seq_len=plan.seq_len, data=data) is not None:
                     refused += 1
