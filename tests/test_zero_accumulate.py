@@ -1,9 +1,10 @@
 """`parallel.zero_accumulate = unsharded` (parallel/zero/accumulate.py): ZeRO-2 and ZeRO-3
-over dp 2 with 4 micro-batches per step reproduce the single-process run (per-step losses,
-eval loss, final weights; fp32 here, bf16 and the compositions -- offload, qwZ + qgZ, tied
-embeddings, ZeRO-2's fp32 row -- in the slow tier; ZeRO-3's resumed), send per step the bytes of one micro-batch, as the
-planner says, and show in the memory ledger the full gradient (ZeRO-3: the gathered units)
-they keep through the step, as the planner predicts it. Rows run in one spawn per tier."""
+with 4 micro-batches per step reproduce the single-process run (per-step losses, eval
+loss, final weights): ZeRO-3 over dp 2 in fp32 and resumed here; in the slow tier ZeRO-2,
+bf16, fp16, offload (cpu, nvme), qwZ + qgZ, tied embeddings, full recomputation, and on 4
+ranks tp, cp and ep. They send per step the bytes of one micro-batch, as the planner says,
+and show in the memory ledger the full gradient (ZeRO-3: the gathered units) they keep
+through the step, as the planner predicts it. Rows run in one spawn per tier."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ STEPS = "3"
 UNSHARDED = ("--parallel.zero_accumulate", "unsharded")
 M4 = ("--train.micro_batch", "1")  # global batch 8 over dp 2: 4 micro-batches per step
 BF16 = ("--train.precision", "bf16")
+MOE = ("--model.n_experts", "4", "--model.moe_top_k", "2")
 GPT2 = ("--model.style", "gpt2", "--model.n_kv_heads", "0", "--model.tie_embeddings", "true")
 
 
@@ -46,9 +48,17 @@ ROWS = {
              ("zero3 m4 qwZ + qgZ", M4, _zero(3, "--parallel.zero_quantized_weights", "true",
                                               "--parallel.zero_quantized_gradients", "true")),
              ("zero3 m4 full recomputation", M4,
-              _zero(3, "--train.activation_checkpointing", "full"))],
+              _zero(3, "--train.activation_checkpointing", "full")),
+             ("zero3 m4 fp16", (*M4, "--train.precision", "fp16"), _zero(3)),
+             ("zero3 m4 offload nvme", M4, _zero(3, "--parallel.offload", "nvme"))],
+    # 4 ranks: tensor, context and expert parallelism (dp 2 each; ep 2 inside dp 4)
+    "slow4": [("zero3 tp2 x dp2 m4", M4, _zero(3, "--parallel.tp", "2")),
+              ("zero2 cp2 x dp2 m4", M4, _zero(2, "--parallel.cp", "2")),
+              ("zero3 ep2 moe dp4 m4", (*M4, *MOE, "--train.global_batch", "16"),
+               _zero(3, "--parallel.ep", "2"))],
 }
-LOSSY = ("bf16", "qwZ")  # rows held to the bf16 loss bound, not fp32 parity
+LOSSY = ("bf16", "qwZ")  # rows held to the bf16 loss bound, not fp32 parity (fp16 is held
+# to parity with its own single-process run: its rounding is the same at this size)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +71,9 @@ def _cfg(tmp, name: str, *overrides: str) -> config.Config:
 
 
 def _texts(tmp, tier: str) -> list[str]:
-    texts = [config.to_toml(_cfg(tmp, f"{tier}{i}", *ref, *layout))
+    nvme = ("--parallel.offload_dir", str(tmp / "nvme"))  # (read only by offload = nvme)
+    texts = [config.to_toml(_cfg(tmp, f"{tier}{i}", *ref, *layout,
+                                 *(nvme if "nvme" in layout else ())))
              for i, (_, ref, layout) in enumerate(ROWS[tier])]
     if tier == "fast":  # row 0 resumed from its step-2 checkpoint, in the same layout
         step2 = str(tmp / "fast0" / "checkpoints" / "step_00000002")
@@ -124,10 +136,12 @@ def test_unsharded_accumulation_matches_single_process(fast, refs):
                       f"zero3 m4 resumed at step 2, rank {rank}")
 
 
-@pytest.mark.slow  # ZeRO-2's row, the bf16 rows and the compositions: 8 rows, ~15 s
-def test_unsharded_accumulation_compositions(tmp, refs):
-    per_rank = run_distributed(train_layouts, 2, _texts(tmp, "slow"), timeout_s=600)
-    _check_rows("slow", per_rank, refs)
+@pytest.mark.slow  # ZeRO-2's row, 16-bit rows, the compositions: 13 rows, ~40 s
+@pytest.mark.parametrize("tier, world", [("slow", 2), ("slow4", 4)])
+def test_unsharded_accumulation_compositions(tmp, refs, tier, world):
+    (tmp / "nvme").mkdir(exist_ok=True)
+    per_rank = run_distributed(train_layouts, world, _texts(tmp, tier), timeout_s=900)
+    _check_rows(tier, per_rank, refs)
 
 
 def test_bytes_per_step_independent_of_microbatches(fast):
