@@ -75,10 +75,14 @@ def _texts(tmp, tier: str) -> list[str]:
     texts = [config.to_toml(_cfg(tmp, f"{tier}{i}", *ref, *layout,
                                  *(nvme if "nvme" in layout else ())))
              for i, (_, ref, layout) in enumerate(ROWS[tier])]
-    if tier == "fast":  # row 0 resumed from its step-2 checkpoint, in the same layout
-        step2 = str(tmp / "fast0" / "checkpoints" / "step_00000002")
-        texts.append(config.to_toml(_cfg(tmp, "fast0-resumed", *ROWS[tier][0][1],
-                                         *ROWS[tier][0][2], "--checkpoint.resume", step2)))
+    # ZeRO-3 unsharded's step-2 checkpoint resumed: in its own layout here, and in the slow
+    # tier by ZeRO-2 accumulating sharded (the checkpoint holds shards either way)
+    step2 = ("--checkpoint.resume", str(tmp / "fast0" / "checkpoints" / "step_00000002"))
+    resumed = {"fast": ROWS["fast"][0][2],
+               "slow": ("--parallel.zero", "2", "--parallel.zero_accumulate", "sharded")}
+    if tier in resumed:
+        texts.append(config.to_toml(_cfg(tmp, f"{tier}-resumed", *M4, *resumed[tier],
+                                         *step2)))
     return texts
 
 
@@ -118,6 +122,12 @@ def refs(tmp):
 
 
 def _check_rows(tier: str, per_rank: list[list[dict]], refs) -> None:
+    """The tier's rows, then the resumed run where there is one: the rest of the run."""
+    for rank, rows in enumerate(per_rank):
+        if len(rows) > len(ROWS[tier]):
+            ref = refs(M4)
+            assert_parity({**ref, "losses": ref["losses"][2:]}, rows[-1],
+                          f"{tier}: zero3 m4 resumed at step 2, rank {rank}")
     for i, (label, ref, _) in enumerate(ROWS[tier]):
         for rank, rows in enumerate(per_rank):
             if any(word in label for word in LOSSY):
@@ -130,15 +140,11 @@ def _check_rows(tier: str, per_rank: list[list[dict]], refs) -> None:
 
 def test_unsharded_accumulation_matches_single_process(fast, refs):
     _check_rows("fast", [r["rows"] for r in fast], refs)
-    ref = refs(ROWS["fast"][0][1])
-    for rank, r in enumerate(fast):  # resumed at step 2: the rest of the same run
-        assert_parity({**ref, "losses": ref["losses"][2:]}, r["rows"][-1],
-                      f"zero3 m4 resumed at step 2, rank {rank}")
 
 
 @pytest.mark.slow  # ZeRO-2's row, 16-bit rows, the compositions: 13 rows, ~40 s
 @pytest.mark.parametrize("tier, world", [("slow", 2), ("slow4", 4)])
-def test_unsharded_accumulation_compositions(tmp, refs, tier, world):
+def test_unsharded_accumulation_compositions(tmp, fast, refs, tier, world):
     (tmp / "nvme").mkdir(exist_ok=True)
     per_rank = run_distributed(train_layouts, world, _texts(tmp, tier), timeout_s=900)
     _check_rows(tier, per_rank, refs)
