@@ -1,9 +1,10 @@
 """`parallel.zero_accumulate = unsharded` (parallel/zero/accumulate.py): ZeRO-2 and ZeRO-3
-over dp 2 with 4 micro-batches per step reproduce the single-process run (per-step losses,
-eval loss, final weights; fp32 here, bf16 and the compositions -- offload, qwZ + qgZ, tied
-embeddings, resume -- in the slow tier), send per step the bytes of one micro-batch, as the
-planner says, and show in the memory ledger the full gradient (ZeRO-3: the gathered units)
-they keep through the step, as the planner predicts it. Rows run in one spawn per tier."""
+with 4 micro-batches per step reproduce the single-process run (per-step losses, eval
+loss, final weights): ZeRO-3 over dp 2 in fp32 and resumed here; in the slow tier ZeRO-2,
+bf16, fp16, offload (cpu, nvme), qwZ + qgZ, tied embeddings, full recomputation, and on 4
+ranks tp, cp and ep. They send per step the bytes of one micro-batch, as the planner says,
+and show in the memory ledger the full gradient (ZeRO-3: the gathered units) they keep
+through the step, as the planner predicts it. Rows run in one spawn per tier."""
 
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ from shardtrain.plan.partition import rank_params
 from shardtrain.plan.traffic import bytes_per_step, data_parallel_ops
 from shardtrain.train.trainer import Trainer
 
-STEPS = "3"
+STEPS = "2"  # resumed after the first
 UNSHARDED = ("--parallel.zero_accumulate", "unsharded")
 M4 = ("--train.micro_batch", "1")  # global batch 8 over dp 2: 4 micro-batches per step
 BF16 = ("--train.precision", "bf16")
+MOE = ("--model.n_experts", "4", "--model.moe_top_k", "2")
 GPT2 = ("--model.style", "gpt2", "--model.n_kv_heads", "0", "--model.tie_embeddings", "true")
 
 
@@ -35,9 +37,9 @@ def _zero(stage: int, *more: str) -> tuple[str, ...]:
 
 # (label, reference overrides -- model, batch, precision --, layout overrides)
 ROWS = {
-    "fast": [("zero2 m4", M4, _zero(2, "--checkpoint.every", "2")),
-             ("zero3 m4", M4, _zero(3))],
-    "slow": [("zero2 m4 bf16", (*M4, *BF16), _zero(2)),
+    "fast": [("zero3 m4", M4, _zero(3, "--checkpoint.every", "1"))],
+    "slow": [("zero2 m4", M4, _zero(2)),
+             ("zero2 m4 bf16", (*M4, *BF16), _zero(2)),
              ("zero3 m4 bf16", (*M4, *BF16), _zero(3)),
              ("zero3 m4 gpt2 tied, prefetch 2", (*M4, *GPT2), _zero(3, "--parallel.zero_prefetch",
                                                                     "2")),
@@ -46,9 +48,17 @@ ROWS = {
              ("zero3 m4 qwZ + qgZ", M4, _zero(3, "--parallel.zero_quantized_weights", "true",
                                               "--parallel.zero_quantized_gradients", "true")),
              ("zero3 m4 full recomputation", M4,
-              _zero(3, "--train.activation_checkpointing", "full"))],
+              _zero(3, "--train.activation_checkpointing", "full")),
+             ("zero3 m4 fp16", (*M4, "--train.precision", "fp16"), _zero(3)),
+             ("zero3 m4 offload nvme", M4, _zero(3, "--parallel.offload", "nvme"))],
+    # 4 ranks: tensor, context and expert parallelism (dp 2 each; ep 2 inside dp 4)
+    "slow4": [("zero3 tp2 x dp2 m4", M4, _zero(3, "--parallel.tp", "2")),
+              ("zero2 cp2 x dp2 m4", M4, _zero(2, "--parallel.cp", "2")),
+              ("zero3 ep2 moe dp4 m4", (*M4, *MOE, "--train.global_batch", "16"),
+               _zero(3, "--parallel.ep", "2"))],
 }
-LOSSY = ("bf16", "qwZ")  # rows held to the bf16 loss bound, not fp32 parity
+LOSSY = ("bf16", "qwZ")  # rows held to the bf16 loss bound, not fp32 parity (fp16 is held
+# to parity with its own single-process run: its rounding is the same at this size)
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +71,18 @@ def _cfg(tmp, name: str, *overrides: str) -> config.Config:
 
 
 def _texts(tmp, tier: str) -> list[str]:
-    texts = [config.to_toml(_cfg(tmp, f"{tier}{i}", *ref, *layout))
+    nvme = ("--parallel.offload_dir", str(tmp / "nvme"))  # (read only by offload = nvme)
+    texts = [config.to_toml(_cfg(tmp, f"{tier}{i}", *ref, *layout,
+                                 *(nvme if "nvme" in layout else ())))
              for i, (_, ref, layout) in enumerate(ROWS[tier])]
-    if tier == "fast":  # row 0 resumed from its step-2 checkpoint, in the same layout
-        step2 = str(tmp / "fast0" / "checkpoints" / "step_00000002")
-        texts.append(config.to_toml(_cfg(tmp, "fast0-resumed", *ROWS[tier][0][1],
-                                         *ROWS[tier][0][2], "--checkpoint.resume", step2)))
+    # ZeRO-3 unsharded's step-1 checkpoint resumed: in its own layout here, and in the slow
+    # tier by ZeRO-2 accumulating sharded (the checkpoint holds shards either way)
+    step1 = ("--checkpoint.resume", str(tmp / "fast0" / "checkpoints" / "step_00000001"))
+    resumed = {"fast": ROWS["fast"][0][2],
+               "slow": ("--parallel.zero", "2", "--parallel.zero_accumulate", "sharded")}
+    if tier in resumed:
+        texts.append(config.to_toml(_cfg(tmp, f"{tier}-resumed", *M4, *resumed[tier],
+                                         *step1)))
     return texts
 
 
@@ -106,6 +122,12 @@ def refs(tmp):
 
 
 def _check_rows(tier: str, per_rank: list[list[dict]], refs) -> None:
+    """The tier's rows, then the resumed run where there is one: the rest of the run."""
+    for rank, rows in enumerate(per_rank):
+        if len(rows) > len(ROWS[tier]):
+            ref = refs(M4)
+            assert_parity({**ref, "losses": ref["losses"][1:]}, rows[-1],
+                          f"{tier}: zero3 m4 resumed at step 1, rank {rank}")
     for i, (label, ref, _) in enumerate(ROWS[tier]):
         for rank, rows in enumerate(per_rank):
             if any(word in label for word in LOSSY):
@@ -118,16 +140,14 @@ def _check_rows(tier: str, per_rank: list[list[dict]], refs) -> None:
 
 def test_unsharded_accumulation_matches_single_process(fast, refs):
     _check_rows("fast", [r["rows"] for r in fast], refs)
-    ref = refs(ROWS["fast"][0][1])
-    for rank, r in enumerate(fast):  # resumed at step 2: the rest of the same run
-        assert_parity({**ref, "losses": ref["losses"][2:]}, r["rows"][-1],
-                      f"zero2 m4 resumed at step 2, rank {rank}")
 
 
-@pytest.mark.slow  # the bf16 rows and the compositions: 7 more rows, ~25 s
-def test_unsharded_accumulation_compositions(tmp, refs):
-    per_rank = run_distributed(train_layouts, 2, _texts(tmp, "slow"), timeout_s=600)
-    _check_rows("slow", per_rank, refs)
+@pytest.mark.slow  # ZeRO-2's row, 16-bit rows, the compositions: 13 rows, ~40 s
+@pytest.mark.parametrize("tier, world", [("slow", 2), ("slow4", 4)])
+def test_unsharded_accumulation_compositions(tmp, fast, refs, tier, world):
+    (tmp / "nvme").mkdir(exist_ok=True)
+    per_rank = run_distributed(train_layouts, world, _texts(tmp, tier), timeout_s=900)
+    _check_rows(tier, per_rank, refs)
 
 
 def test_bytes_per_step_independent_of_microbatches(fast):

@@ -78,8 +78,8 @@ def with_variants(plans: list[Plan], cfg: ModelConfig, hw: Hardware, make: Varia
     for plan in plans:
         cutoff = best[-1] if len(best) >= top else math.inf
         node = hw.node_size(plan.layout.gpus)
-        variants, saving, first_only = make(plan, node)
-        if plan.time.step_s - saving >= cutoff:
+        variants, saving, first_only = make(plan, node)  # the saving priced only if any
+        if not variants or plan.time.step_s - saving >= cutoff:
             continue
         for variant in variants:
             if trainer_refusal(variant, cfg, seq_len=plan.seq_len, data=data) is not None:

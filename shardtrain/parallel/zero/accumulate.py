@@ -1,6 +1,7 @@
 """`parallel.zero_accumulate = unsharded`: ZeRO-2 and ZeRO-3 under gradient accumulation
 trade memory for communication, as FSDP2's `set_requires_gradient_sync(False)` and
-`reshard_after_backward=False` do (Zhao et al. 2023, sec. 4.2).
+`reshard_after_backward=False` do (PyTorch FSDP, Zhao et al. 2023, describes both ways of
+accumulating: with communication, sharded, and without it, unsharded).
 
 `sharded` (the default, reducer.py) reduce-scatters every micro-batch's gradients into the
 fp32 shard, and ZeRO-3 gathers every unit twice per micro-batch: m micro-batches move m
