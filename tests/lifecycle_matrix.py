@@ -55,6 +55,8 @@ FACTORS: dict[str, dict[str, tuple[str, ...]]] = {
     "optim": {o: ("--optim.name", o) for o in ("adamw", "rmsprop", "adagrad")},
     "compile": {"off": (), "on": ("--train.compile", "true")},
     "offload": {"none": (), "cpu": ("--parallel.offload", "cpu")},
+    # saved activations to host memory in forward, back one block ahead in backward
+    "activation_offload": {"none": (), "cpu": ("--train.activation_offload", "cpu")},
     "save": {"sync": (), "async": ("--checkpoint.async_save", "true")},
 }
 # Where a row resumes: the next layout in this order that its other values allow (a
