@@ -42,8 +42,7 @@ def _count(text: str) -> float:
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="shardtrain plan", description=__doc__.split("\n")[0],
                 epilog="Model fields: --model.FIELD VALUE; hardware figures: --hw.FIELD VALUE; "
-                       "the data fields a layout depends on: --data.document_mask true (no "
-                       "context parallelism).")
+                       "the data fields a layout depends on, e.g. --data.document_mask true.")
     p.add_argument("--model", required=True, help="preset name or FILE.toml")
     p.add_argument("--gpus", type=int, help="devices (default: one node)")
     p.add_argument("--gpu", default="a100", help=f"device kind: {', '.join(hardware.NAMES)}")

@@ -17,7 +17,8 @@ ZeRO++ (qwZ, hpZ, qgZ), asked for (`zeropp`: its int8 weights and gradients chan
 numbers, at an accuracy cost the planner does not price), is tried on the fitting ZeRO-3
 layouts whose replica group spans nodes and that could then rank in the top
 (`with_zeropp`). The
-run's data section takes part (`data`): data.document_mask rules out context parallelism. Offload
+run's data section takes part (`data`: what it asks of a layout, through the trainer's
+validation). Offload
 (cpu, nvme) is tried only when nothing fits without it. Ranked by predicted step time,
 then memory.
 """
