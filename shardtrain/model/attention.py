@@ -75,15 +75,17 @@ def per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  documents: Documents) -> torch.Tensor:
     """q [B, H, S, D], k, v [B, G, S, D] in position order -> [B, H, S, D]: every document
     of every row attends causally to itself alone, one kernel call on its slices (views:
-    nothing is copied in, and autograd's backward of the concatenation hands each call its
-    slice of the gradient). Compiled blocks leave this loop eager (parallel/compile.py): its
+    nothing is copied in). Compiled blocks leave this loop eager (parallel/compile.py): its
     spans are Python ints, which a graph would bake in and recompile for every batch."""
     if documents.seq_len != q.shape[2] or len(documents.spans) != q.shape[0]:
         raise ValueError(f"per-document attention: q, k, v [B={q.shape[0]}, S={q.shape[2]}] "
                          f"but the documents describe {len(documents.spans)} rows of "
                          f"{documents.seq_len} tokens")
     rows = []
-    for b, spans in enumerate(documents.spans):
-        parts = [causal(*(t[b:b + 1, :, lo:hi] for t in (q, k, v))) for lo, hi in spans]
+    # split, not slicing: split's backward is one concatenation of the parts' gradients,
+    # where each slice's backward would write its part into a zero tensor of the whole.
+    for qb, kb, vb, spans in zip(q.split(1), k.split(1), v.split(1), documents.spans):
+        sizes = [hi - lo for lo, hi in spans]
+        parts = [causal(*x) for x in zip(*(t.split(sizes, dim=2) for t in (qb, kb, vb)))]
         rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
     return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
