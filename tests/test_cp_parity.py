@@ -1,7 +1,8 @@
 """Context parallelism and selective recomputation reproduce the single-process run (fp32
 losses, eval loss and final weights; bf16 within the precision suite's bound): ring and
 Ulysses attention at cp=2 and 4, composed with tensor (+sequence), pipeline and data
-parallelism and ZeRO-3, at sequence lengths that are not powers of two; and every bad
+parallelism and ZeRO-3, at sequence lengths that are not powers of two, and on packed
+conversations (data.document_mask: attention inside each document); and every bad
 context-parallel config is refused before launch, naming the field."""
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ STEPS = "6"
 # of two; the reference run of a row uses its seq_len.
 SEQ24, SEQ40 = ("--train.seq_len", "24"), ("--train.seq_len", "40")
 ULYSSES = ("--parallel.cp_mode", "ulysses")
+# Packed SFT: the overrides of a tiny Llama on conversations packed under
+# data.document_mask (the `chat` fixture: files written per module), here a placeholder.
+CHAT = ("@packed-chat",)
 # (label, reference overrides, layout overrides) per world size.
 LAYOUTS = {
     2: [("cp2 ring seq 24", SEQ24, ["--parallel.cp", "2"]),
@@ -31,7 +35,11 @@ LAYOUTS = {
         ("cp2 ring, mixture of experts",
          ("--model.n_experts", "4", "--model.moe_aux_loss_coef", "0"), ["--parallel.cp", "2"]),
         ("selective + tp2", (), ["--parallel.tp", "2",
-                                 "--train.activation_checkpointing", "selective"])],
+                                 "--train.activation_checkpointing", "selective"]),
+        # Packed SFT: conversations packed into each row under data.document_mask, their
+        # documents crossing the cp chunks (model/attention.py, parallel/context/).
+        # (Ulysses and cp=4 with packed chat: the 4-rank rows, slow tier.)
+        ("cp2 ring packed chat", CHAT, ["--parallel.cp", "2"])],
     4: [("cp4 ring seq 40", SEQ40, ["--parallel.cp", "4"]),
         ("cp4 ulysses seq 40", SEQ40, ["--parallel.cp", "4", *ULYSSES]),
         ("cp2 x tp2 sp", (), ["--parallel.cp", "2", "--parallel.tp", "2",
@@ -42,13 +50,28 @@ LAYOUTS = {
         ("cp2 x dp2 ring full checkpointing", (),
          ["--parallel.cp", "2", "--train.activation_checkpointing", "full"]),
         ("cp2 x dp2 ulysses full checkpointing", (),
-         ["--parallel.cp", "2", *ULYSSES, "--train.activation_checkpointing", "full"])],
+         ["--parallel.cp", "2", *ULYSSES, "--train.activation_checkpointing", "full"]),
+        ("cp2 x dp2 ulysses packed chat", CHAT, ["--parallel.cp", "2", *ULYSSES]),
+        ("cp4 ring packed chat", CHAT, ["--parallel.cp", "4"]),
+        ("cp4 ulysses packed chat", CHAT, ["--parallel.cp", "4", *ULYSSES])],
 }
 
 
 @pytest.fixture(scope="module")
 def tmp(tmp_path_factory):
     return tmp_path_factory.mktemp("cp")
+
+
+@pytest.fixture(scope="module")
+def chat(tmp):
+    """`expand(overrides)`: CHAT's placeholder replaced by the packed-chat overrides."""
+    from chat_data import llama_dir, write_chat
+
+    real = ("--model.init_from", str(llama_dir(tmp / "chat-llama")), "--data.format", "chat",
+            "--data.source", str(write_chat(tmp / "chat.jsonl", 200, turns=2)),
+            "--data.document_mask", "true", "--train.seq_len", "64")  # ~2 documents a row
+    return lambda overrides: tuple(x for o in overrides for x in (real if (o,) == CHAT
+                                                                    else (o,)))
 
 
 def _text(tmp, name: str, *overrides: str) -> str:
@@ -63,8 +86,8 @@ def references(tmp):
 
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_cp_parity_with_single_process(tmp, references, world_size):
-    layouts = LAYOUTS[world_size]
+def test_cp_parity_with_single_process(tmp, references, chat, world_size):
+    layouts = [(label, chat(ref), layout) for label, ref, layout in LAYOUTS[world_size]]
     refs = [references(ref) for _, ref, _ in layouts]
     texts = [_text(tmp, f"w{world_size}-{i}", *ref, *layout)
              for i, (_, ref, layout) in enumerate(layouts)]
