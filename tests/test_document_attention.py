@@ -15,8 +15,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist import run_distributed
 from parity import tiny
-from shardtrain.model.attention import attention_kernel, sdpa_core
+from shardtrain.model.attention import sdpa_core
 from shardtrain.model.positions import Documents
+from shardtrain.model.sdpa_kernels import attention_kernel
 from shardtrain.model.transformer import build_model
 from shardtrain.parallel.context import SequenceSplit, simulated_ring_attention
 
@@ -147,7 +148,7 @@ def test_the_kernel_sdpa_runs_is_the_one_named(dtype, documents, kv_heads):
     flash is what runs, forward and backward, never the math kernel (which keeps the
     scores). Under autocast q, k, v reach the core in bf16, as `dtype` here."""
     q, k, v, dout, positions = packed(LENGTHS, g=kv_heads)
-    assert attention_kernel("cpu", dtype, q.shape[-1]) == "flash"
+    assert attention_kernel("cpu", str(dtype)[6:], q.shape[-1]) == "flash"
     docs = Documents.from_positions(positions) if documents else None
     x = [t.to(dtype).requires_grad_() for t in (q, k, v)]
     with Ops() as ops:
@@ -160,12 +161,12 @@ def test_the_kernel_sdpa_runs_is_the_one_named(dtype, documents, kv_heads):
 def test_the_cuda_kernel_for_each_precision_and_head_dim():
     """What the planner's `attention` field reads (plan/layout.py): flash for 16 bits,
     memory-efficient for fp32 and for heads over 256, math only where neither fits."""
-    assert attention_kernel("cuda", torch.bfloat16, 128) == "flash"
-    assert attention_kernel("cuda", torch.float16, 256) == "flash"
-    assert attention_kernel("cuda", torch.float32, 128) == "efficient"
-    assert attention_kernel("cuda", torch.bfloat16, 512) == "efficient"
-    assert attention_kernel("cuda", torch.float32, 6) == "math"
-    assert attention_kernel("cuda", torch.float64, 64) == "math"
+    assert attention_kernel("cuda", "bfloat16", 128) == "flash"
+    assert attention_kernel("cuda", "float16", 256) == "flash"
+    assert attention_kernel("cuda", "float32", 128) == "efficient"
+    assert attention_kernel("cuda", "bfloat16", 512) == "efficient"
+    assert attention_kernel("cuda", "float32", 6) == "math"
+    assert attention_kernel("cuda", "float64", 64) == "math"
 
 
 def _gloo_worker(rank: int, world: int) -> dict:

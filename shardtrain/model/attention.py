@@ -2,8 +2,8 @@
 causal attention inside each packed document, always on a kernel that keeps no [S, S]
 scores or mask.
 
-Which kernel runs is decided here, once (`attention_kernel`), for the runtime and the
-planner (plan/layout.py's `attention` field) alike. SDPA picks among the kernels that take
+Which kernel runs is decided once (model/sdpa_kernels.py), for the runtime and the planner
+(plan/layout.py's `attention` field) alike. SDPA picks among the kernels that take
 its inputs, flash first, then memory-efficient, then math; the math kernel materialises
 the whole [B, H, S, S] score matrix: 8.6 GB per layer per sequence at Llama-3-8B's 8192
 tokens in fp32 (32 heads x 8192^2 x 4 bytes). It falls there for an arbitrary mask, and on
@@ -25,31 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from shardtrain.model import sdpa_kernels
 from shardtrain.model.positions import Documents
-
-KERNELS = ("flash", "efficient", "math")
-
-
-def attention_kernel(device_type: str, dtype: torch.dtype, head_dim: int) -> str:
-    """The SDPA kernel a causal call without a mask gets (grouped kv heads repeated where
-    `repeats_kv` says). CPU: its flash kernel, any float dtype, GQA included. CUDA: flash
-    for 16-bit inputs with head dims up to 256 in steps of 8; the memory-efficient kernel
-    for fp32 (flash takes only 16 bits) and larger heads, whose head dim must be a multiple
-    of its 16-byte alignment (4 fp32 or 8 16-bit elements); the math kernel otherwise."""
-    if device_type != "cuda":
-        return "flash"
-    if dtype in (torch.float16, torch.bfloat16) and head_dim <= 256 and head_dim % 8 == 0:
-        return "flash"
-    size = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 0
-    if dtype in (torch.float16, torch.bfloat16, torch.float32) and head_dim % (16 // size) == 0:
-        return "efficient"
-    return "math"
-
-
-def repeats_kv(kernel: str, device_type: str) -> bool:
-    """Whether grouped kv heads are repeated to H for `kernel`: CUDA's memory-efficient
-    kernel takes no GQA (flash, CPU's flash and math take enable_gqa as they are)."""
-    return device_type == "cuda" and kernel == "efficient"
 
 
 def sdpa_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -57,8 +34,10 @@ def sdpa_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Causal attention of q [B, H, S, D] over k, v [B, G, S, D] -> [B, H, S, D] (G divides
     H: grouped-query attention, Ainslie et al. 2023); with `documents`, causal inside each
     document of each row (`per_document`)."""
-    kernel = attention_kernel(q.device.type, q.dtype, q.shape[-1])
-    if q.shape[1] != k.shape[1] and repeats_kv(kernel, q.device.type):
+    device = q.device.type
+    kernel = sdpa_kernels.attention_kernel(device, str(q.dtype).removeprefix("torch."),
+                                           q.shape[-1])
+    if q.shape[1] != k.shape[1] and sdpa_kernels.repeats_kv(kernel, device):
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     if documents is None:
         return causal(q, k, v)

@@ -18,7 +18,7 @@ from shardtrain.config import ConfigError, load, parse_overrides, read_toml, res
 from shardtrain.cost import hardware
 from shardtrain.plan import report
 from shardtrain.plan.evaluate import CONVENTIONS, evaluate
-from shardtrain.plan.layout import PRECISIONS, PlanError, check, trainer_refusal
+from shardtrain.plan.layout import PRECISIONS, PlanError, check, planned_attention, trainer_refusal
 from shardtrain.plan.layout_text import parse_layout
 from shardtrain.plan.search import advice, search, shortfall
 
@@ -110,7 +110,8 @@ def _run(argv: list[str]) -> int:
     name = str(args.model)
     measured = args.step_time
     if args.layout is not None:
-        layout = parse_layout(args.layout, gpus=gpus, global_batch=batch, precision=precision)
+        layout = parse_layout(args.layout, gpus=gpus, global_batch=batch, precision=precision,
+                              attention=planned_attention(cfg, precision))
         check(layout, cfg, gpus=gpus, node_size=hw.node_size(gpus), global_batch=batch,
               seq_len=seq)
         plan = evaluate(cfg, layout, hw, global_batch=batch, seq_len=seq, name=name)

@@ -35,7 +35,7 @@ from shardtrain.config import DataConfig, ModelConfig
 from shardtrain.cost.counts import param_counts
 from shardtrain.plan.evaluate import Plan, dp_exposed_s, evaluate, fits
 from shardtrain.cost.hardware import Hardware
-from shardtrain.plan.layout import Layout, PlanError, check, trainer_refusal
+from shardtrain.plan.layout import Layout, PlanError, check, planned_attention, trainer_refusal
 from shardtrain.plan.memory import MemoryBreakdown, memory_per_gpu, replicas_per_node
 
 GB = 1e9
@@ -126,7 +126,8 @@ def _inner(cfg: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, ep: int, cp_
                                          zero=zero, offload=offload, precision=precision,
                                          recompute=recompute, sp=sp, micro_batch=b,
                                          microbatches=m, schedule=schedule, v=v,
-                                         partition=partition)
+                                         partition=partition,
+                                         attention=planned_attention(cfg, precision))
 
 
 def _partitions(cfg: ModelConfig, zero: int, dp: int, model_ranks: int,
