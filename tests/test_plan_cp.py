@@ -98,7 +98,8 @@ def test_tensor_parallel_splits_the_heads_cp_sends():
 
 def test_activation_memory_with_cp():
     """s = S/N local tokens; ring: the flash terms (q, k, v, out, lse), wo's input a view of
-    its out (laid out as q); Ulysses (contiguous split): the same on [b, S, H/N, D] (kv repeated to G' = H when
+    its out (laid out as q); Ulysses (contiguous split): the same on [b, S, H/N, D] plus
+    wo's copy of out (kv repeated to G' = H when
     N does not divide G); under the zigzag split also the rank-ordered q, k, v and out the
     Function keeps and two int64 [S] indices. (Measured on the context-parallel branch's
     cores with SavedActivations plus the Function's held graph: equal to the byte in fp32.)"""

@@ -18,12 +18,13 @@ Selective checkpointing's wrapped attention core is traced inside the block's gr
 Parts of a block that exchange data with other ranks run eagerly, between compiled pieces
 (`torch.compiler.disable`): a context-parallel attention core (ring or Ulysses: its
 `attend`, context/core.py) and a mixture-of-experts layer (model/moe.py; under expert
-parallelism its all-to-alls). So does the per-document attention of packed documents
-(model/attention.py, `per_document`): its loop runs over the batch's document spans,
-Python ints that a graph would bake in, recompiling for every batch. Their collectives are Python calls through the Communicator
+parallelism its all-to-alls). Their collectives are Python calls through the Communicator
 (ledger, timers, tags), which dynamo would otherwise trace into and split into many small
 graphs; the MoE layer's routing has data-dependent group sizes, and torch's grouped matmul
 has no fp32 trace rule on the CPU. Each is one graph break: the block becomes two graphs.
+The per-document attention of packed documents (model/attention.py, `per_document`) is
+left eager too: its loop runs over the batch's document spans, Python ints that a graph
+would bake in, recompiling for every batch (one more graph break in such a block).
 
 Tensor and sequence parallelism need no island: their collectives are custom ops
 (parallel/tensor/ops.py) that dynamo records as single nodes, and their autograd functions
