@@ -7,6 +7,8 @@ context-parallel config is refused before launch, naming the field."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dist import run_distributed
@@ -21,9 +23,12 @@ STEPS = "6"
 # of two; the reference run of a row uses its seq_len.
 SEQ24, SEQ40 = ("--train.seq_len", "24"), ("--train.seq_len", "40")
 ULYSSES = ("--parallel.cp_mode", "ulysses")
-# Packed SFT: the overrides of a tiny Llama on conversations packed under
-# data.document_mask (the `chat` fixture: files written per module), here a placeholder.
-CHAT = ("@packed-chat",)
+# Packed SFT: the tiny model on the repository's example conversations and chat tokenizer,
+# packed two or so to a row of 64 tokens under data.document_mask.
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "data"
+CHAT = ("--data.format", "chat", "--data.source", str(EXAMPLES / "chat.jsonl"),
+        "--data.tokenizer", str(EXAMPLES / "chat_tokenizer"), "--data.document_mask", "true",
+        "--train.seq_len", "64")
 # (label, reference overrides, layout overrides) per world size.
 LAYOUTS = {
     2: [("cp2 ring seq 24", SEQ24, ["--parallel.cp", "2"]),
@@ -62,18 +67,6 @@ def tmp(tmp_path_factory):
     return tmp_path_factory.mktemp("cp")
 
 
-@pytest.fixture(scope="module")
-def chat(tmp):
-    """`expand(overrides)`: CHAT's placeholder replaced by the packed-chat overrides."""
-    from chat_data import llama_dir, write_chat
-
-    real = ("--model.init_from", str(llama_dir(tmp / "chat-llama")), "--data.format", "chat",
-            "--data.source", str(write_chat(tmp / "chat.jsonl", 200, turns=2)),
-            "--data.document_mask", "true", "--train.seq_len", "64")  # ~2 documents a row
-    return lambda overrides: tuple(x for o in overrides for x in (real if (o,) == CHAT
-                                                                    else (o,)))
-
-
 def _text(tmp, name: str, *overrides: str) -> str:
     return config.to_toml(tiny(tmp, name, "--train.steps", STEPS, "--train.eval_every", "0",
                                *overrides))
@@ -86,8 +79,8 @@ def references(tmp):
 
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_cp_parity_with_single_process(tmp, references, chat, world_size):
-    layouts = [(label, chat(ref), layout) for label, ref, layout in LAYOUTS[world_size]]
+def test_cp_parity_with_single_process(tmp, references, world_size):
+    layouts = LAYOUTS[world_size]
     refs = [references(ref) for _, ref, _ in layouts]
     texts = [_text(tmp, f"w{world_size}-{i}", *ref, *layout)
              for i, (_, ref, layout) in enumerate(layouts)]
