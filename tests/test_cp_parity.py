@@ -57,6 +57,7 @@ LAYOUTS = {
         ("cp2 x dp2 ulysses full checkpointing", (),
          ["--parallel.cp", "2", *ULYSSES, "--train.activation_checkpointing", "full"]),
         ("cp2 x dp2 ulysses packed chat", CHAT, ["--parallel.cp", "2", *ULYSSES]),
+        ("cp2 x pp2 packed chat", CHAT, ["--parallel.cp", "2", "--parallel.pp", "2"]),
         ("cp4 ring packed chat", CHAT, ["--parallel.cp", "4"]),
         ("cp4 ulysses packed chat", CHAT, ["--parallel.cp", "4", *ULYSSES])],
 }
