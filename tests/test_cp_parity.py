@@ -1,10 +1,13 @@
 """Context parallelism and selective recomputation reproduce the single-process run (fp32
 losses, eval loss and final weights; bf16 within the precision suite's bound): ring and
 Ulysses attention at cp=2 and 4, composed with tensor (+sequence), pipeline and data
-parallelism and ZeRO-3, at sequence lengths that are not powers of two; and every bad
+parallelism and ZeRO-3, at sequence lengths that are not powers of two, and on packed
+conversations (data.document_mask: attention inside each document); and every bad
 context-parallel config is refused before launch, naming the field."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +23,12 @@ STEPS = "6"
 # of two; the reference run of a row uses its seq_len.
 SEQ24, SEQ40 = ("--train.seq_len", "24"), ("--train.seq_len", "40")
 ULYSSES = ("--parallel.cp_mode", "ulysses")
+# Packed SFT: the tiny model on the repository's example conversations and chat tokenizer,
+# packed two or so to a row of 64 tokens under data.document_mask.
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "data"
+CHAT = ("--data.format", "chat", "--data.source", str(EXAMPLES / "chat.jsonl"),
+        "--data.tokenizer", str(EXAMPLES / "chat_tokenizer"), "--data.document_mask", "true",
+        "--train.seq_len", "64")
 # (label, reference overrides, layout overrides) per world size.
 LAYOUTS = {
     2: [("cp2 ring seq 24", SEQ24, ["--parallel.cp", "2"]),
@@ -31,7 +40,11 @@ LAYOUTS = {
         ("cp2 ring, mixture of experts",
          ("--model.n_experts", "4", "--model.moe_aux_loss_coef", "0"), ["--parallel.cp", "2"]),
         ("selective + tp2", (), ["--parallel.tp", "2",
-                                 "--train.activation_checkpointing", "selective"])],
+                                 "--train.activation_checkpointing", "selective"]),
+        # Packed SFT: conversations packed into each row under data.document_mask, their
+        # documents crossing the cp chunks (model/attention.py, parallel/context/).
+        # (Ulysses and cp=4 with packed chat: the 4-rank rows, slow tier.)
+        ("cp2 ring packed chat", CHAT, ["--parallel.cp", "2"])],
     4: [("cp4 ring seq 40", SEQ40, ["--parallel.cp", "4"]),
         ("cp4 ulysses seq 40", SEQ40, ["--parallel.cp", "4", *ULYSSES]),
         ("cp2 x tp2 sp", (), ["--parallel.cp", "2", "--parallel.tp", "2",
@@ -42,7 +55,11 @@ LAYOUTS = {
         ("cp2 x dp2 ring full checkpointing", (),
          ["--parallel.cp", "2", "--train.activation_checkpointing", "full"]),
         ("cp2 x dp2 ulysses full checkpointing", (),
-         ["--parallel.cp", "2", *ULYSSES, "--train.activation_checkpointing", "full"])],
+         ["--parallel.cp", "2", *ULYSSES, "--train.activation_checkpointing", "full"]),
+        ("cp2 x dp2 ulysses packed chat", CHAT, ["--parallel.cp", "2", *ULYSSES]),
+        ("cp2 x pp2 packed chat", CHAT, ["--parallel.cp", "2", "--parallel.pp", "2"]),
+        ("cp4 ring packed chat", CHAT, ["--parallel.cp", "4"]),
+        ("cp4 ulysses packed chat", CHAT, ["--parallel.cp", "4", *ULYSSES])],
 }
 
 

@@ -1,7 +1,7 @@
 """data.document_mask: packed documents compute exactly what each computes alone (logits and
 gradients, Llama and GPT-2 styles, with recomputation), a text stream's positions restart
-after each EOS, and the layouts that cannot keep attention inside documents are refused by
-the config and never proposed by the planner."""
+after each EOS, context parallelism is accepted and proposed with them, and a tokenizer
+without EOS is refused."""
 
 from __future__ import annotations
 
@@ -76,11 +76,11 @@ def test_text_positions_restart_after_each_eos():
     assert len(plain.next_step()[0]) == 2
 
 
-def test_document_mask_refused_where_it_cannot_hold(tmp_path):
-    cfg = tiny(tmp_path, "cp", "--parallel.cp", "2", "--data.document_mask", "true")
-    with pytest.raises(ConfigError, match=r"data.document_mask=true with parallel.cp=2"):
-        cfg.validate(2)
-    # The planner never proposes it: context parallelism is gone from the candidates.
+def test_document_mask_composes_with_cp_and_needs_an_eos(tmp_path):
+    for mode in ("ring", "ulysses"):  # context parallelism keeps attention in documents
+        tiny(tmp_path, "cp", "--parallel.cp", "2", "--parallel.cp_mode", mode,
+             "--data.document_mask", "true").validate(2)
+    # The planner proposes it too.
     long = ModelConfig(style="llama", vocab_size=256, dim=256, n_layers=2, n_heads=8,
                        n_kv_heads=2, max_seq_len=8192)
 
@@ -88,7 +88,7 @@ def test_document_mask_refused_where_it_cannot_hold(tmp_path):
         return {c.cp for c in candidates(long, gpus=2, node_size=8, global_batch=8,
                                          seq_len=8192, precision="bf16", data=data)}
 
-    assert cps() == {1, 2} and cps(DataConfig(document_mask=True)) == {1}
+    assert cps() == {1, 2} and cps(DataConfig(document_mask=True)) == {1, 2}
     # A tokenizer.json without an EOS token has no document boundaries to mask at.
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 

@@ -13,8 +13,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shardtrain import config
 from shardtrain.config import OptimConfig
-from shardtrain.model import transformer
-from shardtrain.model.transformer import fused_gqa, sdpa_core
+from shardtrain.model import sdpa_kernels
+from shardtrain.model.attention import sdpa_core
+from shardtrain.model.sdpa_kernels import attention_kernel, repeats_kv
 from shardtrain.train.optim import adamw_kernel, build_optimizer
 from shardtrain.train.start.device import device_defaults
 
@@ -51,11 +52,16 @@ def test_a_chosen_precision_and_tf32_off_are_kept_on_a_gpu(monkeypatch, tf32):
 
 
 def test_gqa_takes_a_fused_kernel_where_sdpa_has_one():
-    assert fused_gqa("cpu", torch.float32, 64, masked=True)  # CPU flash: any dtype, masks
-    assert fused_gqa("cuda", torch.bfloat16, 128, masked=False)  # flash / cuDNN
-    assert not fused_gqa("cuda", torch.float32, 128, masked=False)  # math: S x S scores
-    assert not fused_gqa("cuda", torch.bfloat16, 128, masked=True)
-    assert not fused_gqa("cuda", torch.bfloat16, 512, masked=False)
+    """CPU flash takes GQA in any dtype; on CUDA flash (16-bit) does, the memory-efficient
+    kernel (fp32, heads over 256) gets the kv heads repeated; tests/test_attention_kernels.py
+    checks the dispatch."""
+    assert attention_kernel("cpu", "float32", 64) == "flash"
+    assert not repeats_kv("flash", "cpu")
+    assert attention_kernel("cuda", "bfloat16", 128) == "flash"
+    assert not repeats_kv("flash", "cuda")
+    assert attention_kernel("cuda", "float32", 128) == "efficient"
+    assert attention_kernel("cuda", "bfloat16", 512) == "efficient"
+    assert repeats_kv("efficient", "cuda")
 
 
 def _saved_shapes(fn) -> list[tuple[int, ...]]:
@@ -85,7 +91,7 @@ def test_gqa_without_a_fused_kernel_keeps_no_scores_and_the_same_numbers(monkeyp
         assert max(torch.Size(x).numel() for x in _saved_shapes(reference)) >= scores
     want = reference()
     want_grads = torch.autograd.grad(want.square().sum(), (q, k, v))
-    monkeypatch.setattr(transformer, "fused_gqa", lambda *args, **kwargs: False)
+    monkeypatch.setattr(sdpa_kernels, "repeats_kv", lambda *args, **kwargs: True)
     out: list[torch.Tensor] = []
     shapes = _saved_shapes(lambda: out.append(sdpa_core(q, k, v)))
     assert max(torch.Size(x).numel() for x in shapes) < scores, shapes

@@ -117,11 +117,6 @@ def check_context_parallel(cfg: Config) -> None:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if p.cp == 1:
         return
-    if cfg.data.document_mask:  # ring and Ulysses cores run one causal mask per sequence
-        raise ConfigError(f"data.document_mask=true with parallel.cp={p.cp}: context-parallel "
-                          "attention (ring, Ulysses) masks causally over the whole split "
-                          "sequence and cannot keep attention inside documents; set "
-                          "parallel.cp=1 or data.document_mask=false")
     chunks = 2 * p.cp if p.cp_split == "zigzag" else p.cp
     if t.seq_len % chunks:
         raise ConfigError(

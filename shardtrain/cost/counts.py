@@ -142,5 +142,5 @@ def attention_core_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: st
     of V, 4 s q per layer forward, three passes, plus what recomputation reruns of it (full
     and flash-selective: its forward; math-selective: QK^T only). The rest is the linears'."""
     forward = 4.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
-    rerun = {"none": 0.0, "full": 1.0, "selective": 1.0 if attention == "flash" else 0.5}
+    rerun = {"none": 0.0, "full": 1.0, "selective": 1.0 if attention != "math" else 0.5}
     return forward * (3.0 + rerun[recompute])

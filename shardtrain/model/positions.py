@@ -3,14 +3,17 @@ the rows of the position tables a batch reads, and the attention mask of packed 
 
 Packed documents (data.document_mask): each row of a batch holds several documents, and
 the batch carries `positions` [B, S], each document's tokens numbered from 0. A token
-attends only to the earlier tokens of its own document (`document_mask`), and RoPE or the
-learned positions see the position inside the document, so a document computes exactly
-what it would alone (tests/test_document_mask.py).
+attends only to the earlier tokens of its own document (`Documents`: the spans, from which
+attention runs per document, never an [S, S] mask), and RoPE or the learned positions see
+the position inside the document, so a document computes exactly what it would alone
+(tests/test_document_mask.py). Under context parallelism every cp rank gets the full rows'
+positions: its documents' spans cross the split, and RoPE reads the positions it holds.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -88,11 +91,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def position_index(module: nn.Module, seq_len: int, positions: torch.Tensor | None = None
                    ) -> torch.Tensor | slice:
     """Where the rows of the position tables (RoPE, GPT-2's learned positions) for the
-    `seq_len` tokens in hand are: `positions` [B, S] (packed documents) when given, else
-    the module's `positions` [S] when set (context parallelism), else 0..S-1."""
-    if positions is not None:
-        return positions
-    positions = getattr(module, "positions", None)
+    `seq_len` tokens in hand are: `positions` [B, S] (packed documents) when given (under
+    context parallelism the full rows', of which the module's `positions` say which are
+    held), else the module's `positions` [S] when set (context parallelism), else 0..S-1."""
+    held = getattr(module, "positions", None)
+    if positions is not None:  # under cp the full rows' positions: the ones held, [B, S/N]
+        return positions if held is None else positions.index_select(1, held)
+    positions = held
     if positions is None:
         return slice(0, seq_len)
     if positions.shape[0] != seq_len:
@@ -108,12 +113,26 @@ def position_ids(module: nn.Module, seq_len: int, positions: torch.Tensor | None
     return torch.arange(seq_len, device=device) if isinstance(at, slice) else at
 
 
-def document_mask(positions: torch.Tensor) -> torch.Tensor:
-    """The attention mask of packed documents, bool [B, 1, S, S] (True: may attend): causal
-    and within the document, a document starting wherever its position is 0."""
-    document = (positions == 0).cumsum(dim=1)  # [B, S]: which document each token is in
-    same = document[:, :, None] == document[:, None, :]  # [B, S, S]
-    s = positions.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=positions.device).tril_()
-    return (same & causal)[:, None]
+@dataclass(frozen=True)
+class Documents:
+    """Where the packed documents of each row of a batch lie: `spans[b]`, the [start, end)
+    token ranges of row b's documents, ascending and covering 0..S. Host-side ints, so
+    attention runs one fused causal kernel per document (model/attention.py) or per
+    document's share of a chunk pair (parallel/context/), with no [S, S] mask made."""
+
+    spans: tuple[tuple[tuple[int, int], ...], ...]
+    seq_len: int  # S: the full row, whatever part of it a rank holds
+
+    @classmethod
+    def from_positions(cls, positions: torch.Tensor) -> Documents:
+        """From each token's position in its document, [B, S]: a document starts wherever
+        its position is 0 (and at token 0). One device-to-host copy of the starts."""
+        b, s = positions.shape
+        starts = positions == 0
+        starts[:, 0] = True
+        rows, cols = starts.nonzero().t().tolist()  # ascending, row by row
+        per_row: list[list[int]] = [[] for _ in range(b)]
+        for r, c in zip(rows, cols):
+            per_row[r].append(c)
+        return cls(tuple(tuple(zip(row, row[1:] + [s])) for row in per_row), s)
 

@@ -17,39 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardtrain.config import ModelConfig
+from shardtrain.model.attention import sdpa_core
 from shardtrain.model.moe import MoE
-from shardtrain.model.positions import (apply_rope, document_mask, position_ids, position_index,
+from shardtrain.model.positions import (Documents, apply_rope, position_ids, position_index,
                                         rope_tables)
 
 
-def sdpa_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of q [B, H, S, D] over k, v [B, G, S, D] -> [B, H, S, D] (G divides
-    H: grouped-query attention, Ainslie et al. 2023); with `mask` (bool [B, 1, S, S], packed
-    documents: model/positions.py) that mask instead of the plain causal one."""
-    gqa = q.shape[1] != k.shape[1]
-    if gqa and not fused_gqa(q.device.type, q.dtype, q.shape[-1], masked=mask is not None):
-        # Each kv head repeated for its H / G query heads ([B, H, S, D], what enable_gqa
-        # means): a fused kernel then takes the call, at H / G x the k, v bytes.
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-        gqa = False
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                          enable_gqa=gqa)
-
-
-def fused_gqa(device_type: str, dtype: torch.dtype, head_dim: int, *, masked: bool) -> bool:
-    """Whether SDPA runs grouped kv heads (enable_gqa) in a fused kernel, one that keeps no
-    [B, H, S, S] scores. On CPU its flash kernel does, in any float dtype, masked or not. On
-    CUDA only the flash and cuDNN kernels take GQA: 16-bit dtypes, head dims up to 256, no
-    arbitrary mask; the memory-efficient kernel takes fp32 and masks but no GQA. Anything
-    else falls to the math kernel, which materialises the scores: 8.6 GB per layer per
-    sequence at Llama-3-8B's 8192 tokens in fp32 (32 heads x 8192^2 x 4 bytes)."""
-    if device_type != "cuda":
-        return True
-    return dtype in (torch.float16, torch.bfloat16) and head_dim <= 256 and not masked
-
-
-# (q, k, v) -> out; a core that also takes a document mask is called (q, k, v, mask)
+# (q, k, v) -> out; with packed documents (q, k, v, documents: model/positions.py)
 AttentionCore = Callable[..., torch.Tensor]
 
 
@@ -74,7 +48,7 @@ class Attention(nn.Module):
         self.core: AttentionCore = sdpa_core
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                documents: Documents | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim)  # [B, S, H, D]
         k = self.wk(x).view(b, s, -1, self.head_dim)  # [B, S, G, D]
@@ -84,9 +58,10 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H|G, S, D]
-        # The plain call without a mask: context-parallel cores take none (config/layout.py
-        # refuses data.document_mask with cp).
-        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)  # [B, H, S, D]
+        # The plain call without documents: a core (selective recomputation's checkpoint
+        # included) is never handed a None it would have to pass on.
+        out = self.core(q, k, v) if documents is None else self.core(q, k, v, documents)
+        # out: [B, H, S, D]
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))  # [B, S, C]
 
 
@@ -124,8 +99,8 @@ class Block(nn.Module):
         self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, mask)
+                documents: Documents | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, documents)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -162,7 +137,8 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """`positions`: each token's position in its document, [B, S] (data.document_mask:
-        attention stays inside documents); None: one sequence per row, causal."""
+        attention stays inside documents; under context parallelism the full rows', not
+        the tokens held); None: one sequence per row, causal."""
         at = position_index(self, tokens.shape[1], positions)
         x = self.tok_emb(tokens)  # [B, S, C]
         rope = None
@@ -170,9 +146,9 @@ class Transformer(nn.Module):
             x = x + self.pos_emb(position_ids(self, tokens.shape[1], positions, x.device))
         else:
             rope = (self.rope_cos[at], self.rope_sin[at])
-        mask = None if positions is None else document_mask(positions)
+        documents = None if positions is None else Documents.from_positions(positions)
         for layer in self.layers:
-            x = layer(x, rope, mask)
+            x = layer(x, rope, documents)
         return self.head(self.norm(x))
 
     @torch.no_grad()

@@ -22,6 +22,9 @@ parallelism its all-to-alls). Their collectives are Python calls through the Com
 (ledger, timers, tags), which dynamo would otherwise trace into and split into many small
 graphs; the MoE layer's routing has data-dependent group sizes, and torch's grouped matmul
 has no fp32 trace rule on the CPU. Each is one graph break: the block becomes two graphs.
+The per-document attention of packed documents (model/attention.py, `per_document`) is
+left eager too: its loop runs over the batch's document spans, Python ints that a graph
+would bake in, recompiling for every batch (one more graph break in such a block).
 
 Tensor and sequence parallelism need no island: their collectives are custom ops
 (parallel/tensor/ops.py) that dynamo records as single nodes, and their autograd functions
@@ -46,6 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardtrain.model import attention
 from shardtrain.model.moe import MoE
 from shardtrain.parallel.context.apply import context_cores
 
@@ -67,6 +71,8 @@ def compile_blocks(blocks: nn.ModuleList) -> None:
     """Compile each block's forward, in place (parameter names and hooks unchanged), with
     an MoE layer and a context-parallel core's exchanges left eager; compilation itself
     happens at each graph's first call."""
+    if not hasattr(attention.per_document, "_torchdynamo_disable"):  # once per process
+        attention.per_document = torch.compiler.disable(attention.per_document)
     for block in blocks:
         if isinstance(block.mlp, MoE):
             block.mlp.forward = torch.compiler.disable(block.mlp.forward)

@@ -16,9 +16,12 @@ the tensor-by-tensor list). One layer, one micro-batch of b sequences of s local
   column-parallel linear keeps its own 16-bit cast (3 for q, k, v; 2 for SwiGLU's w1, w3,
   1 for GELU's w1). Under tensor parallelism a region's input enters in the compute dtype
   (tensor/layers.py) and is kept once (n v C), under sp its sequence chunk (n/t v C).
-- attention core, `flash` (what SDPA runs on CPU, fp32 and autocast alike, and on CUDA:
-  flash or memory-efficient): q, k, v after RoPE [b, s, H+2G, D] and out [b, s, H, D]
-  at v bytes, the logsumexp [b, H, s] fp32; wo's input is out itself. `math` (SDPA's
+- attention core, `flash` (what SDPA runs on CPU, fp32 and autocast alike, and on CUDA in
+  16 bits; model/sdpa_kernels.py): q, k, v after RoPE [b, s, H+2G, D] and out [b, s, H, D]
+  at v bytes, the logsumexp [b, H, s] fp32; wo's input is out itself; packed documents
+  the same (one call per document). `efficient` (CUDA's memory-efficient kernel, fp32):
+  the same, but with grouped kv heads k and v are repeated to H for it, [b, s, 3H, D]
+  kept. `math` (SDPA's
   math kernel): q scaled, k and v repeated to H heads, the probabilities [b, H, s, s]
   (fp32 on CPU, where autocast runs this kernel in fp32: m = 4), and wo's own input
   (n H D v): the s^2 term Korthikanti's 5 a s^2 b counts.
@@ -27,7 +30,8 @@ the tensor-by-tensor list). One layer, one micro-batch of b sequences of s local
 - qk-norm (Qwen3, model.qk_norm): the RMSNorm of each query and key head keeps its input
   and x * rstd (2 r D per head and token) and rstd (4): n (H + G) (2 r D + 4).
 - context parallelism (parallel/context/): the ring core saves q, k, v, out and the lse
-  (the flash terms) and returns out as [b, H, s, D], so wo keeps a copy (+ n H D v). Its
+  (the flash terms); its out has q's memory layout ([b, s, H, D]), so wo's input is a view
+  of it, no copy. Its
   chunk pairs run fused flash kernels forward and backward: no [c, c] scores are kept
   (nor made), so no s^2 term.
   Ulysses runs SDPA on the all-to-all'd [b, S, H/N, D] tensors (the same bytes as the
@@ -62,8 +66,7 @@ vocabulary and few layers the loss is the largest tensor backward starts with.
 from __future__ import annotations
 
 from shardtrain.config import ModelConfig
-
-ATTENTION = ("flash", "math")
+from shardtrain.model.sdpa_kernels import KERNELS as ATTENTION
 
 
 def kv_heads_per_rank(cfg: ModelConfig, tp: int) -> int:
@@ -121,12 +124,14 @@ def runtime_activation_bytes(cfg: ModelConfig, *, s: int, b: int, t: int = 1,
         if cp_split == "zigzag":  # SDPA saves position-ordered copies (and two [S] int64
             # indices); the Function keeps the rank-ordered q, k, v and out besides
             core += qkv + out + 2 * 8 * s * cp
-    elif cp > 1:  # ring: q, k, v, out, lse; out is [b, H, s, D]: wo keeps a copy
-        core = qkv + out + lse + out
+    elif cp > 1:  # ring: q, k, v, out, lse; out laid out as q ([b, s, H, D] in memory), so
+        core = qkv + out + lse  # wo's input is a view of it, no copy
     elif recompute == "selective":  # the checkpoint keeps q, k, v; wo keeps out
         core = qkv + out
     elif attention == "flash":
         core = qkv + out + lse
+    elif attention == "efficient":  # k, v repeated to the query heads for the kernel
+        core = n * 3 * heads * d * v + out + lse
     else:
         m = 4  # the math kernel's dtype on CPU, autocast included
         core = 3 * n * heads * d * m + b * heads * s * s * m + out

@@ -18,7 +18,7 @@ from shardtrain.config import ConfigError, load, parse_overrides, read_toml, res
 from shardtrain.cost import hardware
 from shardtrain.plan import report
 from shardtrain.plan.evaluate import CONVENTIONS, evaluate
-from shardtrain.plan.layout import PRECISIONS, PlanError, check, trainer_refusal
+from shardtrain.plan.layout import PRECISIONS, PlanError, check, planned_attention, trainer_refusal
 from shardtrain.plan.layout_text import parse_layout
 from shardtrain.plan.search import advice, search, shortfall
 
@@ -42,8 +42,7 @@ def _count(text: str) -> float:
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="shardtrain plan", description=__doc__.split("\n")[0],
                 epilog="Model fields: --model.FIELD VALUE; hardware figures: --hw.FIELD VALUE; "
-                       "the data fields a layout depends on: --data.document_mask true (no "
-                       "context parallelism).")
+                       "the data fields a layout depends on, e.g. --data.document_mask true.")
     p.add_argument("--model", required=True, help="preset name or FILE.toml")
     p.add_argument("--gpus", type=int, help="devices (default: one node)")
     p.add_argument("--gpu", default="a100", help=f"device kind: {', '.join(hardware.NAMES)}")
@@ -111,7 +110,8 @@ def _run(argv: list[str]) -> int:
     name = str(args.model)
     measured = args.step_time
     if args.layout is not None:
-        layout = parse_layout(args.layout, gpus=gpus, global_batch=batch, precision=precision)
+        layout = parse_layout(args.layout, gpus=gpus, global_batch=batch, precision=precision,
+                              attention=planned_attention(cfg, precision))
         check(layout, cfg, gpus=gpus, node_size=hw.node_size(gpus), global_batch=batch,
               seq_len=seq)
         plan = evaluate(cfg, layout, hw, global_batch=batch, seq_len=seq, name=name)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardtrain.config import Config, ConfigError, DataConfig, ModelConfig
+from shardtrain.model.sdpa_kernels import KERNELS, attention_kernel
 from shardtrain.plan.optim_states import OPTIM_STATES, config_optim, optim_fields
 
 # What parallel.schedule runs and the planner weighs: never pipedream-2bw, whose numbers
@@ -25,7 +26,8 @@ OFFLOAD = ("none", "cpu", "nvme")
 ACTIVATION_OFFLOAD = ("none", "cpu")
 PRECISIONS = ("fp32", "bf16", "amp")  # amp: the runtime's bf16/fp16 policy (memory.py)
 CP_MODES = ("ring", "ulysses")  # parallel.cp_mode
-ATTENTION = ("flash", "math")  # SDPA kernel: what activations keep (plan/activations.py)
+# SDPA's kernel for attention: what activations keep (plan/activations.py)
+ATTENTION = KERNELS
 ACCUMULATE = ("sharded", "unsharded")  # parallel.zero_accumulate (plan/accumulate.py)
 
 
@@ -58,8 +60,9 @@ class Layout:
     schedule: str = "1f1b"
     v: int = 1  # virtual stages per pipeline rank (interleaved schedule)
     ps_servers: int = 0  # parameter servers beside the dp workers (plan/ps.py)
-    # flash: SDPA's flash / memory-efficient kernels (out + logsumexp kept), what the
-    # runtime runs on CPU and CUDA; math: the probabilities kept (plan/activations.py)
+    # SDPA's kernel (`planned_attention`): flash or memory-efficient keep out + logsumexp
+    # (efficient: k, v repeated to the query heads for it under GQA); math keeps the
+    # probabilities, the S x S term (plan/activations.py)
     attention: str = "flash"
     # ZeRO++ (Wang et al. 2023; plan/zeropp.py): int8 weight gathers, a node-local secondary
     # parameter shard (ZeRO-3), int8 gradient reduce-scatters (two hops across nodes)
@@ -247,7 +250,8 @@ def layout_overrides(layout: Layout, *, seq_len: int | None = None,
     (config.load(preset, overrides)): the degrees, ZeRO, ZeRO++ and offload, the schedule, the
     batch geometry (global_batch = dp x micro_batch x microbatches) and recomputation.
     Precision: fp32 stays fp32; bf16 and amp both train under train.precision=bf16 (the
-    amp policy). `attention` has no config field (the runtime's SDPA picks its kernel)."""
+    amp policy). `attention` has no config field: it follows from the precision and the
+    model (`planned_attention`)."""
     fields = _config_fields(layout, seq_len=seq_len, offload_dir=offload_dir)
     return [item for (section, name), value in fields.items()
             for item in (f"--{section}.{name}", str(value).lower() if isinstance(value, bool)
@@ -277,9 +281,10 @@ def trainer_refusal(layout: Layout, cfg: ModelConfig, *, seq_len: int,
     return None
 
 
-def config_layout(cfg: Config, world_size: int) -> Layout:
+def config_layout(cfg: Config, world_size: int, device_type: str | None = None) -> Layout:
     """The Layout a validated training config runs on `world_size` ranks: the inverse of
-    `layout_overrides` (train.precision bf16 and fp16 are the runtime's `amp` policy)."""
+    `layout_overrides` (train.precision bf16 and fp16 are the runtime's `amp` policy), its
+    attention kernel that of `device_type` (None: train.device, auto counted as cpu)."""
     p, t = cfg.parallel, cfg.train
     dp = p.resolved_dp(world_size)
     return Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, cp_mode=p.cp_mode, ep=p.ep, zero=p.zero,
@@ -292,4 +297,17 @@ def config_layout(cfg: Config, world_size: int) -> Layout:
                   microbatches=p.microbatches or t.global_batch // (dp * t.micro_batch),
                   schedule=p.schedule, v=p.virtual_stages, ps_servers=p.ps_servers,
                   qwz=p.zero_quantized_weights, hpz=p.zero_hpz,
-                  qgz=p.zero_quantized_gradients, optim=config_optim(cfg.optim))
+                  qgz=p.zero_quantized_gradients, optim=config_optim(cfg.optim),
+                  attention=planned_attention(cfg.model, t.precision, device_type or (
+                      "cuda" if t.device == "cuda" else "cpu")))
+
+
+def planned_attention(cfg: ModelConfig, precision: str, device_type: str = "cuda") -> str:
+    """The SDPA kernel attention runs on, for every (precision, mask, GQA): the runtime's
+    rule (model/sdpa_kernels.py). Packed documents (data.document_mask) run one causal call
+    per document, no mask (model/attention.py), so they get the kernel a plain causal call
+    gets; grouped kv heads do too (repeated for the memory-efficient kernel, which takes
+    none). On a GPU: flash in 16 bits (bf16, amp), memory-efficient in fp32; math only for a
+    head dim neither takes, and then the planner charges its S x S probabilities."""
+    dtype = {"fp32": "float32", "fp16": "float16"}.get(precision, "bfloat16")
+    return attention_kernel(device_type, dtype, cfg.head_dim)

@@ -13,11 +13,13 @@ _KEYS = {f.name: f.type for f in dataclasses.fields(Layout)} | {"mb": "int"}
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
-def parse_layout(text: str, *, gpus: int, global_batch: int, precision: str) -> Layout:
+def parse_layout(text: str, *, gpus: int, global_batch: int, precision: str,
+                 attention: str = "flash") -> Layout:
     """`dp=32,tp=8,pp=4,zero=1,...`: dp may be left out (it fills the GPUs); give one of
     microbatches / micro_batch (alias mb) and the other follows from the global batch
-    (neither: micro_batch = 1)."""
-    values: dict[str, Any] = {"precision": precision}
+    (neither: micro_batch = 1); `attention` unless the text names one (the planned
+    kernel: layout.planned_attention)."""
+    values: dict[str, Any] = {"precision": precision, "attention": attention}
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, sep, raw = item.partition("=")
         key, raw = key.strip(), raw.strip()

@@ -101,7 +101,7 @@ def roofline_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, global_batch
     # attention core: q, k, v in, out written (flash); math also writes and reads the scores
     scores = T * (cfg.n_heads / t) * seq_len  # [b, H/t, s/cp, s] elements
     core_io = T * (2 * q + 2 * kv) + (2 * scores if lay.attention == "math" else 0.0)
-    core_passes = 3.0 + (1.0 if full or (selective and lay.attention == "flash") else 0.0)
+    core_passes = 3.0 + (1.0 if full or (selective and lay.attention != "math") else 0.0)
     ops = [price("linears", (hw_flops - core_flops) * per_rank,
                  linear_bytes, hw, lay.precision),
            price("attention core", core_flops * per_rank,

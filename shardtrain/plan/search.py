@@ -19,7 +19,8 @@ numbers, at an accuracy cost the planner does not price), is tried on the fittin
 layouts whose replica group spans nodes and that could then rank in the top
 (variants.py), as is unsharded accumulation (parallel.zero_accumulate) on every fitting
 ZeRO-2/3 layout with micro-batches to accumulate that could then rank. The
-run's data section takes part (`data`): data.document_mask rules out context parallelism. Offload
+run's data section takes part (`data`: what it asks of a layout, through the trainer's
+validation). Offload
 (cpu, nvme) is tried only when nothing fits without it. Ranked by predicted step time,
 then memory.
 """
@@ -35,7 +36,7 @@ from shardtrain.config import DataConfig, ModelConfig
 from shardtrain.cost.counts import param_counts
 from shardtrain.plan.evaluate import Plan, evaluate, fits
 from shardtrain.cost.hardware import Hardware
-from shardtrain.plan.layout import Layout, PlanError, check, trainer_refusal
+from shardtrain.plan.layout import Layout, PlanError, check, planned_attention, trainer_refusal
 from shardtrain.plan.memory import MemoryBreakdown, memory_per_gpu
 from shardtrain.plan.variants import (accumulate_variants, v_variants, with_variants,
                                      zeropp_variants)
@@ -126,7 +127,8 @@ def _inner(cfg: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, ep: int, cp_
                                          zero=zero, offload=offload, precision=precision,
                                          recompute=recompute, sp=sp, micro_batch=b,
                                          microbatches=m, schedule=schedule, v=v,
-                                         partition=partition)
+                                         partition=partition,
+                                         attention=planned_attention(cfg, precision))
 
 
 def _partitions(cfg: ModelConfig, zero: int, dp: int, model_ranks: int,

@@ -90,3 +90,44 @@ def test_ring_speed_against_dense_sdpa(device, record_property):
     record_property("dense_ms", dense)  # the GPU check's table (benchmarks/gpu/report.py)
     record_property("ring_ms", ring)
     assert ring > 0 and dense > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_documents_on_the_device_kernels(device, dtype):
+    """Packed documents (issue 43) on the device's kernels: the per-document core and the
+    simulated ring at cp=4 (its per-document cuts of chunk pairs: blocks of unequal query
+    and key lengths) against each document alone in fp64; on CUDA every SDPA call a fused
+    kernel (flash or cuDNN in bf16, memory-efficient with kv repeated in fp32), none math."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shardtrain.model.attention import sdpa_core
+    from shardtrain.model.positions import Documents
+
+    q, k, v = _inputs(device, SHAPES[device.type], dtype)
+    seq = q.shape[2]
+    lengths = [seq // 3, seq // 2, 1, seq - seq // 3 - seq // 2 - 1]
+    positions = torch.cat([torch.arange(n) for n in lengths]).expand(q.shape[0], -1)
+    docs = Documents.from_positions(positions)
+    wide = [t.detach().double() for t in (q, k, v)]
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    ref = torch.cat([_dense(*(t[:, :, a:a + n] for t in wide), True)
+                     for a, n in zip(starts, lengths)], dim=2)
+
+    class Ops(TorchDispatchMode):
+        names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:
+        out = sdpa_core(q, k, v, docs)
+    fused = [n for n in ops.names if "scaled_dot_product" in n]  # one per document and row
+    assert len(fused) == len(lengths) * q.shape[0], fused
+    assert not [n for n in ops.names if "bmm" in n or "matmul" in n], ops.names
+    ring = simulated_ring_attention(q, k, v, split=SequenceSplit(seq, 4, True), documents=docs)
+    for name, got in (("per document", out), ("ring cp=4", ring)):
+        err = (got.double() - ref).abs().max().item()
+        bound = BOUNDS[dtype] * ref.abs().max().item()
+        print(f"{dtype} documents {name}: max error {err:.3e} (bound {bound:.3e})")
+        assert err <= bound, name

@@ -20,7 +20,11 @@ Shape legend: B batch, H query heads, G kv heads, c chunk length, D head dim.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+from shardtrain.model.positions import Documents
 
 FULL, DIAG = "full", "diag"
 _aten = torch.ops.aten
@@ -44,6 +48,51 @@ def chunk_pairs(q_chunks: tuple[int, ...], k_chunks: tuple[int, ...],
             elif b == a:
                 out.append((qi, ki, DIAG))
     return out
+
+
+class Block(NamedTuple):
+    """One kernel call of a chunk pair: batch rows `rows`, query tokens [q0, q0 + n) of the
+    query chunk and key tokens [k0, k0 + m) of the key chunk (chunk-local), FULL or DIAG."""
+    rows: slice
+    q0: int
+    n: int
+    k0: int
+    m: int
+    kind: str
+
+
+def pair_blocks(a: int, b: int, c: int, kind: str,
+                documents: Documents | None) -> list[Block]:
+    """The kernel calls of the pair (query chunk a, key chunk b; `kind` from chunk_pairs)
+    of chunk length c. Without documents: the whole pair, every row at once. With packed
+    documents, per row, one call for each document present in both chunks -- its queries
+    in chunk a over its keys in chunk b: FULL when b < a (all of them earlier), DIAG when
+    a == b (the document's own causal triangle, square and aligned) -- so a pair attends
+    only where documents overlap, and a pair no document spans is skipped, not computed."""
+    if documents is None:
+        return [Block(slice(None), 0, c, 0, c, kind)]
+    out = []
+    for row, spans in enumerate(documents.spans):
+        for lo, hi in spans:
+            q0, q1 = max(lo, a * c), min(hi, (a + 1) * c)  # the document's queries in a
+            k0, k1 = max(lo, b * c), min(hi, (b + 1) * c)  # and its keys in b
+            if q0 < q1 and k0 < k1:
+                out.append(Block(slice(row, row + 1), q0 - a * c, q1 - q0, k0 - b * c,
+                                 k1 - k0, kind))
+    return out
+
+
+def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor,
+               lse: torch.Tensor) -> None:
+    """Fold a kernel call's (out [b, H, n, D], lse [b, H, n] fp32) into the running fp32
+    (acc_out, acc_lse) views of its rows, in place: with lse' = log(exp(acc_lse) +
+    exp(lse)), acc_out' = exp(acc_lse - lse') acc_out + exp(lse - lse') out. Rows start at
+    (0, -inf): a call's lse is finite (every query sees at least itself), so the first
+    call's weights are exactly 0 and 1."""
+    new = torch.logaddexp(acc_lse, lse)
+    acc_out.mul_(torch.exp(acc_lse - new).unsqueeze(-1)).addcmul_(
+        out, torch.exp(lse - new).unsqueeze(-1))
+    acc_lse.copy_(new)
 
 
 def _kernel(x: torch.Tensor) -> str:
@@ -71,9 +120,10 @@ def _fold_kv(dx: torch.Tensor, g: int) -> torch.Tensor:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str,
            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One pair: q [B, H, c, D], k, v [B, G, c, D] -> (out [B, H, c, D] in q's dtype,
-    normalised over this block alone; lse [B, H, c] fp32). DIAG is the causal triangle of
-    two chunks at the same positions (square, so the kernel's top-left causal mask)."""
+    """One pair (or one document's share of it: pair_blocks): q [B, H, c, D], k, v
+    [B, G, c', D] -> (out [B, H, c, D] in q's dtype, normalised over this block alone; lse
+    [B, H, c] fp32). DIAG is the causal triangle of two chunks at the same positions
+    (square, so the kernel's top-left causal mask)."""
     causal, kernel = kind == DIAG, _kernel(q)
     if kernel == "cpu":
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
@@ -110,7 +160,7 @@ def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str
         return dq, _fold_kv(dk, g), _fold_kv(dv, g)
     # Dense inputs: no cumulative sequence lengths (None: the kernel's dense path).
     return _aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse.contiguous(), None, None, c, c, 0.0, causal, seed, seed,
+        dout, q, k, v, out, lse.contiguous(), None, None, c, k.shape[2], 0.0, causal, seed, seed,
         scale=scale)
 
 
@@ -123,7 +173,6 @@ def merge(acc: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor,
     if acc is None:  # the first block's out (cast to fp32) becomes the running out
         return out.float(), lse
     acc_out, acc_lse = acc
-    new = torch.logaddexp(acc_lse, lse)  # [B, H, c]
-    w_acc = torch.exp(acc_lse - new).unsqueeze(-1)
-    w_new = torch.exp(lse - new).unsqueeze(-1)
-    return acc_out.mul_(w_acc).addcmul_(out, w_new), new
+    acc_lse = acc_lse.clone()
+    merge_into(acc_out, acc_lse, out, lse)
+    return acc_out, acc_lse

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from shardtrain.comm import Communicator
+from shardtrain.model.positions import Documents
 from shardtrain.parallel.context.inputs import check_group
 from shardtrain.parallel.context.ring import ring_attention
 from shardtrain.parallel.context.split import SequenceSplit
@@ -35,15 +36,18 @@ class ContextAttention:
         self.comm, self.split, self.mode = comm, split, mode
         self.timer = ComputeTimer(comm.device)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.attend(q, k, v)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 documents: Documents | None = None) -> torch.Tensor:
+        return self.attend(q, k, v, documents)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The exchanges and the attention. Compiled blocks leave it eager (train.compile:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               documents: Documents | None = None) -> torch.Tensor:
+        """The exchanges and the attention (inside each of `documents`, the full rows'
+        packed documents, when given). Compiled blocks leave it eager (train.compile:
         parallel/compile.py wraps it per instance, so importing this module does not import
         torch's compiler)."""
         return MODES[self.mode](q, k, v, comm=self.comm, split=self.split, causal=True,
-                                timer=self.timer)
+                                timer=self.timer, documents=documents)
 
     @property
     def compute_s(self) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from shardtrain.model.positions import Documents
 from shardtrain.parallel.context.split import SequenceSplit
 
 
@@ -30,3 +31,11 @@ def check_group(comm_size: int, split: SequenceSplit, what: str) -> None:
     if comm_size != split.cp:
         raise ValueError(f"{what}: the cp group has {comm_size} ranks but the split is for "
                          f"parallel.cp={split.cp}")
+
+
+def check_documents(documents: Documents | None, batch: int, seq_len: int, what: str) -> None:
+    """Packed documents, when given, describe `batch` full rows of `seq_len` tokens."""
+    if documents is not None and (len(documents.spans), documents.seq_len) != (batch, seq_len):
+        raise ValueError(f"{what}: the documents describe {len(documents.spans)} rows of "
+                         f"{documents.seq_len} tokens, but the batch has {batch} rows of "
+                         f"{seq_len} (train.seq_len): pass the full rows' positions")

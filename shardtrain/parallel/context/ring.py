@@ -31,8 +31,10 @@ from typing import Any
 import torch
 
 from shardtrain.comm import Communicator
-from shardtrain.parallel.context.blocks import attend, attend_backward, chunk_pairs, merge
-from shardtrain.parallel.context.inputs import check_group, check_qkv
+from shardtrain.model.positions import Documents
+from shardtrain.parallel.context.blocks import (attend, attend_backward, chunk_pairs, merge_into,
+                                               pair_blocks)
+from shardtrain.parallel.context.inputs import check_documents, check_group, check_qkv
 from shardtrain.parallel.context.split import SequenceSplit
 from shardtrain.parallel.context.timer import NoTimer
 from shardtrain.parallel.context.transport import CommTransport, LocalTransport
@@ -46,10 +48,7 @@ class _Ring:
     split: SequenceSplit
     causal: bool
     timer: Any  # ComputeTimer | NoTimer
-
-
-def _chunk(x: torch.Tensor, i: int, c: int, dim: int) -> torch.Tensor:
-    return x.narrow(dim, i * c, c)
+    documents: Documents | None = None  # packed documents: spans over the full rows
 
 
 def _forward(ring: _Ring, qs, ks, vs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -58,24 +57,46 @@ def _forward(ring: _Ring, qs, ks, vs) -> tuple[list[torch.Tensor], list[torch.Te
     n, c = split.cp, split.chunk_len
     scale = qs[0].shape[-1] ** -0.5
     kv = [torch.stack((k, v)) for k, v in zip(ks, vs)]  # [2, B, G, s, D], compute dtype
-    acc: list[list] = [[None] * len(split.chunks(r)) for r in tr.ranks]
+    # The running fp32 out [B, H, s, D] and lse [B, H, s] of each played rank's queries,
+    # from (0, -inf): a query row no block reaches keeps them (none does: each sees itself).
+    acc = [(torch.zeros_like(q, dtype=torch.float32),
+            q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)) for q in qs]
     for step in range(n):
         pending = tr.shift(kv, TAG_KV) if step < n - 1 else None  # the next block in flight
         timer.start()
         for m, r in enumerate(tr.ranks):
-            owner = (r - step) % n
-            for qi, ki, kind in chunk_pairs(split.chunks(r), split.chunks(owner), ring.causal):
-                k_blk, v_blk = _chunk(kv[m], ki, c, 3).unbind(0)  # [B, G, c, D]
-                o, lse = attend(_chunk(qs[m], qi, c, 2), k_blk, v_blk, kind, scale)
-                acc[m][qi] = merge(acc[m][qi], o, lse)  # fp32 [B, H, c, D], [B, H, c]
+            for qi, ki, blk in _blocks(ring, r, (r - step) % n):
+                k_blk, v_blk = _cut(kv[m], ki, blk.k0, blk.m, blk.rows, c, 3).unbind(0)
+                o, lse = attend(_cut(qs[m], qi, blk.q0, blk.n, blk.rows, c), k_blk, v_blk,
+                                blk.kind, scale)
+                merge_into(_cut(acc[m][0], qi, blk.q0, blk.n, blk.rows, c),
+                           _cut(acc[m][1], qi, blk.q0, blk.n, blk.rows, c), o, lse)
         timer.stop()
         if pending is not None:
             kv = pending.wait()
     timer.start()
-    outs = [torch.cat([o for o, _ in a], dim=2).to(q.dtype) for a, q in zip(acc, qs)]
-    lses = [torch.cat([lse for _, lse in a], dim=2) for a in acc]  # [B, H, s]
+    outs = [o.to(q.dtype) for (o, _), q in zip(acc, qs)]
     timer.stop()
-    return outs, lses
+    return outs, [lse for _, lse in acc]
+
+
+def _blocks(ring: _Ring, r: int, owner: int):
+    """(local query chunk, local key chunk, Block) of every kernel call rank r makes on
+    the kv block of `owner` (pairs masked out entirely, causally or by documents, have
+    none: skipped, not computed)."""
+    split = ring.split
+    mine, theirs = split.chunks(r), split.chunks(owner)
+    for qi, ki, kind in chunk_pairs(mine, theirs, ring.causal):
+        for blk in pair_blocks(mine[qi], theirs[ki], split.chunk_len, kind, ring.documents):
+            yield qi, ki, blk
+
+
+def _cut(x: torch.Tensor, chunk: int, start: int, length: int, rows: slice, c: int,
+         dim: int = 2) -> torch.Tensor:
+    """Tokens [start, start + length) of local chunk `chunk` along `dim` (the sequence),
+    batch rows `rows` along dim - 2 (the batch: [B, H, s, ...] or [2, B, G, s, D]): a view."""
+    x = x.narrow(dim, chunk * c + start, length)
+    return x[(slice(None),) * (dim - 2) + (rows,)]
 
 
 def _backward(ring: _Ring, qs, ks, vs, outs, lses, douts):
@@ -96,16 +117,15 @@ def _backward(ring: _Ring, qs, ks, vs, outs, lses, douts):
         timer.start()
         part = [b.new_zeros(b.shape, dtype=torch.float32) for b in kv]  # [2, B, G, s, D]
         for m, r in enumerate(tr.ranks):
-            owner = (r - step) % n
-            for qi, ki, kind in chunk_pairs(split.chunks(r), split.chunks(owner), ring.causal):
-                k_blk, v_blk = _chunk(kv[m], ki, c, 3).unbind(0)  # [B, G, c, D]
+            for qi, ki, blk in _blocks(ring, r, (r - step) % n):
+                k_blk, v_blk = _cut(kv[m], ki, blk.k0, blk.m, blk.rows, c, 3).unbind(0)
+                q_at = (qi, blk.q0, blk.n, blk.rows, c)
                 dq, dk, dv = attend_backward(
-                    _chunk(qs[m], qi, c, 2), k_blk, v_blk, kind, scale,
-                    _chunk(outs[m], qi, c, 2), _chunk(lses[m], qi, c, 2),
-                    _chunk(douts[m], qi, c, 2))
-                _chunk(dqs[m], qi, c, 2).add_(dq)
-                _chunk(part[m][0], ki, c, 2).add_(dk)
-                _chunk(part[m][1], ki, c, 2).add_(dv)
+                    _cut(qs[m], *q_at), k_blk, v_blk, blk.kind, scale, _cut(outs[m], *q_at),
+                    _cut(lses[m], *q_at), _cut(douts[m], *q_at))
+                _cut(dqs[m], *q_at).add_(dq)
+                _cut(part[m][0], ki, blk.k0, blk.m, blk.rows, c).add_(dk)
+                _cut(part[m][1], ki, blk.k0, blk.m, blk.rows, c).add_(dv)
         timer.stop()
         if travelling is not None:  # what the ranks before us added for this same block
             part = [a + p for a, p in zip(travelling.wait(), part)]
@@ -157,25 +177,29 @@ class _RingAttention(torch.autograd.Function):
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                    comm: Communicator, split: SequenceSplit, causal: bool = True,
-                   timer=None) -> torch.Tensor:
+                   timer=None, documents: Documents | None = None) -> torch.Tensor:
     """This rank's attention output [B, H, s, D] for its local q [B, H, s, D] and k, v
     [B, G, s, D] (s = S/N, the tokens `split` gives comm.rank); `timer` (ComputeTimer)
-    sums the compute time."""
+    sums the compute time; `documents` (the full rows' packed documents) keeps attention
+    inside each."""
     check_group(comm.size, split, "ring attention")
     check_qkv(q, k, v, split.local_len, "ring attention (train.seq_len / parallel.cp)")
-    ring = _Ring(CommTransport(comm), split, causal, timer or NoTimer())
+    check_documents(documents, q.shape[0], split.seq_len, "ring attention")
+    ring = _Ring(CommTransport(comm), split, causal, timer or NoTimer(), documents)
     return _RingAttention.apply(ring, q, k, v)[0]
 
 
 def simulated_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                             split: SequenceSplit, causal: bool = True) -> torch.Tensor:
+                             split: SequenceSplit, causal: bool = True,
+                             documents: Documents | None = None) -> torch.Tensor:
     """Ring attention of all N ranks in one process: FULL-sequence q [B, H, S, D], k, v
     [B, G, S, D] in natural order -> the full output [B, H, S, D] in natural order. Each
     rank's slice, every step, every block and every hop is the distributed algorithm's
     (LocalTransport rotates instead of sending); differentiable."""
     split.check()
     check_qkv(q, k, v, split.seq_len, "simulated ring attention (train.seq_len)")
-    ring = _Ring(LocalTransport(split.cp), split, causal, NoTimer())
+    check_documents(documents, q.shape[0], split.seq_len, "simulated ring attention")
+    ring = _Ring(LocalTransport(split.cp), split, causal, NoTimer(), documents)
     parts = [[split.take(t, r, dim=2) for r in range(split.cp)] for t in (q, k, v)]
     outs = _RingAttention.apply(ring, *parts[0], *parts[1], *parts[2])
     gathered = torch.cat(outs, dim=2)  # [B, H, S, D], ranks' tokens rank after rank

@@ -16,7 +16,9 @@ the all_to_all (G' = H: each rank then gets the kv head of each of its query hea
 gradients sum back through the repeat). N = 1: no message.
 
 The gathered sequence arrives rank after rank in the split's local orders; under the
-zig-zag split it is put in natural order before causal SDPA and back after.
+zig-zag split it is put in natural order before causal SDPA and back after. Packed
+documents (data.document_mask): the whole rows are there after the gather, so each
+document runs alone, one causal kernel call per document (model/attention.py), no mask.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from shardtrain.comm import Communicator
-from shardtrain.parallel.context.inputs import check_group, check_qkv
+from shardtrain.model.attention import sdpa_core
+from shardtrain.model.positions import Documents
+from shardtrain.parallel.context.inputs import check_documents, check_group, check_qkv
 from shardtrain.parallel.context.split import SequenceSplit
 from shardtrain.parallel.context.timer import NoTimer
 
@@ -66,7 +70,7 @@ def _to_sequence(comm: Communicator, parts: list[torch.Tensor]) -> list[torch.Te
 class _Ulysses(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, comm: Communicator, split: SequenceSplit, causal: bool,
-                timer: Any):
+                timer: Any, documents: Documents | None):
         qh, kh, vh = _to_heads(comm, [q, k, v])  # [B, H/N | G'/N, S, D]
         timer.start()
         order = split.order(q.device)  # [S]: the position of each gathered token
@@ -79,8 +83,11 @@ class _Ulysses(torch.autograd.Function):
                 torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
             leaves = [t.detach().requires_grad_(torch.is_grad_enabled()) for t in (qh, kh, vh)]
             x = [t.index_select(2, natural) for t in leaves] if natural is not None else leaves
-            out = F.scaled_dot_product_attention(*x, is_causal=causal,
-                                                 enable_gqa=x[0].shape[1] != x[1].shape[1])
+            # Causal (inside each document, if any): the kernel model/attention.py picks
+            if causal:
+                out = sdpa_core(*x, documents)
+            else:
+                out = F.scaled_dot_product_attention(*x, enable_gqa=x[0].shape[1] != x[1].shape[1])
             if natural is not None:
                 out = out.index_select(2, order)  # back to rank order
         timer.stop()
@@ -97,7 +104,7 @@ class _Ulysses(torch.autograd.Function):
         ctx.timer.stop()
         dq, dk, dv = _to_sequence(ctx.comm, list(grads))
         ctx.graph = None
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _keep(t: torch.Tensor) -> torch.Tensor:
@@ -106,10 +113,12 @@ def _keep(t: torch.Tensor) -> torch.Tensor:
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                       comm: Communicator, split: SequenceSplit, causal: bool = True,
-                      timer=None) -> torch.Tensor:
-    """This rank's output [B, H, s, D] for its local q [B, H, s, D], k, v [B, G, s, D]."""
+                      timer=None, documents: Documents | None = None) -> torch.Tensor:
+    """This rank's output [B, H, s, D] for its local q [B, H, s, D], k, v [B, G, s, D];
+    with `documents` (the full rows' packed documents) attention stays inside each."""
     check_group(comm.size, split, "Ulysses attention")
     check_qkv(q, k, v, split.local_len, "Ulysses attention (train.seq_len / parallel.cp)")
+    check_documents(documents, q.shape[0], split.seq_len, "Ulysses attention")
     n, h, g = comm.size, q.shape[1], k.shape[1]
     if h % n:
         raise ValueError(
@@ -119,4 +128,4 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             f"ring attention")
     if g % n:  # repeat kv heads up to H so that each rank gets its query heads' kv heads
         k, v = k.repeat_interleave(h // g, dim=1), v.repeat_interleave(h // g, dim=1)
-    return _Ulysses.apply(q, k, v, comm, split, causal, timer or NoTimer())
+    return _Ulysses.apply(q, k, v, comm, split, causal, timer or NoTimer(), documents)

@@ -121,10 +121,15 @@ class Pipeline:
         return loss
 
     def _mine(self, batch: Batch) -> Batch:
-        """This cp rank's slice of every sequence of a micro-batch (all of it without cp)."""
+        """This cp rank's slice of every sequence of a micro-batch (all of it without cp).
+        Packed documents' positions (batch[2]) stay whole: each rank's attention needs the
+        documents' spans over the full rows, and RoPE takes the positions held from them
+        (model/positions.py, `position_index`)."""
         if self.split is None:
             return batch
-        return tuple(self.split.take(x, self.cp_rank, dim=1) for x in batch)
+        inputs, targets, *positions = batch
+        return (self.split.take(inputs, self.cp_rank, dim=1),
+                self.split.take(targets, self.cp_rank, dim=1), *positions)
 
     def _from_last_stage(self, loss: torch.Tensor) -> torch.Tensor:
         """From the stage holding the last virtual stage (stage 0 under the V)."""

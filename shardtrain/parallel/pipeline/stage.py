@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from shardtrain.config import Config
-from shardtrain.model.positions import document_mask, position_ids, position_index
+from shardtrain.model.positions import Documents, position_ids, position_index
 from shardtrain.model.transformer import Transformer, init_parameters
 from shardtrain.parallel.pipeline.partition import layer_ranges, stage_costs
 from shardtrain.parallel.pipeline.schedules import Placement, placement
@@ -110,9 +110,9 @@ class StageChunk(nn.Module):
         else:  # x: activations [B, S / seq_shards, C]
             seq_len = x.shape[1] * stage.seq_shards
         rope = stage.rope(seq_len, positions)
-        mask = None if positions is None else document_mask(positions)
+        documents = None if positions is None else Documents.from_positions(positions)
         for i in self.indices:
-            x = stage.layers[str(i)](x, rope, mask)
+            x = stage.layers[str(i)](x, rope, documents)
         if self.last:
             x = stage.head(stage.norm(x))  # [B, S, V] (or [B, S, V/tp])
         return x

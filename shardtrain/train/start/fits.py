@@ -49,7 +49,7 @@ def check_fits(cfg: Config, world_size: int, *, device_kind: str, local_ranks: i
     if not cfg.train.memory_check:
         return
     try:
-        estimate = memory_per_gpu(cfg.model, config_layout(cfg, world_size),
+        estimate = memory_per_gpu(cfg.model, config_layout(cfg, world_size, device_kind),
                                   seq_len=cfg.train.seq_len,
                                   bucket_bytes=cfg.comm.bucket_mb * 2**20,
                                   node_size=cfg.parallel.node_size or local_ranks)
