@@ -199,7 +199,11 @@ class HostOptimizer:
                 self._write_file(shard.path, whole)
 
     def shard_state(self, k: int) -> dict[str, torch.Tensor]:
-        return dict(zip(self.states, self._read(self.shards[k]).unbind(0)))
+        """Shard k's state by name, [numel] fp32 each (a checkpoint's): nvme's mapped, never
+        read whole, a save streaming it into its staging buffers (ckpt/stream.py)."""
+        shard = self.shards[k]
+        return dict(zip(self.states, shard.host.unbind(0) if shard.host is not None else
+                        [self._map(shard, i, 0, shard.numel) for i in range(len(self.states))]))
 
     @torch.no_grad()
     def load_shard_state(self, k: int, state: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,88 @@
+"""A stored chunk's bytes as DCP's reader loads them, without a `torch.save` per chunk.
+
+DCP's file reader loads each stored chunk with `torch.load` (a zip archive: a pickle
+naming the storage, the raw values, a few small records and the directory). Everything
+in that archive except the values depends on the chunk's dtype and shape alone, once the
+archive's per-record CRC-32s are left out (`torch.utils.serialization.config`
+`save.compute_crc32 = False`: torch writes zeros there, and its reader skips the check;
+our own CRC-32 of each stored chunk, in checksums.json, covers every byte). So one
+`torch.save` per (dtype, shape) gives a frame, `header` and `trailer`, and every chunk of
+that dtype and shape is `header + raw values + trailer`: byte for byte the archive
+`torch.save` would write, but the values go from memory to the file with no copy through
+the zip writer (a `torch.save` costs ~0.1 ms even for 16 kB; the default model has
+~1,200 chunks).
+
+The values' place in the archive is found by saving two fillings whose every byte
+differs (`a` and `a ^ 0xff`): the bytes that differ are exactly the values.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.serialization import config as serialization_config
+
+
+@dataclass(frozen=True)
+class Frame:
+    header: bytes  # the archive up to the values
+    trailer: bytes  # the archive after them
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header) + len(self.trailer)
+
+
+@functools.lru_cache(maxsize=4096)
+def frame(dtype: torch.dtype, shape: tuple[int, ...]) -> Frame:
+    """The archive around the raw values of a tensor of `dtype` and `shape`."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        raise ValueError(f"an empty chunk {shape} has no values to frame")
+    fill = torch.arange(nbytes, dtype=torch.int64).remainder(251).to(torch.uint8)  # [nbytes]
+    a, b = (_saved(t.view(dtype).reshape(shape)) for t in (fill, fill ^ 0xFF))
+    if len(a) != len(b):
+        raise RuntimeError("torch.save's archive depends on the values; this torch cannot "
+                           "frame raw chunks")
+    differ = np.flatnonzero(np.frombuffer(a, np.uint8) != np.frombuffer(b, np.uint8))
+    first, last = int(differ[0]), int(differ[-1])
+    if last - first + 1 != nbytes:
+        raise RuntimeError(f"torch.save's archive of {dtype} {shape} holds its "
+                           f"{nbytes} bytes of values {last - first + 1} bytes apart")
+    return Frame(a[:first], a[last + 1:])
+
+
+def _saved(t: torch.Tensor) -> bytes:
+    out = io.BytesIO()
+    with serialization_config.patch({"save.compute_crc32": False}):
+        torch.save(t, out)
+    return out.getvalue()
+
+
+def raw_bytes(t: torch.Tensor) -> memoryview:
+    """The values of a contiguous host tensor as bytes, without a copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def parts(t: torch.Tensor, limit: int):
+    """`t` (any view) cut into views of at most `limit` elements (one element at least),
+    in row-major order: whole rows where they fit, a too-long row cut itself."""
+    if t.numel() <= limit:
+        yield t
+    elif t.dim() <= 1:
+        flat = t.reshape(-1)  # a 1-D view
+        for at in range(0, flat.numel(), limit):
+            yield flat[at:at + limit]
+    else:
+        row = t[0].numel()
+        rows = max(1, limit // row)
+        for at in range(0, t.shape[0], rows):
+            if row > limit:
+                yield from parts(t[at], limit)
+            else:
+                yield t[at:at + rows]
