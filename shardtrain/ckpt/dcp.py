@@ -34,6 +34,7 @@ import pickle
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
@@ -45,6 +46,7 @@ from torch.distributed.checkpoint.planner import (SavePlan, TensorWriteData, Wri
 
 from shardtrain.ckpt.chunks import Chunk, region_chunks
 from shardtrain.ckpt.files import CHECKSUMS, Piece
+from shardtrain.ckpt.frames import as_bits
 from shardtrain.ckpt.stream import Item, Staged, split
 
 ITEM_FRAME_BYTES = 2048  # the archive around one chunk's values (~1.6 kB: frames.py)
@@ -70,9 +72,9 @@ class _Pieces:
                                    piece.region.shape, dtype))
         self._held: tuple[int, torch.Tensor] | None = None
 
-    def values(self, item: Item) -> torch.Tensor:
-        """The chunk's values [chunk sizes]: a view of its piece's, on the piece's device
-        (the stager copies them, converting to the piece's dtype)."""
+    def values(self, item: Item):
+        """The chunk's values [chunk sizes]: a view of its piece's, where they live; on the
+        host, in the piece's dtype, as numpy integers of its size (frames.py `as_bits`)."""
         k, chunk = self.where[item.index]
         piece = self.pieces[k]
         if self._held is None or self._held[0] != k:
@@ -80,8 +82,15 @@ class _Pieces:
             if values.numel() != piece.region.numel:
                 raise ValueError(f"piece {piece.region.key} has {values.numel()} values, its "
                                  f"region {piece.region.numel}")
+            if values.is_cpu and values.dtype == piece.dtype:
+                values = as_bits(values)
             self._held = (k, values)
-        return chunk.of(self._held[1])
+        values = chunk.of(self._held[1])
+        if isinstance(values, np.generic):  # numpy's element of a 0-d array
+            values = np.asarray(values)
+        if isinstance(values, torch.Tensor) and values.dtype != piece.dtype:
+            values = values.to(piece.dtype)  # a chunk-sized copy
+        return values
 
 
 class SavePlanned:

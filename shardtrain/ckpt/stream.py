@@ -20,6 +20,7 @@ keeps one file (each costs an fsync and a thread).
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -27,12 +28,13 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from shardtrain.ckpt.frames import frame, parts, raw_bytes
+from shardtrain.ckpt.frames import frame, parts
 
 WRITERS = 2  # data files (and writer threads) per rank, at most
 SPLIT_BYTES = 64 << 20  # a rank's bytes per extra file, at least
@@ -173,17 +175,22 @@ class Staged:
         limit = self.pool.block  # bytes of one part, at most
         for item in run:
             ops.append(("begin", item))
-            chunk = values(item)  # [item.shape]
-            for part in parts(chunk, max(1, limit // item.dtype.itemsize)):
-                n = part.numel() * item.dtype.itemsize
+            chunk = values(item)  # [item.shape]: numpy integers (host) or a tensor
+            size = item.dtype.itemsize
+            for part in parts(chunk, max(1, limit // size)):
+                n = math.prod(part.shape) * size
                 if buffer is None or used + n > self.pool.block:
                     if buffer is not None:
                         flush()
                     buffer = self.pool.take()
-                host = buffer[used:used + n].view(item.dtype).view(part.shape)
-                host.copy_(part, non_blocking=part.is_cuda)
-                cuda = part.device if part.is_cuda else cuda
-                ops.append(("data", raw_bytes(buffer[used:used + n])))
+                    bits = buffer.numpy()  # the same bytes: numpy's copies are cheaper
+                if isinstance(part, np.ndarray):
+                    np.copyto(bits[used:used + n].view(part.dtype).reshape(part.shape), part)
+                else:  # on a device (or converted): torch's copy, asynchronous from a GPU
+                    host = buffer[used:used + n].view(item.dtype).view(part.shape)
+                    host.copy_(part, non_blocking=part.is_cuda)
+                    cuda = part.device if part.is_cuda else cuda
+                ops.append(("data", memoryview(bits[used:used + n])))
                 step = -(-n // ALIGN) * ALIGN
                 self.pool.staged(step)
                 used += step
