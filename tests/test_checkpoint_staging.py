@@ -27,7 +27,7 @@ from shardtrain.train.start.fits import check_fits, rank_capacity
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
-@pytest.mark.parametrize("shape", [(), (3,), (4, 5)])
+@pytest.mark.parametrize("shape", [(), (3,), (4, 5), (512, 1024)])  # the last: >= 1 MiB
 def test_a_framed_chunk_is_torch_saves_archive(dtype, shape):
     """header + raw values + trailer is byte for byte torch.save's archive (its record
     CRC-32s left out) and loads back with torch.load."""

@@ -44,8 +44,12 @@ def frame(dtype: torch.dtype, shape: tuple[int, ...]) -> Frame:
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         raise ValueError(f"an empty chunk {shape} has no values to frame")
-    fill = torch.arange(nbytes, dtype=torch.int64).remainder(251).to(torch.uint8)  # [nbytes]
-    a, b = (_saved(t.view(dtype).reshape(shape)) for t in (fill, fill ^ 0xFF))
+    if nbytes >= LARGE:
+        found = _frame_of_large(dtype, shape, nbytes)
+        if found is not None:
+            return found
+    fill = np.resize(np.arange(251, dtype=np.uint8), nbytes)  # [nbytes]
+    a, b = (_saved(torch.from_numpy(f).view(dtype).reshape(shape)) for f in (fill, ~fill))
     if len(a) != len(b):
         raise RuntimeError("torch.save's archive depends on the values; this torch cannot "
                            "frame raw chunks")
@@ -55,6 +59,43 @@ def frame(dtype: torch.dtype, shape: tuple[int, ...]) -> Frame:
         raise RuntimeError(f"torch.save's archive of {dtype} {shape} holds its "
                            f"{nbytes} bytes of values {last - first + 1} bytes apart")
     return Frame(a[:first], a[last + 1:])
+
+
+LARGE = 1 << 20  # a chunk's bytes from which its frame is found without copies of it
+
+
+class _Sink:
+    """torch.save's file: keeps every write but the values' (one write of `nbytes`)."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes, self.at, self.kept, self.values_at = nbytes, 0, [], []
+
+    def write(self, b) -> int:
+        n = memoryview(b).nbytes
+        if n == self.nbytes:
+            self.values_at.append(self.at)
+        else:
+            self.kept.append((self.at, bytes(b)))
+        self.at += n
+        return n
+
+    def flush(self) -> None:
+        pass
+
+
+def _frame_of_large(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> Frame | None:
+    """The frame of a large chunk from a save of zeros (calloc'd: untouched pages take no
+    memory) into a sink that drops the values: no copy of the chunk's size is made. None
+    where torch did not write the values in one piece (then: the two fillings)."""
+    zeros = torch.from_numpy(np.zeros(nbytes, np.uint8)).view(dtype).reshape(shape)
+    sink = _Sink(nbytes)
+    with serialization_config.patch({"save.compute_crc32": False}):
+        torch.save(zeros, sink)
+    if len(sink.values_at) != 1:
+        return None
+    at = sink.values_at[0]
+    return Frame(b"".join(b for o, b in sink.kept if o < at),
+                 b"".join(b for o, b in sink.kept if o > at))
 
 
 def _saved(t: torch.Tensor) -> bytes:

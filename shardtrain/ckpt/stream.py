@@ -156,6 +156,11 @@ class Staged:
         try:
             for writer, run in zip(self.writers, self.runs):
                 self._stage_run(writer, run, values)
+        except BaseException:
+            failed = [w.error for w in self.writers if w.error is not None]
+            if failed:  # the cause (a full disk...), not the stager's wait it ended
+                raise failed[0] from None
+            raise
         finally:  # the writers end after what was staged (or at once: a stager's error)
             for w in self.writers:
                 w.batches.put(None)
