@@ -194,8 +194,15 @@ def test_checksums_are_computed_as_written_and_own_files_checked(tmp_path):
     planned = dcp.plan_save(staged, 0, [Piece(region, torch.float32,
                                               lambda: torch.randn(256 * 256))], lambda p: [p])
     sums = ckpt.stage_files(cfg, 2, {"own.pt": {"x": torch.ones(3)}})
-    with mock.patch.object(dcp, "_read_back", side_effect=AssertionError("read back")):
+    reads = []
+    real_open = open
+
+    def watched(path, mode="r", *args, **kwargs):  # no data file is opened for reading
+        reads.append(str(path)) if "r" in mode and ".distcp" in str(path) else None
+        return real_open(path, mode, *args, **kwargs)
+    with mock.patch("builtins.open", watched):
         planned.write(sums)
+    assert not reads
     path = ckpt.save_checkpoint(cfg, step=2, staged=staged, world_size=1,
                                 metadata=planned.metadata, aliases={}, extra={},
                                 layout={"zero": 0, "dp": 1, "tp": 1}, sampler_state={})

@@ -86,22 +86,22 @@ def test_the_async_checkpoint_writer_runs_on_the_ranks_gpu(gpus, tmp_path, monke
 
 @pytest.mark.parametrize("device", [None, torch.device("cpu")])
 def test_a_cpu_save_touches_no_gpu_where_one_exists(tmp_path, monkeypatch, device):
-    """Neither the snapshot's event nor DCP's writer (its copy-ahead loader takes the
-    current CUDA stream wherever a GPU exists) touch a GPU for values on the host."""
+    """Neither the staging (its buffers' events, pinned memory) nor the writers touch a
+    GPU for values on the host."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
 
     def touched(*args, **kwargs):
         raise AssertionError("a save of CPU tensors touched a GPU (a context on GPU 0)")
     monkeypatch.setattr(torch.cuda, "Event", touched)
     monkeypatch.setattr(torch.cuda, "current_stream", touched)
-    for snapshot in (True, False):
-        (tmp_path / str(snapshot)).mkdir()
-        planned = dcp.plan_save(tmp_path / str(snapshot), 0, [_piece()],
+    for staged_first in (True, False):
+        (tmp_path / str(staged_first)).mkdir()
+        planned = dcp.plan_save(tmp_path / str(staged_first), 0, [_piece()],
                                 lambda plain: [plain], *([device] if device else []))
-        if snapshot:
-            planned.snapshot()
+        if staged_first:
+            planned.start()
         planned.write()
-        assert planned.copied is None
+        assert planned.staged_peak > 0
 
 
 class _Cleared(Entry):

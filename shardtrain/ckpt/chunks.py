@@ -42,9 +42,10 @@ class Chunk:
     within: tuple[slice, ...]  # the chunk's part of that rectangle
 
     def of(self, values):
-        """This chunk's values (a view) out of the region's flat values [region.numel]."""
+        """This chunk's values (a view) out of the region's flat values [region.numel]
+        (contiguous; a tensor or a numpy array)."""
         n = math.prod(self.rect)
-        return values[self.start:self.start + n].view(self.rect)[self.within]
+        return values[self.start:self.start + n].reshape(self.rect)[self.within]
 
 
 def rectangles(lengths: tuple[int, ...], start: int, stop: int

@@ -1,8 +1,8 @@
 """Sharded checkpoints in PyTorch's distributed checkpoint format (DCP).
 
 A checkpoint directory is a DCP checkpoint: `.metadata` (every tensor's full shape,
-dtype and chunks, and where each chunk is stored) and one `__R_0.distcp` file per rank
-that wrote something, readable by `torch.distributed.checkpoint` (`dcp.load`,
+dtype and chunks, and where each chunk is stored) and one or a few `__R_j.distcp` files
+per rank that wrote something, readable by `torch.distributed.checkpoint` (`dcp.load`,
 `format_utils.dcp_to_torch_save`). Tensors are keyed by layout-independent names:
 `model/<name>` (the single-process model's) and `optim/<name>/<state>`.
 
@@ -14,54 +14,51 @@ mesh's collectives) and every rank computes the same global plan: DCP's
 replicas, shared kv heads, a pipeline's two copies of a tied embedding) and gives it to
 the holder whose plan is smallest so far (DCP weighs each chunk by its whole tensor's
 size, a fair proxy: a tensor's chunks are alike), so replicas spread over their holders
-rather than all landing on the lowest rank. Each rank writes its files through DCP's
-`FileSystemWriter` (fsynced), then its write results beside them; the main rank merges
-those into `.metadata` (`finish`). Nothing is gathered: values are fetched piece by piece
-as they are written.
+rather than all landing on the lowest rank. Each rank writes its chunks (stream.py: a
+bounded staging pool, parallel fsynced files, each chunk framed as DCP's reader loads it
+by frames.py, its CRC-32 computed as its bytes go out, never read back), then its write
+results beside them; the main rank merges those into `.metadata` with DCP's writer
+(`finish`) and the CRC-32s into `checksums.json`, with the CRC-32 of each rank's own
+state files. Nothing is gathered: values are fetched piece by piece as they are staged.
 
-Each stored chunk's CRC-32 is computed as its bytes go to the file (`_Summed`: the stream
-DCP's writer hands each chunk to), never by reading the files back; the main rank merges
-them into `checksums.json`, with the CRC-32 of each rank's own state files (`finish`).
-
-`Reader` (files.py) reads by region: it reads only the stored chunks that overlap it (DCP's load planning), so a rank resuming in any layout reads about its own
-share.
+`Reader` (files.py) reads by region: it reads only the stored chunks that overlap it
+(DCP's load planning), so a rank resuming in any layout reads about its own share.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import io
 import json
 import math
 import os
 import pickle
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
                                                    MetadataIndex, TensorProperties)
-from torch.distributed.checkpoint.planner import (SavePlan, SavePlanner, TensorWriteData,
-                                                  WriteItem, WriteItemType)
+from torch.distributed.checkpoint.planner import (SavePlan, TensorWriteData, WriteItem,
+                                                  WriteItemType)
 
 from shardtrain.ckpt.chunks import Chunk, region_chunks
 from shardtrain.ckpt.files import CHECKSUMS, Piece
+from shardtrain.ckpt.frames import as_bits
+from shardtrain.ckpt.stream import Item, Staged, split
 
-ITEM_FRAME_BYTES = 2048  # torch.save's archive around one chunk (~1.6 kB measured)
+ITEM_FRAME_BYTES = 2048  # the archive around one chunk's values (~1.6 kB: frames.py)
 
 
 def results_name(rank: int) -> str:
     return f".results-{rank:05d}"
 
 
-class _PiecesPlanner(SavePlanner):
-    """The values of this rank's write items, fetched piece by piece as DCP's writer asks
-    for them (one piece's values held at a time, where they live)."""
+class _Pieces:
+    """Where each write item's values are: its piece and chunk; fetched piece by piece as
+    the stager asks for them (one piece's values held at a time, where they live)."""
 
     def __init__(self, pieces: list[Piece]):
         self.pieces = pieces
@@ -75,104 +72,99 @@ class _PiecesPlanner(SavePlanner):
                                    piece.region.shape, dtype))
         self._held: tuple[int, torch.Tensor] | None = None
 
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        """The chunk's values [chunk sizes], cut on the piece's own device (DCP's writer
-        copies them to the host, ahead of the write on a GPU, in an order of its own)."""
-        k, chunk = self.where[MetadataIndex(write_item.index.fqn, write_item.index.offset)]
+    def values(self, item: Item):
+        """The chunk's values [chunk sizes]: a view of its piece's, where they live; on the
+        host, in the piece's dtype, as numpy integers of its size (frames.py `as_bits`)."""
+        k, chunk = self.where[item.index]
         piece = self.pieces[k]
         if self._held is None or self._held[0] != k:
             values = piece.fetch().detach().reshape(-1)  # [numel]
             if values.numel() != piece.region.numel:
                 raise ValueError(f"piece {piece.region.key} has {values.numel()} values, its "
                                  f"region {piece.region.numel}")
+            if values.is_cpu and values.dtype == piece.dtype:
+                values = as_bits(values)
             self._held = (k, values)
-        return chunk.of(self._held[1]).to(piece.dtype).contiguous()
-
-    # The planning steps run in `plan_save`, outside DCP's own save loop.
-    def set_up_planner(self, *args, **kwargs) -> None:
-        pass
-
-    def create_local_plan(self) -> SavePlan:
-        return _plan(self.plain)
-
-    def create_global_plan(self, all_plans):
-        return create_default_global_save_plan(all_plans)
-
-    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-        return new_plan
+        values = chunk.of(self._held[1])
+        if isinstance(values, np.generic):  # numpy's element of a 0-d array
+            values = np.asarray(values)
+        if isinstance(values, torch.Tensor) and values.dtype != piece.dtype:
+            values = values.to(piece.dtype)  # a chunk-sized copy
+        return values
 
 
 class SavePlanned:
     """One rank's part of a save, planned: what it writes, and the checkpoint's metadata
     (the same on every rank)."""
 
-    def __init__(self, directory: Path, rank: int, planner: _PiecesPlanner, plan: SavePlan,
-                 metadata: Metadata, device: torch.device | None = None):
+    def __init__(self, directory: Path, rank: int, pieces: _Pieces, plan: SavePlan,
+                 metadata: Metadata, device: torch.device | None = None,
+                 staging_bytes: int | None = None):
         self.directory, self.rank = Path(directory), rank
-        self.planner, self.plan, self.metadata = planner, plan, metadata
+        self.pieces, self.plan, self.metadata = pieces, plan, metadata
         self.device = device  # where the pieces' values live (None: the host)
-        self.copied: torch.cuda.Event | None = None
+        self.staging_bytes = staging_bytes  # the staging pool's (None: the whole share)
+        self.items = [Item(i.index, i.tensor_data.properties.dtype,
+                           tuple(i.tensor_data.chunk.sizes),
+                           math.prod(i.tensor_data.chunk.sizes)
+                           * i.tensor_data.properties.dtype.itemsize) for i in plan.items]
+        self._staged: Staged | None = None
 
     @property
     def nbytes(self) -> int:
-        """Bytes this rank writes: its chunks' values, each framed by torch.save."""
-        return sum(math.prod(item.tensor_data.chunk.sizes)
-                   * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
-                   + ITEM_FRAME_BYTES for item in self.plan.items)
+        """Bytes this rank writes: its chunks' values, each framed (frames.py)."""
+        return sum(item.nbytes + ITEM_FRAME_BYTES for item in self.items)
 
-    def snapshot(self) -> None:
-        """Copy the values this rank writes into host memory now, for an asynchronous save
-        (the step loop goes on changing the live tensors): pinned buffers filled without
-        blocking where the values are on a GPU; `write` waits for the copies."""
-        used = {self.planner.where[MetadataIndex(item.index.fqn, item.index.offset)][0]
-                for item in self.plan.items}
-        cuda = None  # the device the copies were queued on, if any
-        for k in sorted(used):
-            piece = self.planner.pieces[k]
-            values = piece.fetch().detach().reshape(-1)  # [numel]
-            host = torch.empty(values.numel(), dtype=piece.dtype, pin_memory=values.is_cuda)
-            host.copy_(values, non_blocking=values.is_cuda)
-            cuda = values.device if values.is_cuda else cuda
-            self.planner.pieces[k] = dataclasses.replace(piece, fetch=lambda host=host: host)
-        # Only copies queued on a GPU need an event (a CPU save touches no GPU), recorded
-        # on their device's stream: the writer thread waits on it.
-        if cuda is not None:
-            self.copied = torch.cuda.Event()
-            self.copied.record(torch.cuda.current_stream(cuda))
+    @property
+    def staged_peak(self) -> int:
+        """The most bytes this save held staged at once (none yet: 0)."""
+        return self._staged.pool.peak if self._staged is not None else 0
+
+    def start(self) -> None:
+        """Stage every chunk this rank writes (stream.py: through a pool of at most
+        `staging_bytes`, pinned on a GPU), the writer threads writing as it goes; returns
+        once all are staged: the live tensors may change after it, for an asynchronous
+        save. `write` waits for the files."""
+        values = sum(item.nbytes for item in self.items)
+        budget = values if self.staging_bytes is None else min(self.staging_bytes, values)
+        # Pinned where the values come from a GPU: their copies then run asynchronously.
+        pinned = self.device is not None and self.device.type == "cuda" \
+            and torch.cuda.is_available()
+        prefix = self.plan.storage_data.prefix  # DCP's `__<rank>_`
+        self._staged = Staged(self.directory, prefix, split(self.items, values), budget,
+                              pinned)
+        try:
+            self._staged.start(self.pieces.values)
+        finally:
+            self.pieces._held = None
 
     def write(self, own_sums: dict[str, str] | None = None) -> None:
-        """Write this rank's files (fsynced) and, last, its write results: the chunks'
-        storage and CRC-32s, with `own_sums` (the CRC-32 of each of this rank's own state
-        files, train/checkpoint/checkpoint.py `stage_files`)."""
-        if self.copied is not None:
-            self.copied.synchronize()
-        # DCP's own loader, wherever a GPU exists, copies values ahead on the current CUDA
-        # stream; host values (a CPU run, a snapshot) take its serial one, which uses none.
-        on_gpu = self.device is not None and self.device.type == "cuda" and self.copied is None
-        writer = _writer(self.directory, self.rank, copy_ahead=on_gpu)
-        writer.transforms = summed = _Summed()
-        results = writer.write_data(self.plan, self.planner).value()
-        self.planner._held = None
-        sums = {_key(r.storage_data): summed.sums[_key(r.storage_data)] for r in results
-                if _key(r.storage_data) in summed.sums}
-        if len(sums) < len(results):  # a torch whose writer no longer streams each item
-            sums.update(_read_back(self.directory, results))  # through `transforms`
+        """Write this rank's files (fsynced; staged first unless `start` did) and, last,
+        its write results: the chunks' storage and CRC-32s, with `own_sums` (the CRC-32 of
+        each of this rank's own state files, train/checkpoint/checkpoint.py
+        `stage_files`)."""
+        if self._staged is None:
+            self.start()
+        results, sums = self._staged.wait()
         write_synced(self.directory / results_name(self.rank),
                      pickle.dumps((results, {**sums, **(own_sums or {})})))
 
 
 def plan_save(directory: Path, rank: int, pieces: list[Piece],
               gather: Callable[[list[tuple]], list[list[tuple]]],
-              device: torch.device | None = None) -> SavePlanned:
+              device: torch.device | None = None,
+              staging_bytes: int | None = None) -> SavePlanned:
     """Plan this rank's part of the save (a collective: `gather` returns every rank's
-    plain items, in rank order); `device`: where the pieces' values live (None: the host)."""
-    planner = _PiecesPlanner(pieces)
-    plans = [_plan(items) for items in gather(planner.plain)]
+    plain items, in rank order); `device`: where the pieces' values live (None: the host);
+    `staging_bytes`: the staging pool's bytes (`checkpoint.staging_mb`; None: the rank's
+    whole share)."""
+    where = _Pieces(pieces)
+    plans = [_plan(items) for items in gather(where.plain)]
     _check_duplicates(plans)
     plans = dedup_save_plans(plans)  # each shared chunk to the least loaded of its holders
     plans, metadata = create_default_global_save_plan(plans)
     plans = _writer(directory, rank).prepare_global_plan(plans)
-    return SavePlanned(directory, rank, planner, plans[rank], metadata, device)
+    return SavePlanned(directory, rank, where, plans[rank], metadata, device, staging_bytes)
 
 
 def _plan(plain: list[tuple]) -> SavePlan:
@@ -204,64 +196,9 @@ def finish(directory: Path, metadata: Metadata, world_size: int) -> None:
         (Path(directory) / results_name(rank)).unlink()
 
 
-def _key(info) -> str:
-    """A stored chunk's name in checksums.json: "file:offset"."""
-    return f"{info.relative_path}:{info.offset}"
-
-
-class _CrcStream(io.RawIOBase):
-    """The stream one chunk is written through: its bytes go on to the file, their CRC-32
-    is kept under the chunk's key when DCP's writer closes it (which leaves the file open,
-    as torch's own per-item wrapper does)."""
-
-    def __init__(self, raw, sums: dict[str, str]):
-        self.raw, self.sums, self.crc = raw, sums, 0
-        self.key = f"{os.path.basename(raw.name)}:{raw.tell()}"
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b) -> int:
-        self.crc = zlib.crc32(b, self.crc)
-        return self.raw.write(b)
-
-    def close(self) -> None:
-        if not self.closed:
-            self.raw.flush()
-            self.sums[self.key] = f"{self.crc:08x}"
-        super().close()
-
-
-class _Summed(_StorageWriterTransforms):
-    """DCP's per-item stream transforms (an experimental hook of its FileSystemWriter):
-    none that changes a byte or is recorded in the metadata (plain DCP files, as
-    `dcp.load` reads them), only the CRC-32 of each chunk as it is written."""
-
-    def __init__(self):
-        super().__init__(())
-        self.sums: dict[str, str] = {}
-
-    def transform_save_stream(self, write_item, raw_stream):
-        return _CrcStream(raw_stream, self.sums), []
-
-
-def _read_back(directory: Path, results: list) -> dict[str, str]:
-    """CRC-32s read back from the files just written: the fallback of `SavePlanned.write`
-    if torch's writer ever stops streaming chunks through `_Summed` (not taken on the
-    torch this was written for: tests/test_checkpoint.py checks)."""
-    out = {}
-    for result in results:
-        info = result.storage_data
-        with open(Path(directory) / info.relative_path, "rb") as f:
-            f.seek(info.offset)
-            out[_key(info)] = f"{zlib.crc32(f.read(info.length)):08x}"
-    return out
-
-
-def _writer(directory: Path, rank: int, copy_ahead: bool = False) -> FileSystemWriter:
-    """`copy_ahead`: DCP's default loader (values on a GPU); else its serial one."""
-    serial = {} if copy_ahead else {"per_thread_copy_ahead": 0}
-    writer = FileSystemWriter(directory, sync_files=True, overwrite=True, **serial)
+def _writer(directory: Path, rank: int) -> FileSystemWriter:
+    """DCP's writer: its global plan (each rank's file prefix) and metadata (`finish`)."""
+    writer = FileSystemWriter(directory, sync_files=True, overwrite=True)
     writer.set_up_storage_writer(rank == 0, rank=rank)
     return writer
 

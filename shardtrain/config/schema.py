@@ -169,10 +169,19 @@ class CheckpointConfig:
     keep: int = 2
     resume: str = ""  # "", "latest" (newest in this run dir) or a checkpoint directory
     async_save: bool = False  # copy each rank's state to host, write it while training goes on
+    # Host buffers a rank stages its chunks through on their way to the files (MiB): an
+    # asynchronous save returns to training once all but this much is written (ckpt/stream.py);
+    # 32: four 8 MiB buffers keep both writer threads fed, and a save of a 1.1 GiB state grows
+    # resident memory by 85 MiB (tests/test_checkpoint.py bounds it by a tenth of the state)
+    staging_mb: int = 32
 
     def validate(self) -> None:
         if self.every < 0 or self.keep < 1:
             raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
+        if self.staging_mb < 1:
+            raise ConfigError(f"checkpoint.staging_mb={self.staging_mb} must be >= 1 (MiB of "
+                              "host buffers a save stages its chunks through); give "
+                              "--checkpoint.staging_mb 1 or more")
 
 
 @dataclass(kw_only=True)

@@ -19,7 +19,8 @@ optimizer term is 4 bytes per fp32 state of the layout's `optim` (plan/optim_sta
   beside it; under ZeRO-2 and 3 the gradient shards too (the step reads them on the host).
   ZeRO-1 and 2 keep their full parameters on the device by definition. All of it is reported
   under `offloaded`, not in `total` (`offload_states`); `host` is what of it host memory
-  holds (evaluate.py `fits` checks it against the node's).
+  holds, plus a save's staging pool (plan/checkpoint_io.py; evaluate.py `fits` checks it
+  against the node's).
 Activations, per layer and micro-batch: under the `bf16` convention the published forms
 of Korthikanti et al. 2022 (Megatron-LM's kernels: 16-bit values, stored attention
 probabilities, 1-byte dropout masks; `activation_bytes_per_layer`); under `fp32` and
@@ -58,6 +59,7 @@ from shardtrain.plan.activations import (head_activation_bytes, moe_block_bytes,
                                          runtime_activation_bytes)
 from shardtrain.plan.buffers import (block_units, gathered_units, loss_moment, weight_casts,
                                      zero_moments)
+from shardtrain.plan.checkpoint_io import checkpoint_staging_bytes
 from shardtrain.plan.layout import Layout
 from shardtrain.plan.optim_states import OPTIM_STATES
 from shardtrain.plan.partition import RankParams, rank_params
@@ -204,7 +206,7 @@ class MemoryBreakdown:
     activations_per_layer: float  # one layer, one micro-batch
     buffers: float
     offloaded: float  # held in host memory or on NVMe instead
-    host: float = 0.0  # what of `offloaded` host memory holds (offload = nvme: the gradients)
+    host: float = 0.0  # host memory: what of `offloaded` it holds, and a save's staging pool
 
     @property
     def total(self) -> float:
@@ -225,8 +227,10 @@ def _kept(ranks: RankParams, lay: Layout) -> float:
 
 
 def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
-                   bucket_bytes: float = BUCKET_BYTES, node_size: int = 0) -> MemoryBreakdown:
-    """`node_size`: ranks per node (hpZ's secondary shard needs it)."""
+                   bucket_bytes: float = BUCKET_BYTES, node_size: int = 0,
+                   staging_bytes: float | None = None) -> MemoryBreakdown:
+    """`node_size`: ranks per node (hpZ's secondary shard needs it); `staging_bytes`: a
+    save's staging pool (checkpoint.staging_mb; None: its default), in `host`."""
     lay = layout
     ranks = rank_params(cfg, lay)
     states = (model_states(ranks.dense, nd=lay.replicas, zero=lay.zero, precision=lay.precision,
@@ -242,7 +246,8 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
     if lay.offload != "none":  # each rank's shard: the dense over N_d, experts over N_d / ep
         shard = ranks.dense / lay.replicas + ranks.expert / (lay.replicas // lay.ep)
         states = offload_states(states, shard_params=shard, zero=lay.zero)
-    host = {"none": 0.0, "cpu": states.offloaded}.get(lay.offload, host)
+    host = {"none": 0.0, "cpu": states.offloaded}.get(lay.offload, host) \
+        + checkpoint_staging_bytes(states, staging_bytes)  # plan/checkpoint_io.py
     if lay.qwz or lay.hpz:  # (plan/zeropp.py imports this module)
         from shardtrain.plan.zeropp import zeropp_states
         states = zeropp_states(states, lay, ranks, node_size=node_size)

@@ -185,8 +185,8 @@ class HostOptimizer:
     def state_dict(self) -> dict:
         """{"steps", "shards": [{state name: fp32 [numel]}]}: whole tensors (checkpoints)."""
         return {"steps": self.steps,
-                "shards": [dict(zip(self.states, self._read(s).clone().unbind(0)))
-                           for s in self.shards]}
+                "shards": [{name: t.clone() for name, t in self.shard_state(k).items()}
+                           for k in range(len(self.shards))]}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -199,7 +199,11 @@ class HostOptimizer:
                 self._write_file(shard.path, whole)
 
     def shard_state(self, k: int) -> dict[str, torch.Tensor]:
-        return dict(zip(self.states, self._read(self.shards[k]).unbind(0)))
+        """Shard k's state by name, [numel] fp32 each: nvme's mapped, never read whole (a
+        save streams it into its staging buffers, ckpt/stream.py)."""
+        s, n = self.shards[k], len(self.states)
+        return dict(zip(self.states, s.host if s.host is not None else
+                        [self._map(s, i, 0, s.numel) for i in range(n)]))
 
     @torch.no_grad()
     def load_shard_state(self, k: int, state: dict[str, torch.Tensor]) -> None:
@@ -257,14 +261,6 @@ class HostOptimizer:
             self._cleanup()
 
     # ------------------------------------------------------------------ files
-
-    def _read(self, shard: _Shard) -> torch.Tensor:
-        if shard.host is not None:
-            return shard.host
-        whole = torch.empty(len(self.states), shard.numel, device="cpu")  # host: read from files
-        for start, end, window in self._windows(shard):
-            whole[:, start:end] = torch.stack(window)
-        return whole
 
     def _windows(self, shard: _Shard, states: int | None = None):
         """(start, end, [each state's mapped [end - start] fp32 window]): every state, or

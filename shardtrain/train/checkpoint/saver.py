@@ -4,16 +4,20 @@ Every rank plans its part of the save with the others (ckpt/dcp.py: the chunks s
 ranks hold are written once, spread over their holders), then writes its chunks plus any
 state that is its own (top-k's, a parameter server's) into the step's staging directory;
 the main rank commits the checkpoint once all have (train/checkpoint/checkpoint.py). Nothing is
-gathered: a rank holds its own state plus one piece-sized buffer while it writes.
+gathered: a rank holds its own state plus `checkpoint.staging_mb` of staging buffers while
+it writes.
 
 The ranks agree on the outcome after the write (every rank's) and after the commit (the
 main rank's), through the job's store (train/checkpoint/diskspace.py, agree.py): if any
 rank failed, every rank raises the same error, naming the failing rank and the cause, and
 none is left waiting. Synchronously (the default) that happens on the training thread.
-With `checkpoint.async_save` the planning (a collective) and a copy of what the rank
-writes into host memory (pinned, on a GPU) happen on the training thread -- the one extra
-copy an asynchronous save needs: the step loop goes on changing the live tensors -- and a
-thread writes them, agrees, and on the main rank commits; its error, the same on every
+Either way a rank's chunks go to its files through `checkpoint.staging_mb` of reused host
+buffers (pinned, on a GPU: ckpt/stream.py). With `checkpoint.async_save` the planning (a
+collective) and the staging happen on the training thread -- the copy an asynchronous
+save needs: the step loop goes on changing the live tensors -- which goes back to training
+once the last chunk is staged (all but the last `staging_mb` already written: a share
+larger than the buffers is partly written before training resumes), and a thread waits
+for the writes, agrees, and on the main rank commits; its error, the same on every
 rank, is raised by `wait`, which the next save and the end of the run call: every rank
 stops at that same point. One save is in flight at a time.
 
@@ -73,7 +77,7 @@ class Saver:
         comms = [self.mesh.comm(d) for d in ("dp", "cp", "tp", "pp")]
         planned = plan_save(staged, self.mesh.rank, pieces, partial(
             gather_plans, comms=comms, rank=self.mesh.rank, world_size=self.mesh.world_size),
-            device=self.mesh.device)
+            device=self.mesh.device, staging_bytes=self.cfg.checkpoint.staging_mb << 20)
         # The model's ties, not this rank's: under pp the main rank's first stage holds no
         # head, and a checkpoint read whole (generate, export) needs the alias.
         aliases = {model_key(k): model_key(v) for k, v in tied_names(self.cfg.model).items()}
@@ -95,7 +99,11 @@ class Saver:
             finish()
             return
         if error is None:
-            planned.snapshot()
+            try:
+                planned.start()  # staged: the live tensors may change from here
+            except Exception as e:  # agreed in the background: every rank raises
+                error = e
+                finish = partial(self._write_and_commit, step, planned, sums, error, commit)
 
         def in_background() -> None:
             try:

@@ -4,7 +4,10 @@ A layout that cannot fit should fail in a second with the planner's figure, not 
 minutes of building with an out-of-memory kill (which on a CPU machine may take the
 user's other processes with it). The planner's estimate (plan/memory.py: model states,
 activations, buffers) is compared with what each rank can have: a GPU's memory, or on CPU
-the machine's memory shared by the ranks started on it. `train.memory_check = false`
+the machine's memory shared by the ranks started on it. Host memory holds a save's staging
+pool too (plan/checkpoint_io.py, `checkpoint.staging_mb`): on CPU it adds to the rank's
+figure; on a GPU the host's share (that pool, pinned, and what offload keeps in host
+memory) is checked against the machine's memory over its ranks. `train.memory_check = false`
 skips it (the estimate is an estimate: docs/planner.md says how close it comes).
 """
 
@@ -16,6 +19,7 @@ import torch
 
 from shardtrain.config import Config, ConfigError
 from shardtrain.cost.hardware import gpu_preset
+from shardtrain.plan.checkpoint_io import checkpoint_staging_bytes
 from shardtrain.plan.layout import PlanError, config_layout
 from shardtrain.plan.memory import memory_per_gpu
 
@@ -49,22 +53,42 @@ def check_fits(cfg: Config, world_size: int, *, device_kind: str, local_ranks: i
     if not cfg.train.memory_check:
         return
     try:
+        staging = cfg.checkpoint.staging_mb * 2**20
         estimate = memory_per_gpu(cfg.model, config_layout(cfg, world_size, device_kind),
                                   seq_len=cfg.train.seq_len,
                                   bucket_bytes=cfg.comm.bucket_mb * 2**20,
-                                  node_size=cfg.parallel.node_size or local_ranks)
+                                  node_size=cfg.parallel.node_size or local_ranks,
+                                  staging_bytes=staging)
     except PlanError:
         return
+    pool = checkpoint_staging_bytes(estimate, staging)
+    if device_kind == "cuda":
+        _check_host(estimate.host, pool, local_ranks)
     capacity, what = rank_capacity(device_kind, local_ranks)
-    if estimate.total <= capacity:
+    terms = {t: getattr(estimate, t) for t in TERMS}
+    if device_kind != "cuda":  # the host is the device
+        terms["checkpoint staging"] = pool
+    if sum(terms.values()) <= capacity:
         return
-    terms = sorted(((getattr(estimate, t), t) for t in TERMS), reverse=True)[:3]
-    largest = ", ".join(f"{name} {gib(v)}" for v, name in terms)
+    top = sorted(terms.items(), key=lambda kv: -kv[1])[:3]
+    largest = ", ".join(f"{name} {gib(v)}" for name, v in top)
+    fix = "lower checkpoint.staging_mb, " if "checkpoint staging" in dict(top) else ""
     raise ConfigError(
-        f"the planner puts each rank at {gib(estimate.total)} ({largest}), more than "
-        f"{what} ({gib(capacity)}); shard further (parallel.zero 3, more ranks, parallel.tp "
+        f"the planner puts each rank at {gib(sum(terms.values()))} ({largest}), more than "
+        f"{what} ({gib(capacity)}); {fix}shard further (parallel.zero 3, more ranks, parallel.tp "
         "or parallel.pp), shorten train.seq_len or train.micro_batch, or set "
         "train.memory_check false to try anyway")
+
+
+def _check_host(host: float, pool: float, local_ranks: int) -> None:
+    """ConfigError when a rank's host memory (offloaded state, a save's staging pool)
+    exceeds the machine's memory over its ranks."""
+    capacity, what = rank_capacity("cpu", local_ranks)
+    if host > capacity:
+        raise ConfigError(
+            f"the planner puts each rank's host memory at {gib(host)} (a save's staging pool "
+            f"{gib(pool)}), more than {what} ({gib(capacity)}); lower "
+            "checkpoint.staging_mb, offload less (parallel.offload) or use more nodes")
 
 
 def gib(n: float) -> str:
