@@ -21,8 +21,9 @@ activation peak, and its MLP half then runs without the next unit's buffer (nor 
 collective filling it) alive, while its attention half still hides the gather. The engine
 frees a unit once its gradients are complete and reduce-scattered; a tied token table's
 unit, whose gradient completes only with the embedding's backward (the last), is freed
-once the head's backward is done and gathered again for the embedding's, as an untied
-embedding's unit is. Under activation
+once the head's backward is done. A unit whose backward reads no parameter values (the
+embedding's lookup tables: cost/units.py `backward_reads_params`) is not gathered for
+backward at all; FSDP2 gathers every unit again, the vocabulary-sized table too. Under activation
 checkpointing the recompute happens inside the block's backward, after its backward event,
 so it finds the units gathered. Every rank of a group issues the same gathers in the same
 order: the events are the same.
@@ -48,6 +49,7 @@ import torch
 from torch import nn
 
 from shardtrain.comm import Handle
+from shardtrain.cost.units import backward_reads_params
 from shardtrain.parallel.zero.events import forward_events, stage_events
 from shardtrain.parallel.zero.units import FlatUnit
 
@@ -190,6 +192,10 @@ class ParamGatherer(UnitGatherer):
     def _units(self, first: int, end: int) -> list[FlatUnit]:
         return [u for event_units in self.events[max(0, first):end] for u in event_units]
 
+    def _backward_units(self, first: int, end: int) -> list[FlatUnit]:
+        """The units events first..end-1 compute their backward with: not the lookups'."""
+        return [u for u in self._units(first, end) if backward_reads_params(u.key)]
+
     def _pre_forward_hook(self, k: int):
         def hook(module: nn.Module, args: tuple) -> None:
             upcoming = self._units(k, k + self.prefetch + 1)
@@ -220,11 +226,12 @@ class ParamGatherer(UnitGatherer):
             for unit in self.shared:
                 self.free(unit)
             self._prefetch_backward(self.deferred)
-        for unit in self.events[k]:
+        needed = self._backward_units(k, k + 1)
+        for unit in needed:
             self.start(unit, "backward")
         if k not in self.midpoints and k != self.deferred:
             self._prefetch_backward(k)
-        for unit in self.events[k]:
+        for unit in needed:
             self.ready(unit, "backward")
 
     def backward_done(self, unit: FlatUnit) -> None:
@@ -235,7 +242,7 @@ class ParamGatherer(UnitGatherer):
     def _prefetch_backward(self, k: int) -> None:
         """Start gathering the units of the `prefetch` events whose backward follows
         event k's."""
-        for unit in reversed(self._units(k - self.prefetch, k)):
+        for unit in reversed(self._backward_units(k - self.prefetch, k)):
             self.start(unit, "backward")
 
 
