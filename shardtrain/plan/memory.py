@@ -51,13 +51,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardtrain.config import ModelConfig
+from shardtrain.cost.counts import kept_params
 from shardtrain.plan.activations import (head_activation_bytes, moe_block_bytes,
                                          runtime_activation_bytes)
 from shardtrain.plan.buffers import (block_units, gathered_units, loss_moment, weight_casts,
                                      zero_moments)
 from shardtrain.plan.layout import Layout
 from shardtrain.plan.optim_states import OPTIM_STATES
-from shardtrain.plan.partition import rank_params
+from shardtrain.plan.partition import RankParams, rank_params
 from shardtrain.plan.schedule_terms import schedule_terms
 
 BUCKET_BYTES = 25e6
@@ -113,6 +114,19 @@ def zero3_gather_bytes(params: float, kept: float, precision: str) -> float:
     if precision == "amp":
         return 2 * (params - kept) + 4 * kept
     return STATE_BYTES[precision][0] * params
+
+
+def zero3_widths(cfg: ModelConfig, layout: Layout, ranks: RankParams) -> dict[str, float]:
+    """Bytes per gathered parameter of a block unit (`gather_bytes`) and of the head's unit
+    (`head_gather`) under ZeRO-3: amp gathers the weights autocast rounds in 16 bits (an
+    untied head's too; a tied table is kept in fp32), the rest in the parameters' bytes."""
+    width = STATE_BYTES[layout.precision][0]
+    if layout.precision != "amp":
+        return {"gather_bytes": width, "head_gather": width}
+    kept_layer, kept_expert, _ = kept_params(cfg)
+    kept = kept_layer / layout.tp + kept_expert / layout.ep  # of one block on this rank
+    return {"gather_bytes": zero3_gather_bytes(ranks.layer, kept, "amp") / ranks.layer,
+            "head_gather": width if cfg.tie_embeddings else 2}
 
 
 def replicas_per_node(layout: Layout, node_size: int) -> int:
@@ -252,13 +266,14 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
                                              precision=lay.precision)
     if mine and lay.zero >= 2:  # full gradients only in the buckets
         buffers += zero_moments(cfg, lay, ranks, seq_len=seq_len, activations=activations,
-                                bucket_bytes=bucket_bytes,
-                                gather_bytes=STATE_BYTES[lay.precision][0])
+                                bucket_bytes=bucket_bytes, **zero3_widths(cfg, lay, ranks))
     else:
         if lay.replicas > 1:  # the gradient buckets' copies
             buffers += 2 * min(bucket_bytes, STATE_BYTES[lay.precision][1] * ranks.total)
-        if mine:  # held at backward's end, the loss's gradients at its start
-            buffers = max(buffers, loss_moment(cfg, lay, seq_len=seq_len))
+        if mine:  # held at backward's end, the loss's gradients at its start; ZeRO-1
+            # reduces once backward is over, its saved activations gone (zero/reducer.py)
+            after = buffers - (activations if lay.zero == 1 else 0.0)
+            buffers = max(after, loss_moment(cfg, lay, seq_len=seq_len))
         if lay.replicas > 1 and lay.pp > 1 and lay.zero >= 2:  # full copies held all step
             buffers += ranks.total * STATE_BYTES[lay.precision][1]
             if lay.zero == 3:
