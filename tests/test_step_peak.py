@@ -66,3 +66,18 @@ def test_planned_peak_is_the_measured_one(tmp_path, capsys, layout):
     assert abs(total - peak) <= WITHIN * peak, f"planner {total:,.0f} B against {peak:,} B"
     assert report["planned_peak"] == int(runtime + total)
     assert report["runtime_bytes"] == runtime
+
+
+def test_runtime_base_is_stored_per_torch_version(tmp_path):
+    """The runtime base is read back for the torch that measured it, and measured again
+    (None here) for another torch or a file that cannot be read."""
+    from shardtrain.cost.calibration import RuntimeBase, load_runtime, save_runtime
+
+    path = tmp_path / "cpu_runtime.json"
+    assert load_runtime("2.13.0", path) is None  # nothing measured yet
+    base = RuntimeBase(bytes=344_244_720, torch="2.13.0", measured_at="2026-11-27T00:59:26")
+    save_runtime(base, path)
+    assert load_runtime("2.13.0", path) == base
+    assert load_runtime("2.14.0", path) is None  # another torch: measure again
+    path.write_text("{not json")
+    assert load_runtime("2.13.0", path) is None

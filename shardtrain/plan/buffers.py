@@ -102,9 +102,10 @@ def zero_moments(cfg: ModelConfig, layout: Layout, ranks: RankParams, *, seq_len
     held, packed = held_buckets(sizes, bucket_bytes)
     z3, tied = layout.zero == 3, cfg.tie_embeddings
     head = GRAD_BYTES * vocab + (head_gather * vocab if z3 else 0.0)
-    # a block's backward: a bucket before the last (the table's, or the tied one's: `end`,
-    # after the blocks) and two block units gathered
-    during = max(held[:-1], default=0.0) + (gather_bytes * gathered_units(units) if z3 else 0.0)
+    # a block's backward: a bucket it fills (not the last when that is the table's alone,
+    # filled after the blocks: `end`) and two block units gathered
+    filled = held if packed else held[:-1]
+    during = max(filled, default=0.0) + (gather_bytes * gathered_units(units) if z3 else 0.0)
     end = held[-1] + GRAD_BYTES * table * (int(tied) + int(packed)) \
         + (head_gather * vocab if z3 and tied else 0.0)
     return max(loss_moment(cfg, layout, seq_len=seq_len), head, during, end - activations)

@@ -11,8 +11,9 @@ default), one fp32 absmax scale per block, so n values travel as ceil(n / block)
   (zero/units.py `align`), so a unit of P elements pads to a multiple of p x block.
 - hpZ (`hpz`, ZeRO-3): the backward gather of every unit (but the embedding's lookup
   tables, gathered for forward only: cost/units.py `backward_reads_params`) runs inside
-  the node, over the s replicas there, from the secondary shard (P / s, in the gather dtype) that the forward
-  gather left: (s - 1) / s of the unit's gathered bytes, none of them across nodes.
+  the node, over the s replicas there, from the secondary shard (P / s, in the gather
+  dtype) that the forward gather left: (s - 1) / s of the unit's gathered bytes, none of
+  them across nodes.
 - qgZ (`qgz`): each gradient bucket's reduce-scatter (N values per rank) becomes an int8
   all-to-all, p rows of ceil(N / block) (block + 4) bytes, (p - 1) of them sent. When the
   group spans nodes with 1 < s < p replicas on each, two hops: inside the node s rows of
