@@ -179,21 +179,24 @@ def dry_run(cfg: Config, world_size: int, device: torch.device, *, steps: int = 
     report = build_report(cfg, world_size, ledger, saved=saved, layers=layers,
                           steps=trainer.step, device=device)
     report["skipped_steps"] = skipped  # non-finite gradients: the optimizer state not built
-    report.update(planned_peaks(report, runtime_bytes))
+    report.update(planned_peaks(report, runtime_bytes, tp=cfg.parallel.tp))
     write_atomic(Path(cfg.train.run_dir) / "dry_run.json", json.dumps(report, indent=1))
     if not quiet:
         print(format_report(report), flush=True)
     return report
 
 
-def planned_peaks(report: dict[str, Any], runtime_bytes: int | None) -> dict[str, Any]:
+def planned_peaks(report: dict[str, Any], runtime_bytes: int | None, *, tp: int = 1
+                  ) -> dict[str, Any]:
     """The peaks the planner predicts for what `peak while built` and `peak` measure: the
     runtime base (CPU; 0 on a GPU) plus, while built, the parameters and the one full
-    tensor the build draws at a time (parallel/build.py), and while stepping the planner's
-    total (model states, activations and the largest transient moment: plan/memory.py)."""
-    e, base = report["planned_estimate"], runtime_bytes or 0
+    tensor the build draws at a time (parallel/build.py), beside its tensor-parallel block
+    (a copy, 1/tp of it) under tp, and while stepping the planner's total (model states,
+    activations and the largest transient moment: plan/memory.py)."""
+    e, base, full = report["planned_estimate"], runtime_bytes or 0, report["largest_tensor"]
+    drawn = full * (1 + 1 / tp) if tp > 1 else full
     return {"runtime_bytes": runtime_bytes,
-            "planned_build_peak": int(base + e["params"] + report["largest_tensor"]),
+            "planned_build_peak": int(base + e["params"] + drawn),
             "planned_peak": int(base + e["total"])}
 
 
