@@ -79,8 +79,9 @@ class UnitGatherer:
     # ------------------------------------------------------------------ gather / free
 
     def start(self, unit: FlatUnit, phase: str) -> None:
-        """Begin gathering `unit` (no-op if it is gathered or on its way)."""
-        if unit in self.live:
+        """Begin gathering `unit` (no-op if it is gathered or on its way, or for backward if
+        its backward reads no parameter: cost/units.py `backward_reads_params`)."""
+        if unit in self.live or phase == "backward" and not backward_reads_params(unit.key):
             return
         storage = unit.flat.untyped_storage()
         storage.resize_(unit.padded * unit.flat.element_size())
@@ -91,6 +92,8 @@ class UnitGatherer:
         self.max_live = max(self.max_live, len(self.live))
 
     def ready(self, unit: FlatUnit, phase: str) -> None:
+        if phase == "backward" and not backward_reads_params(unit.key):
+            return  # not gathered for backward (`start`)
         self.start(unit, phase)
         handle = self.live[unit]
         if handle is not None:
@@ -192,10 +195,6 @@ class ParamGatherer(UnitGatherer):
     def _units(self, first: int, end: int) -> list[FlatUnit]:
         return [u for event_units in self.events[max(0, first):end] for u in event_units]
 
-    def _backward_units(self, first: int, end: int) -> list[FlatUnit]:
-        """The units events first..end-1 compute their backward with: not the lookups'."""
-        return [u for u in self._units(first, end) if backward_reads_params(u.key)]
-
     def _pre_forward_hook(self, k: int):
         def hook(module: nn.Module, args: tuple) -> None:
             upcoming = self._units(k, k + self.prefetch + 1)
@@ -216,6 +215,10 @@ class ParamGatherer(UnitGatherer):
             _on_grad(output, lambda: self._pre_backward(len(self.events) - 1))
 
     def _midpoint_hook(self, k: int):
+        # Kept out of a compiled block's graph: traced, its closure's event index k becomes a
+        # guard, and the blocks, which share one graph, recompile block after block (under
+        # full checkpointing the recompute reaches it once no gather is left in flight).
+        @torch._dynamo.disable
         def hook(module: nn.Module, args: tuple) -> None:
             if torch.is_grad_enabled():
                 _on_grad(args[0], lambda: self._prefetch_backward(k))
@@ -226,12 +229,11 @@ class ParamGatherer(UnitGatherer):
             for unit in self.shared:
                 self.free(unit)
             self._prefetch_backward(self.deferred)
-        needed = self._backward_units(k, k + 1)
-        for unit in needed:
+        for unit in self.events[k]:
             self.start(unit, "backward")
         if k not in self.midpoints and k != self.deferred:
             self._prefetch_backward(k)
-        for unit in needed:
+        for unit in self.events[k]:
             self.ready(unit, "backward")
 
     def backward_done(self, unit: FlatUnit) -> None:
@@ -242,7 +244,7 @@ class ParamGatherer(UnitGatherer):
     def _prefetch_backward(self, k: int) -> None:
         """Start gathering the units of the `prefetch` events whose backward follows
         event k's."""
-        for unit in reversed(self._backward_units(k - self.prefetch, k)):
+        for unit in reversed(self._units(k - self.prefetch, k)):
             self.start(unit, "backward")
 
 
