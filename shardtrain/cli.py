@@ -153,7 +153,12 @@ def dry_run(cfg: Config, world_size: int, *, nproc: int) -> int:
     prepare_run(cfg, world_size, prepare_data=True, local_ranks=1, claim=False)
     device = pick_device(cfg.train.device, ProcessInfo(world_size=world_size))
     check_device(cfg, device)
-    run_dry(cfg, world_size, device)
+    runtime = 0  # a GPU's allocator counts tensors alone; a CPU's resident set the runtime too
+    if device.type == "cpu":
+        from shardtrain.train.start.calibrate import runtime_base
+
+        runtime = runtime_base().bytes  # measured once per machine and torch, then stored
+    run_dry(cfg, world_size, device, runtime_bytes=runtime)
     return 0
 
 

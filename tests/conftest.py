@@ -54,3 +54,22 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.section("shardtrain")
         for line in lines:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def runtime_base(tmp_path_factory):
+    """The CPU dry run's runtime base (train/start/calibrate.py `runtime_base`) stored for
+    the session, in-process CLI runs reading it: otherwise the first dry run would measure it
+    in a fresh process (about 10 s) and store it in the user's cache. The figure is this
+    process's resident set now, what its runtime holds: tests compare it with nothing."""
+    from shardtrain.cost import calibration
+    from shardtrain.train.observe.metrics import _proc_status
+
+    path = tmp_path_factory.mktemp("runtime") / "cpu_runtime.json"
+    calibration.save_runtime(calibration.RuntimeBase(
+        bytes=_proc_status("VmRSS") or 0, torch=torch.__version__, measured_at="this session"),
+        path)
+    patch = pytest.MonkeyPatch()
+    patch.setattr(calibration, "RUNTIME_PATH", path)
+    yield path
+    patch.undo()

@@ -15,6 +15,7 @@ from dist import run_distributed
 from parity import (BF16_LOSS_RTOL as BOUND, make_mesh, tiny, train_layout, train_layouts,
                     worst_loss_deviation)
 from shardtrain import config
+from shardtrain.cost.units import backward_reads_params
 from shardtrain.plan.memory import model_states
 from shardtrain.plan.traffic import bytes_per_step, data_parallel_ops
 from shardtrain.train.trainer import Trainer
@@ -223,8 +224,12 @@ def _one_step(rank: int, world_size: int, tmp) -> dict:
             # the units gathered in fp32 (ZeRO-3 gathers the rest in bf16: zero/units.py)
             kept = sum(u.padded for u in update.units if u.flat.dtype == torch.float32) \
                 if zero else 0
+            # the embedding's table, gathered for forward only (cost/units.py)
+            lookup = sum(u.padded for u in update.units if not backward_reads_params(u.key)) \
+                if zero else 0
             out[zero, reduce] = {"sent": sent, "padded": padded, "record": record,
-                                 "units": len(update.units) if zero else 0, "kept": kept}
+                                 "units": len(update.units) if zero else 0, "kept": kept,
+                                 "lookup": lookup}
     return out
 
 
@@ -234,7 +239,8 @@ def test_ledger_bytes_equal_planner_traffic_in_bf16(world2):
         for (zero, reduce), got in r.items():
             plan = bytes_per_step(data_parallel_ops(
                 params=got["padded"], size=world, zero=zero, microbatches=m, precision="amp",
-                reduce_dtype=reduce, layers=max(got["units"], 1), kept=got["kept"]))["dp"]
+                reduce_dtype=reduce, layers=max(got["units"], 1), kept=got["kept"],
+                lookup=got["lookup"]))["dp"]
             sent = got["sent"]["grad"] + got["sent"]["param"]
             print(f"rank {rank} zero{zero} reduce {reduce}: ledger {got['sent']} = "
                   f"{sent} B, planner {plan}")

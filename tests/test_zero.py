@@ -16,6 +16,7 @@ from dist import run_distributed
 from parity import assert_parity, make_mesh, tiny, train_layout, train_layouts
 from shardtrain import config
 from shardtrain.config import ConfigError
+from shardtrain.cost.units import backward_reads_params
 from shardtrain.model.transformer import build_model
 from shardtrain.plan.memory import model_states
 from shardtrain.plan.traffic import bytes_per_step, data_parallel_ops
@@ -123,6 +124,7 @@ def _one_step(tmp, rank: int, world_size: int, zero: int) -> dict:
         z = trainer.parallel.update
         out["padded"] = sum(u.padded for u in z.units)
         out["n_units"] = len(z.units)
+        out["lookup"] = sum(u.padded for u in z.units if not backward_reads_params(u.key))
         if z.gatherer is not None:
             out["max_live"] = z.gatherer.max_live
             out["held_after_step"] = [u.flat.untyped_storage().nbytes() for u in z.units]
@@ -222,19 +224,22 @@ def test_zero_mechanics(tmp):
         assert 2 <= r[3]["max_live"] <= 1 + 2
         assert r[3]["held_after_step"] == [0] * units
         # Communication per step: stages 1 and 2 move DP's 2(N-1)/N x gradient bytes
-        # (reduce-scatter + all-gather of 4P bytes); stage 3 1.5x (+ a second all-gather).
+        # (reduce-scatter + all-gather of 4P bytes); stage 3 1.5x (+ a second all-gather),
+        # less the untied table's (gathered for forward only: a lookup's backward reads ids).
         ring = (world - 1) * 4 * padded // world  # one ring pass over the fp32 model
+        table = (world - 1) * 4 * r[3]["lookup"] // world
         sent = {z: r[z]["sent"]["grad"] + r[z]["sent"]["param"] for z in (1, 2, 3)}
         dp_sent = r[0]["sent"]["grad"]
-        print(f"  bytes sent per step: DP {dp_sent}, zero1 {sent[1]}, zero2 {sent[2]}, "
-              f"zero3 {sent[3]} (2(N-1)/N x 4P = {2 * ring}, x1.5 = {3 * ring})")
+        print(f"  bytes sent per step: DP {dp_sent}, zero1 {sent[1]}, zero2 {sent[2]}, zero3 "
+              f"{sent[3]} (2(N-1)/N x 4P = {2 * ring}, x1.5 = {3 * ring}, less {table})")
         assert r[1]["sent"] == r[2]["sent"] == {"grad": ring, "param": ring}
-        assert r[3]["sent"] == {"grad": ring, "param": 2 * ring}
-        assert sent[3] == 1.5 * sent[1]
+        assert table > 0 and r[3]["sent"] == {"grad": ring, "param": 2 * ring - table}
+        assert sent[3] == 1.5 * sent[1] - table
         assert dp_sent == pytest.approx(sent[1], rel=0.01)  # DP pads its buckets differently
         for z in (1, 2, 3):
             plan = bytes_per_step(data_parallel_ops(params=padded, size=world, zero=z,
-                                                    precision="fp32"))["dp"]
+                                                    precision="fp32", lookup=r[z]["lookup"]))
+            plan = plan["dp"]
             assert sum(plan.values()) == pytest.approx(sent[z], abs=8)
         assert ("all_reduce", "grad") not in r[3]["ops"]
         # Peers: our stage 1 = DDP + ZeroRedundancyOptimizer; our stage 3 = FSDP2.

@@ -114,10 +114,13 @@ def calibrate(argv: list[str]) -> int:
     """fp32 matmul FLOP/s per process, alpha/beta/gamma fitted from a comm bench of the
     fitted algorithms at --nproc processes (native's latency and staging from the backend's
     own calls), and the training-step efficiency of a reference transformer
-    (train/start/calibrate.py), saved where the planner's `cpu` preset reads."""
+    (train/start/calibrate.py), saved where the planner's `cpu` preset reads; and the
+    runtime base the CPU dry run's predicted peak adds (calibrate.py `runtime_base`)."""
+    import torch
+
     from shardtrain.bench import fit
     from shardtrain.cost import calibration
-    from shardtrain.train.start.calibrate import measure_compute
+    from shardtrain.train.start.calibrate import measure_compute, measure_runtime_bytes
 
     parser = argparse.ArgumentParser(prog="shardtrain bench calibrate")
     _common(parser, "64M")
@@ -136,11 +139,14 @@ def calibrate(argv: list[str]) -> int:
         efficiency=efficiency, shared_s_per_byte=link.shared_s_per_byte,
         native_alpha_s=link.native_alpha_s, staging_s_per_byte=link.staging_s_per_byte)
     path = calibration.save(cal, args.output)
+    runtime = calibration.RuntimeBase(bytes=measure_runtime_bytes(), torch=torch.__version__,
+                                      measured_at=cal.measured_at)
+    runtime_path = calibration.save_runtime(runtime)  # the dry run's (calibrate.py)
     print(f"{args.nproc} processes: {cal.flops_per_s / 1e9:.1f} GFLOP/s fp32 per process, "
           f"training-step efficiency {efficiency:.2f}; "
           f"alpha {cal.alpha_s * 1e6:.1f} us, beta {cal.beta_s_per_byte * 1e9:.3f} ns/B, "
           f"gamma {cal.gamma_s_per_byte * 1e9:.3f} ns/B, shared "
           f"{cal.shared_s_per_byte * 1e9:.3f} ns/B; native alpha "
           f"{cal.native_alpha_s * 1e6:.1f} us, staging {cal.staging_s_per_byte * 1e9:.3f} ns/B "
-          f"-> {path}")
+          f"-> {path}; runtime base {runtime.bytes / 1e6:.0f} MB -> {runtime_path}")
     return 0

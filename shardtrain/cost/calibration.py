@@ -17,6 +17,12 @@ Schema (JSON object, all keys required):
                                   temporaries the backend's own collectives stage through
 Optional keys missing from a file (one written before they existed) take their defaults.
 The measuring code (it runs torch) lives outside the planner and calls `save`.
+
+A second, smaller file holds the runtime base (`RuntimeBase`, cpu_runtime.json): the
+resident bytes a CPU process of shardtrain holds beyond its tensors at a step's peak (the
+Python interpreter, torch's libraries and their data, malloc's own overhead), measured once
+per machine and torch version (train/start/calibrate.py `runtime_base`) and added to the
+planner's tensor bytes for the CPU dry run's predicted peak (docs/planner.md).
 """
 
 from __future__ import annotations
@@ -63,6 +69,35 @@ DEFAULT = Calibration(flops_per_s=2e10, alpha_s=5e-5, beta_s_per_byte=1 / 2e9,
                       measured_at="never (built-in defaults)")
 
 
+RUNTIME_PATH = Path("~/.cache/shardtrain/cpu_runtime.json")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeBase:
+    bytes: int  # resident bytes beyond the tensors at a step's peak
+    torch: str  # the torch version measured (another version: measure again)
+    measured_at: str  # ISO-8601
+
+
+def load_runtime(torch_version: str, path: str | os.PathLike | None = None
+                 ) -> RuntimeBase | None:
+    """The stored runtime base for `torch_version`, or None (no file, another torch, or a
+    file this code cannot read: measure again)."""
+    file = Path(path if path is not None else RUNTIME_PATH).expanduser()
+    try:
+        data = json.loads(file.read_text())
+        base = RuntimeBase(bytes=int(data["bytes"]), torch=str(data["torch"]),
+                           measured_at=str(data["measured_at"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return base if base.torch == torch_version and base.bytes >= 0 else None
+
+
+def save_runtime(base: RuntimeBase, path: str | os.PathLike | None = None) -> Path:
+    return _write(Path(path if path is not None else RUNTIME_PATH).expanduser(),
+                  dataclasses.asdict(base))
+
+
 def resolve(path: str | os.PathLike | None = None) -> Path:
     return Path(path if path is not None else DEFAULT_PATH).expanduser()
 
@@ -92,10 +127,14 @@ def load(path: str | os.PathLike | None = None) -> Calibration | None:
 
 
 def save(calibration: Calibration, path: str | os.PathLike | None = None) -> Path:
+    """Write the calibration atomically; returns the path."""
+    return _write(resolve(path), dataclasses.asdict(calibration))
+
+
+def _write(file: Path, data: dict) -> Path:
     """Write atomically (a temporary file renamed over the target); returns the path."""
-    file = resolve(path)
     file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_suffix(file.suffix + ".tmp")
-    tmp.write_text(json.dumps(dataclasses.asdict(calibration), indent=2) + "\n")
+    tmp = file.with_suffix(file.suffix + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
     tmp.replace(file)
     return file

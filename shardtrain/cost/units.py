@@ -74,6 +74,16 @@ def unit_key(name: str, *, tied: bool, n_layers: int, rounded: bool = False,
     return (HEAD, 0, half)
 
 
+def backward_reads_params(key: tuple[int, int, int]) -> bool:
+    """Whether the backward of unit `key` reads its parameters' values. The embedding's
+    unit holds only lookup tables (an untied token table, GPT-2's position table; a tied
+    table is the head's): a lookup's backward scatters the output's gradient into the rows
+    of the looked-up ids, the table entering through its shape alone (torch's
+    `embedding_backward`), so ZeRO-3 gathers that unit for forward only, not again for
+    backward as FSDP2 does (parallel/zero/gather.py; the planner's traffic follows)."""
+    return key[0] != EMBEDDING
+
+
 def completes_last(name: str, *, tied: bool) -> bool:
     """Whether parameter `name`'s gradient is complete only at the end of backward: a tied
     token table, used by the embedding (first in forward, last in backward) and the head."""

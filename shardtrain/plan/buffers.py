@@ -17,7 +17,9 @@ whole: an upper bound as backward releases them):
   one prefetched), each of parallel.zero_unit_blocks blocks (`block_units`). The end
   of backward (the saved activations gone): the last buckets, the embedding's dense
   gradient, a tied table's head contribution (autograd holds it from the head's
-  backward, zero/reducer.py), under ZeRO-3 the embedding's gathered table.
+  backward, zero/reducer.py), under ZeRO-3 a tied table gathered again (the head's unit;
+  an untied table's unit is gathered for forward only, its lookup's backward reading the
+  token ids alone: cost/units.py `backward_reads_params`).
 - ZeRO-1 and plain DP keep full gradients in their states; their buckets' copies (two
   buckets of comm.bucket_mb: a 16-bit reduce dtype's copies, ZeRO-1's packed buckets) are
   `sync_bytes`, held at the end of backward, with the loss's moment before it.
@@ -84,9 +86,11 @@ def gathered_units(units: list[float]) -> float:
 
 
 def zero_moments(cfg: ModelConfig, layout: Layout, ranks: RankParams, *, seq_len: int,
-                 activations: float, bucket_bytes: float, gather_bytes: float) -> float:
+                 activations: float, bucket_bytes: float, gather_bytes: float,
+                 head_gather: float) -> float:
     """The largest transient of a ZeRO-2/3 step without a pipeline (module docstring);
-    `gather_bytes`: bytes per gathered parameter (ZeRO-3)."""
+    `gather_bytes`, `head_gather`: bytes per gathered parameter of a block and of the head's
+    unit (ZeRO-3; under amp a block's and an untied head's weights travel in 16 bits)."""
     vocab = -(-cfg.vocab_size // layout.tp) * cfg.dim  # elements of a vocabulary unit
     table = vocab + (cfg.max_seq_len * cfg.dim if cfg.style == "gpt2" else 0)
     units = block_units(ranks.layers, ranks.layer, layout.unit_blocks)
@@ -96,11 +100,14 @@ def zero_moments(cfg: ModelConfig, layout: Layout, ranks: RankParams, *, seq_len
     else:
         sizes = [GRAD_BYTES * vocab] + blocks + [GRAD_BYTES * table]
     held, packed = held_buckets(sizes, bucket_bytes)
-    z3 = layout.zero == 3
-    head = GRAD_BYTES * vocab + (gather_bytes * vocab if z3 else 0.0)
-    during = max(held) + (gather_bytes * gathered_units(units) if z3 else 0.0)
-    end = held[-1] + GRAD_BYTES * table * (int(cfg.tie_embeddings) + int(packed)) \
-        + (gather_bytes * table if z3 else 0.0)
+    z3, tied = layout.zero == 3, cfg.tie_embeddings
+    head = GRAD_BYTES * vocab + (head_gather * vocab if z3 else 0.0)
+    # a block's backward: a bucket it fills (not the last when that is the table's alone,
+    # filled after the blocks: `end`) and two block units gathered
+    filled = held if packed else held[:-1]
+    during = max(filled, default=0.0) + (gather_bytes * gathered_units(units) if z3 else 0.0)
+    end = held[-1] + GRAD_BYTES * table * (int(tied) + int(packed)) \
+        + (head_gather * vocab if z3 and tied else 0.0)
     return max(loss_moment(cfg, layout, seq_len=seq_len), head, during, end - activations)
 
 

@@ -12,8 +12,9 @@ here are the runtime's to the byte:
 - bytes sent per step (the ledger's native convention, comm/ledger.py `native_volume`: a
   broadcast's root sends (N - 1) S, the others nothing; a reduce's non-roots send S, the
   root nothing): per micro-batch the owner of a unit of S gathered bytes broadcasts it
-  twice (before its forward and its backward), and every other rank sends its gradient,
-  G bytes in the reduce dtype, once.
+  twice (before its forward and its backward; the embedding's lookup tables once, before
+  forward: cost/units.py `backward_reads_params`), and every other rank sends its
+  gradient, G bytes in the reduce dtype, once.
 Pure arithmetic, like the rest of plan/.
 """
 
@@ -23,7 +24,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from shardtrain.config import ModelConfig
-from shardtrain.cost.units import ROUNDED, layer_owners, unit_key
+from shardtrain.cost.units import ROUNDED, backward_reads_params, layer_owners, unit_key
 from shardtrain.plan.layout import Layout, PlanError
 from shardtrain.plan.memory import REDUCE_BYTES, STATE_BYTES, ModelStates
 from shardtrain.plan.ops import CommOp, Placement, collective
@@ -35,6 +36,7 @@ class Unit:
     elements: int
     gather_bytes: int  # one gather of the unit (a rounded half travels in 16 bits)
     grad_bytes: int  # its gradient on the wire (train.grad_reduce_dtype)
+    gathers: int = 2  # per micro-batch: forward and backward, the lookup tables forward only
 
 
 def zero3_units(cfg: ModelConfig, layout: Layout) -> list[Unit]:
@@ -50,7 +52,8 @@ def zero3_units(cfg: ModelConfig, layout: Layout) -> list[Unit]:
                        blocks=lay.unit_blocks)
         units[key] = units.get(key, 0) + n
     grad = REDUCE_BYTES[lay.reduce_dtype or ("bf16" if half else "fp32")]
-    return [Unit(n, (2 if key[2] == ROUNDED or half else 4) * n, grad * n)
+    return [Unit(n, (2 if key[2] == ROUNDED or half else 4) * n, grad * n,
+                 2 if backward_reads_params(key) else 1)
             for key, n in sorted(units.items())]
 
 
@@ -66,7 +69,7 @@ def layer_sent_bytes(units: list[Unit], ranks: int, rank: int | None, microbatch
     m, grads = microbatches, sum(u.grad_bytes for u in units)
     out = [{"param": 0, "grad": m * grads} for _ in range(ranks)]
     for u, owner in zip(units, owners(units, ranks)):
-        out[owner]["param"] += 2 * m * (ranks - 1) * u.gather_bytes
+        out[owner]["param"] += u.gathers * m * (ranks - 1) * u.gather_bytes
         out[owner]["grad"] -= m * u.grad_bytes  # the owner reduces nothing of its own
     return out if rank is None else out[rank]
 
@@ -79,9 +82,9 @@ def flat_sent_bytes(units: list[Unit], ranks: int, microbatches: int) -> dict[st
         padded = -(-n // ranks) * ranks
         return (ranks - 1) * padded * width // ranks
 
-    gathered = sum(ring(u.elements, u.gather_bytes // u.elements) for u in units)
+    gathered = sum(u.gathers * ring(u.elements, u.gather_bytes // u.elements) for u in units)
     reduced = sum(ring(u.elements, u.grad_bytes // u.elements) for u in units)
-    return {"param": 2 * microbatches * gathered, "grad": microbatches * reduced}
+    return {"param": microbatches * gathered, "grad": microbatches * reduced}
 
 
 def layer_states(cfg: ModelConfig, layout: Layout) -> ModelStates:
@@ -96,8 +99,9 @@ def layer_states(cfg: ModelConfig, layout: Layout) -> ModelStates:
 
 def layer_ops(cfg: ModelConfig, layout: Layout, where: Placement) -> list[CommOp]:
     """The dp traffic of the rank sending the most under the layer partition: its
-    broadcasts (2 per micro-batch and unit it owns) and its reduces (1 per micro-batch and
-    unit it does not), each priced as the cost model's native collective of the mean size."""
+    broadcasts (per micro-batch, 2 of each unit it owns, 1 of the lookup tables) and its
+    reduces (1 per micro-batch and unit it does not), each priced as the cost model's
+    native collective of the mean size."""
     lay, n, m = layout, layout.replicas, layout.microbatches
     units = zero3_units(cfg, lay)
     if n <= 1:
@@ -109,7 +113,8 @@ def layer_ops(cfg: ModelConfig, layout: Layout, where: Placement) -> list[CommOp
     others = [u for u, own in zip(units, owned) if not own]
     ops = []
     for op, group, calls, size, nbytes in (
-            ("broadcast", mine, 2 * m * len(mine), "gather_bytes", sent[rank]["param"]),
+            ("broadcast", mine, m * sum(u.gathers for u in mine), "gather_bytes",
+             sent[rank]["param"]),
             ("reduce", others, m * len(others), "grad_bytes", sent[rank]["grad"])):
         if calls:
             mean = sum(getattr(u, size) for u in group) / len(group)

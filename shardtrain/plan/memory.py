@@ -55,6 +55,7 @@ from dataclasses import dataclass
 
 from shardtrain.config import ModelConfig
 from shardtrain.plan.activation_offload import offload_terms
+from shardtrain.cost.counts import kept_params
 from shardtrain.plan.activations import (head_activation_bytes, moe_block_bytes,
                                          runtime_activation_bytes)
 from shardtrain.plan.buffers import (block_units, gathered_units, loss_moment, weight_casts,
@@ -118,6 +119,19 @@ def zero3_gather_bytes(params: float, kept: float, precision: str) -> float:
     if precision == "amp":
         return 2 * (params - kept) + 4 * kept
     return STATE_BYTES[precision][0] * params
+
+
+def zero3_widths(cfg: ModelConfig, layout: Layout, ranks: RankParams) -> dict[str, float]:
+    """Bytes per gathered parameter of a block unit (`gather_bytes`) and of the head's unit
+    (`head_gather`) under ZeRO-3: amp gathers the weights autocast rounds in 16 bits (an
+    untied head's too; a tied table is kept in fp32), the rest in the parameters' bytes."""
+    width = STATE_BYTES[layout.precision][0]
+    if layout.precision != "amp":
+        return {"gather_bytes": width, "head_gather": width}
+    kept_layer, kept_expert, _ = kept_params(cfg)
+    kept = kept_layer / layout.tp + kept_expert / layout.ep  # of one block on this rank
+    return {"gather_bytes": zero3_gather_bytes(ranks.layer, kept, "amp") / ranks.layer,
+            "head_gather": width if cfg.tie_embeddings else 2}
 
 
 def replicas_per_node(layout: Layout, node_size: int) -> int:
@@ -273,15 +287,16 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
                                              precision=lay.precision)
     if mine and lay.zero >= 2:  # full gradients only in the buckets
         buffers += zero_moments(cfg, lay, ranks, seq_len=seq_len, activations=activations,
-                                bucket_bytes=bucket_bytes,
-                                gather_bytes=STATE_BYTES[lay.precision][0])
+                                bucket_bytes=bucket_bytes, **zero3_widths(cfg, lay, ranks))
         if lay.accumulate == "unsharded" and lay.replicas > 1:  # under every moment
             buffers += _kept(ranks, lay)
     else:
         if lay.replicas > 1:  # the gradient buckets' copies
             buffers += 2 * min(bucket_bytes, STATE_BYTES[lay.precision][1] * ranks.total)
-        if mine:  # held at backward's end, the loss's gradients at its start
-            buffers = max(buffers, loss_moment(cfg, lay, seq_len=seq_len))
+        if mine:  # held at backward's end, the loss's gradients at its start; ZeRO-1
+            # reduces once backward is over, its saved activations gone (zero/reducer.py)
+            after = buffers - (activations if lay.zero == 1 else 0.0)
+            buffers = max(after, loss_moment(cfg, lay, seq_len=seq_len))
         once = lay.pp > 1 or lay.accumulate == "unsharded"  # reduced once per step
         if lay.replicas > 1 and lay.zero >= 2 and once:  # full copies held all step
             buffers += _kept(ranks, lay)

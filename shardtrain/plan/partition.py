@@ -31,6 +31,8 @@ class RankParams:
     layers: int  # transformer layers on this rank's stage (all virtual chunks)
     kept: float = 0.0  # of `dense`: not rounded by autocast (ZeRO-3 gathers them in fp32)
     kept_expert: float = 0.0  # of `expert`: the same (GPT-2 experts' biases)
+    lookup: float = 0.0  # of `dense`: lookup tables ZeRO-3 gathers for forward only, on a
+    # rank holding the embedding without a pipeline (cost/units.py `backward_reads_params`)
 
     @property
     def total(self) -> float:
@@ -57,8 +59,12 @@ def rank_params(cfg: ModelConfig, layout: Layout) -> RankParams:
         kept_outside = first if first >= last else \
             norm_params(cfg) + (word if cfg.tie_embeddings else 0)
     t = layout.tp
+    lookup = 0.0
+    if layout.pp == 1 or layout.schedule in V_SHAPED:  # the embedding's unit on this rank
+        lookup = (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim) \
+            + (cfg.max_seq_len * cfg.dim if cfg.style == "gpt2" else 0)
     expert = expert_layer / layout.ep  # replicated over tp, split over ep
     return RankParams(dense=(layers * dense_layer + outside) / t, expert=layers * expert,
                       layer=dense_layer / t + expert, layers=layers,
                       kept=(layers * kept_layer + kept_outside) / t,
-                      kept_expert=layers * kept_expert / layout.ep)
+                      kept_expert=layers * kept_expert / layout.ep, lookup=lookup / t)

@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardtrain.config import ModelConfig
-from shardtrain.cost.units import ROUNDED, unit_key
+from shardtrain.cost.units import ROUNDED, backward_reads_params, unit_key
 from shardtrain.plan.layout import Layout, PlanError
 from shardtrain.plan.memory import (ModelStates, model_states, offload_states,
                                      runtime_adamw_fp32)
@@ -120,11 +120,12 @@ def zero_padded(tensors: list[tuple[str, int]], *, nd: int, tied: bool, n_layers
 
 def hpz_secondary_bytes(units: dict[tuple[int, int, int], int], *, local: int,
                         precision: str) -> int:
-    """hpZ's secondary shards (parallel/zero/zeropp.py): 1/local of every gathered unit, in
-    its gather dtype (a split unit's rounded half 16-bit under amp), local = the dp ranks
-    on this rank's node."""
+    """hpZ's secondary shards (parallel/zero/zeropp.py): 1/local of every unit gathered again
+    for backward (not the embedding's lookup tables: cost/units.py `backward_reads_params`),
+    in its gather dtype (a split unit's rounded half 16-bit under amp), local = the dp
+    ranks on this rank's node."""
     return sum(n // local * (2 if precision == "amp" and key[2] == ROUNDED else PARAM_BYTES)
-               for key, n in units.items())
+               for key, n in units.items() if backward_reads_params(key))
 
 
 def bucket_padded(tensors: list[tuple[str, int]], *, nd: int, bucket_mb: float) -> int:

@@ -6,8 +6,10 @@ one micro-batch, s = seq / cp; P, G = this rank's parameter and gradient bytes):
   2 (n-1)/n G; ZeRO-1 reduce-scatters G once and all-gathers the updated P, the same
   bytes; ZeRO-2 reduce-scatters every micro-batch (it keeps no full gradient to
   accumulate into); ZeRO-3 all-gathers P twice (forward, backward) and reduce-scatters G
-  every micro-batch: 1.5x DP's bytes when m = 1 (under amp it gathers the weights autocast
-  rounds in 16 bits, the rest in fp32: cost/units.py). With pp > 1 (zero/model.py) ZeRO-2
+  every micro-batch: 1.5x DP's bytes when m = 1, less the embedding's lookup tables,
+  gathered for forward only (their backward reads only the token ids: cost/units.py
+  `backward_reads_params`; under amp it gathers the weights autocast rounds in 16 bits, the
+  rest in fp32: cost/units.py). With pp > 1 (zero/model.py) ZeRO-2
   and 3 reduce-scatter G once per step, after the last micro-batch, and ZeRO-3 all-gathers P once
   per step, before the first: ZeRO-2 moves ZeRO-1's bytes, ZeRO-3 DP's; so does
   parallel.zero_accumulate = unsharded at pp = 1 (plan/accumulate.py). DP's gradients
@@ -76,7 +78,8 @@ def data_parallel_ops(*, params: float, size: int, zero: int, microbatches: int 
                       precision: str = "bf16", where: Placement = FREE, group: str = "dp",
                       layers: int = 1, bucket_bytes: float = BUCKET_BYTES,
                       reduce_dtype: str = "", pipelined: bool = False,
-                      kept: float = 0.0, unsharded: bool = False) -> list[CommOp]:
+                      kept: float = 0.0, unsharded: bool = False,
+                      lookup: float = 0.0) -> list[CommOp]:
     """Gradient synchronisation and ZeRO parameter traffic of `params` parameters held by
     each of `size` ranks (see the module docstring); `layers`: ZeRO's units (ZeRO-3 gathers
     one at a time, ZeRO-1/2 after the step; their gradients go in `bucket_bytes` buckets);
@@ -84,7 +87,9 @@ def data_parallel_ops(*, params: float, size: int, zero: int, microbatches: int 
     ZeRO-3 gathers) once per step.
     Parameters travel in the precision's parameter bytes (STATE_BYTES), except ZeRO-3's
     gathers under amp (`zero3_gather_bytes`: `kept` of them in fp32, the rest 16-bit);
-    gradients in `reduce_dtype`'s (train.grad_reduce_dtype; "": the precision's)."""
+    gradients in `reduce_dtype`'s (train.grad_reduce_dtype; "": the precision's).
+    `lookup`: of `params`, lookup tables (kept in fp32 under amp) that ZeRO-3 gathers for
+    forward only (module docstring)."""
     if size <= 1 or params <= 0:
         return []
     p_bytes, g_bytes = (b * params for b in STATE_BYTES[precision][:2])
@@ -108,8 +113,9 @@ def data_parallel_ops(*, params: float, size: int, zero: int, microbatches: int 
     if zero in (1, 2):
         return [reduce, collective(group, "all_gather", size, p_bytes / layers, layers, where,
                                    "none")]
-    return [collective(group, "all_gather", size, p_bytes / layers, 2 * m * layers, where,
-                        "compute"), reduce]
+    gathered = 2 * p_bytes - STATE_BYTES[precision][0] * lookup  # forward + backward
+    return [collective(group, "all_gather", size, gathered / (2 * layers), 2 * m * layers,
+                       where, "compute"), reduce]
 
 
 def step_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, seq_len: int,
@@ -134,7 +140,7 @@ def step_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, seq_len: int,
     else:
         ops += layer_ops(cfg, lay, dp_where) if lay.partition == "layer" else \
             data_parallel_ops(group="dp", params=ranks.dense, size=lay.replicas, where=dp_where,
-                              kept=ranks.kept, **common)
+                              kept=ranks.kept, lookup=ranks.lookup, **common)
         ops += data_parallel_ops(group="edp", params=ranks.expert, size=lay.replicas // lay.ep,
                                  where=placement(hw, node, lay.tp * lay.ep,
                                                  lay.replicas // lay.ep),

@@ -9,9 +9,11 @@ default), one fp32 absmax scale per block, so n values travel as ceil(n / block)
   1-2's after the step) sends each rank's shard packed. The units are laid out with every
   parameter at a multiple of the block and each shard a whole number of blocks
   (zero/units.py `align`), so a unit of P elements pads to a multiple of p x block.
-- hpZ (`hpz`, ZeRO-3): the backward gather of every unit runs inside the node, over the
-  s replicas there, from the secondary shard (P / s, in the gather dtype) that the forward
-  gather left: (s - 1) / s of the unit's gathered bytes, none of them across nodes.
+- hpZ (`hpz`, ZeRO-3): the backward gather of every unit (but the embedding's lookup
+  tables, gathered for forward only: cost/units.py `backward_reads_params`) runs inside
+  the node, over the s replicas there, from the secondary shard (P / s, in the gather
+  dtype) that the forward gather left: (s - 1) / s of the unit's gathered bytes, none of
+  them across nodes.
 - qgZ (`qgz`): each gradient bucket's reduce-scatter (N values per rank) becomes an int8
   all-to-all, p rows of ceil(N / block) (block + 4) bytes, (p - 1) of them sent. When the
   group spans nodes with 1 < s < p replicas on each, two hops: inside the node s rows of
@@ -33,7 +35,8 @@ from dataclasses import dataclass, replace
 
 from shardtrain.config import CommConfig, ModelConfig
 from shardtrain.cost.hardware import Hardware
-from shardtrain.cost.units import ROUNDED, coalesce, launch_order, unit_key
+from shardtrain.cost.units import (ROUNDED, backward_reads_params, coalesce, launch_order,
+                                   unit_key)
 from shardtrain.plan.layout import Layout, PlanError
 from shardtrain.plan.memory import (REDUCE_BYTES, STATE_BYTES, ModelStates, replicas_per_node,
                                      zero3_gather_bytes)
@@ -49,6 +52,8 @@ SCALE_BYTES = 4  # one fp32 absmax scale per block
 class Unit:
     elements: float  # the flat unit, padded: a multiple of the group size (x block, qwZ)
     gather: float  # bytes per element as gathered without qwZ (its gather dtype)
+    backward: bool = True  # gathered again for backward (not the embedding's lookup tables:
+    # cost/units.py `backward_reads_params`)
 
 
 def packed_bytes(n: float, block: int = QUANT_BLOCK) -> float:
@@ -86,7 +91,8 @@ def _dense_units(cfg: ModelConfig, lay: Layout, *, rounded: bool, align: int) ->
         names[unit_key(name, tied=cfg.tie_embeddings, n_layers=cfg.n_layers,
                        rounded=rounded, blocks=lay.unit_blocks)].append(name)
     width = STATE_BYTES[lay.precision][0]
-    return [Unit(sizes[keys[i]], 2 if rounded and keys[i][2] == ROUNDED else width)
+    return [Unit(sizes[keys[i]], 2 if rounded and keys[i][2] == ROUNDED else width,
+                 backward_reads_params(keys[i]))
             for i in launch_order([names[k] for k in keys], tied=cfg.tie_embeddings)]
 
 
@@ -114,8 +120,17 @@ def zeropp_group_ops(units: list[Unit], layout: Layout, *, size: int, local: int
     grad_bytes = REDUCE_BYTES[lay.reduce_dtype] if lay.reduce_dtype \
         else STATE_BYTES[lay.precision][1]
     gathers = 1 if lay.zero < 3 or pipelined else m  # per unit and kind (forward, backward)
-    shard_gather = sum(size * packed_bytes(u.elements / size, block) if lay.qwz
-                       else u.elements * u.gather for u in units)
+
+    def shard_gather(group: list[Unit]) -> float:
+        return sum(size * packed_bytes(u.elements / size, block) if lay.qwz
+                   else u.elements * u.gather for u in group)
+
+    def dequantized(group: list[Unit]) -> float:
+        # qwZ's coding: the fp32 shard read and its int8 written (5 bytes a value), every
+        # gathered int8 read and written in the gather dtype (1 + gather)
+        return gathers * sum(u.elements * (1 + u.gather) + 5 * u.elements / size
+                             for u in group) if lay.qwz else 0.0
+
     ops: list[CommOp] = []
 
     def add(op: str, n: int, total: float, calls: int, at: Placement, overlap: str,
@@ -129,20 +144,17 @@ def zeropp_group_ops(units: list[Unit], layout: Layout, *, size: int, local: int
 
     count = len(units)
     overlap = "compute" if lay.zero == 3 and not pipelined else "none"
-    # qwZ's coding: the fp32 shard read and its int8 written (5 bytes a value), every
-    # gathered int8 read and written in the gather dtype (1 + gather)
-    dequantized = gathers * sum(u.elements * (1 + u.gather) + 5 * u.elements / size
-                                for u in units) if lay.qwz else 0.0
-    add("all_gather", size, gathers * shard_gather, gathers * count, where, overlap,
-        "int8" if lay.qwz else "", dequantized)
-    if lay.zero == 3 and not pipelined:  # backward's gathers: hpZ inside the node
+    add("all_gather", size, gathers * shard_gather(units), gathers * count, where, overlap,
+        "int8" if lay.qwz else "", dequantized(units))
+    again = [u for u in units if u.backward]
+    if lay.zero == 3 and not pipelined and again:  # backward's gathers: hpZ inside the node
         if lay.hpz:
             add("all_gather", min(local, size), gathers * sum(u.elements * u.gather
-                                                               for u in units),
-                gathers * count, intra, "compute", "hpz")
+                                                               for u in again),
+                gathers * len(again), intra, "compute", "hpz")
         else:
-            add("all_gather", size, gathers * shard_gather, gathers * count, where, "compute",
-                "int8" if lay.qwz else "", dequantized)
+            add("all_gather", size, gathers * shard_gather(again), gathers * len(again),
+                where, "compute", "int8" if lay.qwz else "", dequantized(again))
     buckets = coalesce([u.elements * grad_bytes for u in units], bucket_bytes)
     syncs = 1 if lay.zero == 1 or pipelined else m
     rows = [sum(units[i].elements for i in b) / size for b in buckets]  # N per rank
@@ -195,8 +207,9 @@ def zeropp_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, bucket_bytes: 
 
 def zeropp_states(states: ModelStates, layout: Layout, ranks, *, node_size: int) -> ModelStates:
     """ZeRO++'s model-state terms (Wang et al. 2023; parallel/zero/zeropp.py): hpZ keeps a
-    secondary shard, 1/s of each unit gathered (s = the replicas on a node; experts: their
-    edp group's), in the gather dtype; qwZ at stages 1-2 gives the parameters that are their
+    secondary shard, 1/s of each unit gathered again for backward (s = the replicas on a
+    node; experts: their edp group's; not the lookup tables, kept in fp32), in the gather
+    dtype; qwZ at stages 1-2 gives the parameters that are their
     own fp32 master (fp32, amp) a master shard of their own (the dequantized gather lands in
     the parameter shard)."""
     lay, out = layout, states
@@ -204,7 +217,7 @@ def zeropp_states(states: ModelStates, layout: Layout, ranks, *, node_size: int)
         if node_size < 1:
             raise PlanError("layout hpz=true: hpZ's secondary shard is 1/s of the parameters, "
                             "s the dp ranks per node; give the planner the node size")
-        groups = ((ranks.dense, ranks.kept, lay.replicas),
+        groups = ((ranks.dense - ranks.lookup, ranks.kept - ranks.lookup, lay.replicas),
                   (ranks.expert, ranks.kept_expert, lay.replicas // lay.ep))
         local = replicas_per_node(lay, node_size)
         out = replace(out, params=out.params + sum(

@@ -21,8 +21,9 @@ activation peak, and its MLP half then runs without the next unit's buffer (nor 
 collective filling it) alive, while its attention half still hides the gather. The engine
 frees a unit once its gradients are complete and reduce-scattered; a tied token table's
 unit, whose gradient completes only with the embedding's backward (the last), is freed
-once the head's backward is done and gathered again for the embedding's, as an untied
-embedding's unit is. Under activation
+once the head's backward is done. A unit whose backward reads no parameter values (the
+embedding's lookup tables: cost/units.py `backward_reads_params`) is not gathered for
+backward at all; FSDP2 gathers every unit again, the vocabulary-sized table too. Under activation
 checkpointing the recompute happens inside the block's backward, after its backward event,
 so it finds the units gathered. Every rank of a group issues the same gathers in the same
 order: the events are the same.
@@ -48,6 +49,7 @@ import torch
 from torch import nn
 
 from shardtrain.comm import Handle
+from shardtrain.cost.units import backward_reads_params
 from shardtrain.parallel.zero.events import forward_events, stage_events
 from shardtrain.parallel.zero.units import FlatUnit
 
@@ -77,8 +79,9 @@ class UnitGatherer:
     # ------------------------------------------------------------------ gather / free
 
     def start(self, unit: FlatUnit, phase: str) -> None:
-        """Begin gathering `unit` (no-op if it is gathered or on its way)."""
-        if unit in self.live:
+        """Begin gathering `unit` (no-op if it is gathered or on its way, or for backward if
+        its backward reads no parameter: cost/units.py `backward_reads_params`)."""
+        if unit in self.live or phase == "backward" and not backward_reads_params(unit.key):
             return
         storage = unit.flat.untyped_storage()
         storage.resize_(unit.padded * unit.flat.element_size())
@@ -89,6 +92,8 @@ class UnitGatherer:
         self.max_live = max(self.max_live, len(self.live))
 
     def ready(self, unit: FlatUnit, phase: str) -> None:
+        if phase == "backward" and not backward_reads_params(unit.key):
+            return  # not gathered for backward (`start`)
         self.start(unit, phase)
         handle = self.live[unit]
         if handle is not None:
@@ -210,6 +215,10 @@ class ParamGatherer(UnitGatherer):
             _on_grad(output, lambda: self._pre_backward(len(self.events) - 1))
 
     def _midpoint_hook(self, k: int):
+        # Kept out of a compiled block's graph: traced, its closure's event index k becomes a
+        # guard, and the blocks, which share one graph, recompile block after block (under
+        # full checkpointing the recompute reaches it once no gather is left in flight).
+        @torch._dynamo.disable
         def hook(module: nn.Module, args: tuple) -> None:
             if torch.is_grad_enabled():
                 _on_grad(args[0], lambda: self._prefetch_backward(k))

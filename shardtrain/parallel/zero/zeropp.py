@@ -39,6 +39,7 @@ import torch
 from shardtrain.comm import Communicator, Handle
 from shardtrain.comm.compress import pack_int8, unpack_int8
 from shardtrain.config import ParallelConfig
+from shardtrain.cost.units import backward_reads_params
 from shardtrain.mesh import ParallelMesh
 from shardtrain.parallel.zero.units import FlatUnit, UnitComm, on_wire
 
@@ -173,7 +174,8 @@ class ZeroPlusPlusComm(UnitComm):
     def gather_params(self, unit: FlatUnit, full: torch.Tensor, shard: torch.Tensor, *,
                       phase: str, async_op: bool = True) -> Handle:
         """full [padded] <- every rank's shard. With hpZ a backward gather runs inside the
-        node, from the secondary shard that the unit's last forward gather kept."""
+        node, from the secondary shard that the unit's last forward gather kept (none for a
+        unit not gathered for backward: cost/units.py `backward_reads_params`)."""
         if phase == "backward" and self.node is not None:
             return self.node.all_gather(full, self.secondary[unit], tag="param:hpz",
                                         async_op=async_op)
@@ -183,7 +185,8 @@ class ZeroPlusPlusComm(UnitComm):
                 quantized_all_gather(self.comm, full, shard, block=self.block)
             else:
                 self.comm.all_gather(full, on_wire(shard, full), tag="param")
-            if self.node is not None and phase == "forward":
+            if self.node is not None and phase == "forward" \
+                    and backward_reads_params(unit.key):
                 # [s, padded / s]: row i is node member i's part
                 self.secondary[unit] = full.view(self.node.size, -1)[self.node.rank].clone()
 
@@ -202,8 +205,8 @@ class ZeroPlusPlusComm(UnitComm):
 
     @property
     def held_param_bytes(self) -> int:
-        """hpZ's secondary shards: full parameters / (dp ranks per node), once every unit
-        has been through a forward."""
+        """hpZ's secondary shards: full parameters / (dp ranks per node) of the units gathered
+        for backward, once every unit has been through a forward."""
         return sum(t.numel() * t.element_size() for t in self.secondary.values())
 
 

@@ -151,11 +151,14 @@ def rank0_trainer(cfg: Config, world_size: int, device: torch.device) -> Iterato
         dist.destroy_process_group()
 
 
-def dry_run(cfg: Config, world_size: int, device: torch.device, *, steps: int = 2
-            ) -> dict[str, Any]:
+def dry_run(cfg: Config, world_size: int, device: torch.device, *, steps: int = 2,
+            runtime_bytes: int | None = None, quiet: bool = False) -> dict[str, Any]:
     """Build rank 0's Trainer on `device` (launch.pick_device's choice for a single local
     rank) in a fake world of `world_size`, run `steps` steps (at most train.steps), and
-    return (and write) the report."""
+    return (and write; print unless `quiet`) the report. `runtime_bytes`: the runtime base
+    the predicted peaks add (the CLI: on CPU this machine's stored one, calibrate.py
+    `runtime_base`; 0 on a GPU); None: not known, the predicted peaks are the planner's
+    tensor bytes alone."""
     from shardtrain.train.observe.metrics import reset_peak_memory
     from shardtrain.train.trainer import write_atomic
 
@@ -176,9 +179,25 @@ def dry_run(cfg: Config, world_size: int, device: torch.device, *, steps: int = 
     report = build_report(cfg, world_size, ledger, saved=saved, layers=layers,
                           steps=trainer.step, device=device)
     report["skipped_steps"] = skipped  # non-finite gradients: the optimizer state not built
+    report.update(planned_peaks(report, runtime_bytes, tp=cfg.parallel.tp))
     write_atomic(Path(cfg.train.run_dir) / "dry_run.json", json.dumps(report, indent=1))
-    print(format_report(report), flush=True)
+    if not quiet:
+        print(format_report(report), flush=True)
     return report
+
+
+def planned_peaks(report: dict[str, Any], runtime_bytes: int | None, *, tp: int = 1
+                  ) -> dict[str, Any]:
+    """The peaks the planner predicts for what `peak while built` and `peak` measure: the
+    runtime base (CPU; 0 on a GPU) plus, while built, the parameters and the one full
+    tensor the build draws at a time (parallel/build.py), beside its tensor-parallel block
+    (a copy, 1/tp of it) under tp, and while stepping the planner's total (model states,
+    activations and the largest transient moment: plan/memory.py)."""
+    e, base, full = report["planned_estimate"], runtime_bytes or 0, report["largest_tensor"]
+    drawn = full * (1 + 1 / tp) if tp > 1 else full
+    return {"runtime_bytes": runtime_bytes,
+            "planned_build_peak": int(base + e["params"] + drawn),
+            "planned_peak": int(base + e["total"])}
 
 
 def build_report(cfg: Config, world_size: int, ledger: dict[str, Any], *, saved: int,
@@ -248,6 +267,13 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append(f"{'peak':<18}{m['peak_mem']:>16,}{'':>16}{'':>18}   ({r['peak_meaning']})")
     lines.append(f"{'peak while built':<18}{m['build_peak_mem']:>16,}   (of which the build "
                  f"added {m['build_growth']:,}; the largest tensor is {r['largest_tensor']:,})")
+    base = "not known: tensors alone" if r["runtime_bytes"] is None else \
+        f"the runtime's {r['runtime_bytes']:,} included"
+    lines.append(f"{'predicted peaks':<18}{'measured':>16}{'predicted':>16}{'off':>9}"
+                 f"   ({base})")
+    for label, got, want in (("while built", m["build_peak_mem"], r["planned_build_peak"]),
+                             ("step", m["peak_mem"], r["planned_peak"])):
+        lines.append(f"{label:<18}{got:>16,}{want:>16,}{(want - got) / max(got, 1):>+9.1%}")
     if x is None:
         lines.append(f"exact count unavailable: {r['planned_exact_unavailable']}")
     else:
