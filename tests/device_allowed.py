@@ -7,8 +7,10 @@ from __future__ import annotations
 # (file under shardtrain/, function; "*": the whole file) -> why it runs outside the step.
 OFF_STEP = {
     ("comm/dispatch.py", "agreed_link"): "a communicator's construction (the link it prices)",
-    ("ckpt/dcp.py", "*"): "checkpoint save and load (a save's snapshot copy is its own sync)",
     ("ckpt/files.py", "*"): "checkpoint reads",
+    ("ckpt/frames.py", "*"): "checkpoint saves: each chunk's raw bytes framed on the host",
+    ("ckpt/stream.py", "*"): "checkpoint saves: chunks staged into the host pool and written "
+                             "(an async save's staging waits only for its own copies)",
     ("model/generate.py", "*"): "text generation after training (train/finetune/sample.py)",
     ("model/hf.py", "*"): "Hugging Face weights in and out, at start and end",
     ("model/moe.py", "__init__"): "parameters built on the meta device, materialised by "
@@ -83,7 +85,7 @@ COPIES_ALLOWED = {
 }
 # (file, function) -> why step code names the CPU literally.
 CPU_ALLOWED = {
+    ("parallel/offload_activations.py", "_pack"): "activation offload (train.activation_offload"
+                                                  "=cpu): saved tensors go to host memory",
     ("parallel/zero/offload.py", "fetch"): "ZeRO-Offload's pinned host side of an NVMe read",
-    ("parallel/zero/offload.py", "_read"): "ZeRO-Offload: a shard's state read from its files "
-                                           "into host memory",
 }

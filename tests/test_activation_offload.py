@@ -78,7 +78,7 @@ def test_offload_is_bitwise_and_moves_the_planned_bytes(name, precision, recompu
         assert torch.equal(got_grads[n], g), n
     lay = Layout(precision=precision, micro_batch=B, microbatches=M, recompute=recompute,
                  activation_offload="cpu")
-    memory = memory_per_gpu(cfg, lay, seq_len=S)
+    memory = memory_per_gpu(cfg, lay, seq_len=S, staging_bytes=0)  # no save's pool
     terms = activation_offload_terms(cfg, lay, memory)
     ledger = offload.ledger()
     # what the hooks moved, each way, is the planner's per step; the host held one
@@ -170,9 +170,11 @@ def test_planner_layout_round_trips_the_field(tmp_path):
     cfg = tiny(tmp_path, "x", "--train.activation_offload", "cpu")
     lay = config_layout(cfg, 1)
     assert lay.activation_offload == "cpu" and "activation_offload=cpu" in lay.describe()
-    plain = memory_per_gpu(cfg.model, Layout(precision="fp32", micro_batch=2), seq_len=32)
+    plain = memory_per_gpu(cfg.model, Layout(precision="fp32", micro_batch=2), seq_len=32,
+                           staging_bytes=0)  # host: the activations alone, no save's pool
     off = memory_per_gpu(cfg.model, Layout(precision="fp32", micro_batch=2,
-                                           activation_offload="cpu"), seq_len=32)
+                                           activation_offload="cpu"), seq_len=32,
+                         staging_bytes=0)
     per_layer = plain.activations_per_layer  # the head's activations stay on the device
     assert plain.activations - off.activations == (cfg.model.n_layers - 2) * per_layer
     assert off.host == off.offloaded == cfg.model.n_layers * per_layer
@@ -213,7 +215,7 @@ def test_offload_is_bitwise_under_every_layout(tmp_path):
                 assert torch.equal(off["weights"][n], w), f"{label} rank {rank} {n}"
             cfg, ledger = cfgs[2 * i + 1], off["ledger"]
             lay = config_layout(cfg, 2)
-            memory = memory_per_gpu(cfg.model, lay, seq_len=cfg.train.seq_len)
+            memory = memory_per_gpu(cfg.model, lay, seq_len=cfg.train.seq_len, staging_bytes=0)
             terms = activation_offload_terms(cfg.model, lay, memory)
             # the planner's busiest stage holds as many layers as each rank here
             assert off["layers"] == rank_params(cfg.model, lay).layers, label

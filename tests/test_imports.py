@@ -38,10 +38,13 @@ ALLOWED: dict[str, set[str]] = {
 NO_TORCH = {"config", "cost", "plan"}
 # Modules of another package a package may import besides: the pipeline schedules as data
 # and their simulator, pure Python (test_plan_model.py checks they import nothing else),
-# which the runtime executes and the planner prices -- one simulator, no second closed form.
+# which the runtime executes and the planner prices -- one simulator, no second closed form;
+# and the attention kernel rule (model/sdpa_kernels.py, pure Python), which the model
+# dispatches by and the planner charges by -- one rule.
 MODULES: dict[str, set[str]] = {
-    "plan": {f"shardtrain.parallel.pipeline.{m}" for m in ("schedules", "zero_bubble",
-                                                            "simulate")},
+    "plan": {*(f"shardtrain.parallel.pipeline.{m}" for m in ("schedules", "zero_bubble",
+                                                              "simulate")),
+             "shardtrain.model.sdpa_kernels"},
 }
 
 
@@ -101,18 +104,21 @@ def test_the_check_sees_an_arrow_against_the_rules(tmp_path):
 
 def test_planner_imports_no_runtime():
     """plan/ and cost/ use only the standard library, shardtrain.config and cost/ (plan/ also
-    itself and the pipeline schedules' data and simulator, which the runtime runs and the
-    planner prices: pure Python, importing only each other): no torch, nothing else of the
+    itself, the pipeline schedules' data and simulator, which the runtime runs and the
+    planner prices: pure Python, importing only each other, and the attention kernel rule): no torch, nothing else of the
     runtime, and cost/ nothing of plan/."""
     root = ROOT
     pipeline = tuple(f"shardtrain.parallel.pipeline.{m}"
                      for m in ("schedules", "zero_bubble", "simulate"))
-    rules = {"plan": ("shardtrain.config", "shardtrain.plan", "shardtrain.cost", *pipeline),
+    kernels = "shardtrain.model.sdpa_kernels"
+    rules = {"plan": ("shardtrain.config", "shardtrain.plan", "shardtrain.cost", *pipeline,
+                      kernels),
              "cost": ("shardtrain.config", "shardtrain.cost")}
     files = [(f, allowed) for folder, allowed in rules.items()
              for f in sorted((root / folder).glob("*.py"))]
     files += [(root / "parallel" / "pipeline" / f"{m.rsplit('.', 1)[1]}.py",
                ("shardtrain.parallel.pipeline",)) for m in pipeline]
+    files += [(root / "model" / "sdpa_kernels.py", (kernels,))]
     assert len(files) > 10
     for file, allowed in files:
         for node in ast.walk(ast.parse(file.read_text())):

@@ -17,7 +17,8 @@ from shardtrain.plan.cli import main
 from shardtrain.plan.closed_form import narayanan_params, training_flops
 from shardtrain.cost.counts import param_counts
 from shardtrain.plan.layout import Layout, check
-from shardtrain.plan.memory import activation_bytes_per_layer, memory_per_gpu, model_states
+from shardtrain.plan.closed_form import activation_bytes_per_layer
+from shardtrain.plan.memory import memory_per_gpu, model_states
 from shardtrain.plan.timing import bubble_fraction, gpus_for_deadline, training_seconds
 
 GB = 1e9

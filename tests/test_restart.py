@@ -88,6 +88,7 @@ def test_killed_rank_restarts_and_matches(tmp_path, plain):
     _matches(plain, tmp_path / "restarted")
 
 
+@pytest.mark.slow  # README command's time (30 s); test_interrupt.py's Ctrl-C stays there
 def test_sigterm_saves_every_rank_at_one_step_and_resumes_bitwise(tmp_path, plain):
     # Rank 0 sleeps 3 s at the start of step 3: the signal lands mid-run, whatever the load.
     proc = subprocess.Popen(_command(tmp_path, "run", "--train.inject_hang", "0:3:3"),

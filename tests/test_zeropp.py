@@ -6,11 +6,14 @@ stated bound. Training with each option: tests/test_zeropp_training.py."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dist import run_distributed
 from parity import make_mesh, tiny
 from shardtrain.comm import build_mesh
+from shardtrain.cost.units import BLOCK
 from shardtrain.mesh import MeshShape
 from shardtrain.parallel.zero.zeropp import (ZeroPlusPlusComm, hierarchical_reduce_scatter,
                                              inter_node_comm, node_comm, quantized_all_gather,
@@ -73,7 +76,8 @@ def _primitives(rank: int, world_size: int) -> dict:
     out["node_ranks"] = node.ranks
     zc = ZeroPlusPlusComm(dp, node=node, quantize_weights=True, block=BLOCK)
     first = len(ledger.records)
-    unit = object()  # stands for a FlatUnit: only its identity matters
+    # stands for a FlatUnit: its identity, and its key (a block's, whose backward reads it)
+    unit = _Unit(key=(BLOCK, 0, 0))
     forward, backward = torch.empty(world_size * N), torch.empty(world_size * N)
     zc.gather_params(unit, forward, shard, phase="forward").wait()
     zc.gather_params(unit, backward, shard, phase="backward").wait()
@@ -83,6 +87,11 @@ def _primitives(rank: int, world_size: int) -> dict:
                           for r in ledger.records[first:]]
     out["hpz_secondary_bytes"] = zc.held_param_bytes
     return out
+
+
+@dataclass(eq=False)  # hashed by identity, as a FlatUnit
+class _Unit:
+    key: tuple[int, int, int]
 
 
 def test_zeropp_primitives_match_exact_collectives_and_ledger_bytes():

@@ -1,6 +1,6 @@
 """Activation bytes one layer saves for backward in shardtrain's own runtime.
 
-Korthikanti et al. 2022 (Table 2; memory.activation_bytes_per_layer) count Megatron-LM's
+Korthikanti et al. 2022 (Table 2; closed_form.activation_bytes_per_layer) count Megatron-LM's
 kernels: 16-bit activations, stored attention probabilities and 1-byte dropout masks.
 shardtrain's block saves other things, and this file counts them exactly as
 `parallel.activation.SavedActivations` measures them (docs/recompute.md has the table and

@@ -43,3 +43,19 @@ def training_flops(params: float, tokens: float, *, recompute: str = "none") -> 
     """The rule of thumb: 6 N D (forward 2, backward 4 per parameter and token); 8 N D
     with full recomputation (Narayanan et al. 2021: time ~ 8TP/(nX), 6TP/(nX) without)."""
     return (8 if recompute == "full" else 6) * params * tokens
+
+
+def activation_bytes_per_layer(*, s: int, b: int, h: int, a: int, t: int = 1,
+                               sp: bool = False, recompute: str = "none",
+                               value_bytes: int = 2) -> float:
+    """One layer, one micro-batch (Korthikanti et al. 2022, Table 2), with value_bytes = 2:
+    none sbh(34 + 5as/h); tp sbh(10 + 24/t + 5as/(ht)); tp+sp (sbh/t)(34 + 5as/h);
+    selective drops the 5as/h term; full keeps the layer input, 2sbh (/t with sp).
+    Of the 10 sbh kept whole under tp, 2 sbh are 1-byte dropout masks; of 5as^2b, as^2b."""
+    sbh = s * b * h
+    if recompute == "full":
+        return value_bytes * sbh / (t if sp else 1)
+    replicated = (4 * value_bytes + 2) * sbh / (t if sp else 1)
+    split = 12 * value_bytes * sbh / t
+    scores = 0.0 if recompute == "selective" else (2 * value_bytes + 1) * a * s * s * b / t
+    return replicated + split + scores

@@ -16,6 +16,7 @@ from typing import Any
 
 from shardtrain.config import Config, ConfigError, DataConfig, ModelConfig
 from shardtrain.model.sdpa_kernels import KERNELS, attention_kernel
+from shardtrain.plan.layout_checks import PlanError, check_context_parallel, check_layer_partition
 from shardtrain.plan.optim_states import OPTIM_STATES, config_optim, optim_fields
 
 # What parallel.schedule runs and the planner weighs: never pipedream-2bw, whose numbers
@@ -29,10 +30,6 @@ CP_MODES = ("ring", "ulysses")  # parallel.cp_mode
 # SDPA's kernel for attention: what activations keep (plan/activations.py)
 ATTENTION = KERNELS
 ACCUMULATE = ("sharded", "unsharded")  # parallel.zero_accumulate (plan/accumulate.py)
-
-
-class PlanError(ConfigError):
-    """Bad planner input; the message names the field and the fix."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -185,32 +182,6 @@ def check(layout: Layout, cfg: ModelConfig, *, gpus: int, node_size: int, global
                             f"v={lay.v}, microbatches={lay.microbatches})")
     elif lay.v != 1:
         raise PlanError(f"layout v={lay.v} needs schedule=interleaved, zbv or dualpipev")
-
-
-def check_layer_partition(lay: Layout, cfg: ModelConfig) -> None:
-    """ZeRO-3's layer partition runs over plain data parallelism (parallel.zero_partition),
-    and the planner counts it for dense models (plan/layer_partition.py)."""
-    if lay.partition not in ("flat", "layer"):
-        raise PlanError(f"layout partition={lay.partition!r} is not one of flat, layer")
-    if lay.partition == "layer" and (lay.zero != 3 or lay.gpus != lay.dp or cfg.n_experts
-                                     or lay.offload != "none"):
-        raise PlanError("layout partition=layer needs zero=3 over dp alone (tp = pp = cp = 1, "
-                        "no parameter servers), no offload and a dense model; use "
-                        "partition=flat")
-
-
-def check_context_parallel(lay: Layout, cfg: ModelConfig, *, seq_len: int) -> None:
-    """The sequence splits evenly (2 cp chunks per rank: the zigzag split); Ulysses trades
-    the sequence split for a head split, so cp must divide each tp rank's query heads."""
-    if seq_len % (2 * lay.cp if lay.cp > 1 else 1):
-        raise PlanError(f"layout cp={lay.cp} must divide the sequence length {seq_len} into "
-                        f"2 x cp = {2 * lay.cp} equal chunks (the zigzag split); change cp or "
-                        "--seq")
-    heads = cfg.n_heads // lay.tp
-    if lay.cp > 1 and lay.cp_mode == "ulysses" and heads % lay.cp:
-        raise PlanError(f"layout cp_mode=ulysses with cp={lay.cp}: each tp rank's "
-                        f"{heads} query heads (model.n_heads={cfg.n_heads} / tp={lay.tp}) "
-                        f"must split evenly over cp; use cp_mode=ring or a cp dividing {heads}")
 
 
 def _config_fields(layout: Layout, *, seq_len: int | None,

@@ -23,7 +23,7 @@ optimizer term is 4 bytes per fp32 state of the layout's `optim` (plan/optim_sta
   against the node's).
 Activations, per layer and micro-batch: under the `bf16` convention the published forms
 of Korthikanti et al. 2022 (Megatron-LM's kernels: 16-bit values, stored attention
-probabilities, 1-byte dropout masks; `activation_bytes_per_layer`); under `fp32` and
+probabilities, 1-byte dropout masks; closed_form.py `activation_bytes_per_layer`); under `fp32` and
 `amp` what shardtrain's own block keeps, counted tensor by tensor and equal to the
 runtime's measurement (plan/activations.py, with the layout's `attention` kernel and
 context-parallel mode). Times the layers of the first stage, times the micro-batches it
@@ -62,6 +62,7 @@ from shardtrain.plan.buffers import (block_units, gathered_units, loss_moment, w
                                      zero_moments)
 from shardtrain.plan.checkpoint_io import checkpoint_staging_bytes
 from shardtrain.plan.layout import Layout
+from shardtrain.plan.closed_form import activation_bytes_per_layer
 from shardtrain.plan.optim_states import OPTIM_STATES
 from shardtrain.plan.partition import RankParams, rank_params
 from shardtrain.plan.schedule_terms import schedule_terms
@@ -151,34 +152,6 @@ def model_states(params: float, *, nd: int = 1, zero: int = 0,
                        grads=g * params / (nd if zero >= 2 else 1),
                        master=m * params / (nd if zero >= 1 else 1),
                        optimizer=o * params / (nd if zero >= 1 else 1))
-
-
-def runtime_adamw_fp32(params: int, *, grad_padding: int = 0,
-                       step_tensors: int = 0, optim: str = "adamw") -> ModelStates:
-    """The runtime's ledger convention for a replicated fp32 data-parallel run of torch's
-    `optim` (AdamW by default), exactly: params 4 Psi, grads 4 (Psi + grad_padding)
-    (elements a flat or bucketed gradient buffer adds), optimizer 4 Psi per state (AdamW's
-    exp_avg, exp_avg_sq) + 4 bytes per `step_tensors` (PyTorch's AdamW, RMSprop and Adagrad
-    keep one fp32 `step` per parameter tensor, SGD none; 0 ignores them)."""
-    steps = 0 if optim in ("sgd", "momentum") else step_tensors
-    return ModelStates(params=4 * params, grads=4 * (params + grad_padding), master=0,
-                       optimizer=4 * OPTIM_STATES[optim] * params + 4 * steps)
-
-
-def activation_bytes_per_layer(*, s: int, b: int, h: int, a: int, t: int = 1,
-                               sp: bool = False, recompute: str = "none",
-                               value_bytes: int = 2) -> float:
-    """One layer, one micro-batch (Korthikanti et al. 2022, Table 2), with value_bytes = 2:
-    none sbh(34 + 5as/h); tp sbh(10 + 24/t + 5as/(ht)); tp+sp (sbh/t)(34 + 5as/h);
-    selective drops the 5as/h term; full keeps the layer input, 2sbh (/t with sp).
-    Of the 10 sbh kept whole under tp, 2 sbh are 1-byte dropout masks; of 5as^2b, as^2b."""
-    sbh = s * b * h
-    if recompute == "full":
-        return value_bytes * sbh / (t if sp else 1)
-    replicated = (4 * value_bytes + 2) * sbh / (t if sp else 1)
-    split = 12 * value_bytes * sbh / t
-    scores = 0.0 if recompute == "selective" else (2 * value_bytes + 1) * a * s * s * b / t
-    return replicated + split + scores
 
 
 def layer_activation_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int,

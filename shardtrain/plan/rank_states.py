@@ -39,12 +39,24 @@ from dataclasses import replace
 from shardtrain.config import ModelConfig
 from shardtrain.cost.units import ROUNDED, backward_reads_params, unit_key
 from shardtrain.plan.layout import Layout, PlanError
-from shardtrain.plan.memory import (ModelStates, model_states, offload_states,
-                                     runtime_adamw_fp32)
+from shardtrain.plan.memory import ModelStates, model_states, offload_states
+from shardtrain.plan.optim_states import OPTIM_STATES
 from shardtrain.plan.partition import layers_per_stage
 
 FIRST_BUCKET_BYTES = 2**20  # parallel/data/ddp.py: the first bucket's cap
 PARAM_BYTES = 4  # fp32 and amp both hold fp32 parameters (memory.py, STATE_BYTES)
+
+
+def runtime_adamw_fp32(params: int, *, grad_padding: int = 0,
+                       step_tensors: int = 0, optim: str = "adamw") -> ModelStates:
+    """The runtime's ledger convention for a replicated fp32 data-parallel run of torch's
+    `optim` (AdamW by default), exactly: params 4 Psi, grads 4 (Psi + grad_padding)
+    (elements a flat or bucketed gradient buffer adds), optimizer 4 Psi per state (AdamW's
+    exp_avg, exp_avg_sq) + 4 bytes per `step_tensors` (PyTorch's AdamW, RMSprop and Adagrad
+    keep one fp32 `step` per parameter tensor, SGD none; 0 ignores them)."""
+    steps = 0 if optim in ("sgd", "momentum") else step_tensors
+    return ModelStates(params=4 * params, grads=4 * (params + grad_padding), master=0,
+                       optimizer=4 * OPTIM_STATES[optim] * params + 4 * steps)
 
 
 def _up(n: int, k: int) -> int:

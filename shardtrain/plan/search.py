@@ -134,7 +134,7 @@ def _inner(cfg: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, ep: int, cp_
 def _partitions(cfg: ModelConfig, zero: int, dp: int, model_ranks: int,
                 offload: str) -> tuple[str, ...]:
     """ZeRO-3's partitions worth pricing: flat, and layer (whole units per rank) where the
-    trainer runs it (plan/layout.py `check_layer_partition`)."""
+    trainer runs it (plan/layout_checks.py `check_layer_partition`)."""
     layer = zero == 3 and dp > 1 and model_ranks == 1 and offload == "none" \
         and not cfg.n_experts
     return ("flat", "layer") if layer else ("flat",)

@@ -48,6 +48,10 @@ STEP_SYNCS: dict[tuple[str, str, str], str] = {
     ("parallel/zero/offload.py", "_step_cpu", "synchronize"):
         "ZeRO-Offload: a shard's gradient copy (its own stream) is waited for before the "
         "host updates it",
+    ("parallel/offload_activations.py", "_retire", "synchronize"):
+        "activation offload on a GPU (train.activation_offload=cpu): the copies down of the "
+        "block two back, so the allocator can reuse their memory and the window bounds it "
+        "(waits only when the copies lag the compute)",
     ("parallel/context/timer.py", "seconds", "synchronize"):
         "context parallelism on a GPU: the attention timer's last event, read per step for "
         "the timeline's attention_s",
