@@ -12,7 +12,7 @@ from dist import run_distributed
 from parity import assert_parity, make_mesh, tiny, train_layout, train_layouts
 from shardtrain import config
 from shardtrain.model.transformer import build_model
-from shardtrain.plan.memory import runtime_adamw_fp32
+from shardtrain.plan.rank_states import runtime_adamw_fp32
 from shardtrain.plan.traffic import bytes_per_step, data_parallel_ops
 from shardtrain.train.trainer import Trainer
 

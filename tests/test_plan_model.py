@@ -14,7 +14,8 @@ from shardtrain.cost.counts import hardware_flops_per_token, model_flops_per_tok
 from shardtrain.plan.evaluate import evaluate
 from shardtrain.plan.layout import Layout, PlanError, check
 from shardtrain.plan.layout_text import parse_layout
-from shardtrain.plan.memory import (in_flight, memory_per_gpu, model_states, runtime_adamw_fp32)
+from shardtrain.plan.memory import in_flight, memory_per_gpu, model_states
+from shardtrain.plan.rank_states import runtime_adamw_fp32
 from shardtrain.plan.partition import rank_params
 from shardtrain.plan.search import search
 from shardtrain.plan.traffic import Placement, bytes_per_step, data_parallel_ops, step_ops

@@ -24,7 +24,8 @@ from shardtrain.parallel.tensor.layers import ColumnParallelLinear, Region, RowP
 from shardtrain.parallel.tensor.sharding import Placement
 from shardtrain.plan.evaluate import evaluate
 from shardtrain.plan.layout import Layout
-from shardtrain.plan.memory import activation_bytes_per_layer, model_states
+from shardtrain.plan.closed_form import activation_bytes_per_layer
+from shardtrain.plan.memory import model_states
 from shardtrain.plan.traffic import data_parallel_ops, step_ops
 from shardtrain.train.optim import build_optimizer
 from thread_teams import Teams, TpComm

@@ -24,7 +24,7 @@ from shardtrain.parallel.tensor.sharding import Placement, TensorShards
 from shardtrain.parallel.tensor.layers import (ColumnParallelLinear, Region, RowParallelLinear,
                                         apply_tensor_parallel)
 from shardtrain.parallel.tensor.vocab import cross_entropy
-from shardtrain.plan.memory import activation_bytes_per_layer
+from shardtrain.plan.closed_form import activation_bytes_per_layer
 
 B, S = 2, 32
 TOL = dict(rtol=1e-5, atol=1e-6)
