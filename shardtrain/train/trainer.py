@@ -274,10 +274,10 @@ class Trainer:
                         tokenizer_file=getattr(self.data.tokenizer, "path", None))
 
     def memory_ledger(self) -> dict[str, int]:
-        """Model-state bytes held by this rank (params, grads, optimizer, master), the peak
-        memory (allocated; on a GPU reserved), QLoRA's NF4 bytes, activation offload's."""
+        """This rank's model-state bytes, peak memory, QLoRA's NF4 and activation offload's."""
         return {**self.parallel.memory(), **peak_memory(self.device), **self.build_memory,
-                **self.parallel.activation_ledger(), "nf4_base_bytes": nf4_bytes(self.parallel.module)}
+                **self.parallel.activation_ledger(),
+                "nf4_base_bytes": nf4_bytes(self.parallel.module)}
 
     def sample(self, prompt: str, n_tokens: int) -> str | None:
         """Generated text on rank 0 (None elsewhere), through the parallel model or from the
