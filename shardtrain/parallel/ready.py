@@ -13,7 +13,8 @@ issues the same collectives.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 from torch import nn
 
@@ -37,6 +38,16 @@ class ReadyInOrder:
         for p in self._group_of:
             p.register_post_accumulate_grad_hook(self._on_grad)
         self.reset()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hooks count nothing inside: an accumulation micro-step, whose gradients add up
+        locally and move only in the step's last backward."""
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = True
 
     def reset(self) -> None:
         self.next = 0

@@ -19,7 +19,7 @@ clipping and gradient sums over the tensor and pipeline shards.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -64,14 +64,9 @@ class DataParallel:
         self.compressors = [make_compressor(compress, block=quant_block) for _ in self.buckets]
         self.launcher = ReadyInOrder([b.params for b in self.buckets], self._launch, arrivals)
 
-    @contextmanager
-    def no_sync(self):
+    def no_sync(self) -> AbstractContextManager:
         """Accumulate gradients locally: no communication inside this context."""
-        self.launcher.enabled = False
-        try:
-            yield
-        finally:
-            self.launcher.enabled = True
+        return self.launcher.paused()
 
     def zero_grad(self) -> None:
         """Zero the bucket buffers (the .grad tensors are views into them; never set them to

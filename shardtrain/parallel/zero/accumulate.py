@@ -21,7 +21,7 @@ fp32 gradient (ZeRO-3: also its gathered parameters) is held through the step, w
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
@@ -44,14 +44,9 @@ class UnshardedReducer(ZeroReducer):
         self.kept = {"kept_grads_bytes": 0, "kept_params_bytes": 0}  # at the last backward
         self.in_backward = 0  # instrument: buckets the last step launched during backward
 
-    @contextmanager
-    def no_sync(self):
+    def no_sync(self) -> AbstractContextManager:
         """An accumulation micro-step: gradients add into the full buffers, nothing moves."""
-        self.launcher.enabled = False
-        try:
-            yield
-        finally:
-            self.launcher.enabled = True
+        return self.launcher.paused()
 
     @torch.no_grad()
     def finish(self) -> None:
