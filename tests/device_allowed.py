@@ -15,7 +15,8 @@ OFF_STEP = {
     ("model/hf.py", "*"): "Hugging Face weights in and out, at start and end",
     ("model/moe.py", "__init__"): "parameters built on the meta device, materialised by "
                                   "parallel/build.py on the rank's device",
-    ("model/positions.py", "*"): "rotary tables built once, moved with the module",
+    ("model/positions.py", "rope_tables"): "rotary tables built once, moved with the module",
+    ("model/positions.py", "yarn_frequencies"): "rotary tables built once (rope_tables)",
     ("model/transformer.py", "init_rope"): "rotary tables built with the model, moved with it",
     ("model/transformer.py", "init_tensor"): "start values drawn on the host from (seed, "
                                              "name) alone, copied into the built shards",

@@ -48,6 +48,9 @@ STEP_SYNCS: dict[tuple[str, str, str], str] = {
     ("parallel/zero/offload.py", "_step_cpu", "synchronize"):
         "ZeRO-Offload: a shard's gradient copy (its own stream) is waited for before the "
         "host updates it",
+    ("model/positions.py", "from_positions", "tolist"):
+        "document masks only (data.document_mask): each row's document starts, one read per "
+        "forward, as host integers for the per-document kernel calls (no [S, S] mask)",
     ("parallel/offload_activations.py", "_retire", "synchronize"):
         "activation offload on a GPU (train.activation_offload=cpu): the copies down of the "
         "block two back, so the allocator can reuse their memory and the window bounds it "
