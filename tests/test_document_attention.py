@@ -176,23 +176,30 @@ def _gloo_worker(rank: int, world: int) -> dict:
     from shardtrain.comm import build_mesh
     from shardtrain.mesh import MeshShape
     from shardtrain.parallel.context import ring_attention, ulysses_attention
+    from shardtrain.parallel.context.balance import balanced
+    from tests.test_cp_balance import SKEWED
 
-    q, k, v, dout, positions = packed(LENGTHS)
-    docs = Documents.from_positions(positions)
-    want = out_and_grads(lambda *x: alone(*x, LENGTHS), q, k, v, dout, torch.float32)
     errs = {}
     for cp in (4, 2):
         comm = build_mesh(MeshShape(dp=world // cp, cp=cp), rank=rank, timeout_s=60).comm("cp")
-        for zigzag in (True, False):
-            split = SequenceSplit(48, cp, zigzag)
+        # The zig-zag and contiguous splits on LENGTHS; the documents' balanced pairs on
+        # SKEWED (where they differ from the head-tail ones), fp32.
+        for lengths, kind, dtypes in ((LENGTHS, "zigzag", (torch.float32, torch.bfloat16)),
+                                      (LENGTHS, "contiguous", (torch.float32, torch.bfloat16)),
+                                      (SKEWED, "balanced", (torch.float32,))):
+            q, k, v, dout, positions = packed(lengths)
+            docs = Documents.from_positions(positions)
+            want = out_and_grads(lambda *x: alone(*x, lengths), q, k, v, dout, torch.float32)
+            split = SequenceSplit(48, cp, kind != "contiguous")
+            split = balanced(split, docs) if kind == "balanced" else split
             for mode, fn in (("ring", ring_attention), ("ulysses", ulysses_attention)):
-                for dtype in (torch.float32, torch.bfloat16):
+                for dtype in dtypes:
                     x = [split.take(t, comm.rank, dim=2).to(dtype).requires_grad_()
                          for t in (q, k, v)]
                     y = fn(*x, comm=comm, split=split, documents=docs)
                     got = [y, *torch.autograd.grad(y, x, split.take(dout, comm.rank, dim=2)
                                                    .to(dtype))]
-                    errs[(cp, zigzag, mode, str(dtype))] = max(
+                    errs[(cp, kind, mode, str(dtype))] = max(
                         ((a.float() - split.take(b, comm.rank, dim=2)).abs().max()
                          / (1 if dtype == torch.float32 else b.abs().max())).item()
                         for a, b in zip(got, want))
@@ -203,10 +210,10 @@ def _gloo_worker(rank: int, world: int) -> dict:
 # README's command (tests/test_cp_parity.py)
 def test_ring_and_ulysses_with_documents_on_gloo():
     for rank, errs in enumerate(run_distributed(_gloo_worker, 4)):
-        assert len(errs) == 16
-        for (cp, zigzag, mode, dtype), err in errs.items():
+        assert len(errs) == 20
+        for (cp, kind, mode, dtype), err in errs.items():
             bound = 1e-5 if dtype == "torch.float32" else BF16_BOUND
-            assert err <= bound, (rank, cp, zigzag, mode, dtype, err)
+            assert err <= bound, (rank, cp, kind, mode, dtype, err)
 
 
 @pytest.mark.slow  # inductor compiles two block graphs (seconds of a loaded 2-core machine)

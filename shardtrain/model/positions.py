@@ -88,15 +88,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.flatten(-2).type_as(x)
 
 
-def position_index(module: nn.Module, seq_len: int, positions: torch.Tensor | None = None
-                   ) -> torch.Tensor | slice:
+def position_index(module: nn.Module, seq_len: int, positions: torch.Tensor | None = None,
+                   documents: Documents | None = None) -> torch.Tensor | slice:
     """Where the rows of the position tables (RoPE, GPT-2's learned positions) for the
-    `seq_len` tokens in hand are: `positions` [B, S] (packed documents) when given (under
-    context parallelism the full rows', of which the module's `positions` say which are
-    held), else the module's `positions` [S] when set (context parallelism), else 0..S-1."""
+    `seq_len` tokens in hand are: `positions` [B, S] (packed documents, their spans
+    `documents`) when given (under context parallelism the full rows', of which the
+    module's `held_for(documents)` says which are held: the split balances its chunks by
+    the documents), else the module's `positions` [S] when set (context parallelism), else
+    0..S-1."""
     held = getattr(module, "positions", None)
     if positions is not None:  # under cp the full rows' positions: the ones held, [B, S/N]
-        return positions if held is None else positions.index_select(1, held)
+        if held is None:
+            return positions
+        pick = getattr(module, "held_for", None)
+        if pick is not None and documents is not None:
+            held = pick(documents)
+        return positions.index_select(1, held)
     positions = held
     if positions is None:
         return slice(0, seq_len)
@@ -106,10 +113,10 @@ def position_index(module: nn.Module, seq_len: int, positions: torch.Tensor | No
 
 
 def position_ids(module: nn.Module, seq_len: int, positions: torch.Tensor | None,
-                 device: torch.device) -> torch.Tensor:
+                 device: torch.device, documents: Documents | None = None) -> torch.Tensor:
     """`position_index` as ids, [S] or [B, S]: the input of GPT-2's position embedding, which
     is called as a module (layouts hook its forward: a parameter server's pull waits there)."""
-    at = position_index(module, seq_len, positions)
+    at = position_index(module, seq_len, positions, documents)
     return torch.arange(seq_len, device=device) if isinstance(at, slice) else at
 
 

@@ -139,14 +139,15 @@ class Transformer(nn.Module):
         """`positions`: each token's position in its document, [B, S] (data.document_mask:
         attention stays inside documents; under context parallelism the full rows', not
         the tokens held); None: one sequence per row, causal."""
-        at = position_index(self, tokens.shape[1], positions)
+        documents = None if positions is None else Documents.from_positions(positions)
         x = self.tok_emb(tokens)  # [B, S, C]
         rope = None
         if self.pos_emb is not None:
-            x = x + self.pos_emb(position_ids(self, tokens.shape[1], positions, x.device))
+            x = x + self.pos_emb(position_ids(self, tokens.shape[1], positions, x.device,
+                                              documents))
         else:
+            at = position_index(self, tokens.shape[1], positions, documents)
             rope = (self.rope_cos[at], self.rope_sin[at])
-        documents = None if positions is None else Documents.from_positions(positions)
         for layer in self.layers:
             x = layer(x, rope, documents)
         return self.head(self.norm(x))

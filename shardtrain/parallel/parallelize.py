@@ -24,6 +24,7 @@ so the trainer drives every layout through the same calls.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -35,6 +36,7 @@ from shardtrain.parallel.build import Fill, ModuleTarget, Values, filler, materi
 from shardtrain.parallel.activation import checkpoint_attention_cores, checkpoint_blocks
 from shardtrain.parallel.compile import compile_blocks
 from shardtrain.parallel.context.apply import apply_context_parallel
+from shardtrain.parallel.context.balance import held_positions
 from shardtrain.parallel.data.ddp import DataParallel, ReplicatedUpdate
 from shardtrain.parallel.data.topk import SparseUpdates
 from shardtrain.parallel.expert.groups import apply_token_groups
@@ -99,6 +101,8 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
     init_rope(module, cfg.model)
     if split is not None:  # RoPE and learned positions: the global positions held here
         module.positions = split.positions(mesh.comm("cp").rank, device)
+        # under packed documents, those of the batch's balanced split (context/balance.py)
+        module.held_for = partial(held_positions, split, mesh.comm("cp").rank, device)
     par = cfg.parallel  # tied copies on two stages exchange gradients (state.py)
     apart = placement(par.schedule, par.pp, par.virtual_stages).ends_apart
     shards = StageShards(module, tp, placements, pp=pp, reference_keys=reference_keys,

@@ -50,7 +50,8 @@ STEP_SYNCS: dict[tuple[str, str, str], str] = {
         "host updates it",
     ("model/positions.py", "from_positions", "tolist"):
         "document masks only (data.document_mask): each row's document starts, one read per "
-        "forward, as host integers for the per-document kernel calls (no [S, S] mask)",
+        "forward, as host integers for the per-document kernel calls (no [S, S] mask), and "
+        "under cp one more per micro-batch, to slice it by the documents' balanced chunks",
     ("parallel/offload_activations.py", "_retire", "synchronize"):
         "activation offload on a GPU (train.activation_offload=cpu): the copies down of the "
         "block two back, so the allocator can reuse their memory and the window bounds it "

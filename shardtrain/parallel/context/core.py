@@ -7,6 +7,7 @@ import torch
 
 from shardtrain.comm import Communicator
 from shardtrain.model.positions import Documents
+from shardtrain.parallel.context.balance import balanced
 from shardtrain.parallel.context.inputs import check_group
 from shardtrain.parallel.context.ring import ring_attention
 from shardtrain.parallel.context.split import SequenceSplit
@@ -43,10 +44,11 @@ class ContextAttention:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                documents: Documents | None = None) -> torch.Tensor:
         """The exchanges and the attention (inside each of `documents`, the full rows'
-        packed documents, when given). Compiled blocks leave it eager (train.compile:
+        packed documents, when given, over the split's chunks paired by their work). Compiled blocks leave it eager (train.compile:
         parallel/compile.py wraps it per instance, so importing this module does not import
         torch's compiler)."""
-        return MODES[self.mode](q, k, v, comm=self.comm, split=self.split, causal=True,
+        split = self.split if documents is None else balanced(self.split, documents)
+        return MODES[self.mode](q, k, v, comm=self.comm, split=split, causal=True,
                                 timer=self.timer, documents=documents)
 
     @property

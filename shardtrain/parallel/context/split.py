@@ -9,6 +9,11 @@ al. 2023 ("Striped Attention") describe this imbalance of causal ring attention 
 it by striping tokens round-robin; the head-tail split balances it at chunk granularity,
 which keeps each chunk a contiguous run of positions (one mask rule per chunk pair).
 
+Under packed documents (data.document_mask) causal work follows the documents, not the
+row: a token sees only its own document's earlier tokens. The zig-zag split then pairs its
+2N chunks by that work, per batch (balance.py); one document per row gives the head-tail
+pairs above. `assignment` holds such a pairing.
+
 Chunks are ascending runs of positions and a rank's local tokens are its chunks
 concatenated in chunk order; `positions` says which global position each local token has
 (RoPE, the loss mask and Ulysses' reordering read it).
@@ -28,6 +33,9 @@ class SequenceSplit:
     seq_len: int  # the full sequence S
     cp: int  # the number of ranks N that share it
     zigzag: bool  # True: 2N chunks, rank r holds r and 2N-1-r; False: N, rank r holds r
+    # Per rank, its chunk ids (ascending) where they are not the fixed pairs above: the
+    # documents' balance (balance.py); None: the fixed pairs.
+    assignment: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def n_chunks(self) -> int:
@@ -57,6 +65,8 @@ class SequenceSplit:
         """The chunk ids rank holds, in local order (ascending)."""
         if not 0 <= rank < self.cp:
             raise ValueError(f"rank {rank} is outside the cp group of {self.cp}")
+        if self.assignment is not None:
+            return self.assignment[rank]
         return (rank, 2 * self.cp - 1 - rank) if self.zigzag else (rank,)
 
     def positions(self, rank: int, device: torch.device | str) -> torch.Tensor:

@@ -18,7 +18,9 @@ from torch import nn
 from shardtrain.config import Config
 from shardtrain.config.data import IGNORE
 from shardtrain.mesh import ParallelMesh
+from shardtrain.model.positions import Documents
 from shardtrain.parallel.context.apply import context_cores
+from shardtrain.parallel.context.balance import balanced
 from shardtrain.parallel.context.split import SequenceSplit
 from shardtrain.parallel.pipeline import pipedream, schedules
 from shardtrain.parallel.pipeline.executor import LossFn, PipelineExecutor
@@ -128,8 +130,10 @@ class Pipeline:
         if self.split is None:
             return batch
         inputs, targets, *positions = batch
-        return (self.split.take(inputs, self.cp_rank, dim=1),
-                self.split.take(targets, self.cp_rank, dim=1), *positions)
+        split = self.split if not positions else \
+            balanced(self.split, Documents.from_positions(positions[0]))
+        return (split.take(inputs, self.cp_rank, dim=1),
+                split.take(targets, self.cp_rank, dim=1), *positions)
 
     def _from_last_stage(self, loss: torch.Tensor) -> torch.Tensor:
         """From the stage holding the last virtual stage (stage 0 under the V)."""

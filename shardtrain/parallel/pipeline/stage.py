@@ -71,11 +71,11 @@ class PipelineStage(nn.Module):
         self.tie_weights()
         init_parameters(self, self.cfg, seed)
 
-    def rope(self, seq_len: int, positions: torch.Tensor | None
-             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def rope(self, seq_len: int, positions: torch.Tensor | None,
+             documents: Documents | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.cfg.style != "llama":
             return None
-        at = position_index(self, seq_len, positions)
+        at = position_index(self, seq_len, positions, documents)
         return self.rope_cos[at], self.rope_sin[at]
 
 
@@ -102,15 +102,16 @@ class StageChunk(nn.Module):
         """`positions` [B, S]: packed documents (model/positions.py); every chunk takes
         them, as every chunk's attention masks by document."""
         stage = self.stage
+        documents = None if positions is None else Documents.from_positions(positions)
         if self.first:  # x: tokens [B, S]
             seq_len = x.shape[1]
             x = stage.tok_emb(x)  # [B, S, C]
             if hasattr(stage, "pos_emb"):
-                x = x + stage.pos_emb(position_ids(stage, seq_len, positions, x.device))
+                x = x + stage.pos_emb(position_ids(stage, seq_len, positions, x.device,
+                                                   documents))
         else:  # x: activations [B, S / seq_shards, C]
             seq_len = x.shape[1] * stage.seq_shards
-        rope = stage.rope(seq_len, positions)
-        documents = None if positions is None else Documents.from_positions(positions)
+        rope = stage.rope(seq_len, positions, documents)
         for i in self.indices:
             x = stage.layers[str(i)](x, rope, documents)
         if self.last:
