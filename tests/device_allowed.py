@@ -17,7 +17,7 @@ OFF_STEP = {
                                   "parallel/build.py on the rank's device",
     ("model/positions.py", "rope_tables"): "rotary tables built once, moved with the module",
     ("model/positions.py", "yarn_frequencies"): "rotary tables built once (rope_tables)",
-    ("model/transformer.py", "init_rope"): "rotary tables built with the model, moved with it",
+    ("model/transformer.py", "init_state_buffers"): "rotary tables built with the model, moved with it",
     ("model/transformer.py", "init_tensor"): "start values drawn on the host from (seed, "
                                              "name) alone, copied into the built shards",
     ("model/transformer.py", "init_expert"): "as init_tensor, per expert",

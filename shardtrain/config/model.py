@@ -37,6 +37,15 @@ class ModelConfig:
     moe_capacity_factor: float = 0.0
     moe_drop_policy: Literal["probs", "position"] = "probs"
     moe_impl: Literal["grouped", "loop"] = "grouped"
+    # Routing scores (docs/moe.md, "Routing"): softmax over the experts (Switch, Mixtral),
+    # or sigmoid affinities normalised over the k chosen (DeepSeek-V3). Balance: `aux`,
+    # Switch's loss over the micro-batch; `bias`, DeepSeek-V3's auxiliary-loss-free
+    # per-expert bias on the selection scores, moved each step by moe_bias_rate times the
+    # sign of the load's error (Wang et al. 2024), with moe_aux_loss_coef weighting its
+    # sequence-wise loss (0: none); `none`, neither.
+    moe_score: Literal["softmax", "sigmoid"] = "softmax"
+    moe_balance: Literal["aux", "bias", "none"] = "aux"
+    moe_bias_rate: float = 0.001
     init_from: str = ""  # a Hugging Face directory: its weights, and its config.json's shape
     # Hugging Face families (config/families.py): q/k/v biases (Qwen2), per-head q/k RMSNorm
     # (Qwen3), head_size (0: dim / n_heads), RoPE scaling (llama3, linear, dynamic, yarn), an
@@ -91,15 +100,26 @@ class ModelConfig:
         self._validate_moe()
 
     def _validate_moe(self) -> None:
-        for name in ("moe_aux_loss_coef", "moe_z_loss_coef", "moe_capacity_factor"):
+        for name in ("moe_aux_loss_coef", "moe_z_loss_coef", "moe_capacity_factor",
+                     "moe_bias_rate"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 0"
                                   + (" (0: dropless)" if name == "moe_capacity_factor" else ""))
         for name, choices in (("moe_drop_policy", ("probs", "position")),
-                              ("moe_impl", ("grouped", "loop"))):
+                              ("moe_impl", ("grouped", "loop")),
+                              ("moe_score", ("softmax", "sigmoid")),
+                              ("moe_balance", ("aux", "bias", "none"))):
             if getattr(self, name) not in choices:
                 raise ConfigError(f"model.{name}={getattr(self, name)!r} is not one of "
                                   f"{', '.join(choices)}")
+        if self.moe_balance == "none" and self.moe_aux_loss_coef:
+            raise ConfigError(f"model.moe_balance='none' takes no balance loss, but "
+                              f"model.moe_aux_loss_coef={self.moe_aux_loss_coef}: set it to 0, "
+                              "or choose moe_balance 'aux' or 'bias'")
+        if self.moe_balance != "bias" and self.moe_bias_rate != type(self).moe_bias_rate:
+            raise ConfigError(f"model.moe_bias_rate={self.moe_bias_rate} moves the expert bias "
+                              f"of model.moe_balance='bias' only (it is "
+                              f"{self.moe_balance!r}): set moe_balance='bias' or drop the rate")
         if self.n_experts and self.moe_impl == "grouped" and \
                 (self.dim % 8 or self.ffn_hidden % 8):
             # torch._grouped_mm needs 16-byte row strides (8 bf16 values).

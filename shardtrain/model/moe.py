@@ -1,6 +1,7 @@
 """The mixture-of-experts block (Shazeer et al. 2017), in three separable steps.
 
-- `route`: a linear router in fp32, softmax, top-k, weights renormalised over the k chosen.
+- `route` (moe_routing.py): a linear router in fp32, softmax or sigmoid scores, top-k
+  (steered by the expert bias under auxiliary-loss-free balancing), the gates.
 - `dispatch`: the token-slots (token, choice) sorted by expert, with per-expert counts and
   device-side group offsets; a capacity (GShard, Lepikhin et al. 2020; Switch, Fedus et
   al. 2021) drops the slots an over-full expert cannot take, by router probability or by
@@ -10,7 +11,8 @@
 Expert parallelism (later) puts an all-to-all between dispatch and the experts and its
 inverse before combine; the model itself knows nothing of ranks.
 
-Auxiliary losses: Switch's load-balancing loss E * sum_i f_i P_i and ST-MoE's router z-loss
+Auxiliary losses: Switch's load-balancing loss E * sum_i f_i P_i, or DeepSeek-V3's
+sequence-wise one beside the expert bias, and ST-MoE's router z-loss
 mean(logsumexp(logits)^2) (Zoph et al. 2022). Their gradient enters through `_AuxGrad`, an
 identity on the block's output whose backward also feeds d(coef * loss) to the router,
 scaled like the main loss's gradient (`loss_grad_scale`), so no stage adds a loss of its
@@ -30,6 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardtrain.config import ModelConfig
+from shardtrain.model.moe_routing import (Routing, balance_loss, bias_step, expert_counts,
+                                          route, row_counts, sequence_balance_loss, z_loss)
 
 # The factor the training loss's gradient is scaled by (the pipeline executor scales each
 # micro-batch's loss by loss_scale / m before backward and sets this around its forwards:
@@ -48,51 +52,6 @@ def loss_grad_scale(scale: float):
         yield
     finally:
         _LOSS_GRAD_SCALE = previous
-
-
-@dataclass
-class Routing:
-    logits: torch.Tensor  # [T, E] fp32
-    probs: torch.Tensor  # [T, E] fp32 softmax of logits
-    weights: torch.Tensor  # [T, K] fp32: the gates (`route`)
-    experts: torch.Tensor  # [T, K] int64, the chosen experts
-
-
-def route(tokens: torch.Tensor, router: nn.Linear, top_k: int) -> Routing:
-    """Router in fp32 (autocast off: small logit differences decide the choice). The gates:
-    for top-k > 1 the chosen probabilities renormalised over the k chosen (Mixtral's); for
-    top-1 the chosen probability itself, as Switch Transformer gates (Fedus et al. 2021,
-    sec. 2.1) -- renormalised over one choice every gate would be p / p = 1, a constant,
-    and the router would learn nothing from the task loss."""
-    with torch.autocast(tokens.device.type, enabled=False):  # called: layouts hook modules
-        logits = router(tokens.float()).float()  # [T, E]
-    probs = logits.softmax(-1)
-    weights, experts = probs.topk(top_k, dim=-1)  # [T, K]
-    if top_k > 1:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return Routing(logits, probs, weights, experts)
-
-
-def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """Slots per expert [E] int64, on the device (scatter_add: bincount would sync)."""
-    flat = experts.reshape(-1)
-    return torch.zeros(n_experts, dtype=torch.int64, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat))
-
-
-def balance_loss(r: Routing, routed: torch.Tensor) -> torch.Tensor:
-    """Switch's E * sum_i f_i P_i: f_i the fraction of the slots routed to expert i (before
-    capacity drops; no gradient), P_i the mean router probability of expert i over these
-    tokens. 1 when both are uniform; its gradient pushes probability off the busy experts.
-    `routed` [E] may count a larger token group than these tokens (MoE.group_counts)."""
-    n_experts = r.probs.shape[-1]
-    f = routed.float() / routed.sum()  # [E]
-    return n_experts * (f * r.probs.mean(0)).sum()
-
-
-def z_loss(r: Routing) -> torch.Tensor:
-    """ST-MoE's router z-loss: mean over tokens of logsumexp(logits)^2 (keeps logits small)."""
-    return torch.logsumexp(r.logits, dim=-1).square().mean()
 
 
 @dataclass
@@ -227,14 +186,22 @@ class _AuxGrad(torch.autograd.Function):
 class MoE(nn.Module):
     """route -> dispatch -> experts -> combine, plus the auxiliary losses' gradient. While
     training, `stats` sums per forward [balance loss, z-loss, dropped slots, routed slots
-    per expert (E)] on the device; `take_stats` hands them over and resets."""
+    per expert (E), the token group's routed slots per expert (E)] on the device;
+    `take_stats` hands them over and resets.
+
+    Under moe_balance = bias, `expert_bias` [E] fp32 steers the choice: a buffer (state
+    a checkpoint holds and layouts reshard, never the optimizer's), moved once per step
+    from the whole step's load (`update_expert_biases`)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = Experts(cfg)
-        self.stats: torch.Tensor | None = None  # [3 + E] fp32
+        if cfg.moe_balance == "bias":
+            self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
+        self.layer = 0  # the block's index in the model (Transformer sets it): per-layer rows
+        self.stats: torch.Tensor | None = None  # [3 + 2E] fp32
         self.forwards = 0
         # When a micro-batch's tokens are split over ranks (context parallelism, sequence
         # parallelism: parallel/expert/groups.py), f of the balance loss counts the whole
@@ -246,13 +213,20 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        tokens = x.reshape(-1, x.shape[-1])  # [T, C]
-        r = route(tokens, self.router, cfg.moe_top_k)
+        tokens = x.reshape(-1, x.shape[-1])  # [T, C] (x [B, S, C], S this rank's share)
+        bias = self.expert_bias if cfg.moe_balance == "bias" else None
+        r = route(tokens, self.router, cfg.moe_top_k, cfg.moe_score, bias)
         xs, d = dispatch(tokens, r, capacity(cfg, tokens.shape[0]), cfg.moe_drop_policy)
         out = combine(self.experts(xs, d), d, tokens.shape[0]).to(x.dtype).view_as(x)
         if not self.training:  # the auxiliary losses and stats are training's
             return out
-        balance, z = balance_loss(r, self.group_counts(d.routed)), z_loss(r)
+        group = self.group_counts(d.routed)  # [E]: the whole token group's
+        if cfg.moe_balance == "bias":
+            counts = row_counts(r.experts, x.shape[0], cfg.n_experts)  # [B, E]
+            balance = sequence_balance_loss(r, self.group_counts(counts))
+        else:
+            balance = balance_loss(r, group)
+        z = z_loss(r)
         if torch.is_grad_enabled() and (cfg.moe_aux_loss_coef or cfg.moe_z_loss_coef):
             aux = cfg.moe_aux_loss_coef * balance + cfg.moe_z_loss_coef * z
             out = _AuxGrad.apply(out, aux * self.aux_scale)
@@ -260,32 +234,65 @@ class MoE(nn.Module):
         if torch._C._current_graph_task_id() == -1:
             dropped = (d.routed - d.counts).sum()
             row = torch.cat([torch.stack([balance.detach(), z.detach(), dropped.float()]),
-                             d.routed.float()])
+                             d.routed.float(), group.float()])
             self.stats = row if self.stats is None else self.stats + row
             self.forwards += 1
         return out
 
     def take_stats(self) -> tuple[torch.Tensor | None, int]:
-        """(the summed stats row [3 + E] or None, the forwards it covers); resets."""
+        """(the summed stats row [3 + 2E] or None, the forwards it covers); resets."""
         stats, forwards = self.stats, self.forwards
         self.stats, self.forwards = None, 0
         return stats, forwards
+
+
+def moe_layers(module: nn.Module) -> list[MoE]:
+    return [m for m in module.modules() if isinstance(m, MoE)]
 
 
 def moe_stats(module: nn.Module, device: torch.device) -> torch.Tensor:
     """The MoE layers of `module` (a model or a pipeline stage) since the last call, as a
     vector that sums across ranks: [balance-loss sum, z-loss sum, layer-forwards, dropped
     slots, sum over layers of the per-expert routed counts' coefficient of variation
-    (std / mean, population std), layers]. Resets the layers' stats."""
+    (std / mean, population std), layers], then per layer of the model (L rows, zeros
+    for the layers held elsewhere) its token group's routed slots per expert (E) and its
+    dropped slots: [6 + L (E + 1)]. Resets the layers' stats."""
+    layers = moe_layers(module)
+    cfg = layers[0].cfg if layers else None
     total = torch.zeros(6, device=device)
-    for layer in module.modules():
-        if isinstance(layer, MoE):
-            stats, forwards = layer.take_stats()
-            if stats is None:
-                continue
-            counts = stats[3:]
-            cv = counts.std(correction=0) / counts.mean().clamp(min=1)
-            # new_full fills on the device; new_tensor would copy a host scalar there, blocking
-            total += torch.stack([stats[0], stats[1], total.new_full((), forwards), stats[2],
-                                  cv, total.new_ones(())])
-    return total
+    rows = torch.zeros(cfg.n_layers if cfg else 0, (cfg.n_experts + 1) if cfg else 0,
+                       device=device)  # [L, E + 1]
+    for layer in layers:
+        stats, forwards = layer.take_stats()
+        if stats is None:
+            continue
+        e = layer.cfg.n_experts
+        counts = stats[3:3 + e]
+        cv = counts.std(correction=0) / counts.mean().clamp(min=1)
+        # new_full fills on the device; new_tensor would copy a host scalar there, blocking
+        total += torch.stack([stats[0], stats[1], total.new_full((), forwards), stats[2],
+                              cv, total.new_ones(())])
+        rows[layer.layer, :e] += stats[3 + e:]
+        rows[layer.layer, e] += stats[2]
+    return torch.cat([total, rows.reshape(-1)])
+
+
+def update_expert_biases(module: nn.Module, totals: torch.Tensor) -> None:
+    """Move every expert bias of `module` by its layer's load in `totals` (`moe_stats`
+    summed over every rank that routes other tokens, so every replica moves it alike)."""
+    for layer in moe_layers(module):
+        if layer.cfg.moe_balance == "bias":
+            e = layer.cfg.n_experts
+            load = totals[6:].view(layer.cfg.n_layers, e + 1)[layer.layer, :e]
+            bias_step(layer.expert_bias, load, layer.cfg.moe_bias_rate)
+
+
+def layer_balance(totals: list[float], n_experts: int) -> dict[str, list[float]]:
+    """Per layer, from `moe_stats` totals read on the host (plain floats): MaxVio of the
+    step's load, max load / mean load - 1 (Wang et al. 2024 sec. 4.1: 0 when even), and
+    the dropped slots."""
+    per = totals[6:]
+    rows = [per[i:i + n_experts + 1] for i in range(0, len(per), n_experts + 1)]
+    return {"moe_maxvio": [round(max(r[:n_experts]) * n_experts / max(sum(r[:n_experts]), 1e-9)
+                                 - 1, 6) for r in rows],
+            "moe_dropped_layers": [int(r[n_experts]) for r in rows]}

@@ -119,6 +119,9 @@ class Transformer(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.style == "gpt2" else None
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        for i, block in enumerate(self.layers):  # MoE layers report per layer (model/moe.py)
+            if isinstance(block.mlp, MoE):
+                block.mlp.layer = i
         self.norm = _norm(cfg)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -163,7 +166,7 @@ class Transformer(nn.Module):
         """The state a checkpoint does not hold, after `to_empty` (the weights then come from
         the checkpoint): tied weights and the RoPE tables."""
         self.tie_weights()
-        init_rope(self, self.cfg)
+        init_state_buffers(self, self.cfg)
 
 
 @torch.no_grad()
@@ -172,11 +175,17 @@ def init_parameters(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
     own names) by its full-model name, and the RoPE tables where the module has them."""
     for name, p in module.named_parameters():
         p.copy_(init_tensor(name, tuple(p.shape), seed, cfg))
-    init_rope(module, cfg)
+    init_state_buffers(module, cfg)
 
 
-def init_rope(module: nn.Module, cfg: ModelConfig) -> None:
-    """The RoPE tables, where the module has them."""
+@torch.no_grad()
+def init_state_buffers(module: nn.Module, cfg: ModelConfig) -> None:
+    """The buffers of a freshly materialised module: the RoPE tables where it has them,
+    and the expert biases' starting zeros (model/moe.py; a checkpoint's values, where one
+    is loaded, replace them later)."""
+    for sub in module.modules():
+        if isinstance(sub, MoE) and hasattr(sub, "expert_bias"):
+            sub.expert_bias.zero_()
     if hasattr(module, "rope_cos"):
         cos, sin = rope_tables(cfg)
         module.rope_cos = cos.to(module.rope_cos.device)

@@ -31,7 +31,7 @@ import torch
 from shardtrain.comm import Communicator
 from shardtrain.config import Config
 from shardtrain.mesh import ParallelMesh
-from shardtrain.model.transformer import Transformer, init_rope
+from shardtrain.model.transformer import Transformer, init_state_buffers
 from shardtrain.parallel.build import Fill, ModuleTarget, Values, filler, materialize
 from shardtrain.parallel.activation import checkpoint_attention_cores, checkpoint_blocks
 from shardtrain.parallel.compile import compile_blocks
@@ -98,7 +98,7 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
     module.tie_weights()  # on meta: the swapped-in tp modules share one tensor again
     # ZeRO's trainable parameters get their storage from its units (build.py).
     materialize(module, device, leave=lambda p: zero and p.requires_grad)
-    init_rope(module, cfg.model)
+    init_state_buffers(module, cfg.model)
     if split is not None:  # RoPE and learned positions: the global positions held here
         module.positions = split.positions(mesh.comm("cp").rank, device)
         # under packed documents, those of the batch's balanced split (context/balance.py)

@@ -161,7 +161,7 @@ class Trainer:
             record["step_time_s"] = elapsed
             record["mfu"] = None if self.peak_flops is None else \
                 self.flops_per_step / (elapsed * self.mesh.world_size * self.peak_flops)
-            record.update(moe_fields(read[2:]) if len(read) > 2 else {})
+            record.update(moe_fields(read[2:], self.cfg.model.n_experts) if len(read) > 2 else {})
             record.update(self.pace.measure(record["step"], elapsed, compute))  # logged: gathers
 
         self.pending.add(record, [mean_loss, grad_norm, *moe], start, end, finish)

@@ -19,7 +19,7 @@ import torch
 
 from shardtrain.config import ConfigError
 from shardtrain.data.fsutil import write_atomic
-from shardtrain.model.moe import moe_stats
+from shardtrain.model.moe import layer_balance, moe_stats, update_expert_biases
 from shardtrain.train.observe.tracking import Tracker, scalars_of
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
@@ -231,15 +231,18 @@ def moe_totals(module: torch.nn.Module, comms: list, device: torch.device) -> to
     total = moe_stats(module, device)
     for comm in comms:
         comm.all_reduce(total, "sum", tag="metric")
+    update_expert_biases(module, total)  # the step's whole load, the same on every replica
     return total
 
 
-def moe_fields(total: list[float]) -> dict[str, float]:
+def moe_fields(total: list[float], n_experts: int) -> dict[str, Any]:
     """`moe_totals`, read: moe_aux_loss and moe_z_loss, the mean over layers, micro-batches
     and replicas; moe_dropped, the token-slots over capacity, in total; moe_expert_cv, the
     mean over layers and replicas of the coefficient of variation of one layer's routed
-    counts per expert on one replica in the step."""
-    aux, z, forwards, dropped, cv, layers = total
+    counts per expert on one replica in the step; per layer (lists), moe_maxvio, the step's
+    max load / mean load - 1 over all replicas, and moe_dropped_layers."""
+    aux, z, forwards, dropped, cv, layers = total[:6]
     forwards, layers = max(forwards, 1.0), max(layers, 1.0)
     return {"moe_aux_loss": aux / forwards, "moe_z_loss": z / forwards,
-            "moe_dropped": int(dropped), "moe_expert_cv": cv / layers}
+            "moe_dropped": int(dropped), "moe_expert_cv": cv / layers,
+            **layer_balance(total, n_experts)}

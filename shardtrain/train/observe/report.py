@@ -23,7 +23,6 @@ at the measured costs (simulated.py).
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 from pathlib import Path
@@ -32,6 +31,8 @@ from typing import Any, TextIO
 from shardtrain.config import ConfigError
 from shardtrain.parallel.pipeline.schedules import COMPUTE, TRANSFERS
 from shardtrain.plan.timing import bubble_fraction
+from shardtrain.train.observe.charts import pyplot, save_png
+from shardtrain.train.observe.moe_balance import moe_lines, plot_moe_balance
 from shardtrain.train.observe.simulated import simulated_lines
 from shardtrain.train.pace import busy_seconds, pace_table
 
@@ -106,15 +107,9 @@ def plot_timeline(timelines: list[Timeline], path: Path, *, title: str) -> None:
     """A Gantt chart of the step, written atomically to `path` (a PNG): one row per rank,
     forward boxes blue and backward boxes orange (darker for later model chunks), each
     labelled by its micro-batch; communication as thin grey bars under the boxes."""
-    try:
-        import matplotlib
+    plt = pyplot()
+    from matplotlib.patches import Patch
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
-    except ImportError:
-        raise ConfigError("shardtrain report draws with matplotlib, which is not installed: "
-                          "pip install 'shardtrain[plot]'") from None
     start, end = step_span(timelines)
     chunks = max(t["virtual_stages"] for t in timelines)
     palettes = {"F": plt.get_cmap("Blues"), "B": plt.get_cmap("Oranges"),
@@ -145,10 +140,7 @@ def plot_timeline(timelines: list[Timeline], path: Path, *, title: str) -> None:
               loc="upper center", bbox_to_anchor=(0.5, -0.6 / len(timelines) - 0.12),
               ncol=3, fontsize=7, frameon=False)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_png(fig, path)
 
 
 def load_metrics(path: Path) -> list[dict[str, Any]]:
@@ -216,3 +208,7 @@ def _print_metrics(run_dir: Path, out: TextIO) -> None:
         print(summary, file=out)
     for line in pace_table(records):  # per-rank compute and wait, stragglers (pace.py)
         print(line, file=out)
+    for line in moe_lines(records):  # mixture of experts: the balance per layer
+        print(line, file=out)
+    if plot_moe_balance(records, run_dir / "moe_balance.png"):
+        print(f"expert balance: {run_dir / 'moe_balance.png'}", file=out)
