@@ -118,19 +118,6 @@ def start_values(cfg: Config, shards: StageShards) -> Values:
 
     return values
 
-    def values(wants: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
-        if not cfg.model.init_from:
-            yield from shards.initial_values(seed, wants)
-            yield from _nf4_values(cfg, model, wants)
-            return
-        yield from shards.initial_values(
-            seed, lambda n: n.endswith((".lora_a", ".lora_b")) and wants(n))
-        for name, full in iter_hf_weights(Path(cfg.model.init_from).expanduser(), cfg.model):
-            if holds(model, name) and wants(name):  # this stage's, this shard's
-                yield name, shards.shard_full(name, full)
-
-    return values
-
 
 def _nf4_values(cfg: Config, model: nn.Module, wants: Callable[[str], bool]
                 ) -> Iterator[tuple[str, torch.Tensor]]:
