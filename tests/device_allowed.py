@@ -13,8 +13,10 @@ OFF_STEP = {
                              "(an async save's staging waits only for its own copies)",
     ("model/generate.py", "*"): "text generation after training (train/finetune/sample.py)",
     ("model/hf.py", "*"): "Hugging Face weights in and out, at start and end",
-    ("model/moe.py", "__init__"): "parameters built on the meta device, materialised by "
-                                  "parallel/build.py on the rank's device",
+    ("model/experts.py", "__init__"): "parameters built on the meta device, materialised by "
+                                      "parallel/build.py on the rank's device",
+    ("model/moe.py", "__init__"): "the expert bias buffer built on the meta device, "
+                                  "materialised by parallel/build.py on the rank's device",
     ("model/positions.py", "rope_tables"): "rotary tables built once, moved with the module",
     ("model/positions.py", "yarn_frequencies"): "rotary tables built once (rope_tables)",
     ("model/transformer.py", "init_state_buffers"): "rotary tables built with the model, moved with it",

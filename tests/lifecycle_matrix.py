@@ -49,10 +49,14 @@ FACTORS: dict[str, dict[str, tuple[str, ...]]] = {
         # Qwen3: per-head q/k norms, one kv head, a head size that is not dim / heads
         "qwen3": ("--model.qk_norm", "true", "--model.n_kv_heads", "1",
                   "--model.head_size", "32"),
-        # DeepSeek-V3's routing: sigmoid scores, the expert bias (state that saves, resumes
-        # and samples) with its sequence-wise loss
+        # DeepSeek-V3's shape and routing: a dense first block, fine-grained experts with a
+        # shared one, sigmoid scores limited to one of two groups (ep's grouped exchange),
+        # the expert bias (state that saves, resumes and samples) with its sequence-wise loss
         "moe": ("--model.n_experts", "4", "--model.moe_top_k", "2", "--model.moe_score",
-                "sigmoid", "--model.moe_balance", "bias", "--model.moe_aux_loss_coef", "0.001"),
+                "sigmoid", "--model.moe_balance", "bias", "--model.moe_aux_loss_coef", "0.001",
+                "--model.moe_ffn_dim", "32", "--model.moe_shared_experts", "1",
+                "--model.moe_first_dense", "1", "--model.moe_groups", "2",
+                "--model.moe_max_groups", "1"),
     },
     "attention": {"plain": (), "document": ("--data.document_mask", "true")},
     "optim": {o: ("--optim.name", o) for o in ("adamw", "rmsprop", "adagrad")},

@@ -76,8 +76,12 @@ def test_sequence_balance_loss_by_hand_and_bias_step():
     bias_step(bias, torch.tensor([10, 2, 6, 6]), 0.5)  # mean 6: busy down, idle up
     assert bias.tolist() == [-0.5, 0.5, 0.0, 0.0]
     # MaxVio per layer: max load / mean load - 1 (two layers: loads, then dropped slots)
-    assert layer_balance([0.0] * 6 + [10, 2, 6, 6, 3, 6, 6, 6, 6, 0], 4) == \
+    two = ModelConfig(n_experts=4, n_layers=2)
+    assert layer_balance([0.0] * 6 + [10, 2, 6, 6, 3, 6, 6, 6, 6, 0], two) == \
         {"moe_maxvio": [round(10 / 6 - 1, 6), 0.0], "moe_dropped_layers": [3, 0]}
+    first_dense = ModelConfig(n_experts=4, n_layers=2, moe_first_dense=1)  # no row of its own
+    assert layer_balance([0.0] * 6 + [0] * 5 + [6, 6, 6, 6, 0], first_dense) == \
+        {"moe_maxvio": [None, 0.0], "moe_dropped_layers": [None, 0]}
 
 
 @pytest.mark.parametrize("overrides,field", [

@@ -82,9 +82,10 @@ def test_moe_activation_bytes_match_the_runtime(style, precision):
                                                 saved_bytes_per_block)
     from shardtrain.plan.activations import runtime_activation_bytes
 
-    for experts, k, b, s in ((4, 2, 2, 32), (8, 1, 2, 32), (8, 3, 1, 64)):
+    for experts, k, b, s, shape in ((4, 2, 2, 32, {}), (8, 1, 2, 32, {}), (8, 3, 1, 64, {}),
+                                    (8, 2, 2, 32, {"moe_ffn_dim": 40, "moe_shared_experts": 2})):
         cfg = ModelConfig(**{**MOE.__dict__, "style": style, "n_experts": experts,
-                             "moe_top_k": k, "n_kv_heads": 0})
+                             "moe_top_k": k, "n_kv_heads": 0, **shape})
         for mode in ("none", "selective", "full"):
             model = build_model(cfg, seed=0)
             if mode == "selective":

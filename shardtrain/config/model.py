@@ -46,6 +46,18 @@ class ModelConfig:
     moe_score: Literal["softmax", "sigmoid"] = "softmax"
     moe_balance: Literal["aux", "bias", "none"] = "aux"
     moe_bias_rate: float = 0.001
+    # Experts (docs/moe.md, "Shared and fine-grained experts"): each routed expert's hidden
+    # width (0: ffn_dim's), shared experts every token passes through (one MLP of
+    # moe_shared_experts x that width, added to the routed output, DeepSeekMoE), and the
+    # first moe_first_dense blocks dense MLPs of ffn_dim (DeepSeek-V3's first 3).
+    moe_ffn_dim: int = 0
+    moe_shared_experts: int = 0
+    moe_first_dense: int = 0
+    # Group-limited routing (docs/moe.md, "Group-limited routing"): the experts in
+    # moe_groups groups of consecutive experts, each token choosing among its
+    # moe_max_groups best groups only (DeepSeek-V3: 8 groups, 4 per token); 0: no limit.
+    moe_groups: int = 0
+    moe_max_groups: int = 0
     init_from: str = ""  # a Hugging Face directory: its weights, and its config.json's shape
     # Hugging Face families (config/families.py): q/k/v biases (Qwen2), per-head q/k RMSNorm
     # (Qwen3), head_size (0: dim / n_heads), RoPE scaling (llama3, linear, dynamic, yarn), an
@@ -77,6 +89,27 @@ class ModelConfig:
             return 4 * self.dim
         return 64 * ((int(2 * 4 * self.dim / 3) + 63) // 64)
 
+    @property
+    def expert_hidden(self) -> int:
+        """A routed (or shared) expert's hidden width."""
+        return self.moe_ffn_dim or self.ffn_hidden
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block `layer` routes to experts (else a dense MLP of ffn_hidden)."""
+        return bool(self.n_experts) and layer >= self.moe_first_dense
+
+    def sends_per_group(self, ep: int) -> bool:
+        """Whether expert parallelism over `ep` ranks sends each token once per kept group
+        rather than once per slot (parallel/expert/grouped.py): routing limited to fewer
+        groups than slots per token (g < k), each group whole on one rank."""
+        return bool(self.moe_max_groups) and self.moe_groups % ep == 0 \
+            and self.moe_max_groups < self.moe_top_k
+
+    @property
+    def moe_layers(self) -> int:
+        """Blocks that route to experts (the planner reads it per layout: O(1))."""
+        return max(self.n_layers - self.moe_first_dense, 0) if self.n_experts else 0
+
     def validate(self) -> None:
         positive("model", self, "vocab_size", "dim", "n_layers", "n_heads", "max_seq_len")
         if self.dim % self.n_heads and not self.head_size:
@@ -101,7 +134,8 @@ class ModelConfig:
 
     def _validate_moe(self) -> None:
         for name in ("moe_aux_loss_coef", "moe_z_loss_coef", "moe_capacity_factor",
-                     "moe_bias_rate"):
+                     "moe_bias_rate", "moe_ffn_dim", "moe_shared_experts", "moe_first_dense",
+                     "moe_groups", "moe_max_groups"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 0"
                                   + (" (0: dropless)" if name == "moe_capacity_factor" else ""))
@@ -120,9 +154,34 @@ class ModelConfig:
             raise ConfigError(f"model.moe_bias_rate={self.moe_bias_rate} moves the expert bias "
                               f"of model.moe_balance='bias' only (it is "
                               f"{self.moe_balance!r}): set moe_balance='bias' or drop the rate")
+        self._validate_groups()
+        for name in ("moe_ffn_dim", "moe_shared_experts", "moe_first_dense"):
+            if getattr(self, name) and not self.n_experts:
+                raise ConfigError(f"model.{name}={getattr(self, name)} shapes the experts of a "
+                                  "mixture-of-experts model, but model.n_experts=0: set "
+                                  f"model.n_experts or drop model.{name}")
+        if self.n_experts and self.moe_first_dense >= self.n_layers:
+            raise ConfigError(f"model.moe_first_dense={self.moe_first_dense} leaves none of the "
+                              f"model.n_layers={self.n_layers} blocks to the experts: make it "
+                              "smaller, or set model.n_experts=0 for a dense model")
         if self.n_experts and self.moe_impl == "grouped" and \
-                (self.dim % 8 or self.ffn_hidden % 8):
+                (self.dim % 8 or self.expert_hidden % 8):
             # torch._grouped_mm needs 16-byte row strides (8 bf16 values).
             raise ConfigError(f"model.moe_impl='grouped' needs model.dim={self.dim} and the "
-                              f"expert width {self.ffn_hidden} to be multiples of 8; change "
-                              "them or set model.moe_impl='loop'")
+                              f"expert width {self.expert_hidden} to be multiples of 8; change "
+                              "them (model.moe_ffn_dim) or set model.moe_impl='loop'")
+
+    def _validate_groups(self) -> None:
+        g, limit = self.moe_groups, self.moe_max_groups
+        if bool(g) != bool(limit):
+            raise ConfigError(f"model.moe_groups={g} and model.moe_max_groups={limit}: set both "
+                              "(groups of experts, and how many a token may use) or neither")
+        if not g:
+            return
+        if not self.n_experts or self.n_experts % g:
+            raise ConfigError(f"model.moe_groups={g} must divide model.n_experts="
+                              f"{self.n_experts} (groups of equal size)")
+        if not limit <= g or limit * (self.n_experts // g) < self.moe_top_k:
+            raise ConfigError(f"model.moe_max_groups={limit} must lie in 1..model.moe_groups={g}"
+                              f" and hold model.moe_top_k={self.moe_top_k} experts (each group "
+                              f"has {self.n_experts // g})")

@@ -17,20 +17,33 @@ from shardtrain.config import ModelConfig
 class ParamCounts:
     total: int  # == sum(p.numel()) of the built model
     embedding: int  # token (+ position) embedding; the head too when untied
-    per_layer: int  # one transformer block (all experts)
-    active_per_layer: int  # one block as one token sees it (top-k experts)
+    per_layer: int  # the largest transformer block (a MoE block: all its experts)
+    active_per_layer: int  # that block as one token sees it (top-k experts)
     active: int  # parameters one token touches
+    dense_layer: int = 0  # a dense block (model.moe_first_dense), == per_layer when all are
 
     @property
     def non_embedding(self) -> int:
         return self.total - self.embedding
 
 
-def mlp_params(cfg: ModelConfig) -> int:
-    h, f = cfg.dim, cfg.ffn_hidden
+def mlp_params(cfg: ModelConfig, hidden: int | None = None) -> int:
+    """One MLP of hidden width `hidden` (default ffn_hidden; the experts': expert_hidden)."""
+    h, f = cfg.dim, hidden or cfg.ffn_hidden
     if cfg.style == "llama":
         return 3 * h * f
     return 2 * h * f + f + h  # two linears with biases
+
+
+def expert_params(cfg: ModelConfig) -> int:
+    """One routed expert."""
+    return mlp_params(cfg, cfg.expert_hidden)
+
+
+def shared_params(cfg: ModelConfig) -> int:
+    """A MoE block's shared experts: one MLP of moe_shared_experts x the expert width."""
+    n = cfg.moe_shared_experts
+    return mlp_params(cfg, n * cfg.expert_hidden) if n else 0
 
 
 def attention_params(cfg: ModelConfig) -> int:
@@ -48,38 +61,45 @@ def norm_params(cfg: ModelConfig) -> int:
 
 def param_counts(cfg: ModelConfig) -> ParamCounts:
     h, v = cfg.dim, cfg.vocab_size
-    mlp = mlp_params(cfg)
+    dense = attention_params(cfg) + 2 * norm_params(cfg) + mlp_params(cfg)
+    layer = active_layer = dense
     if cfg.n_experts:
         router = h * cfg.n_experts
-        layer = attention_params(cfg) + 2 * norm_params(cfg) + router + cfg.n_experts * mlp
-        active_layer = layer - (cfg.n_experts - cfg.moe_top_k) * mlp
-    else:
-        layer = active_layer = attention_params(cfg) + 2 * norm_params(cfg) + mlp
+        layer = attention_params(cfg) + 2 * norm_params(cfg) + router + shared_params(cfg) \
+            + cfg.n_experts * expert_params(cfg)
+        active_layer = layer - (cfg.n_experts - cfg.moe_top_k) * expert_params(cfg)
+    moe, plain = cfg.moe_layers, cfg.n_layers - cfg.moe_layers
+    if not moe:
+        moe, plain = cfg.n_layers, 0
     embedding = v * h + (cfg.max_seq_len * h if cfg.style == "gpt2" else 0)
     head = 0 if cfg.tie_embeddings else v * h
     outside = embedding + head + norm_params(cfg)
-    total = cfg.n_layers * layer + outside
-    return ParamCounts(total=total, embedding=embedding + head, per_layer=layer,
-                       active_per_layer=active_layer,
-                       active=cfg.n_layers * active_layer + outside)
+    return ParamCounts(total=moe * layer + plain * dense + outside, embedding=embedding + head,
+                       per_layer=max(layer, dense), active_per_layer=active_layer,
+                       active=moe * active_layer + plain * dense + outside, dense_layer=dense)
 
 
 def kept_params(cfg: ModelConfig) -> tuple[int, int, int]:
     """(dense per block, expert per block, outside the blocks) parameters autocast does not
     round to the compute dtype (cost/units.py `rounded_for_compute`: norms, biases, the
     router, the embedding tables): what ZeRO-3 still gathers in fp32 under bf16 or fp16.
-    Outside: the token (and position) table and the final norm (an untied head is rounded;
-    a tied one is the token table)."""
-    h, f, q, kv = cfg.dim, cfg.ffn_hidden, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    For a MoE model, of a MoE block. Outside: the token (and position) table and the final
+    norm (an untied head is rounded; a tied one is the token table)."""
+    h, q, kv = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     attention = attention_params(cfg) - (h * q + 2 * h * kv + q * h)  # biases, q/k norms
-    mlp_biases = (f + h) if cfg.style == "gpt2" else 0
+
+    def biases(f: int) -> int:  # of one MLP of hidden width f
+        return (f + h) if cfg.style == "gpt2" else 0
+
     block = 2 * norm_params(cfg) + attention
     expert = 0
     if cfg.n_experts:
         block += h * cfg.n_experts  # the router
-        expert = cfg.n_experts * mlp_biases
+        block += biases(cfg.moe_shared_experts * cfg.expert_hidden) if cfg.moe_shared_experts \
+            else 0
+        expert = cfg.n_experts * biases(cfg.expert_hidden)
     else:
-        block += mlp_biases
+        block += biases(cfg.ffn_hidden)
     outside = cfg.vocab_size * h + (cfg.max_seq_len * h if cfg.style == "gpt2" else 0)
     return block, expert, outside + norm_params(cfg)
 
@@ -87,13 +107,13 @@ def kept_params(cfg: ModelConfig) -> tuple[int, int, int]:
 def matmul_params_per_token(cfg: ModelConfig) -> int:
     """Weights one token multiplies by: every active linear and the output head (embedding
     lookups, norms and biases are not matmuls)."""
-    h, f = cfg.dim, cfg.ffn_hidden
-    q, kv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    mlp = (3 if cfg.style == "llama" else 2) * h * f
-    experts = cfg.moe_top_k if cfg.n_experts else 1
-    router = h * cfg.n_experts
-    layer = h * q + 2 * h * kv + q * h + experts * mlp + router
-    return cfg.n_layers * layer + cfg.vocab_size * h
+    h, q, kv = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    per = 3 if cfg.style == "llama" else 2  # the MLP's linears, each h x f
+    attention = h * q + 2 * h * kv + q * h
+    dense = attention + per * h * cfg.ffn_hidden
+    moe = attention + h * cfg.n_experts + per * h * cfg.expert_hidden * (
+        cfg.moe_top_k + cfg.moe_shared_experts)  # routed k, shared, the router
+    return cfg.moe_layers * moe + (cfg.n_layers - cfg.moe_layers) * dense + cfg.vocab_size * h
 
 
 def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -131,7 +151,10 @@ def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "n
         return base + attention_core_flops_per_token(cfg, seq_len, recompute, attention) \
             - attention_core_flops_per_token(cfg, seq_len)
     if recompute == "full":
-        last = 0.0 if cfg.n_experts else 2.0 * cfg.n_layers * cfg.dim * cfg.ffn_hidden
+        # a MoE block's last matmul is its shared experts' w2 where it has them
+        dense = cfg.n_layers - cfg.moe_layers
+        last = 2.0 * cfg.dim * (dense * cfg.ffn_hidden + cfg.moe_layers
+                                * cfg.moe_shared_experts * cfg.expert_hidden)
         return base + forward_flops_per_token(cfg, seq_len) - 2.0 * cfg.vocab_size * cfg.dim - last
     raise ValueError(f"recompute={recompute!r} is not one of none, selective, full")
 

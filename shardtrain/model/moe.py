@@ -6,7 +6,7 @@
   device-side group offsets; a capacity (GShard, Lepikhin et al. 2020; Switch, Fedus et
   al. 2021) drops the slots an over-full expert cannot take, by router probability or by
   position. `experts_grouped` runs each projection as one grouped matmul over the sorted
-  slots (no host sync); `experts_looped` is the per-expert loop it replaces.
+  slots (no host sync); `experts_looped` is the per-expert loop it replaces (experts.py).
 - `combine`: the inverse permutation, each slot weighted by its router weight.
 Expert parallelism (later) puts an all-to-all between dispatch and the experts and its
 inverse before combine; the model itself knows nothing of ranks.
@@ -28,10 +28,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardtrain.config import ModelConfig
+from shardtrain.model.experts import Experts
+from shardtrain.model.mlp import MLP
 from shardtrain.model.moe_routing import (Routing, balance_loss, bias_step, expert_counts,
                                           route, row_counts, sequence_balance_loss, z_loss)
 
@@ -77,9 +78,21 @@ def capacity(cfg: ModelConfig, n_tokens: int) -> int | None:
 def dispatch(tokens: torch.Tensor, r: Routing, cap: int | None,
              policy: str = "probs") -> tuple[torch.Tensor, Dispatch]:
     """tokens [T, C] -> the sorted slots' inputs [N, C] (zero rows where dropped) and the
-    bookkeeping `combine` needs. Over capacity, an expert keeps its `cap` slots of highest
-    router probability (`probs`) or of the earliest tokens (`position`; slot order is
-    token-major: token t's choices are slots t*K .. t*K+K-1)."""
+    bookkeeping `combine` needs (`sort_slots`)."""
+    d = sort_slots(r, cap, policy)
+    return slot_inputs(tokens, d), d
+
+
+def slot_inputs(tokens: torch.Tensor, d: Dispatch) -> torch.Tensor:
+    """The sorted slots' inputs [N, C], zero rows where dropped."""
+    # where, not a product: rows outside every group are never read as numbers.
+    return torch.where(d.keep[:, None], tokens[d.token], 0.0)
+
+
+def sort_slots(r: Routing, cap: int | None, policy: str = "probs") -> Dispatch:
+    """The N slots sorted by expert, kept ones first. Over capacity, an expert keeps its
+    `cap` slots of highest router probability (`probs`) or of the earliest tokens
+    (`position`; slot order is token-major: token t's choices are slots t*K .. t*K+K-1)."""
     n_experts, top_k = r.probs.shape[-1], r.experts.shape[-1]
     flat = r.experts.reshape(-1)  # [N]
     routed = expert_counts(flat, n_experts)
@@ -101,10 +114,8 @@ def dispatch(tokens: torch.Tensor, r: Routing, cap: int | None,
         counts = routed
     token = slots // top_k
     weight = torch.where(keep, r.weights.reshape(-1)[slots], 0.0)
-    d = Dispatch(token, flat[slots], weight, keep, counts,
-                 counts.cumsum(0).to(torch.int32), routed)
-    # where, not a product: rows outside every group are never read as numbers.
-    return torch.where(keep[:, None], tokens[token], 0.0), d
+    return Dispatch(token, flat[slots], weight, keep, counts,
+                    counts.cumsum(0).to(torch.int32), routed)
 
 
 def combine(y: torch.Tensor, d: Dispatch, n_tokens: int) -> torch.Tensor:
@@ -112,61 +123,6 @@ def combine(y: torch.Tensor, d: Dispatch, n_tokens: int) -> torch.Tensor:
     weighted by the router; a dropped slot adds nothing (its token keeps the residual)."""
     y = torch.where(d.keep[:, None], y, 0.0) * d.weight[:, None].to(y.dtype)
     return y.new_zeros(n_tokens, y.shape[-1]).index_add_(0, d.token, y)
-
-
-class Experts(nn.Module):
-    """E expert MLPs, weights stacked per projection ([E, out, in], as nn.Linear stores
-    one): SwiGLU w2(silu(w1 x) * w3 x) (llama) or GELU w2(gelu(w1 x + b1)) + b2 (gpt2; the
-    biases flat [E * out], so the optimizer's ndim >= 2 decay rule leaves them alone)."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        e, c, f = cfg.n_experts, cfg.dim, cfg.ffn_hidden
-        self.gated, self.impl = cfg.style == "llama", cfg.moe_impl
-        self.w1 = nn.Parameter(torch.empty(e, f, c))
-        self.w3 = nn.Parameter(torch.empty(e, f, c)) if self.gated else None
-        self.w2 = nn.Parameter(torch.empty(e, c, f))
-        self.b1 = None if self.gated else nn.Parameter(torch.empty(e * f))
-        self.b2 = None if self.gated else nn.Parameter(torch.empty(e * c))
-
-    def forward(self, x: torch.Tensor, d: Dispatch) -> torch.Tensor:
-        """x [N, C] sorted slots -> [N, C]; rows after the last group are not computed."""
-        mm = _grouped if self.impl == "grouped" else _looped
-        if self.gated:
-            h = F.silu(mm(x, self.w1, d)) * mm(x, self.w3, d)  # [N, F]
-            return mm(h, self.w2, d)
-        h = F.gelu(mm(x, self.w1, d) + self._bias(self.b1, d), approximate="tanh")
-        return mm(h, self.w2, d) + self._bias(self.b2, d)
-
-    def _bias(self, b: torch.Tensor, d: Dispatch) -> torch.Tensor:
-        """Each sorted row's expert's bias [N, out]; 0 on dropped rows (no gradient from the
-        rows outside every group, whose matmul values the grouped kernel leaves unset)."""
-        rows = b.view(self.w1.shape[0], -1)[d.expert]
-        return torch.where(d.keep[:, None], rows, 0.0)
-
-
-def autocast_dtype(x: torch.Tensor) -> torch.dtype:
-    """What a linear would compute in: autocast's dtype where it is on (_grouped_mm has no
-    autocast rule), else x's."""
-    kind = x.device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-
-
-def _grouped(x: torch.Tensor, w: torch.Tensor, d: Dispatch) -> torch.Tensor:
-    """One grouped matmul: rows of group e times w[e]^T, groups ending at d.offsets."""
-    dt = autocast_dtype(x)
-    return torch._grouped_mm(x.to(dt), w.to(dt).transpose(-2, -1), offs=d.offsets)
-
-
-def _looped(x: torch.Tensor, w: torch.Tensor, d: Dispatch) -> torch.Tensor:
-    """The per-expert loop (one host sync for the counts): the benchmark's baseline."""
-    ends = d.offsets.tolist()
-    parts, start = [], 0
-    for e, end in enumerate(ends):
-        parts.append(F.linear(x[start:end], w[e]))
-        start = end
-    out = torch.cat(parts)
-    return torch.cat([out, out.new_zeros(x.shape[0] - end, out.shape[-1])])
 
 
 class _AuxGrad(torch.autograd.Function):
@@ -191,16 +147,22 @@ class MoE(nn.Module):
 
     Under moe_balance = bias, `expert_bias` [E] fp32 steers the choice: a buffer (state
     a checkpoint holds and layouts reshard, never the optimizer's), moved once per step
-    from the whole step's load (`update_expert_biases`)."""
+    from the whole step's load (`update_expert_biases`).
 
-    def __init__(self, cfg: ModelConfig):
+    Shared experts (DeepSeekMoE, Dai et al. 2024): `shared`, one dense MLP of
+    moe_shared_experts x the expert width that every token passes through, added to the
+    routed output ungated; dense like a block's MLP, so every layout treats it as one."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.cfg = cfg
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = Experts(cfg)
+        self.shared = MLP(cfg, cfg.moe_shared_experts * cfg.expert_hidden) \
+            if cfg.moe_shared_experts else None
         if cfg.moe_balance == "bias":
             self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
-        self.layer = 0  # the block's index in the model (Transformer sets it): per-layer rows
+        self.layer = layer  # the block's index in the model: per-layer stats rows
         self.stats: torch.Tensor | None = None  # [3 + 2E] fp32
         self.forwards = 0
         # When a micro-batch's tokens are split over ranks (context parallelism, sequence
@@ -215,9 +177,16 @@ class MoE(nn.Module):
         cfg = self.cfg
         tokens = x.reshape(-1, x.shape[-1])  # [T, C] (x [B, S, C], S this rank's share)
         bias = self.expert_bias if cfg.moe_balance == "bias" else None
-        r = route(tokens, self.router, cfg.moe_top_k, cfg.moe_score, bias)
-        xs, d = dispatch(tokens, r, capacity(cfg, tokens.shape[0]), cfg.moe_drop_policy)
-        out = combine(self.experts(xs, d), d, tokens.shape[0]).to(x.dtype).view_as(x)
+        limit = (cfg.moe_groups, cfg.moe_max_groups) if cfg.moe_max_groups else None
+        r = route(tokens, self.router, cfg.moe_top_k, cfg.moe_score, bias, limit)
+        d = sort_slots(r, capacity(cfg, tokens.shape[0]), cfg.moe_drop_policy)
+        if getattr(self.experts, "grouped", False):  # ep's exchange, one row per group
+            y = self.experts.exchange_grouped(tokens, r, d)  # [T, C], combined
+        else:
+            y = combine(self.experts(slot_inputs(tokens, d), d), d, tokens.shape[0])
+        out = y.to(x.dtype).view_as(x)
+        if self.shared is not None:
+            out = out + self.shared(x)
         if not self.training:  # the auxiliary losses and stats are training's
             return out
         group = self.group_counts(d.routed)  # [E]: the whole token group's
@@ -250,19 +219,17 @@ def moe_layers(module: nn.Module) -> list[MoE]:
     return [m for m in module.modules() if isinstance(m, MoE)]
 
 
-def moe_stats(module: nn.Module, device: torch.device) -> torch.Tensor:
+def moe_stats(module: nn.Module, cfg: ModelConfig, device: torch.device) -> torch.Tensor:
     """The MoE layers of `module` (a model or a pipeline stage) since the last call, as a
     vector that sums across ranks: [balance-loss sum, z-loss sum, layer-forwards, dropped
     slots, sum over layers of the per-expert routed counts' coefficient of variation
     (std / mean, population std), layers], then per layer of the model (L rows, zeros
     for the layers held elsewhere) its token group's routed slots per expert (E) and its
-    dropped slots: [6 + L (E + 1)]. Resets the layers' stats."""
-    layers = moe_layers(module)
-    cfg = layers[0].cfg if layers else None
+    dropped slots: [6 + L (E + 1)], the same size on every stage (one holding no MoE
+    layer, model.moe_first_dense, sends zeros). Resets the layers' stats."""
     total = torch.zeros(6, device=device)
-    rows = torch.zeros(cfg.n_layers if cfg else 0, (cfg.n_experts + 1) if cfg else 0,
-                       device=device)  # [L, E + 1]
-    for layer in layers:
+    rows = torch.zeros(cfg.n_layers, cfg.n_experts + 1, device=device)  # [L, E + 1]
+    for layer in moe_layers(module):
         stats, forwards = layer.take_stats()
         if stats is None:
             continue
@@ -287,12 +254,13 @@ def update_expert_biases(module: nn.Module, totals: torch.Tensor) -> None:
             bias_step(layer.expert_bias, load, layer.cfg.moe_bias_rate)
 
 
-def layer_balance(totals: list[float], n_experts: int) -> dict[str, list[float]]:
+def layer_balance(totals: list[float], cfg: ModelConfig) -> dict[str, list[float | None]]:
     """Per layer, from `moe_stats` totals read on the host (plain floats): MaxVio of the
     step's load, max load / mean load - 1 (Wang et al. 2024 sec. 4.1: 0 when even), and
-    the dropped slots."""
-    per = totals[6:]
-    rows = [per[i:i + n_experts + 1] for i in range(0, len(per), n_experts + 1)]
-    return {"moe_maxvio": [round(max(r[:n_experts]) * n_experts / max(sum(r[:n_experts]), 1e-9)
-                                 - 1, 6) for r in rows],
-            "moe_dropped_layers": [int(r[n_experts]) for r in rows]}
+    the dropped slots; None for a dense block (model.moe_first_dense)."""
+    e, per = cfg.n_experts, totals[6:]
+    rows = [per[i:i + e + 1] for i in range(0, len(per), e + 1)]
+    return {"moe_maxvio": [round(max(r[:e]) * e / max(sum(r[:e]), 1e-9) - 1, 6)
+                           if cfg.is_moe(i) else None for i, r in enumerate(rows)],
+            "moe_dropped_layers": [int(r[e]) if cfg.is_moe(i) else None
+                                   for i, r in enumerate(rows)]}

@@ -18,7 +18,16 @@ Balance (`model.moe_balance`):
   sec. 2.1.2): after each step b_i += rate * sign(mean load - load_i) (`bias_step`), with
   the sequence-wise loss (DeepSeek-V3 eqs. 17-20, `sequence_balance_loss`) beside it.
 - none: neither.
-Shape legend: T tokens, B sequences, K top-k, E experts.
+
+Group-limited routing (`model.moe_groups = G`, `model.moe_max_groups = g`; DeepSeek-V2
+sec. 2.2.3 device-limited, DeepSeek-V3 sec. 2.1.2 node-limited): the E experts form G
+groups of E / G consecutive experts; a group's score is the sum of its two highest
+selection scores (its one highest where a group holds one expert), each token keeps its g
+highest-scoring groups, and top-k picks among their experts only. Every layout computes
+the same choice; placed one group per ep rank (or several whole groups per rank), a token's
+slots reach at most g ranks, which the exchange then sends the token once
+(parallel/expert/grouped.py).
+Shape legend: T tokens, B sequences, K top-k, E experts, G groups.
 """
 
 from __future__ import annotations
@@ -35,12 +44,14 @@ class Routing:
     probs: torch.Tensor  # [T, E] fp32: softmax of logits, or the normalised affinities
     weights: torch.Tensor  # [T, K] fp32: the gates (`route`)
     experts: torch.Tensor  # [T, K] int64, the chosen experts
+    groups: torch.Tensor | None = None  # [T, g] int64: the kept groups, if limited
 
 
 def route(tokens: torch.Tensor, router: nn.Linear, top_k: int, score: str = "softmax",
-          bias: torch.Tensor | None = None) -> Routing:
+          bias: torch.Tensor | None = None, groups: tuple[int, int] | None = None) -> Routing:
     """Router in fp32 (autocast off: small logit differences decide the choice); `bias`
-    [E] added to the scores for the choice only (see the module docstring)."""
+    [E] added to the scores for the choice only; `groups` (G, g): the choice limited to
+    each token's g best of G expert groups (see the module docstring)."""
     with torch.autocast(tokens.device.type, enabled=False):  # called: layouts hook modules
         logits = router(tokens.float()).float()  # [T, E]
     if score == "sigmoid":
@@ -48,14 +59,28 @@ def route(tokens: torch.Tensor, router: nn.Linear, top_k: int, score: str = "sof
         probs = scores / scores.sum(-1, keepdim=True)
     else:
         scores = probs = logits.softmax(-1)
-    if bias is None:
-        weights, experts = scores.topk(top_k, dim=-1)  # [T, K]
-    else:  # no gradient through the choice (topk's indices have none anyway)
-        experts = (scores.detach() + bias).topk(top_k, dim=-1).indices
-        weights = scores.gather(1, experts)
+    # The choice (no gradient through it: topk's indices have none anyway)
+    choice = scores.detach() if bias is None else scores.detach() + bias  # [T, E]
+    kept = None
+    if groups is not None:
+        choice, kept = limit_groups(choice, *groups)
+    experts = choice.topk(top_k, dim=-1).indices  # [T, K]
+    weights = scores.gather(1, experts)
     if top_k > 1:
         weights = weights / weights.sum(-1, keepdim=True)
-    return Routing(logits, probs, weights, experts)
+    return Routing(logits, probs, weights, experts, kept)
+
+
+def limit_groups(choice: torch.Tensor, n_groups: int, max_groups: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """choice [T, E] -> (choice with the experts outside each token's `max_groups` best
+    groups at -inf, those groups [T, g] int64 in ascending order)."""
+    t, e = choice.shape
+    per = choice.view(t, n_groups, e // n_groups)  # [T, G, E/G]
+    score = per.topk(min(2, e // n_groups), dim=-1).values.sum(-1)  # [T, G]
+    kept = score.topk(max_groups, dim=-1).indices.sort(-1).values  # [T, g]
+    mask = torch.zeros_like(score, dtype=torch.bool).scatter_(1, kept, True)  # [T, G]
+    return per.masked_fill(~mask[..., None], float("-inf")).view(t, e), kept
 
 
 def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:

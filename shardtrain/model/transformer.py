@@ -13,11 +13,11 @@ import zlib
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardtrain.config import ModelConfig
 from shardtrain.model.attention import sdpa_core
+from shardtrain.model.mlp import MLP
 from shardtrain.model.moe import MoE
 from shardtrain.model.positions import (Documents, apply_rope, position_ids, position_index,
                                         rope_tables)
@@ -65,23 +65,6 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))  # [B, S, C]
 
 
-class MLP(nn.Module):
-    """SwiGLU (llama: w2(silu(w1 x) * w3 x)) or GELU (gpt2: w2(gelu(w1 x)))."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        bias = cfg.style == "gpt2"
-        self.gated = cfg.style == "llama"
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=bias)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False) if self.gated else None
-        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
-
-
 def _norm(cfg: ModelConfig) -> nn.Module:
     if cfg.style == "llama":
         return nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
@@ -89,14 +72,15 @@ def _norm(cfg: ModelConfig) -> nn.Module:
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); block `layer`'s
+    mlp is a mixture of experts where the config says so (ModelConfig.is_moe)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = _norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = _norm(cfg)
-        self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg)
+        self.mlp = MoE(cfg, layer) if cfg.is_moe(layer) else MLP(cfg)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 documents: Documents | None = None) -> torch.Tensor:
@@ -118,10 +102,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.style == "gpt2" else None
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        for i, block in enumerate(self.layers):  # MoE layers report per layer (model/moe.py)
-            if isinstance(block.mlp, MoE):
-                block.mlp.layer = i
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = _norm(cfg)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.tie_weights()

@@ -47,7 +47,8 @@ the tensor-by-tensor list). One layer, one micro-batch of b sequences of s local
   logsumexp; the dispatch's
   N = n k slot indices and keep mask; the experts' input rows (fp32: once; autocast:
   each projection's own 16-bit cast, 2 for SwiGLU) and hidden tensors as the MLP keeps
-  them but on N rows; combine's weighted rows, 2 N C in the experts' output dtype (gpt2's
+  them but on N rows (of the expert width); shared experts as a dense MLP keeps them, on
+  the n tokens; combine's weighted rows, 2 N C in the experts' output dtype (gpt2's
   fp32 bias add makes it fp32). Under ep the rows are the R received ones (R = N under
   uniform routing) and the exchange keeps two [R] int64 permutations.
 Selective recomputation (the core under a checkpoint) keeps only the core's inputs q, k,
@@ -65,8 +66,16 @@ vocabulary and few layers the loss is the largest tensor backward starts with.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
 from shardtrain.config import ModelConfig
 from shardtrain.model.sdpa_kernels import KERNELS as ATTENTION
+from shardtrain.plan.closed_form import activation_bytes_per_layer
+
+if TYPE_CHECKING:
+    from shardtrain.plan.layout import Layout
+    from shardtrain.plan.partition import RankParams
 
 
 def kv_heads_per_rank(cfg: ModelConfig, tp: int) -> int:
@@ -143,7 +152,7 @@ def moe_block_bytes(cfg: ModelConfig, *, tokens: float, precision: str = "fp32",
     """What a mixture-of-experts block keeps for backward beyond its input, for `tokens`
     routed on this rank (module docstring), dropless under uniform routing."""
     v = 4 if precision == "fp32" else 2
-    n, e, k, c, f = tokens, cfg.n_experts, cfg.moe_top_k, cfg.dim, cfg.ffn_hidden
+    n, e, k, c, f = tokens, cfg.n_experts, cfg.moe_top_k, cfg.dim, cfg.expert_hidden
     slots = n * k  # N; under ep the received rows R, N under uniform routing
     # probs and the z-loss's logits [n, E], top-k indices (int64), the logsumexp [n], the
     # balance loss's f [E]; for k > 1 the renormalisation's weights [n, k] and sum [n]
@@ -155,7 +164,12 @@ def moe_block_bytes(cfg: ModelConfig, *, tokens: float, precision: str = "fp32",
         rows, out = slots * c * v * (1 if v == 4 else 2) + 4 * slots * f * v, v
     else:  # rows, the bias rows' expert index, GELU's fp32 input and its output
         rows, out = slots * c * v + slots * 8 + slots * f * (4 + v), 4
-    return router + dispatch + rows + slots * out * (1 + 2 * c)  # combine: weights, 2 rows
+    shared = 0.0
+    if cfg.moe_shared_experts:  # a dense MLP on all n tokens (autocast: its input's casts)
+        llama = cfg.style == "llama"
+        casts = 0 if v == 4 else (2 if llama else 1) * n * c * v
+        shared = casts + (4 if llama else 2) * n * cfg.moe_shared_experts * f * v
+    return router + dispatch + rows + slots * out * (1 + 2 * c) + shared  # combine: weights, 2 rows
 
 
 def head_activation_bytes(cfg: ModelConfig, *, s: int, b: int, t: int = 1, sp: bool = False,
@@ -173,3 +187,38 @@ def head_activation_bytes(cfg: ModelConfig, *, s: int, b: int, t: int = 1, sp: b
     vocab = -(-cfg.vocab_size // t)
     loss = 4 * n * vocab + (9 * n if t > 1 else 0)
     return norm + head_in + 8 * n + loss
+
+
+def layer_activation_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int,
+                           recompute: str | None = None) -> float:
+    """One layer, one micro-batch, on one rank: Korthikanti's Table 2 under the `bf16`
+    convention (the published figures), shardtrain's runtime under fp32 and amp."""
+    lay, s = layout, seq_len // layout.cp
+    recompute = recompute or lay.recompute
+    if lay.precision == "bf16":
+        dense = activation_bytes_per_layer(s=s, b=lay.micro_batch, h=cfg.dim, a=cfg.n_heads,
+                                           t=lay.tp, sp=lay.sp, recompute=recompute)
+        if not cfg.n_experts or recompute == "full":
+            return dense
+        # an MoE block: the published dense layer plus what the block keeps beyond a dense
+        # MLP, counted as shardtrain's runtime keeps it in 16 bits (activations.py)
+        n = s * lay.micro_batch
+        mlp = (4 if cfg.style == "llama" else 2) * n * (cfg.ffn_hidden // lay.tp) * 2
+        return dense + moe_block_bytes(cfg, tokens=n / lay.tp if lay.sp else n,
+                                       precision="bf16", ep=lay.ep) - mlp
+    return runtime_activation_bytes(cfg, s=s, b=lay.micro_batch, t=lay.tp, sp=lay.sp,
+                                    recompute=recompute, precision=lay.precision,
+                                    attention=lay.attention, cp=lay.cp, cp_mode=lay.cp_mode,
+                                    ep=lay.ep)
+
+
+def mean_layer_activation_bytes(cfg: ModelConfig, layout: Layout, ranks: RankParams, *,
+                                seq_len: int) -> float:
+    """`layer_activation_bytes` averaged over the rank's blocks: its dense first blocks
+    (model.moe_first_dense) keep a dense MLP's activations, its MoE blocks the experts'."""
+    moe = layer_activation_bytes(cfg, layout, seq_len=seq_len)
+    plain = ranks.layers - ranks.moe_layers if cfg.n_experts else 0
+    if not plain:
+        return moe
+    dense = layer_activation_bytes(replace(cfg, n_experts=0), layout, seq_len=seq_len)
+    return (ranks.moe_layers * moe + plain * dense) / ranks.layers

@@ -56,13 +56,12 @@ from dataclasses import dataclass
 from shardtrain.config import ModelConfig
 from shardtrain.plan.activation_offload import offload_terms
 from shardtrain.cost.counts import kept_params
-from shardtrain.plan.activations import (head_activation_bytes, moe_block_bytes,
-                                         runtime_activation_bytes)
+from shardtrain.plan.activations import (head_activation_bytes, layer_activation_bytes,
+                                         mean_layer_activation_bytes)
 from shardtrain.plan.buffers import (block_units, gathered_units, loss_moment, weight_casts,
                                      zero_moments)
 from shardtrain.plan.checkpoint_io import checkpoint_staging_bytes
 from shardtrain.plan.layout import Layout
-from shardtrain.plan.closed_form import activation_bytes_per_layer
 from shardtrain.plan.optim_states import OPTIM_STATES
 from shardtrain.plan.partition import RankParams, rank_params
 from shardtrain.plan.schedule_terms import schedule_terms
@@ -154,29 +153,6 @@ def model_states(params: float, *, nd: int = 1, zero: int = 0,
                        optimizer=o * params / (nd if zero >= 1 else 1))
 
 
-def layer_activation_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int,
-                           recompute: str | None = None) -> float:
-    """One layer, one micro-batch, on one rank: Korthikanti's Table 2 under the `bf16`
-    convention (the published figures), shardtrain's runtime under fp32 and amp."""
-    lay, s = layout, seq_len // layout.cp
-    recompute = recompute or lay.recompute
-    if lay.precision == "bf16":
-        dense = activation_bytes_per_layer(s=s, b=lay.micro_batch, h=cfg.dim, a=cfg.n_heads,
-                                           t=lay.tp, sp=lay.sp, recompute=recompute)
-        if not cfg.n_experts or recompute == "full":
-            return dense
-        # an MoE block: the published dense layer plus what the block keeps beyond a dense
-        # MLP, counted as shardtrain's runtime keeps it in 16 bits (activations.py)
-        n = s * lay.micro_batch
-        mlp = (4 if cfg.style == "llama" else 2) * n * (cfg.ffn_hidden // lay.tp) * 2
-        return dense + moe_block_bytes(cfg, tokens=n / lay.tp if lay.sp else n,
-                                       precision="bf16", ep=lay.ep) - mlp
-    return runtime_activation_bytes(cfg, s=s, b=lay.micro_batch, t=lay.tp, sp=lay.sp,
-                                    recompute=recompute, precision=lay.precision,
-                                    attention=lay.attention, cp=lay.cp, cp_mode=lay.cp_mode,
-                                    ep=lay.ep)
-
-
 def in_flight(schedule: str, m: int, p: int, v: int = 1) -> float:
     """Micro-batches whose activations the most loaded stage holds: the schedule
     simulator's (plan/schedule_terms.py; 1F1B min(m, p), GPipe m; Narayanan et al. 2021)."""
@@ -240,7 +216,7 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
         states = zeropp_states(states, lay, ranks, node_size=node_size)
     value_bytes = 4 if lay.precision == "fp32" else 2
     s = seq_len // lay.cp
-    per_layer = layer_activation_bytes(cfg, lay, seq_len=seq_len)
+    per_layer = mean_layer_activation_bytes(cfg, lay, ranks, seq_len=seq_len)
     flight = in_flight(lay.schedule, lay.microbatches, lay.pp, lay.v)
     activations = per_layer * ranks.layers * flight
     offloaded = states.offloaded

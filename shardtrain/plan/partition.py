@@ -15,10 +15,10 @@ is exactly `param_counts(cfg).total`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardtrain.config import ModelConfig
-from shardtrain.cost.counts import kept_params, mlp_params, norm_params, param_counts
+from shardtrain.cost.counts import expert_params, kept_params, norm_params, param_counts
 from shardtrain.parallel.pipeline.schedules import V_SHAPED
 from shardtrain.plan.layout import Layout
 
@@ -33,6 +33,7 @@ class RankParams:
     kept_expert: float = 0.0  # of `expert`: the same (GPT-2 experts' biases)
     lookup: float = 0.0  # of `dense`: lookup tables ZeRO-3 gathers for forward only, on a
     # rank holding the embedding without a pipeline (cost/units.py `backward_reads_params`)
+    moe_layers: int = 0  # of `layers`: mixture-of-experts blocks (the rest dense MLPs)
 
     @property
     def total(self) -> float:
@@ -45,12 +46,19 @@ def layers_per_stage(cfg: ModelConfig, layout: Layout) -> int:
 
 
 def rank_params(cfg: ModelConfig, layout: Layout) -> RankParams:
+    """The busiest rank's parameters (module docstring). With dense first blocks
+    (model.moe_first_dense) the stage is taken to hold as many MoE blocks as it can, at
+    most all of the model's: exact with one stage, an upper bound with several."""
     counts = param_counts(cfg)
-    expert_layer = cfg.n_experts * mlp_params(cfg)
-    dense_layer = counts.per_layer - expert_layer
+    expert_layer = cfg.n_experts * expert_params(cfg)
+    moe_layer = counts.per_layer - expert_layer if cfg.n_experts else 0  # its dense part
+    plain_layer = counts.dense_layer
     layers = layers_per_stage(cfg, layout)
-    outside = counts.total - cfg.n_layers * counts.per_layer  # embeddings, head, final norm
+    moe = min(layers, cfg.moe_layers)
+    outside = counts.total - cfg.moe_layers * (moe_layer + expert_layer) \
+        - (cfg.n_layers - cfg.moe_layers) * plain_layer  # embeddings, head, final norm
     kept_layer, kept_expert, kept_outside = kept_params(cfg)
+    kept_plain = kept_params(replace(cfg, n_experts=0))[0] if cfg.n_experts else kept_layer
     if layout.pp > 1 and layout.schedule not in V_SHAPED:  # the V: all on stage 0, as pp = 1
         word = cfg.vocab_size * cfg.dim
         first = counts.embedding - (0 if cfg.tie_embeddings else word)  # word (+ position)
@@ -64,7 +72,9 @@ def rank_params(cfg: ModelConfig, layout: Layout) -> RankParams:
         lookup = (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim) \
             + (cfg.max_seq_len * cfg.dim if cfg.style == "gpt2" else 0)
     expert = expert_layer / layout.ep  # replicated over tp, split over ep
-    return RankParams(dense=(layers * dense_layer + outside) / t, expert=layers * expert,
-                      layer=dense_layer / t + expert, layers=layers,
-                      kept=(layers * kept_layer + kept_outside) / t,
-                      kept_expert=layers * kept_expert / layout.ep, lookup=lookup / t)
+    plain = layers - moe
+    return RankParams(dense=(moe * moe_layer + plain * plain_layer + outside) / t,
+                      expert=moe * expert, layers=layers, moe_layers=moe,
+                      layer=max(moe_layer / t + expert if moe else 0, plain_layer / t if plain else 0),
+                      kept=(moe * kept_layer + plain * kept_plain + kept_outside) / t,
+                      kept_expert=moe * kept_expert / layout.ep, lookup=lookup / t)

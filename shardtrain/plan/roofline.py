@@ -74,7 +74,7 @@ def roofline_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, global_batch
     """One rank's step as roofline ops (module docstring)."""
     lay, t = layout, layout.tp
     act, stream = _ACT[lay.precision], _STREAM[lay.precision]
-    h, f, v = cfg.dim, cfg.ffn_hidden, cfg.vocab_size
+    h, v = cfg.dim, cfg.vocab_size
     q, kv = cfg.n_heads * cfg.head_dim / t, cfg.kv_heads * cfg.head_dim / t  # one tp rank
     T = lay.micro_batch * seq_len / lay.cp
     Tn = T / t if lay.sp else T  # the residual-width ops run on the sequence chunk under sp
@@ -83,7 +83,7 @@ def roofline_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, global_batch
     # per rank per step: layers on this rank x micro-batches it runs
     scale = cfg.n_layers / lay.pp * lay.microbatches
     outside = lay.microbatches / lay.pp  # embedding, head and loss: one stage's, spread
-    slots = T * (cfg.moe_top_k if cfg.n_experts else 1)  # rows through the MLP's hidden
+    mlps = _mlp_rows(cfg, T, t)  # (rows, hidden width) of a mean block's MLPs
     mlp_linears = 3 if cfg.style == "llama" else 2  # SwiGLU: w1, w3 (h -> f) and w2 (f -> h)
 
     tokens = global_batch * seq_len
@@ -94,7 +94,7 @@ def roofline_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, global_batch
     # qkv [T, h] -> [T, q + 2 kv], wo [T, q] -> [T, h], the MLP's up and down projections
     params = rank_params(cfg, lay)
     layer_io = (T * h + T * (q + 2 * kv)) + (T * q + T * h) \
-        + slots * (mlp_linears - 1) * (h + f / t) + slots * (f / t + h)
+        + sum(rows * ((mlp_linears - 1) * (h + w) + (w + h)) for rows, w in mlps)
     head_io = v / t * h + T * (h + v / t)
     linear_bytes = act * (block_passes * scale * (params.layer + layer_io)
                           + 3.0 * outside * head_io)
@@ -115,7 +115,8 @@ def roofline_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, global_batch
     elementwise = [  # blocks' norms and the final one (one stage's, spread over pp)
         ("norms", (2 * scale * block_passes + 3.0 * outside) * Tn * h, 2 * stream, _NORM_FLOPS),
         ("residual adds", 2 * scale * block_passes * Tn * h, 3 * stream, 1.0),
-        ("activation", scale * block_passes * slots * f / t, (activation_read + 1) * act,
+        ("activation", scale * block_passes * sum(r * w for r, w in mlps),
+         (activation_read + 1) * act,
          _ACT_FLOPS),
         ("rotary", scale * block_passes * rope, 2 * act, 3.0),
         ("softmax", scale * softmax_passes * scores if lay.attention == "math" else 0.0,
@@ -134,6 +135,20 @@ def roofline_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, global_batch
         ops.append(price("optimizer", shard * _ADAM_FLOPS, shard * per_param, hw,
                          lay.precision, in_pipeline=False))
     return ops
+
+
+def _mlp_rows(cfg: ModelConfig, tokens: float, t: int) -> list[tuple[float, float]]:
+    """The MLPs of a block averaged over the model's blocks, as (rows, hidden width per tp
+    rank): a dense MLP's `tokens` rows of ffn_hidden / t; a MoE block's k routed slots per
+    token through experts of expert_hidden and its shared experts on every token (whole on
+    every tp rank, parallel/tensor/layers.py); model.moe_first_dense mixes the two."""
+    moe = cfg.moe_layers / cfg.n_layers
+    rows = [(tokens * (1 - moe), cfg.ffn_hidden / t)] if moe < 1 else []
+    if moe:
+        rows.append((tokens * cfg.moe_top_k * moe, cfg.expert_hidden))
+        if cfg.moe_shared_experts:
+            rows.append((tokens * moe, cfg.moe_shared_experts * cfg.expert_hidden))
+    return rows
 
 
 def split(ops: list[RoofOp]) -> tuple[float, float]:

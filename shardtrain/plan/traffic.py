@@ -162,12 +162,16 @@ def step_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, seq_len: int,
     return ops
 
 
+def routed_tokens(layout: Layout, *, seq_len: int) -> int:
+    """Tokens one rank routes per MoE layer and micro-batch (its cp and sp share)."""
+    lay = layout
+    return lay.micro_batch * (seq_len // lay.cp) // (lay.tp if lay.sp else 1)
+
+
 def routed_slots(cfg: ModelConfig, layout: Layout, *, seq_len: int) -> float:
     """Kept slots one rank sends to the experts per MoE layer and micro-batch: T k under
     uniform routing, capped at E ceil(f T k / E) by a capacity factor f (model/moe.py)."""
-    lay = layout
-    tokens = lay.micro_batch * (seq_len // lay.cp) // (lay.tp if lay.sp else 1)
-    slots = tokens * cfg.moe_top_k
+    slots = routed_tokens(layout, seq_len=seq_len) * cfg.moe_top_k
     if cfg.moe_capacity_factor > 0:
         slots = min(slots, cfg.n_experts * math.ceil(cfg.moe_capacity_factor * slots
                                                      / cfg.n_experts))
@@ -182,11 +186,20 @@ def expert_parallel_ops(cfg: ModelConfig, layout: Layout, *, seq_len: int,
     if n <= 1 or not cfg.n_experts:
         return []
     forwards = 2 if lay.recompute == "full" else 1
-    calls = rank_params(cfg, lay).layers * lay.microbatches  # MoE forwards per step
-    rows = routed_slots(cfg, lay, seq_len=seq_len) * cfg.dim
+    calls = rank_params(cfg, lay).moe_layers * lay.microbatches  # MoE forwards per step
     out_bytes = 2 if lay.precision == "bf16" else 4  # the normed input's dtype
     back_bytes = 4 if lay.precision == "fp32" or (lay.precision == "amp" and
                                                   cfg.style == "gpt2") else 2
+    if cfg.sends_per_group(n):  # one row per token and kept group, with its groups' gates
+        rows = routed_tokens(lay, seq_len=seq_len) * cfg.moe_max_groups  # capacity or not
+        gates = rows * (cfg.n_experts // cfg.moe_groups) * 4
+        return [a2a(n, (cfg.moe_groups + n) * 8, calls * forwards, where, "ep", "counts"),
+                a2a(n, rows * cfg.dim * out_bytes, calls * (forwards + 1), where, "ep",
+                    "dispatch"),
+                a2a(n, gates, calls * (forwards + 1), where, "ep", "gates"),
+                a2a(n, rows * cfg.dim * back_bytes, calls * (forwards + 1), where, "ep",
+                    "combine")]
+    rows = routed_slots(cfg, lay, seq_len=seq_len) * cfg.dim
     return [a2a(n, cfg.n_experts * 8, calls * forwards, where, "ep", "counts"),
             a2a(n, rows * out_bytes, calls * (forwards + 1), where, "ep", "dispatch"),
             a2a(n, rows * back_bytes, calls * (forwards + 1), where, "ep", "combine")]
@@ -198,7 +211,7 @@ def moe_counts_ops(cfg: ModelConfig, layout: Layout, *, tp: Placement = FREE,
     (parallel/expert/groups.py, tag moe_counts): an all-reduce over tp under sp and one
     over cp, per MoE training forward (full recomputation's rerun included); any ep."""
     lay = layout
-    calls = rank_params(cfg, lay).layers * lay.microbatches * (2 if lay.recompute == "full"
+    calls = rank_params(cfg, lay).moe_layers * lay.microbatches * (2 if lay.recompute == "full"
                                                                else 1)
     groups = [("tp", lay.tp, tp)] if lay.sp else []
     return [a2a(size, cfg.n_experts * 8, calls, where, group, "moe_counts", "all_reduce")

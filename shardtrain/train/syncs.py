@@ -39,7 +39,10 @@ STEP_SYNCS: dict[tuple[str, str, str], str] = {
     ("parallel/expert/layers.py", "exchange_counts", "tolist"):
         "expert parallelism: the all-to-all's split sizes are host integers (torch's "
         "all_to_all_single takes lists), one read of the exchanged counts per MoE layer",
-    ("model/moe.py", "_looped", "tolist"):
+    ("parallel/expert/grouped.py", "grouped_exchange", "tolist"):
+        "expert parallelism, one row per kept group: the same one read of the exchanged "
+        "counts per MoE layer (rows per group and slots), replacing exchange_counts'",
+    ("model/experts.py", "_looped", "tolist"):
         "moe_impl=looped only (the grouped kernel's baseline): the per-expert loop needs "
         "its slice ends on the host",
     ("parallel/zero/offload.py", "step", "cpu"):

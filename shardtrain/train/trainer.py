@@ -141,8 +141,8 @@ class Trainer:
         self.parallel.step(lr)  # not applied if the loss or gradients were not finite
         end = self.timer.mark()
         self.step += 1
-        moe = [moe_totals(self.parallel.module, [self.mesh.comm("pp"), self.mesh.comm(
-            self.mesh.replica_dim)], self.device)] if self.cfg.model.n_experts else []
+        moe = [moe_totals(self.parallel.module, self.cfg.model, self.mesh, self.device)] \
+            if self.cfg.model.n_experts else []
         compute = busy_seconds(self.parallel.timeline)  # after the decision: marks passed
         comm = self.mesh.ledger.totals(self.mesh.ledger.mark())
         record = {
@@ -161,7 +161,7 @@ class Trainer:
             record["step_time_s"] = elapsed
             record["mfu"] = None if self.peak_flops is None else \
                 self.flops_per_step / (elapsed * self.mesh.world_size * self.peak_flops)
-            record.update(moe_fields(read[2:], self.cfg.model.n_experts) if len(read) > 2 else {})
+            record.update(moe_fields(read[2:], self.cfg.model) if len(read) > 2 else {})
             record.update(self.pace.measure(record["step"], elapsed, compute))  # logged: gathers
 
         self.pending.add(record, [mean_loss, grad_norm, *moe], start, end, finish)

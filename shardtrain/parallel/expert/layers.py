@@ -21,34 +21,12 @@ from torch import nn
 
 from shardtrain.comm import Communicator
 from shardtrain.config import ModelConfig
-from shardtrain.model.moe import Dispatch, Experts, MoE
+from shardtrain.model.experts import Experts
+from shardtrain.model.moe import Dispatch, MoE
+from shardtrain.model.moe_routing import Routing
+from shardtrain.parallel.expert.a2a import all_to_all
+from shardtrain.parallel.expert.grouped import grouped_exchange
 from shardtrain.parallel.tensor.sharding import Placement
-
-
-class _AllToAll(torch.autograd.Function):
-    """Rows of x to the ranks by `in_rows`, received by `out_rows`; backward: the swap."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Communicator, out_rows: list[int],
-                in_rows: list[int]) -> torch.Tensor:
-        ctx.comm, ctx.rows = comm, (out_rows, in_rows)
-        out = x.new_empty(sum(out_rows), *x.shape[1:])
-        comm.all_to_all(out, x.contiguous(), output_splits=out_rows, input_splits=in_rows,
-                        tag="ep")
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        out_rows, in_rows = ctx.rows
-        back = grad.new_empty(sum(in_rows), *grad.shape[1:])
-        ctx.comm.all_to_all(back, grad.contiguous(), output_splits=in_rows,
-                            input_splits=out_rows, tag="ep")
-        return back, None, None, None
-
-
-def all_to_all(x: torch.Tensor, comm: Communicator, out_rows: list[int],
-               in_rows: list[int]) -> torch.Tensor:
-    return _AllToAll.apply(x, comm, out_rows, in_rows)
 
 
 def exchange_counts(counts: torch.Tensor, comm: Communicator
@@ -89,14 +67,21 @@ def run_experts(xs: torch.Tensor, d: Dispatch, comm: Communicator,
 
 class ExpertSlice(Experts):
     """This rank's L = n_experts / ep experts, under the `Experts` parameter names; forward
-    takes the whole Dispatch of the rank's own tokens and runs the exchange."""
+    takes the whole Dispatch of the rank's own tokens and runs the exchange. Under
+    group-limited routing with whole groups on each rank and fewer groups than slots per
+    token (g < k), `grouped`: MoE sends each token once per group (`exchange_grouped`)."""
 
     def __init__(self, cfg: ModelConfig, comm: Communicator):
         super().__init__(replace(cfg, n_experts=cfg.n_experts // comm.size))
-        self.comm = comm
+        self.comm, self.n_groups = comm, cfg.moe_groups
+        self.grouped = cfg.sends_per_group(comm.size)
 
     def forward(self, x: torch.Tensor, d: Dispatch) -> torch.Tensor:
         return run_experts(x, d, self.comm, super().forward)
+
+    def exchange_grouped(self, tokens: torch.Tensor, r: Routing, d: Dispatch) -> torch.Tensor:
+        """tokens [T, C] -> the combined routed output [T, C] (grouped.py)."""
+        return grouped_exchange(tokens, r, d, self.comm, self.n_groups, super().forward)
 
 
 def apply_expert_parallel(model: nn.Module, comm: Communicator) -> dict[str, Placement]:

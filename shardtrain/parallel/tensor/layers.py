@@ -37,7 +37,8 @@ from torch import nn
 from torch.autograd import Function
 
 from shardtrain.comm import Communicator
-from shardtrain.model.moe import MoE, autocast_dtype
+from shardtrain.model.experts import autocast_dtype
+from shardtrain.model.moe import MoE
 from shardtrain.model.transformer import Transformer
 from shardtrain.parallel.tensor.sharding import Placement
 from shardtrain.parallel.tensor.ops import (CopyToRegion, GatheredInput, GatherFromSequence,

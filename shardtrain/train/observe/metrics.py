@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from shardtrain.config import ConfigError
+from shardtrain.config import ConfigError, ModelConfig
 from shardtrain.data.fsutil import write_atomic
 from shardtrain.model.moe import layer_balance, moe_stats, update_expert_biases
 from shardtrain.train.observe.tracking import Tracker, scalars_of
@@ -222,27 +222,29 @@ class MetricsWriter:
             tracker.close()
 
 
-def moe_totals(module: torch.nn.Module, comms: list, device: torch.device) -> torch.Tensor:
-    """The step's mixture-of-experts totals (model/moe.py `moe_stats`) [6], summed over this
-    rank's MoE layers and micro-batches, then over `comms` (the pipeline and replica
-    groups, tag "metric"), so every rank (and rank 0, which writes) holds the whole
+def moe_totals(module: torch.nn.Module, cfg: ModelConfig, mesh, device: torch.device
+               ) -> torch.Tensor:
+    """The step's mixture-of-experts totals (model/moe.py `moe_stats`) [6 + L (E + 1)],
+    summed over this rank's MoE layers and micro-batches, then over the mesh's pipeline and
+    replica groups (tag "metric"), so every rank (and rank 0, which writes) holds the whole
     model's over all replicas. Left on the device: `moe_fields` reads them at the flush
     (train/pending.py)."""
-    total = moe_stats(module, device)
-    for comm in comms:
+    total = moe_stats(module, cfg, device)
+    for comm in (mesh.comm("pp"), mesh.comm(mesh.replica_dim)):
         comm.all_reduce(total, "sum", tag="metric")
     update_expert_biases(module, total)  # the step's whole load, the same on every replica
     return total
 
 
-def moe_fields(total: list[float], n_experts: int) -> dict[str, Any]:
+def moe_fields(total: list[float], cfg: ModelConfig) -> dict[str, Any]:
     """`moe_totals`, read: moe_aux_loss and moe_z_loss, the mean over layers, micro-batches
     and replicas; moe_dropped, the token-slots over capacity, in total; moe_expert_cv, the
     mean over layers and replicas of the coefficient of variation of one layer's routed
     counts per expert on one replica in the step; per layer (lists), moe_maxvio, the step's
-    max load / mean load - 1 over all replicas, and moe_dropped_layers."""
+    max load / mean load - 1 over all replicas, and moe_dropped_layers (None for a dense
+    block)."""
     aux, z, forwards, dropped, cv, layers = total[:6]
     forwards, layers = max(forwards, 1.0), max(layers, 1.0)
     return {"moe_aux_loss": aux / forwards, "moe_z_loss": z / forwards,
             "moe_dropped": int(dropped), "moe_expert_cv": cv / layers,
-            **layer_balance(total, n_experts)}
+            **layer_balance(total, cfg)}

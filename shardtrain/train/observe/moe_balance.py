@@ -12,13 +12,15 @@ from shardtrain.train.observe.charts import pyplot, save_png
 
 def moe_lines(records: list[dict[str, Any]]) -> list[str]:
     """Per MoE layer: MaxVio at the first and last logged step and its mean; [] for a
-    dense run."""
+    dense run. A dense block (model.moe_first_dense) has None and no line."""
     rows = [r["moe_maxvio"] for r in records if r.get("moe_maxvio")]
     if not rows:
         return []
     lines = [f"{'layer':>5} {'MaxVio first':>12} {'last':>8} {'mean':>8}"]
     for layer in range(len(rows[0])):
         seen = [row[layer] for row in rows]
+        if seen[0] is None:
+            continue
         lines.append(f"{layer:>5} {seen[0]:>12.3f} {seen[-1]:>8.3f} "
                      f"{sum(seen) / len(seen):>8.3f}")
     return lines
@@ -33,6 +35,8 @@ def plot_moe_balance(records: list[dict[str, Any]], path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = [step for step, _ in rows]
     for layer in range(len(rows[0][1])):
+        if rows[0][1][layer] is None:  # a dense block
+            continue
         ax.plot(steps, [v[layer] for _, v in rows], label=f"layer {layer}", linewidth=1)
     ax.set(xlabel="step", ylabel="MaxVio (max load / mean load - 1)",
            title="expert load balance per layer")
