@@ -14,9 +14,8 @@ from shardtrain.model.mlp import MLP
 from shardtrain.model.moe import MoE
 from shardtrain.model.transformer import build_model
 
-from dist import run_distributed
-from parity import (BF16_LOSS_RTOL, assert_parity, tiny, train_layout, train_layouts,
-                    worst_loss_deviation)
+from moe_parity import check_moe_layouts
+from parity import tiny
 
 DEEPSEEK = ("--model.n_experts", "4", "--model.moe_ffn_dim", "32", "--model.moe_shared_experts",
             "1", "--model.moe_first_dense", "1", "--model.moe_score", "sigmoid",
@@ -111,27 +110,4 @@ def test_deepseek_shaped_parity(tmp_path):
     biases bitwise), and under ep=2, pp=2 and ep=2 x dp=2 x ZeRO-2 in bf16."""
     text = lambda name, *o: config.to_toml(  # noqa: E731
         tiny(tmp_path, name, *DEEPSEEK, "--train.steps", "4", *o))
-    bf16 = ("--train.precision", "bf16")
-    reference = train_layout(0, 1, text("ref"), _expert_bias)
-    reference16 = train_layout(0, 1, text("ref16", *bf16))
-    rows = [("ep2", ("--parallel.ep", "2")),
-            ("tp2 sp", ("--parallel.tp", "2", "--parallel.sp", "true")),
-            ("pp2", ("--parallel.pp", "2")), ("cp2", ("--parallel.cp", "2")),
-            ("dp2 zero3", ("--parallel.zero", "3")),
-            ("ep2 bf16", ("--parallel.ep", "2", *bf16)), ("pp2 bf16", ("--parallel.pp", "2", *bf16))]
-    wide = [("ep2 dp2 zero2", ("--parallel.ep", "2", "--parallel.zero", "2")),
-            ("ep2 dp2 zero2 bf16", ("--parallel.ep", "2", "--parallel.zero", "2", *bf16))]
-    for world, layouts in ((2, rows), (4, wide)):
-        per_rank = run_distributed(train_layouts, world,
-                                   [text(n.replace(" ", "-"), *o) for n, o in layouts],
-                                   _expert_bias)
-        for i, (label, _) in enumerate(layouts):
-            for rank, results in enumerate(per_rank):
-                got = results[i]
-                if "bf16" in label:
-                    worst = worst_loss_deviation(reference16["losses"], got["losses"])
-                    assert worst <= BF16_LOSS_RTOL[False], (label, rank, worst)
-                    continue
-                assert_parity(reference, got, f"{label} rank {rank}")
-                for name, bias in reference["bias"].items():
-                    assert torch.equal(got["bias"][name], bias), (label, rank, name)
+    check_moe_layouts(text, _expert_bias, tp=("--parallel.tp", "2", "--parallel.sp", "true"))
