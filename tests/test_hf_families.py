@@ -21,7 +21,8 @@ from shardtrain.model.transformer import build_model  # noqa: E402
 from shardtrain.plan.layout import Layout  # noqa: E402
 from shardtrain.plan.rank_states import rank0_tensors  # noqa: E402
 
-TOKENS = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+from hf_tiny import logits, save_random  # noqa: E402
+
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6)
 FAMILIES = {
@@ -44,22 +45,9 @@ FAMILIES = {
 
 
 def tiny_family(path, family: str, **changes):
-    """A random tiny checkpoint of `family`, saved; every 1-D weight (biases, norms) moved
-    away from its init so a misplaced or unpermuted one shows in the logits."""
+    """A random tiny checkpoint of `family`, saved (hf_tiny.save_random)."""
     kind, extra = FAMILIES[family]
-    torch.manual_seed(3)
-    model = transformers.AutoModelForCausalLM.from_config(kind(**{**SHAPE, **extra, **changes}))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1:
-                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "norm" in name else 0.0))
-    model.eval().save_pretrained(path)
-    return model
-
-
-def logits(model, ours: bool) -> torch.Tensor:
-    with torch.no_grad():
-        return model(TOKENS) if ours else model(TOKENS).logits
+    return save_random(path, kind(**{**SHAPE, **extra, **changes}))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -123,7 +111,7 @@ def test_refusals_name_the_field_and_the_supported_values(tmp_path, capsys):
     tiny_family(hf, "mistral", sliding_window=32)
     _edit(hf, model_type="gemma")
     with pytest.raises(ConfigError, match=r"model_type='gemma' is not supported; .*llama, "
-                                          r"qwen2, qwen3, mistral, gpt2"):
+                                          r"qwen2, qwen3, mistral, mixtral, qwen3_moe, gpt2"):
         load_hf(hf)
     _edit(hf, model_type="mistral", rope_parameters={"rope_type": "longrope", "factor": 4.0})
     with pytest.raises(ConfigError, match=r"rope_type=.longrope. is not supported .*default, "

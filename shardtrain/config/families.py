@@ -43,3 +43,24 @@ def check_window(seq_len: int, model) -> None:
                           f"{model.sliding_window} (the model's attention window): shardtrain "
                           "attends over the whole sequence, which equals windowed attention "
                           f"only when it fits; set train.seq_len <= {model.sliding_window}")
+
+
+def moe_family(cfg) -> str:
+    """The Hugging Face family a mixture-of-experts `cfg` (ModelConfig) is written as,
+    mixtral or qwen3_moe (model/hf_moe.py), or a ConfigError saying why none holds it."""
+    why = [what for what, bad in (
+        ("sigmoid scores", cfg.moe_score != "softmax"), ("the expert bias", cfg.moe_balance == "bias"),
+        ("shared experts", cfg.moe_shared_experts), ("group-limited routing", cfg.moe_groups),
+        ("q/k/v biases", cfg.qkv_bias), ("top-1 gates", cfg.moe_top_k == 1),
+        ("the gpt2 style", cfg.style != "llama")) if bad]
+    if why:
+        raise ConfigError(f"a mixture-of-experts model with {', '.join(why)} has no Hugging "
+                          f"Face family to export to (Mixtral and Qwen3-MoE route with "
+                          "softmax top-k >= 2, renormalised, no shared experts)")
+    if cfg.qk_norm:
+        return "qwen3_moe"
+    if cfg.moe_first_dense or cfg.expert_hidden != cfg.ffn_hidden:
+        raise ConfigError("model.moe_ffn_dim or model.moe_first_dense without model.qk_norm: "
+                          "Mixtral has neither, Qwen3-MoE (which has them) has q/k norms; no "
+                          "Hugging Face family holds this model")
+    return "mixtral"

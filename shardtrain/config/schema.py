@@ -11,7 +11,7 @@ from typing import Any, Literal
 from shardtrain.config.data import DataConfig
 from shardtrain.config.errors import ConfigError, positive
 from shardtrain.config.faults import check_faults
-from shardtrain.config.families import check_window
+from shardtrain.config.families import check_window, moe_family
 from shardtrain.config.layout import (check_compile, check_context_parallel,
                                       check_expert_parallel, check_pipeline,
                                       check_tensor_parallel)
@@ -129,11 +129,12 @@ class TrainConfig:
         check_window(self.seq_len, model)
         check_observability(self)
         if self.export_hf and model.n_experts:  # refused here, not after the training
-            raise ConfigError(f"train.export_hf={self.export_hf!r} with model.n_experts="
-                              f"{model.n_experts}: a mixture-of-experts model has no Hugging "
-                              "Face layout to export to; drop train.export_hf (the final "
-                              "checkpoint holds the model: shardtrain generate --checkpoint "
-                              "reads it)")
+            try:
+                moe_family(model)
+            except ConfigError as e:
+                raise ConfigError(f"train.export_hf={self.export_hf!r}: {e}; drop "
+                                  "train.export_hf (the final checkpoint holds the model: "
+                                  "shardtrain generate --checkpoint reads it)") from None
 
     def accumulation_steps(self, dp: int) -> int:
         return self.global_batch // (self.micro_batch * dp)

@@ -93,6 +93,7 @@ def iter_hf_weights(path: str | os.PathLike, cfg: ModelConfig
     maps = {m.hf: m for m in tensor_maps(cfg)}
     tied_head = "lm_head.weight" if cfg.tie_embeddings else None
     seen: set[str] = set()
+    pending: dict[str, dict[int, torch.Tensor]] = {}  # stacked experts being read
     from safetensors import safe_open
 
     for file in weight_files(path):
@@ -113,8 +114,15 @@ def iter_hf_weights(path: str | os.PathLike, cfg: ModelConfig
                         f"{file}: tensor {key!r} has shape {list(tensor.shape)}, but "
                         f"{path / 'config.json'} implies {list(expected)}; the weights and "
                         "the config.json come from different models")
-                yield from zip(m.ours, m.to_ours(tensor))
                 seen.add(name)
+                if m.expert is None:
+                    yield from zip(m.ours, m.to_ours(tensor))
+                    continue
+                parts = pending.setdefault(m.ours[0], {})  # E tensors fill one of ours
+                parts[m.expert] = tensor
+                if len(parts) == cfg.n_experts:
+                    yield m.ours[0], torch.stack([parts[e] for e in range(cfg.n_experts)])
+                    del pending[m.ours[0]]
     missing = [n for n in maps if n not in seen]
     if missing:
         raise ConfigError(f"{path}: the safetensors files lack {len(missing)} tensor(s) that "
@@ -200,8 +208,16 @@ def save_hf(model: nn.Module | None, path: str | os.PathLike, *, cfg: ModelConfi
             shards.append({"file": tmp.name, "names": list(shard)})
             shard, size = {}, 0
 
+    last: dict[str, torch.Tensor] = {}  # the stacked experts the next maps slice
+
+    def read_once(name: str) -> torch.Tensor:
+        if name not in last:
+            last.clear()
+            last[name] = read(name)
+        return last[name]
+
     for m in tensor_maps(cfg):
-        tensor = m.to_hf([read(n) for n in m.ours]).to("cpu", dtype).contiguous()
+        tensor = m.to_hf([read_once(n) for n in m.ours]).to("cpu", dtype).contiguous()
         nbytes = tensor.numel() * tensor.element_size()
         if shard and size + nbytes > max_shard_bytes:
             flush()

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from shardtrain.config import ConfigError, ModelConfig
+from shardtrain.model.hf_moe import MOE_FAMILIES, moe_fields, moe_fields_from_hf
 from shardtrain.model.positions import yarn_attention_factor
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", *MOE_FAMILIES)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
 ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn")
@@ -44,9 +45,9 @@ def family_config(raw: dict[str, Any], file: Path, get) -> ModelConfig:
     if head_dim is None:  # Qwen3's default is 128, the others' hidden_size / heads
         head_dim = 128 if family == "qwen3" else dim // heads
     window = 0
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         window = get("sliding_window", int, None) or 0
-    elif family in ("qwen2", "qwen3") and get("use_sliding_window", bool, False):
+    elif family in ("qwen2", "qwen3", "qwen3_moe") and get("use_sliding_window", bool, False):
         window = get("sliding_window", int, None) or 0
         types = raw.get("layer_types")  # Qwen windows only layers >= max_window_layers
         if isinstance(types, list) and "sliding_attention" not in types:
@@ -60,7 +61,9 @@ def family_config(raw: dict[str, Any], file: Path, get) -> ModelConfig:
         tie_embeddings=get("tie_word_embeddings", bool, False),
         norm_eps=get("rms_norm_eps", float, 1e-6), rope_theta=theta,
         head_size=0 if head_dim * heads == dim else head_dim,
-        qkv_bias=family == "qwen2", qk_norm=family == "qwen3", sliding_window=window, **scaling)
+        qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe"),
+        sliding_window=window, **scaling,
+        **(moe_fields_from_hf(raw, file, get) if family in MOE_FAMILIES else {}))
 
 
 def _rope(raw: dict[str, Any], file: Path) -> tuple[float, dict[str, Any]]:
@@ -145,8 +148,8 @@ def family_of(cfg: ModelConfig, base: dict[str, Any] | None) -> str:
 
 
 def family_fields(cfg: ModelConfig, base: dict[str, Any] | None) -> dict[str, Any]:
-    """The config.json fields that describe a llama-style `cfg`."""
-    family = family_of(cfg, base)
+    """The config.json fields that describe a llama-style `cfg` (a MoE one: hf_moe.py)."""
+    family = "mistral" if cfg.n_experts else family_of(cfg, base)  # the block's fields
     rope: dict[str, Any] = {"rope_type": "default" if cfg.rope_scaling == "none"
                             else cfg.rope_scaling, "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling != "none":
@@ -175,4 +178,7 @@ def family_fields(cfg: ModelConfig, base: dict[str, Any] | None) -> dict[str, An
                    sliding_window=cfg.sliding_window or None)
         if cfg.sliding_window and "max_window_layers" not in (base or {}):
             out.update(max_window_layers=0)  # every layer windowed
+    if cfg.n_experts:
+        out.pop("sliding_window")  # the family's own fields say it
+        out.update(moe_fields(cfg))
     return out

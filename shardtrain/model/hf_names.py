@@ -28,6 +28,8 @@ import torch
 
 from shardtrain.config import ConfigError, ModelConfig
 from shardtrain.model.hf_families import FAMILIES, family_config, family_fields, refuse
+from shardtrain.config.families import moe_family
+from shardtrain.model.hf_moe import LAYOUT
 
 SUPPORTED = (*FAMILIES, "gpt2")
 # Non-persistent buffers some older checkpoints carry; they hold nothing to load.
@@ -111,9 +113,6 @@ def hf_config_from_model(cfg: ModelConfig, base: dict[str, Any] | None = None,
     """config.json for `cfg`: the fields of `base` (the source checkpoint's, so token ids
     and the like survive) with every shape field replaced by shardtrain's."""
     out = dict(base or {})
-    if cfg.n_experts:
-        raise ConfigError("model.n_experts > 0: a mixture-of-experts model has no Hugging "
-                          f"Face layout ({', '.join(SUPPORTED)}) to export to")
     if cfg.style == "llama":
         out.update(family_fields(cfg, base))
         out.pop("rope_scaling", None)
@@ -128,12 +127,14 @@ def hf_config_from_model(cfg: ModelConfig, base: dict[str, Any] | None = None,
 
 @dataclass(frozen=True)
 class TensorMap:
-    """One Hugging Face tensor and the shardtrain tensors it holds (in order)."""
+    """One Hugging Face tensor and the shardtrain tensors it holds (in order); `expert`:
+    it is slice `expert` of our one stacked expert tensor (hf_moe.py)."""
 
     hf: str
     ours: tuple[str, ...]
     to_ours: Callable[[torch.Tensor], list[torch.Tensor]]
     to_hf: Callable[[list[torch.Tensor]], torch.Tensor]
+    expert: int | None = None
 
 
 def _plain(hf: str, ours: str) -> TensorMap:
@@ -178,12 +179,12 @@ def tensor_maps(cfg: ModelConfig) -> list[TensorMap]:
             if cfg.qk_norm:  # the norm weight [D] is one head's channels: permuted alike
                 maps += [_rope_rows(hf + f"self_attn.{n}_norm.weight",
                                     me + f"attn.{n}_norm.weight", 1) for n in ("q", "k")]
-            maps += [
-                     _plain(hf + "self_attn.o_proj.weight", me + "attn.wo.weight"),
-                     _plain(hf + "mlp.gate_proj.weight", me + "mlp.w1.weight"),
-                     _plain(hf + "mlp.up_proj.weight", me + "mlp.w3.weight"),
-                     _plain(hf + "mlp.down_proj.weight", me + "mlp.w2.weight"),
-                     _plain(hf + "input_layernorm.weight", me + "attn_norm.weight"),
+            maps.append(_plain(hf + "self_attn.o_proj.weight", me + "attn.wo.weight"))
+            maps += _expert_maps(cfg, hf, me) if cfg.is_moe(i) else [
+                _plain(hf + "mlp.gate_proj.weight", me + "mlp.w1.weight"),
+                _plain(hf + "mlp.up_proj.weight", me + "mlp.w3.weight"),
+                _plain(hf + "mlp.down_proj.weight", me + "mlp.w2.weight")]
+            maps += [_plain(hf + "input_layernorm.weight", me + "attn_norm.weight"),
                      _plain(hf + "post_attention_layernorm.weight", me + "mlp_norm.weight")]
         maps.append(_plain("model.norm.weight", "norm.weight"))
     else:
@@ -206,6 +207,19 @@ def tensor_maps(cfg: ModelConfig) -> list[TensorMap]:
                  _plain("transformer.ln_f.bias", "norm.bias")]
     if not cfg.tie_embeddings:
         maps.append(_plain("lm_head.weight", "head.weight"))
+    return maps
+
+
+def _expert_maps(cfg: ModelConfig, hf: str, me: str) -> list[TensorMap]:
+    """A MoE block's router and its experts' projections, one Hugging Face tensor per
+    expert and projection, each a slice of our stacked [E, out, in] (hf_moe.py)."""
+    where, names = LAYOUT[moe_family(cfg)]
+    maps = [_plain(f"{hf}{where}.gate.weight", me + "mlp.router.weight")]
+    for e in range(cfg.n_experts):
+        for theirs, ours in zip(names, ("w1", "w3", "w2")):
+            maps.append(TensorMap(f"{hf}{where}.experts.{e}.{theirs}.weight",
+                                  (me + f"mlp.experts.{ours}",), lambda t: [t],
+                                  lambda ts, e=e: ts[0][e], expert=e))
     return maps
 
 

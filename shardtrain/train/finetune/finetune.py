@@ -30,7 +30,8 @@ SHAPE_FIELDS = ("style", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads
                 "max_seq_len", "tie_embeddings", "norm_eps", "rope_theta", "qkv_bias", "qk_norm",
                 "head_size", "rope_scaling", "rope_factor", "rope_low_freq_factor",
                 "rope_high_freq_factor", "rope_original_max_len", "rope_attention_factor",
-                "sliding_window")
+                "sliding_window", "n_experts", "moe_top_k", "moe_ffn_dim", "moe_first_dense",
+                "moe_shared_experts", "moe_groups", "moe_max_groups", "moe_score")
 
 
 def resolve_init_from(cfg: Config) -> None:
@@ -54,9 +55,6 @@ def resolve_init_from(cfg: Config) -> None:
             raise ConfigError(f"model.{name}={mine!r} conflicts with {path / 'config.json'} "
                               f"({theirs!r}); drop model.{name}: model.init_from sets the shape")
         setattr(cfg.model, name, getattr(hf, name))
-    if cfg.model.n_experts:
-        raise ConfigError("model.n_experts: the Hugging Face families read have no experts; "
-                          "drop it with model.init_from")
     tokenizer = hf_tokenizer(path)
     if tokenizer is not None and cfg.data.tokenizer == "byte":
         cfg.data.tokenizer = str(tokenizer)
