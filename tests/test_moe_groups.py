@@ -72,16 +72,22 @@ def _train(rank: int, world: int, texts: list[str]) -> list[dict]:
 
 def test_grouped_exchange_parity_and_bytes(tmp_path):
     """ep = 2, 2 groups, one per token, top-2: every token sends one row (and its group's
-    2 gates) where the slot exchange sends two. fp32 and bf16 train as one process does;
+    2 gates) where the slot exchange sends two. fp32 (also with capacity drops, and gpt2's
+    biased experts) and bf16 train as one process does;
     per step the ledger's calls and bytes summed over the two ranks equal the planner's
     (every row received was sent: the per-rank split depends on the routing), and fall
     against the same model's slot exchange (no limit) as the planner says."""
-    names = {"ref": EXPERTS + LIMITED, "ref16": EXPERTS + LIMITED + ("--train.precision", "bf16")}
-    runs = {"grouped": EXPERTS + LIMITED, "grouped bf16": names["ref16"],
+    bf16, capacity = ("--train.precision", "bf16"), ("--model.moe_capacity_factor", "0.5")
+    gpt2 = ("--model.style", "gpt2", "--model.n_kv_heads", "0")
+    runs = {"grouped": EXPERTS + LIMITED, "grouped bf16": EXPERTS + LIMITED + bf16,
+            # capacity drops some slots: their gates travel as -1, the row count is T g still
+            "grouped capacity": EXPERTS + LIMITED + capacity,
+            "grouped gpt2": EXPERTS + LIMITED + gpt2,  # the experts' biases, per slot
             "slots": EXPERTS}  # the same exchange on an unlimited router
     cfgs = {n: tiny(tmp_path, n.replace(" ", "-"), *o, "--parallel.ep", "2") for n, o in
             runs.items()}
-    refs = {n: _train(0, 1, [config.to_toml(tiny(tmp_path, n, *o))])[0] for n, o in names.items()}
+    refs = {n: _train(0, 1, [config.to_toml(tiny(tmp_path, "ref-" + n.replace(" ", "-"), *o))])[0]
+            for n, o in runs.items() if n != "slots"}
     per_rank = run_distributed(_train, 2, [config.to_toml(c) for c in cfgs.values()])
     planned = {}
     for i, (name, cfg) in enumerate(cfgs.items()):
@@ -98,7 +104,7 @@ def test_grouped_exchange_parity_and_bytes(tmp_path):
             got = per_rank[rank][i]
             if name == "slots":
                 continue
-            ref = refs["ref16" if "bf16" in name else "ref"]
+            ref = refs[name]
             if "bf16" in name:
                 worst = max(abs(g - r) / r for g, r in zip(got["losses"], ref["losses"]))
                 assert worst <= BF16_LOSS_RTOL[False], (name, rank, worst)
