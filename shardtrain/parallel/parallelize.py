@@ -1,9 +1,10 @@
 """parallelize(model, mesh, cfg): apply a layout to the plain model, in one documented order.
 
 Order: tensor/sequence parallel (tensor/) -> context parallel (context/) -> expert
-parallel (expert/) -> compiled blocks (compile.py, when train.compile) -> activation
-checkpointing -> activation offload (offload_activations.py) -> pipeline split (pipeline/) -> ZeRO
-(zero/) or data parallel (data/), or a parameter server (ps/). Expert parallelism swaps
+parallel (expert/) -> fp8 linears (quant/float8.py, when train.fp8) -> compiled blocks
+(compile.py, when train.compile) -> activation checkpointing -> activation offload
+(offload_activations.py) -> pipeline split (pipeline/) -> ZeRO (zero/) or data parallel
+(data/), or a parameter server (ps/). Expert parallelism swaps
 each MoE layer's experts for this rank's slice (placements over the ep group, beside the
 tp ones in StageShards) and, where cp or sp split a micro-batch's tokens, gives the MoE
 layers their token group (expert/groups.py). Context parallelism
@@ -30,6 +31,7 @@ import torch
 
 from shardtrain.comm import Communicator
 from shardtrain.config import Config
+from shardtrain.config.fp8 import check_fp8
 from shardtrain.mesh import ParallelMesh
 from shardtrain.model.transformer import Transformer, init_state_buffers
 from shardtrain.parallel.build import Fill, ModuleTarget, Values, filler, materialize
@@ -55,6 +57,7 @@ from shardtrain.parallel.tensor.layers import apply_tensor_parallel
 from shardtrain.parallel.tensor.vocab import cross_entropy
 from shardtrain.parallel.zero.model import ZeroModel
 from shardtrain.parallel.zero.zeropp import build_unit_comm
+from shardtrain.quant.float8 import convert_blocks
 
 MakeOptimizer = Callable[[torch.nn.Module], torch.optim.Optimizer]
 
@@ -80,6 +83,9 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
         ep = mesh.comm("ep")
         ep_placements = apply_expert_parallel(model, ep)
     apply_token_groups(model, tp, mesh.comm("cp"), sp=cfg.parallel.sp)
+    if cfg.train.fp8 != "none":  # on meta, before compile and checkpointing wrap the blocks
+        check_fp8(cfg)  # again, on the precision the device resolved
+        convert_blocks(model.layers, cfg.train.fp8)
     if cfg.train.compile:  # before checkpointing: a checkpoint runs the compiled forward
         compile_blocks(model.layers)
     if cfg.train.activation_checkpointing == "full":
