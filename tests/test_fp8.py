@@ -27,11 +27,12 @@ def test_conversion_swaps_the_blocks_linears_on_meta(tmp_path):
     with torch.device("meta"):
         model = Transformer(cfg.model)
     before = dict(model.named_parameters())
-    assert convert_blocks(model.layers, "tensorwise") == 7 * cfg.model.n_layers  # q k v o w1 w2 w3
+    names = convert_blocks(model, "tensorwise")
     converted = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
     assert converted == {f"layers.{i}.{part}" for i in range(cfg.model.n_layers) for part in
                          ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w2",
                           "mlp.w3")}
+    assert sorted(names) == sorted(f"{n}.weight" for n in converted)
     assert type(model.head) is nn.Linear  # the head, embedding and norms stay as they are
     after = dict(model.named_parameters())
     assert after.keys() == before.keys()  # same names: checkpoints and ZeRO units unchanged
@@ -85,9 +86,10 @@ def _reference(x, w, go, recipe: str):
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_float8_linear_matches_the_dequantized_reference(recipe):
     torch.manual_seed(0)
-    blocks = nn.ModuleList([nn.Sequential(nn.Linear(64, 48, bias=False))])
-    convert_blocks(blocks, recipe)
-    layer = blocks[0][0]
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Sequential(nn.Linear(64, 48, bias=False))])
+    assert convert_blocks(model, recipe) == ["layers.0.0.weight"]
+    layer = model.layers[0][0]
     x = (torch.randn(32, 64) * torch.logspace(-2, 1, 32)[:, None]).requires_grad_()  # [M, K]
     go = torch.randn(32, 48) * torch.logspace(-3, 0, 48)  # [M, N]: uneven rows and columns
     out = layer(x)

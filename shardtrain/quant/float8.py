@@ -46,16 +46,17 @@ def float8_config(recipe: str):
     return Float8LinearConfig.from_recipe_name(recipe)
 
 
-def convert_blocks(blocks: nn.ModuleList, recipe: str) -> int:
-    """Swap every nn.Linear inside `blocks` for a Float8Linear of `recipe`, in place (on the
-    meta device too: the weight and bias objects move over unchanged). Returns how many
-    were swapped. The caller passes the transformer's blocks, never the whole model: the
-    head and the embedding stay outside (module doc)."""
+def convert_blocks(model: nn.Module, recipe: str) -> list[str]:
+    """Swap every nn.Linear inside `model.layers` (the transformer's blocks) for a
+    Float8Linear of `recipe`, in place (on the meta device too: the weight and bias objects
+    move over unchanged). Returns the converted weights' full names ("layers.0.attn.wq.
+    weight", ...). Only the blocks: the head and the embedding stay outside (module doc)."""
     from torchao.float8 import convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
 
     config = float8_config(recipe)
-    before = sum(isinstance(m, nn.Linear) for m in blocks.modules())
-    for block in blocks:  # an MoE router would stay (module doc); config/fp8.py refuses MoE
+    for block in model.layers:  # an MoE router would stay (module doc); config/fp8.py refuses MoE
         convert_to_float8_training(block, config=config,
                                    module_filter_fn=lambda mod, fqn: "router" not in fqn)
-    return before - sum(type(m) is nn.Linear for m in blocks.modules())
+    return [f"layers.{name}.weight" for name, m in model.layers.named_modules()
+            if isinstance(m, Float8Linear)]
