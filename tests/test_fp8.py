@@ -1,6 +1,7 @@
 """train.fp8 in one process (quant/float8.py, config/fp8.py): which layers the conversion
-swaps (on meta, keeping every parameter object), the refused configs, and each recipe's
-forward and backward against a dequantize-then-matmul reference of the same roundings.
+swaps (on meta, keeping every parameter object), the refused configs (the planner refuses
+them too), each recipe's forward and backward against a dequantize-then-matmul reference of
+the same roundings, and the planner's fp8 gather terms.
 (Multi-rank parity rows: tests/test_fp8_parity.py; ZeRO-3's fp8 gathers: test_fp8_zero.py.)
 """
 
@@ -12,7 +13,10 @@ from torch import nn
 
 from parity import tiny
 from shardtrain.config import ConfigError
+from shardtrain.cost import hardware
 from shardtrain.model.transformer import Transformer
+from shardtrain.plan.layout import Layout, trainer_refusal
+from shardtrain.plan.traffic import step_ops
 
 pytest.importorskip("torchao", reason="train.fp8 needs the fp8 extra (torchao)")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
@@ -99,3 +103,23 @@ def test_float8_linear_matches_the_dequantized_reference(recipe):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)  # fp32 sum order only
     plain = x.detach() @ layer.weight.detach().t()
     assert (out - plain).abs().max() > 1e-4  # the fp8 roundings are really there
+
+
+def test_the_planner_refuses_what_fp8_refuses_and_counts_fp8_gathers(tmp_path):
+    model = tiny(tmp_path, "plan").model
+    refusal = trainer_refusal(Layout(dp=1, tp=2, fp8="tensorwise"), model, seq_len=32)
+    assert refusal is not None and "parallel.tp" in refusal
+    assert "train.fp8" in trainer_refusal(Layout(dp=2, fp8="fp4"), model, seq_len=32)
+    hw = hardware.get("h100")
+
+    def dp_ops(fp8: str, zero: int = 3) -> dict[str, float]:
+        lay = Layout(dp=2, zero=zero, precision="amp", fp8=fp8)
+        assert trainer_refusal(lay, model, seq_len=32) is None
+        ops = step_ops(model, lay, hw, seq_len=32)
+        return {o.op: o.bytes_sent for o in ops if o.group == "dp"}
+
+    bf16, fp8 = dp_ops("none"), dp_ops("tensorwise")
+    assert "all_reduce" not in bf16 and fp8["all_reduce"] > 0  # the amax all-reduces
+    assert fp8["all_gather"] < bf16["all_gather"] and fp8["reduce_scatter"] == \
+        bf16["reduce_scatter"]
+    assert dp_ops("rowwise") == bf16 and dp_ops("tensorwise", zero=2) == dp_ops("none", 2)

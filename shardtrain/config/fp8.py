@@ -13,10 +13,13 @@ if TYPE_CHECKING:
     from shardtrain.config.schema import Config
 
 MULTIPLE = 16  # CUDA's fp8 _scaled_mm takes dimensions that are multiples of 16
+VALUES = ("none", "tensorwise", "rowwise")  # TrainConfig.fp8's (the planner's Layout.fp8)
 
 
 def check_fp8(cfg: Config) -> None:
     t, p, m = cfg.train, cfg.parallel, cfg.model
+    if t.fp8 not in VALUES:  # the TOML parser checks it; a planner Layout reaches here as is
+        raise ConfigError(f"train.fp8={t.fp8!r} is not one of {', '.join(VALUES)}")
     if t.fp8 == "none":
         return
     head = f"train.fp8={t.fp8}"

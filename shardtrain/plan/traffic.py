@@ -17,6 +17,9 @@ one micro-batch, s = seq / cp; P, G = this rank's parameter and gradient bytes):
   units of at most that size (a larger unit alone: cost/units.py `coalesce`), its
   parameters one unit (layer) at a time. `edp` is the same for expert parameters
   (dp x cp / ep). ZeRO++ (qwZ, hpZ, qgZ) replaces these with plan/zeropp.py's ops.
+  Under train.fp8=tensorwise (cost/fp8.py `fp8_gathers`) ZeRO-3 gathers the blocks' linear
+  weights in e4m3, 1 byte each, every block unit's gather after an all-reduce max of one
+  fp32 amax per converted weight (`fp8_gather_terms`; parallel/zero/fp8_gather.py).
 - tp (Megatron-LM; Korthikanti et al. 2022): per layer and micro-batch, all-reduces of X,
   2 forward + 2 backward (+2 with full recomputation); with sp, all-gathers and
   reduce-scatters of X instead, and the backward's re-gather of each region's input;
