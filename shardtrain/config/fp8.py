@@ -30,19 +30,18 @@ def check_fp8(cfg: Config) -> None:
         raise ConfigError(f"{head} with model.n_experts={m.n_experts}: the experts' stacked "
                           "weights are not nn.Linear layers torchao converts; drop train.fp8 "
                           "or use a dense model (model.n_experts=0)")
-    refused = {"parallel.tp": (p.tp > 1, "its column- and row-parallel linears are not "
-                               "converted, and a sharded weight's scale would need the amax "
-                               "agreed over the tp group"),
-               "parallel.ps_servers": (p.ps_servers > 0, "not converted for parameter servers"),
-               "parallel.zero_quantized_weights": (p.zero_quantized_weights,
-                                                   "ZeRO++'s int8 gathers would round the "
-                                                   "weights twice"),
-               "lora.rank": (cfg.lora.rank > 0, "LoRA's frozen bases and adapters are not "
-                             "converted")}
-    for field, (bad, why) in refused.items():
+    refused = [  # (field = value, set, why)
+        (f"parallel.tp={p.tp}", p.tp > 1, "its column- and row-parallel linears are not "
+         "converted, and a sharded weight's scale would need the amax agreed over tp"),
+        (f"parallel.ps_servers={p.ps_servers}", p.ps_servers > 0,
+         "fp8 has no parity row with parameter servers yet"),
+        ("parallel.zero_quantized_weights=true", p.zero_quantized_weights,
+         "ZeRO++'s int8 gathers would quantize the weights twice"),
+        (f"lora.rank={cfg.lora.rank}", cfg.lora.rank > 0,
+         "LoRA's frozen bases and adapters are not converted")]
+    for field, bad, why in refused:
         if bad:
-            raise ConfigError(f"{head} with {field}={getattr(_section(cfg, field), _leaf(field))}"
-                              f": {why}; drop train.fp8 or that setting")
+            raise ConfigError(f"{head} with {field}: {why}; drop train.fp8 or that setting")
     dims = {"model.dim": m.dim, "the q heads' width (model.n_heads x head dim)":
             m.n_heads * m.head_dim, "the kv heads' width": m.kv_heads * m.head_dim,
             "the MLP's hidden width": m.ffn_hidden}
@@ -55,10 +54,3 @@ def check_fp8(cfg: Config) -> None:
         raise ConfigError(f"{head} needs torchao (the fp8 extra): pip install "
                           "'shardtrain[fp8]', or drop train.fp8")
 
-
-def _section(cfg: Config, field: str):
-    return getattr(cfg, field.split(".")[0])
-
-
-def _leaf(field: str) -> str:
-    return field.split(".")[1]
