@@ -1,8 +1,9 @@
 """ZeRO-3 gathers the blocks' fp8 weights in e4m3 (parallel/zero/fp8_gather.py): per step
 the ledger's dp bytes equal the planner's (plan/traffic.py step_ops, with its fp8 terms),
-and the bf16 weights gathered in fp8 cost at most 0.55 of their bf16 gather. One spawn of
-two ranks, one step per run, the tiny preset at 4 layers of width 96 (test_wire_dtypes.py's
-shape and its one-step worker). The numbers against one process: test_fp8_parity.py.
+units gathered per micro-batch or, with unsharded accumulation, once per step (as under a
+pipeline); the bf16 weights gathered in fp8 cost at most 0.55 of their bf16 gather. One
+spawn of two ranks, one step per run, the tiny preset at 4 layers of width 96
+(test_wire_dtypes.py's shape and its one-step worker). Numbers: test_fp8_parity.py.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ ZERO3 = ("--parallel.zero", "3", "--train.precision", "bf16")
 RUNS = {"bf16": (), "tensorwise": ("--train.fp8", "tensorwise"),
         "rowwise": ("--train.fp8", "rowwise"),  # per-row scales: gathered in bf16
         "tensorwise 2 blocks per unit": ("--train.fp8", "tensorwise",
-                                         "--parallel.zero_unit_blocks", "2")}
+                                         "--parallel.zero_unit_blocks", "2"),
+        # units gathered once per step and kept (as under a pipeline): one amax each
+        "tensorwise unsharded": ("--train.fp8", "tensorwise",
+                                 "--parallel.zero_accumulate", "unsharded")}
 DP_TAGS = ("param", "param:fp8", "param:amax", "grad")
 
 
