@@ -11,12 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from parity import tiny
+from parity import make_mesh, tiny
 from shardtrain.config import ConfigError
 from shardtrain.cost import hardware
 from shardtrain.model.transformer import Transformer
 from shardtrain.plan.layout import Layout, trainer_refusal
 from shardtrain.plan.traffic import step_ops
+from shardtrain.train.trainer import Trainer
 
 pytest.importorskip("torchao", reason="train.fp8 needs the fp8 extra (torchao)")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
@@ -123,3 +124,17 @@ def test_the_planner_refuses_what_fp8_refuses_and_counts_fp8_gathers(tmp_path):
     assert fp8["all_gather"] < bf16["all_gather"] and fp8["reduce_scatter"] == \
         bf16["reduce_scatter"]
     assert dp_ops("rowwise") == bf16 and dp_ops("tensorwise", zero=2) == dp_ops("none", 2)
+
+
+def test_recompute_and_activation_offload_keep_fp8_bitwise(tmp_path):
+    """Selective recomputation reruns the attention core, activation offload moves what the
+    blocks save (Float8Linear saves its high-precision input and weight): fp32, one process,
+    the same losses bit for bit. (Full recomputation under pp: test_fp8_parity.py.)"""
+    losses = {}
+    for name, o in [("plain", ()), ("selective", ("--train.activation_checkpointing",
+                                                  "selective")),
+                    ("offload", ("--train.activation_offload", "cpu"))]:
+        cfg = tiny(tmp_path, name, "--train.fp8", "tensorwise", "--train.steps", "2", *o)
+        trainer = Trainer(cfg, make_mesh(cfg, 0, 1), torch.device("cpu"))
+        losses[name] = [trainer.train_step()["loss"] for _ in range(2)]
+    assert losses["selective"] == losses["plain"] == losses["offload"], losses
