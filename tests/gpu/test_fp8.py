@@ -22,9 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from fp8_vs_bf16 import compare  # noqa: E402
 
 SIZES = {"cuda": ("default", 20, 3), "cpu": ("tiny", 2, 1)}  # preset, steps, warm-up steps
-# fp8 against bf16 over 23 steps: e4m3's 3 mantissa bits on every linear (2% is the
-# acceptance's bound on the eval loss after 400 steps; per step they stay well inside it)
-BOUND = 0.02
+# fp8 against bf16: the mean loss of the last 5 steps within 2% (the acceptance's bound on
+# the eval loss after 400 steps); single early steps, at the warm-up's largest updates,
+# within 5% (the default model on CPU: 1.5e-2 worst over 10 steps, tensorwise)
+BOUND, STEP_BOUND = 0.02, 0.05
 
 
 @pytest.mark.slow_on_cpu
@@ -38,7 +39,9 @@ def test_fp8_tokens_per_s(tmp_path, device, recipe, record_property):
     print(f"\n{preset} model on {r['device']} ({r['label']}): bf16 {r['bf16_tokens_per_s']:.0f}"
           f" tokens/s, fp8 {recipe} {r['fp8_tokens_per_s']:.0f} (x{r['ratio']:.2f}), worst "
           f"loss deviation {r['worst_loss_deviation']:.1e}")
-    for key in ("bf16_tokens_per_s", "fp8_tokens_per_s", "ratio", "worst_loss_deviation"):
+    for key in ("bf16_tokens_per_s", "fp8_tokens_per_s", "ratio", "worst_loss_deviation",
+                "final_loss_deviation"):
         record_property(key, r[key])  # the GPU check's table (benchmarks/gpu/report.py)
     assert r["device"] == "cpu" if device.type == "cpu" else r["device"] != "cpu"
-    assert 0 < r["worst_loss_deviation"] < BOUND  # fp8 computes, and stays close
+    assert 0 < r["worst_loss_deviation"] < STEP_BOUND  # fp8 computes, and stays close
+    assert r["final_loss_deviation"] < BOUND
