@@ -12,6 +12,7 @@ from shardtrain.config.data import DataConfig
 from shardtrain.config.errors import ConfigError, positive
 from shardtrain.config.faults import check_faults
 from shardtrain.config.families import check_window, moe_family
+from shardtrain.config.fp8 import check_fp8
 from shardtrain.config.layout import (check_compile, check_context_parallel,
                                       check_expert_parallel, check_pipeline,
                                       check_tensor_parallel)
@@ -114,6 +115,9 @@ class TrainConfig:
     inject_hang: str = ""
     inject_nan: str = ""
     inject_kill: str = ""  # "RANK:STEP": SIGKILL after that step, first attempt (restart tests)
+    # The blocks' linear layers in float8 through torchao (quant/float8.py, the fp8 extra):
+    # tensorwise or rowwise scales; with bf16 (torchao's recipe) or fp32 precision.
+    fp8: Literal["none", "tensorwise", "rowwise"] = "none"
 
     def validate(self, dp: int, model: ModelConfig) -> None:
         positive("train", self, "steps", "global_batch", "micro_batch", "seq_len", "lr",
@@ -223,6 +227,7 @@ class Config:
         check_expert_parallel(self)
         check_pipeline(self, world_size)
         check_compile(self)
+        check_fp8(self)
         check_slow_ranks(self.train.slow_ranks, world_size)
         check_faults(self.train, world_size)
         if self.parallel.zero and self.comm.compress != "none":

@@ -1,9 +1,10 @@
 """parallelize(model, mesh, cfg): apply a layout to the plain model, in one documented order.
 
 Order: tensor/sequence parallel (tensor/) -> context parallel (context/) -> expert
-parallel (expert/) -> compiled blocks (compile.py, when train.compile) -> activation
-checkpointing -> activation offload (offload_activations.py) -> pipeline split (pipeline/) -> ZeRO
-(zero/) or data parallel (data/), or a parameter server (ps/). Expert parallelism swaps
+parallel (expert/) -> fp8 linears (quant/float8.py, when train.fp8) -> compiled blocks
+(compile.py, when train.compile) -> activation checkpointing -> activation offload
+(offload_activations.py) -> pipeline split (pipeline/) -> ZeRO (zero/) or data parallel
+(data/), or a parameter server (ps/). Expert parallelism swaps
 each MoE layer's experts for this rank's slice (placements over the ep group, beside the
 tp ones in StageShards) and, where cp or sp split a micro-batch's tokens, gives the MoE
 layers their token group (expert/groups.py). Context parallelism
@@ -30,6 +31,8 @@ import torch
 
 from shardtrain.comm import Communicator
 from shardtrain.config import Config
+from shardtrain.config.fp8 import check_fp8
+from shardtrain.cost.fp8 import fp8_gathers
 from shardtrain.mesh import ParallelMesh
 from shardtrain.model.transformer import Transformer, init_state_buffers
 from shardtrain.parallel.build import Fill, ModuleTarget, Values, filler, materialize
@@ -53,8 +56,10 @@ from shardtrain.parallel.ps.update import PSUpdate, steps_together
 from shardtrain.parallel.strategy import Strategy, Update, rank_file
 from shardtrain.parallel.tensor.layers import apply_tensor_parallel
 from shardtrain.parallel.tensor.vocab import cross_entropy
+from shardtrain.parallel.zero.fp8_gather import Float8GatherComm
 from shardtrain.parallel.zero.model import ZeroModel
 from shardtrain.parallel.zero.zeropp import build_unit_comm
+from shardtrain.quant.float8 import convert_blocks
 
 MakeOptimizer = Callable[[torch.nn.Module], torch.optim.Optimizer]
 
@@ -80,6 +85,10 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
         ep = mesh.comm("ep")
         ep_placements = apply_expert_parallel(model, ep)
     apply_token_groups(model, tp, mesh.comm("cp"), sp=cfg.parallel.sp)
+    fp8_names: list[str] = []  # the converted weights (ZeRO-3 may gather them in fp8)
+    if cfg.train.fp8 != "none":  # on meta, before compile and checkpointing wrap the blocks
+        check_fp8(cfg)  # again, on the precision the device resolved
+        fp8_names = convert_blocks(model, cfg.train.fp8)
     if cfg.train.compile:  # before checkpointing: a checkpoint runs the compiled forward
         compile_blocks(model.layers)
     if cfg.train.activation_checkpointing == "full":
@@ -114,7 +123,8 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
     pipeline = Pipeline(chunks, mesh, cfg, loss=loss, device=device, policy=policy,
                         split=split)
     if zero:
-        update = _zero(module, shards, mesh, cfg, policy, fill=fill, device=device)
+        update = _zero(module, shards, mesh, cfg, policy, fill=fill, device=device,
+                       fp8_names=fp8_names)
     else:  # the replicated layouts hold the whole stage: filled before they copy it
         fill(ModuleTarget(module))
         update = _update(module, shards, mesh, cfg, policy, make_optimizer,
@@ -125,11 +135,17 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
 
 
 def _zero(module: torch.nn.Module, shards: StageShards, mesh: ParallelMesh, cfg: Config,
-          policy: PrecisionPolicy, *, fill: Fill, device: torch.device) -> ZeroModel:
+          policy: PrecisionPolicy, *, fill: Fill, device: torch.device,
+          fp8_names: list[str]) -> ZeroModel:
     """ZeRO over the replica group (dp, or dp x cp), the experts over edp; its units are
-    built first and filled in place (build.py)."""
-    dp, c = mesh.comm(mesh.replica_dim), cfg.comm
-    unit_comm = build_unit_comm(mesh, cfg.parallel, block=c.quant_block)  # ZeRO++
+    built first and filled in place (build.py). The converted fp8 weights are gathered in
+    fp8 where cost/fp8.py says so (zero/fp8_gather.py)."""
+    dp, c, p = mesh.comm(mesh.replica_dim), cfg.comm, cfg.parallel
+    unit_comm = build_unit_comm(mesh, p, block=c.quant_block)  # ZeRO++
+    if fp8_gathers(fp8=cfg.train.fp8, zero=p.zero, partition=p.zero_partition,
+                   sixteen_bit=policy.gather_dtype != torch.float32,
+                   zeropp=p.zero_hpz or p.zero_quantized_gradients):
+        unit_comm = Float8GatherComm(dp, fp8_names=fp8_names)
     experts, expert_comm = set(), None
     if mesh.shape.ep > 1:
         experts = expert_parameters(module)

@@ -67,6 +67,7 @@ class Layout:
     hpz: bool = False
     qgz: bool = False
     optim: str = "adamw"  # OPTIM_STATES: the optimizer state's K (plan/memory.py)
+    fp8: str = "none"  # train.fp8; ZeRO-3's fp8 weight gathers where cost/fp8.py says
 
     @property
     def gpus(self) -> int:
@@ -97,6 +98,8 @@ class Layout:
                   if v not in (1, "flat", "sharded")]
         if self.offload != "none":
             parts.append(f"offload={self.offload}")
+        if self.fp8 != "none":
+            parts.append(f"fp8={self.fp8}")
         if self.ps_servers:
             parts.append(f"ps_servers={self.ps_servers}")
         if self.attention != "flash":
@@ -205,7 +208,7 @@ def _config_fields(layout: Layout, *, seq_len: int | None,
         ("train", "precision"): "fp32" if lay.precision == "fp32" else "bf16",
         **({("train", "grad_reduce_dtype"): lay.reduce_dtype} if lay.reduce_dtype else {}),
         ("parallel", "zero_quantized_weights"): lay.qwz, ("parallel", "zero_hpz"): lay.hpz,
-        ("parallel", "zero_quantized_gradients"): lay.qgz,
+        ("parallel", "zero_quantized_gradients"): lay.qgz, ("train", "fp8"): lay.fp8,
     }
     if lay.offload == "nvme":
         pairs["parallel", "offload_dir"] = offload_dir
@@ -268,7 +271,7 @@ def config_layout(cfg: Config, world_size: int, device_type: str | None = None) 
                   microbatches=p.microbatches or t.global_batch // (dp * t.micro_batch),
                   schedule=p.schedule, v=p.virtual_stages, ps_servers=p.ps_servers,
                   qwz=p.zero_quantized_weights, hpz=p.zero_hpz,
-                  qgz=p.zero_quantized_gradients, optim=config_optim(cfg.optim),
+                  qgz=p.zero_quantized_gradients, optim=config_optim(cfg.optim), fp8=t.fp8,
                   attention=planned_attention(cfg.model, t.precision, device_type or (
                       "cuda" if t.device == "cuda" else "cpu")))
 

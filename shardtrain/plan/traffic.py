@@ -17,6 +17,9 @@ one micro-batch, s = seq / cp; P, G = this rank's parameter and gradient bytes):
   units of at most that size (a larger unit alone: cost/units.py `coalesce`), its
   parameters one unit (layer) at a time. `edp` is the same for expert parameters
   (dp x cp / ep). ZeRO++ (qwZ, hpZ, qgZ) replaces these with plan/zeropp.py's ops.
+  Under train.fp8=tensorwise (cost/fp8.py `fp8_gathers`) ZeRO-3 gathers the blocks' linear
+  weights in e4m3, 1 byte each, every block unit's gather after an all-reduce max of one
+  fp32 amax per converted weight (`fp8_gather_terms`; parallel/zero/fp8_gather.py).
 - tp (Megatron-LM; Korthikanti et al. 2022): per layer and micro-batch, all-reduces of X,
   2 forward + 2 backward (+2 with full recomputation); with sp, all-gathers and
   reduce-scatters of X instead, and the backward's re-gather of each region's input;
@@ -57,6 +60,8 @@ import math
 
 from shardtrain.config import ModelConfig
 from shardtrain.cost.hardware import Hardware
+from shardtrain.cost.counts import kept_params
+from shardtrain.cost.fp8 import converted_per_block, fp8_gathers
 from shardtrain.cost.units import coalesce
 from shardtrain.plan.activations import kv_heads_per_rank, ulysses_kv_heads
 from shardtrain.plan.buffers import block_units
@@ -66,7 +71,7 @@ from shardtrain.plan.memory import (BUCKET_BYTES, REDUCE_BYTES, STATE_BYTES,
                                     zero3_gather_bytes)
 from shardtrain.plan.ops import (FREE, CommOp, Placement, a2a, bytes_per_step,  # noqa: F401
                                  collective, p2p, placement)
-from shardtrain.plan.partition import rank_params
+from shardtrain.plan.partition import RankParams, rank_params
 from shardtrain.plan.tensor_traffic import tensor_parallel_ops
 from shardtrain.plan.ps import ps_ops
 from shardtrain.plan.zeropp import any_zeropp, zeropp_ops
@@ -79,7 +84,8 @@ def data_parallel_ops(*, params: float, size: int, zero: int, microbatches: int 
                       layers: int = 1, bucket_bytes: float = BUCKET_BYTES,
                       reduce_dtype: str = "", pipelined: bool = False,
                       kept: float = 0.0, unsharded: bool = False,
-                      lookup: float = 0.0) -> list[CommOp]:
+                      lookup: float = 0.0, fp8: float = 0.0,
+                      fp8_scales: float = 0.0) -> list[CommOp]:
     """Gradient synchronisation and ZeRO parameter traffic of `params` parameters held by
     each of `size` ranks (see the module docstring); `layers`: ZeRO's units (ZeRO-3 gathers
     one at a time, ZeRO-1/2 after the step; their gradients go in `bucket_bytes` buckets);
@@ -89,12 +95,14 @@ def data_parallel_ops(*, params: float, size: int, zero: int, microbatches: int 
     gathers under amp (`zero3_gather_bytes`: `kept` of them in fp32, the rest 16-bit);
     gradients in `reduce_dtype`'s (train.grad_reduce_dtype; "": the precision's).
     `lookup`: of `params`, lookup tables (kept in fp32 under amp) that ZeRO-3 gathers for
-    forward only (module docstring)."""
+    forward only (module docstring). `fp8`: of `params`, weights ZeRO-3 gathers in e4m3
+    (1 byte, not 2), each of the `layers` units' gathers after an all-reduce max of its
+    share of `fp8_scales` fp32 amaxes (`fp8_gather_terms`)."""
     if size <= 1 or params <= 0:
         return []
     p_bytes, g_bytes = (b * params for b in STATE_BYTES[precision][:2])
     if zero == 3:
-        p_bytes = zero3_gather_bytes(params, kept, precision)
+        p_bytes = zero3_gather_bytes(params, kept, precision) - fp8  # fp8: 2 bytes -> 1
     if reduce_dtype:
         g_bytes = REDUCE_BYTES[reduce_dtype] * params
     m, pipelined = microbatches, pipelined or unsharded
@@ -107,15 +115,31 @@ def data_parallel_ops(*, params: float, size: int, zero: int, microbatches: int 
     syncs = 1 if zero == 1 or pipelined else m
     reduce = collective(group, "reduce_scatter", size, g_bytes / buckets, buckets * syncs,
                         where, "step" if syncs == 1 else "backward")
+    gathers = layers if pipelined else 2 * m * layers  # ZeRO-3's block unit gathers
+    amax = [collective(group, "all_reduce", size, 4 * fp8_scales / layers, gathers, where,
+                       "none" if pipelined else "compute")] if zero == 3 and fp8_scales else []
     if zero == 3 and pipelined:  # gathered before the stage's first forward, kept all step
         return [collective(group, "all_gather", size, p_bytes / layers, layers, where, "none"),
-                reduce]
+                *amax, reduce]
     if zero in (1, 2):
         return [reduce, collective(group, "all_gather", size, p_bytes / layers, layers, where,
                                    "none")]
     gathered = 2 * p_bytes - STATE_BYTES[precision][0] * lookup  # forward + backward
     return [collective(group, "all_gather", size, gathered / (2 * layers), 2 * m * layers,
-                       where, "compute"), reduce]
+                       where, "compute"), *amax, reduce]
+
+
+def fp8_gather_terms(cfg: ModelConfig, layout: Layout, ranks: RankParams) -> dict[str, float]:
+    """data_parallel_ops' `fp8` and `fp8_scales` where ZeRO-3 gathers the blocks' converted
+    weights in e4m3 (cost/fp8.py `fp8_gathers`; parallel/zero/fp8_gather.py): every block's
+    linear weights (its parameters less those kept in fp32: norms, biases; fp8 runs no tp,
+    no experts) and one amax per converted weight."""
+    lay = layout
+    if not fp8_gathers(fp8=lay.fp8, zero=lay.zero, sixteen_bit=lay.precision != "fp32",
+                       zeropp=any_zeropp(lay), partition=lay.partition):
+        return {}
+    return {"fp8": ranks.layers * (ranks.layer - kept_params(cfg)[0]),
+            "fp8_scales": ranks.layers * converted_per_block(cfg)}
 
 
 def step_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, seq_len: int,
@@ -140,7 +164,8 @@ def step_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, seq_len: int,
     else:
         ops += layer_ops(cfg, lay, dp_where) if lay.partition == "layer" else \
             data_parallel_ops(group="dp", params=ranks.dense, size=lay.replicas, where=dp_where,
-                              kept=ranks.kept, lookup=ranks.lookup, **common)
+                              kept=ranks.kept, lookup=ranks.lookup,
+                              **fp8_gather_terms(cfg, lay, ranks), **common)
         ops += data_parallel_ops(group="edp", params=ranks.expert, size=lay.replicas // lay.ep,
                                  where=placement(hw, node, lay.tp * lay.ep,
                                                  lay.replicas // lay.ep),

@@ -13,5 +13,6 @@ also the gradients, stage 3 also the parameters (FSDP's flat-parameter design, Z
 - offload.py: the optimizer state and step on the host (ZeRO-Offload) or NVMe (ZeRO-Infinity)
 - zeropp.py:  ZeRO++ (Wang et al. 2023): int8 weights (qwZ), node-local secondary shards (hpZ),
               int8 gradients (qgZ)
+- fp8_gather.py: the blocks' fp8 weights gathered in e4m3 with agreed scales (train.fp8)
 - model.py:   `ZeroModel`, the layout's update half that ties them together
 """
