@@ -47,13 +47,15 @@ from dataclasses import dataclass
 import torch
 
 from shardtrain.config import Config
+from shardtrain.config.precision import is_true16
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "bf16-true": torch.bfloat16, "fp16-true": torch.float16}
 
 
 @dataclass(frozen=True, kw_only=True)
 class PrecisionPolicy:
-    name: str  # train.precision: fp32 | bf16 | fp16
+    name: str  # train.precision: fp32 | bf16 | fp16 | bf16-true | fp16-true
     compute_dtype: torch.dtype  # autocast's dtype for matmuls (fp32: no autocast)
     param_dtype: torch.dtype = torch.float32  # held, gathered (ZeRO-3) and updated
     grad_dtype: torch.dtype = torch.float32  # micro-batch accumulation (main gradients)
@@ -67,6 +69,11 @@ class PrecisionPolicy:
     def from_config(cls, cfg: Config) -> PrecisionPolicy:
         t = cfg.train
         compute = DTYPES[t.precision]
+        if is_true16(t.precision):  # 16 bits held, no master, no autocast (true16.py)
+            return cls(name=t.precision, compute_dtype=compute, param_dtype=compute,
+                       grad_dtype=compute, master_dtype=compute, residual_dtype=compute,
+                       gather_dtype=compute, boundary_dtype=compute,
+                       reduce_dtype=DTYPES[t.grad_reduce_dtype])
         return cls(name=t.precision, compute_dtype=compute, gather_dtype=compute,
                    boundary_dtype=compute, reduce_dtype=DTYPES[t.grad_reduce_dtype])
 
@@ -77,7 +84,7 @@ class PrecisionPolicy:
 
     def autocast(self, device: torch.device) -> AbstractContextManager:
         """Entered around each forward (the backward follows the dtypes it recorded)."""
-        if self.compute_dtype == torch.float32:
+        if self.compute_dtype == self.param_dtype:  # fp32, or 16-bit parameters (-true)
             return nullcontext()
         return torch.autocast(device.type, dtype=self.compute_dtype)
 
@@ -154,7 +161,7 @@ class LossScaler:
     @classmethod
     def from_config(cls, cfg: Config) -> LossScaler:
         s = cfg.loss_scale
-        return cls(dynamic=cfg.train.precision == "fp16", initial=s.initial,
+        return cls(dynamic=cfg.train.precision in ("fp16", "fp16-true"), initial=s.initial,
                    growth_interval=s.growth_interval, hysteresis=s.hysteresis,
                    min_scale=s.min_scale)
 
