@@ -56,6 +56,20 @@ class Optimizer16(torch.optim.Optimizer):
         super().__init__(groups, {"lr": lr, "weight_decay": 0.0})
         self.optim, self.seed, self.names = optim, seed, moment_names(optim)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch casts every floating state to its parameter's dtype as it loads: the
+        moments are put back in fp32 from the given ones (`state` keyed by parameter index,
+        torch's form), the compensation in the parameter's dtype."""
+        given = state_dict["state"]
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, saved in given.items():
+            p = params[index]
+            for key, value in saved.items():
+                if key != "step":
+                    dtype = p.dtype if key == "compensation" else torch.float32
+                    self.state[p][key] = value.to(dtype=dtype, device=p.device)
+
     @torch.no_grad()
     def step(self, closure=None) -> None:
         index = 0  # the parameter's place: the same on every replica (stochastic's seed)
@@ -64,10 +78,12 @@ class Optimizer16(torch.optim.Optimizer):
                 index += 1
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if not state:  # moments fp32 [p.shape], the compensation p's dtype
-                    state["step"] = torch.tensor(0.0)  # on the host, as torch keeps it
-                    for n in self.names:
+                state = self.state[p]  # each state made at first use (a checkpoint of
+                # another optim.bf16_update has no compensation): moments fp32 [p.shape],
+                # the compensation in p's dtype, the step on the host as torch keeps it
+                state.setdefault("step", torch.tensor(0.0))
+                for n in self.names:
+                    if n not in state:
                         state[n] = torch.zeros_like(p, dtype=p.dtype if n == "compensation"
                                                     else torch.float32)
                 state["step"] += 1
