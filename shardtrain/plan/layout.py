@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardtrain.config import Config, ConfigError, DataConfig, ModelConfig
+from shardtrain.config.precision import TRUE16
 from shardtrain.model.sdpa_kernels import KERNELS, attention_kernel
 from shardtrain.plan.layout_checks import PlanError, check_context_parallel, check_layer_partition
 from shardtrain.plan.optim_states import OPTIM_STATES, config_optim, optim_fields
@@ -26,8 +27,7 @@ RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "cpu", "nvme")
 ACTIVATION_OFFLOAD = ("none", "cpu")
 # amp: the runtime's bf16/fp16 policy; bf16-true, fp16-true: 16-bit parameters (memory.py)
-PRECISIONS = ("fp32", "bf16", "amp", "bf16-true", "fp16-true")
-TRUE16 = ("bf16-true", "fp16-true")
+PRECISIONS = ("fp32", "bf16", "amp", *TRUE16)
 BF16_UPDATES = ("nearest", "stochastic", "kahan")  # optim.bf16_update (bf16-true only)
 CP_MODES = ("ring", "ulysses")  # parallel.cp_mode
 # SDPA's kernel for attention: what activations keep (plan/activations.py)

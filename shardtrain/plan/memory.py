@@ -10,10 +10,7 @@ optimizer term is 4 bytes per fp32 state of the layout's `optim` (plan/optim_sta
   precision policy, parallel/precision.py): fp32 parameters that are their own master
   weights, fp32 gradients, compute under autocast: the fp32 bytes, 4 + 4 + 0 + 8. The
   published figures (the paper's and Megatron's bf16 row) keep the `bf16` convention.
-- `bf16-true` and `fp16-true` (train.precision of the same names, parallel/true16.py): 16-bit
-  parameters and gradients, fp32 moments, no master: 2 + 2 + 0 + 8 = 12 bytes per
-  parameter (seed 004's convention: 84 GB for 7B); optim.bf16_update = kahan adds a bf16
-  compensation per parameter, 2 bytes more, sharded as the optimizer state is.
+- `bf16-true`, `fp16-true`: 2 + 2 + 0 + 8 (seed 004's 12 bytes; plan/state_bytes.py).
 - ZeRO-1 shards master + optimizer over N_d, ZeRO-2 the gradients too, ZeRO-3 also the
   parameters. Offload (cpu: to host memory, nvme: to NVMe; the same bytes, in different
   places) moves the sharded optimizer state and an fp32 master shard off the GPU (4 bytes
@@ -62,6 +59,8 @@ from shardtrain.plan.activation_offload import offload_terms
 from shardtrain.cost.counts import kept_params
 from shardtrain.plan.activations import (head_activation_bytes, moe_block_bytes,
                                          runtime_activation_bytes)
+from shardtrain.plan.state_bytes import (REDUCE_BYTES, STATE_BYTES,  # noqa: F401 (their home)
+                                         compensation_bytes, wire_grad_bytes)
 from shardtrain.plan.buffers import (block_units, gathered_units, loss_moment, weight_casts,
                                      zero_moments)
 from shardtrain.plan.checkpoint_io import checkpoint_staging_bytes
@@ -109,27 +108,6 @@ def offload_states(states: ModelStates, *, shard_params: float, zero: int) -> Mo
         offloaded, grads = offloaded + grads, 0
     return ModelStates(params=params, grads=grads, master=0, optimizer=0,
                        offloaded=states.offloaded + offloaded)
-
-
-# bytes per parameter: (params, grads, master, optimizer)
-STATE_BYTES = {"bf16": (2, 2, 4, 8), "fp32": (4, 4, 0, 8), "amp": (4, 4, 0, 8),
-               "bf16-true": (2, 2, 0, 8), "fp16-true": (2, 2, 0, 8)}
-# bytes per gradient element on the wire, by train.grad_reduce_dtype
-REDUCE_BYTES = {"fp32": 4, "bf16": 2}
-
-
-def wire_grad_bytes(precision: str, reduce_dtype: str) -> int:
-    """Bytes per gradient element on the wire: `reduce_dtype`'s (train.grad_reduce_dtype);
-    "": the precision's gradient bytes, except under bf16-true and fp16-true, whose 16-bit
-    gradients are summed in the field's default, fp32 (parallel/precision.py)."""
-    if reduce_dtype:
-        return REDUCE_BYTES[reduce_dtype]
-    return 4 if precision in ("bf16-true", "fp16-true") else STATE_BYTES[precision][1]
-
-
-def compensation_bytes(layout: Layout) -> int:
-    """Bytes per parameter of optim.bf16_update = kahan's bf16 compensation (0 otherwise)."""
-    return 2 if layout.bf16_update == "kahan" else 0
 
 
 def zero3_gather_bytes(params: float, kept: float, precision: str) -> float:
@@ -241,7 +219,7 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
     save's staging pool (checkpoint.staging_mb; None: its default), in `host`."""
     lay = layout
     ranks = rank_params(cfg, lay)
-    kahan = compensation_bytes(lay)
+    kahan = compensation_bytes(lay.bf16_update)
     states = (model_states(ranks.dense, nd=lay.replicas, zero=lay.zero, precision=lay.precision,
                            optim=lay.optim, compensation=kahan)
               + model_states(ranks.expert, nd=lay.replicas // lay.ep, zero=lay.zero,

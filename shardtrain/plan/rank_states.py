@@ -39,6 +39,7 @@ from dataclasses import replace
 from shardtrain.config import ModelConfig
 from shardtrain.cost.units import ROUNDED, backward_reads_params, unit_key
 from shardtrain.plan.layout import Layout, PlanError
+from shardtrain.config.precision import TRUE16
 from shardtrain.plan.memory import (STATE_BYTES, ModelStates, compensation_bytes, model_states,
                                     offload_states)
 from shardtrain.plan.optim_states import OPTIM_STATES
@@ -46,7 +47,6 @@ from shardtrain.plan.partition import layers_per_stage
 
 FIRST_BUCKET_BYTES = 2**20  # parallel/data/ddp.py: the first bucket's cap
 PARAM_BYTES = 4  # fp32 and amp both hold fp32 parameters (memory.py, STATE_BYTES)
-TRUE16 = ("bf16-true", "fp16-true")  # 16-bit parameters and gradients (STATE_BYTES)
 
 
 def runtime_adamw_fp32(params: int, *, grad_padding: int = 0,
@@ -187,7 +187,7 @@ def rank0_states(cfg: ModelConfig, layout: Layout, *, layers: int | None = None,
                            rounded=lay.zero == 3 and lay.precision == "amp")
         padded = sum(units.values())
         states = model_states(padded, nd=lay.replicas, zero=lay.zero, precision=lay.precision,
-                              optim=lay.optim, compensation=compensation_bytes(lay))
+                              optim=lay.optim, compensation=compensation_bytes(lay.bf16_update))
         if lay.qwz and lay.zero < 3:  # the dequantized gather lands in the shard: the fp32
             # master gets storage of its own (zero/model.py)
             states = replace(states, master=PARAM_BYTES * padded / lay.replicas)
@@ -201,4 +201,4 @@ def rank0_states(cfg: ModelConfig, layout: Layout, *, layers: int | None = None,
         if lay.replicas > 1 else psi  # one replica: no reducer, no buckets
     return runtime_adamw_fp32(psi, grad_padding=padded - psi, step_tensors=len(tensors),
                               optim=lay.optim, width=width,
-                              compensation=compensation_bytes(lay))
+                              compensation=compensation_bytes(lay.bf16_update))

@@ -12,6 +12,8 @@ from torch import nn
 from shardtrain.config import OptimConfig
 from shardtrain.parallel.true16 import round_seed, update_16bit
 from shardtrain.parallel.zero.optim import moment_names, update_shard
+
+STEP_HOME = torch.device("cpu")  # where torch keeps a non-fused optimizer's step count
 from shardtrain.train.adam8bit import AdamW8bit
 
 
@@ -81,7 +83,7 @@ class Optimizer16(torch.optim.Optimizer):
                 state = self.state[p]  # each state made at first use (a checkpoint of
                 # another optim.bf16_update has no compensation): moments fp32 [p.shape],
                 # the compensation in p's dtype, the step on the host as torch keeps it
-                state.setdefault("step", torch.tensor(0.0))
+                state.setdefault("step", torch.zeros((), device=STEP_HOME))
                 for n in self.names:
                     if n not in state:
                         state[n] = torch.zeros_like(p, dtype=p.dtype if n == "compensation"
