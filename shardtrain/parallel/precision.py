@@ -34,6 +34,10 @@ layout then runs the same autocast ops on the same fp32 values, so layouts diffe
 the order of fp32 sums and the roundings on the wire listed above, and no layout needs a
 second weight copy of its own.
 
+bf16-true and fp16-true (train.precision) are the other design, with no master: parameters,
+gradients and every wire dtype 16-bit, no autocast, fp32 optimizer moments; the update is
+true16.py's (docs/precision.md, "16-bit training").
+
 fp16 adds dynamic loss scaling (`LossScaler`): the loss of each micro-batch is multiplied by
 the scale before backward, the gradients are divided by it before clipping, and a step whose
 gradients are not finite is skipped on every rank.
