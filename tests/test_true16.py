@@ -11,7 +11,8 @@ import torch
 
 from parity import checkpoint_tensors, make_mesh, tiny
 from shardtrain.config import ConfigError
-from shardtrain.plan.layout import Layout, PlanError, check, config_layout, layout_config
+from shardtrain.plan.layout import (Layout, PlanError, check, config_layout, layout_config,
+                                    trainer_refusal)
 from shardtrain.plan.memory import memory_per_gpu, model_states
 from shardtrain.parallel.true16 import stochastic_bf16, update_16bit
 from shardtrain.train.trainer import Trainer
@@ -117,6 +118,10 @@ def test_planner_counts_seed_004s_12_bytes_per_parameter(tmp_path):
     assert (back.train.precision, back.optim.bf16_update) == ("bf16-true", "kahan")
     plan = memory_per_gpu(cfg.model, lay, seq_len=cfg.train.seq_len)
     assert plan.master == 0 and plan.params == 2 * plan.grads  # 16-bit; zero=2 over 2
+    # the planner proposes nothing the trainer refuses: ZeRO-Offload keeps an fp32 master
+    assert "parallel.offload" in trainer_refusal(
+        Layout(dp=2, zero=2, offload="cpu", precision="bf16-true", micro_batch=8),
+        cfg.model, seq_len=cfg.train.seq_len)
     with pytest.raises(PlanError, match="bf16_update"):
         check(Layout(precision="amp", bf16_update="kahan"), cfg.model, gpus=1, node_size=1,
               global_batch=1, seq_len=cfg.train.seq_len)
