@@ -12,9 +12,9 @@ from torch import nn
 from shardtrain.config import OptimConfig
 from shardtrain.parallel.true16 import round_seed, update_16bit
 from shardtrain.parallel.zero.optim import moment_names, update_shard
+from shardtrain.train.adam8bit import AdamW8bit
 
 STEP_HOME = torch.device("cpu")  # where torch keeps a non-fused optimizer's step count
-from shardtrain.train.adam8bit import AdamW8bit
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float,
