@@ -48,6 +48,10 @@ LAYOUTS = [
     ("ep2 moe", MOE, ["--parallel.ep", "2"]),
     ("lora zero2 dp2", LORA, ["--parallel.zero", "2"]),
 ]
+# four ranks, two virtual nodes: ZeRO++'s node-local secondary shard (hpZ, exact; its int8
+# gradients, qgZ, run too but round by design: their own bounds are test_zeropp_training.py's)
+ZEROPP = [("zero3 dp4 hpz", B8, ["--parallel.zero", "3", "--parallel.node_size", "2",
+                                  "--parallel.zero_hpz", "true"])]
 # The README's rows: bf16-true's two corrected updates, and replicas under stochastic rounding
 QUICK = [("dp2 stochastic", (*B8, "--optim.bf16_update", "stochastic"), []),
          ("zero3 dp2 kahan", (*B8, "--optim.bf16_update", "kahan"), ["--parallel.zero", "3"])]
@@ -128,10 +132,14 @@ def test_bf16_true_updates_keep_parity_and_replicas_and_resume_in_one_process(tm
 
 
 @pytest.mark.slow
-def test_every_layout_matches_one_process_in_16_bits(tmp, refs):
-    """dp=2, ZeRO-1/2/3, tp=2 + sp, pp=2, cp=2, ep=2 (MoE) and LoRA under ZeRO-2, in
-    bf16-true and fp16-true, one spawn."""
-    precisions = tuple(EPS)
-    per_rank = run_distributed(train_layouts, 2, _texts(tmp, LAYOUTS, precisions),
+@pytest.mark.parametrize("world,rows,precisions", [(2, LAYOUTS, tuple(EPS)),
+                                                   (4, ZEROPP, ("bf16-true",))])
+def test_every_layout_matches_one_process_in_16_bits(tmp, refs, world, rows, precisions):
+    """dp=2, ZeRO-1/2/3, tp=2 + sp, pp=2, cp=2, ep=2 (MoE) and LoRA under ZeRO-2 in one
+    spawn of two ranks, bf16-true and fp16-true; ZeRO++'s hpZ under ZeRO-3 in one of four,
+    bf16-true only: in fp16-true its first 4 steps match to 2.9e-6, but after 6 its loss was
+    2.4e-2 from the single process (not yet explained; a loss-scale skip decided
+    differently is the suspect; docs/precision.md lists it as open)."""
+    per_rank = run_distributed(train_layouts, world, _texts(tmp, rows, precisions),
                                timeout_s=600)
-    _check(refs, LAYOUTS, precisions, per_rank)
+    _check(refs, rows, precisions, per_rank)
