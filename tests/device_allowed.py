@@ -34,6 +34,7 @@ OFF_STEP = {
                                                 "init_weights",
     ("parallel/zero/model.py", "local_state_dict"): "full state dicts (sample, export, tests)",
     ("parallel/zero/optim8bit.py", "load_shard_state"): "checkpoint load",
+    ("train/optim.py", "load_state_dict"): "checkpoint load (Optimizer16's fp32 moments)",
     ("parallel/zero/offload.py", "__init__"): "ZeRO-Offload's host copies of the master, "
                                               "made once at build",
     ("parallel/zero/offload.py", "load_shard_state"): "checkpoint load",

@@ -40,7 +40,8 @@ FACTORS: dict[str, dict[str, tuple[str, ...]]] = {
         "ep": ("--parallel.ep", "2"),
         "ps": ("--parallel.ps_servers", "1"),
     },
-    "precision": {p: ("--train.precision", p) for p in ("fp32", "bf16", "fp16")},
+    "precision": {p: ("--train.precision", p)
+                  for p in ("fp32", "bf16", "fp16", "bf16-true", "fp16-true")},
     "model": {
         "llama": (),  # the tiny preset: untied, grouped-query (4 heads, 2 kv heads)
         "llama-tied": ("--model.tie_embeddings", "true"),

@@ -56,6 +56,16 @@ LAYOUTS = [
     ("tp2-pp2-dp24-zero1", 96, ("--parallel.tp", "2", "--parallel.pp", "2", "--parallel.zero",
                                 "1", "--train.global_batch", "96", "--parallel.microbatches",
                                 "2"), 32),
+    # 16-bit parameters and gradients, no master (train.precision bf16-true, fp16-true; Kahan's
+    # bf16 compensation sharded as the moments are): 2 + 2 + 0 + 8 (+ 2) bytes, to the byte
+    ("zero3-dp64-bf16-true", 64, (*ZERO3_DP64, "--train.precision", "bf16-true"), None),
+    ("tp2-pp2-dp16-fp16-true", 64, (*TP2_PP2_DP16, "--train.precision", "fp16-true"), None),
+    ("zero1-dp64-kahan", 64, ("--parallel.zero", "1", "--train.global_batch", "128",
+                              "--train.precision", "bf16-true", "--optim.bf16_update",
+                              "kahan"), None),
+    ("gpt2-dp48-kahan", 48, ("--model.style", "gpt2", "--model.n_kv_heads", "0",
+                             "--train.global_batch", "96", "--train.precision", "bf16-true",
+                             "--optim.bf16_update", "kahan"), None),
 ]
 
 

@@ -23,9 +23,10 @@ def check_fp8(cfg: Config) -> None:
     if t.fp8 == "none":
         return
     head = f"train.fp8={t.fp8}"
-    if t.precision == "fp16":  # torchao's recipes scale the gradients themselves, for bf16
-        raise ConfigError(f"{head} with train.precision=fp16: fp8 training composes with bf16 "
-                          "mixed precision (or fp32); set --train.precision bf16")
+    if t.precision not in ("bf16", "fp32", "auto"):  # torchao's recipes scale the gradients
+        # themselves, for bf16 mixed precision; the 16-bit-parameter precisions are untried
+        raise ConfigError(f"{head} with train.precision={t.precision}: fp8 training composes "
+                          "with bf16 mixed precision (or fp32); set --train.precision bf16")
     if m.n_experts:
         raise ConfigError(f"{head} with model.n_experts={m.n_experts}: the experts' stacked "
                           "weights are not nn.Linear layers torchao converts; drop train.fp8 "

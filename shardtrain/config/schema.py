@@ -20,6 +20,7 @@ from shardtrain.config.lora import LoRAConfig, check_finetune_layout
 from shardtrain.config.model import ModelConfig
 from shardtrain.config.observe import check_observability
 from shardtrain.config.parallel import CommConfig, ParallelConfig
+from shardtrain.config.precision import check_true_precision
 from shardtrain.config.ps import check_parameter_server, check_slow_ranks
 from shardtrain.config.ranges import check_ranges
 
@@ -42,6 +43,10 @@ class OptimConfig:
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
+    # How a bf16-true update is written into the bf16 weight (parallel/true16.py): nearest
+    # rounding; stochastic (unbiased, seeded alike on every replica); kahan (a bf16
+    # compensation buffer per parameter, +2 bytes each). Valid with train.precision=bf16-true.
+    bf16_update: Literal["nearest", "stochastic", "kahan"] = "nearest"
 
     def validate(self) -> None:
         if self.warmup_steps < 0 or self.grad_clip < 0 or not 0 <= self.min_lr_ratio <= 1:
@@ -65,7 +70,9 @@ class TrainConfig:
     # parallel/precision.py. auto: fp32 on a CPU; on a GPU bf16 where it computes in bf16
     # natively, else fp32 (docs/precision.md, "Defaults"), resolved from the device before
     # the run (train/start/device.py); config.toml holds the resolved value.
-    precision: Literal["fp32", "bf16", "fp16", "auto"] = "auto"
+    # bf16-true, fp16-true: parameters and gradients held in 16 bits, fp32 optimizer
+    # moments, no master copy, no autocast (docs/precision.md, "16-bit training").
+    precision: Literal["fp32", "bf16", "fp16", "auto", "bf16-true", "fp16-true"] = "auto"
     # fp32 matmuls on a GPU through TF32 tensor cores (10-bit mantissa, as cuBLAS rounds them;
     # about 7x an H100's fp32 peak); false: IEEE fp32. No effect on a CPU.
     tf32: bool = True
@@ -228,6 +235,7 @@ class Config:
         check_pipeline(self, world_size)
         check_compile(self)
         check_fp8(self)
+        check_true_precision(self)
         check_slow_ranks(self.train.slow_ranks, world_size)
         check_faults(self.train, world_size)
         if self.parallel.zero and self.comm.compress != "none":

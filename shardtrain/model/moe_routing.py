@@ -53,7 +53,9 @@ def route(tokens: torch.Tensor, router: nn.Linear, top_k: int, score: str = "sof
     [E] added to the scores for the choice only; `groups` (G, g): the choice limited to
     each token's g best of G expert groups (see the module docstring)."""
     with torch.autocast(tokens.device.type, enabled=False):  # called: layouts hook modules
-        logits = router(tokens.float()).float()  # [T, E]
+        # in the router's dtype: fp32, or 16-bit weights (bf16-true, fp16-true), whose
+        # logits are widened before the softmax
+        logits = router(tokens.to(router.weight.dtype)).float()  # [T, E]
     if score == "sigmoid":
         scores = logits.sigmoid()
         probs = scores / scores.sum(-1, keepdim=True)

@@ -62,14 +62,18 @@ def filler(values: Values) -> Fill:
 
 @torch.no_grad()
 def materialize(module: nn.Module, device: torch.device, *,
-                leave: Callable[[nn.Parameter], bool] = lambda p: False) -> None:
+                leave: Callable[[nn.Parameter], bool] = lambda p: False,
+                dtype: torch.dtype | None = None) -> None:
     """Give the meta tensors of `module` uninitialised storage on `device`, in place: each
     parameter stays the same object (tied parameters stay tied; holders of references,
     such as StageShards, stay valid). Parameters for which `leave(p)` holds stay on the
-    meta device: ZeRO's units place them (zero/units.py)."""
+    meta device: ZeRO's units place them (zero/units.py). Floating-point parameters take
+    `dtype` (the policy's parameter dtype: 16-bit under bf16-true and fp16-true, so no fp32
+    copy of them ever exists; None: their own); buffers keep theirs (RoPE tables stay fp32)."""
     for p in list(module.parameters()):  # each tied parameter once
         if p.device.type == "meta" and not leave(p):
-            data = torch.empty(p.shape, dtype=p.dtype, device=device)
+            data = torch.empty(p.shape, dtype=dtype if dtype and p.is_floating_point() else p.dtype,
+                               device=device)
             torch.utils.swap_tensors(p, nn.Parameter(data, requires_grad=p.requires_grad))
     for owner in module.modules():  # buffers: uninitialised on `device`, as to_empty does
         for name, b in list(owner._buffers.items()):

@@ -105,8 +105,10 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
     reference_keys = list(model.state_dict())
     zero = bool(cfg.parallel.zero) and not cfg.parallel.ps_servers
     module.tie_weights()  # on meta: the swapped-in tp modules share one tensor again
+    policy = PrecisionPolicy.from_config(cfg)  # the one source of every dtype below
     # ZeRO's trainable parameters get their storage from its units (build.py).
-    materialize(module, device, leave=lambda p: zero and p.requires_grad)
+    materialize(module, device, leave=lambda p: zero and p.requires_grad,
+                dtype=policy.param_dtype)
     init_state_buffers(module, cfg.model)
     if split is not None:  # RoPE and learned positions: the global positions held here
         module.positions = split.positions(mesh.comm("cp").rank, device)
@@ -119,7 +121,6 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
                          ep_placements=ep_placements)
     fill = filler(values(shards) if values is not None else
                   lambda wants: shards.initial_values(cfg.train.seed, wants))
-    policy = PrecisionPolicy.from_config(cfg)  # the one source of every dtype below
     pipeline = Pipeline(chunks, mesh, cfg, loss=loss, device=device, policy=policy,
                         split=split)
     if zero:

@@ -113,11 +113,12 @@ def gather_plans(plain: list[tuple], comms: list[Communicator], rank: int,
 # ---------------------------------------------------------------------- loading
 
 def local_tensor(shards: StageShards, reader: Reader, key: str, name: str,
-                 like: torch.Tensor) -> torch.Tensor:
-    """This rank's block of the checkpoint's tensor `key` (placed as `name`), read alone."""
+                 like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """This rank's block of the checkpoint's tensor `key` (placed as `name`), read alone,
+    in `dtype` (default: like's)."""
     shape, box = box_of(shards, name, like.shape)
     _check_shape(reader, key, shape)
-    return reader.block(key, shape, box).view(like.shape).to(like.dtype)
+    return reader.block(key, shape, box).view(like.shape).to(dtype or like.dtype)
 
 
 def _check_shape(reader: Reader, key: str, want: tuple[int, ...]) -> None:
@@ -149,7 +150,10 @@ def load_torch_optimizer(shards: StageShards, optimizer: torch.optim.Optimizer,
             name = name_of[p]
             keys = [k for k in reader.keys(f"optim/{name}/")]
             if keys:
-                states[index] = {k.rsplit("/", 1)[1]: local_tensor(shards, reader, k, name, p)
+                # as saved, fp32: the optimizer casts what it keeps in another dtype (a
+                # 16-bit parameter's moments stay fp32: train/optim.py Optimizer16)
+                states[index] = {k.rsplit("/", 1)[1]: local_tensor(shards, reader, k, name, p,
+                                                                   torch.float32)
                                  for k in keys}
             index += 1
     if hasattr(optimizer, "load_canonical"):

@@ -34,6 +34,10 @@ layout then runs the same autocast ops on the same fp32 values, so layouts diffe
 the order of fp32 sums and the roundings on the wire listed above, and no layout needs a
 second weight copy of its own.
 
+bf16-true and fp16-true (train.precision) are the other design, with no master: parameters,
+gradients and every wire dtype 16-bit, no autocast, fp32 optimizer moments; the update is
+true16.py's (docs/precision.md, "16-bit training").
+
 fp16 adds dynamic loss scaling (`LossScaler`): the loss of each micro-batch is multiplied by
 the scale before backward, the gradients are divided by it before clipping, and a step whose
 gradients are not finite is skipped on every rank.
@@ -47,13 +51,15 @@ from dataclasses import dataclass
 import torch
 
 from shardtrain.config import Config
+from shardtrain.config.precision import is_true16
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "bf16-true": torch.bfloat16, "fp16-true": torch.float16}
 
 
 @dataclass(frozen=True, kw_only=True)
 class PrecisionPolicy:
-    name: str  # train.precision: fp32 | bf16 | fp16
+    name: str  # train.precision: fp32 | bf16 | fp16 | bf16-true | fp16-true
     compute_dtype: torch.dtype  # autocast's dtype for matmuls (fp32: no autocast)
     param_dtype: torch.dtype = torch.float32  # held, gathered (ZeRO-3) and updated
     grad_dtype: torch.dtype = torch.float32  # micro-batch accumulation (main gradients)
@@ -67,6 +73,11 @@ class PrecisionPolicy:
     def from_config(cls, cfg: Config) -> PrecisionPolicy:
         t = cfg.train
         compute = DTYPES[t.precision]
+        if is_true16(t.precision):  # 16 bits held, no master, no autocast (true16.py)
+            return cls(name=t.precision, compute_dtype=compute, param_dtype=compute,
+                       grad_dtype=compute, master_dtype=compute, residual_dtype=compute,
+                       gather_dtype=compute, boundary_dtype=compute,
+                       reduce_dtype=DTYPES[t.grad_reduce_dtype])
         return cls(name=t.precision, compute_dtype=compute, gather_dtype=compute,
                    boundary_dtype=compute, reduce_dtype=DTYPES[t.grad_reduce_dtype])
 
@@ -77,7 +88,7 @@ class PrecisionPolicy:
 
     def autocast(self, device: torch.device) -> AbstractContextManager:
         """Entered around each forward (the backward follows the dtypes it recorded)."""
-        if self.compute_dtype == torch.float32:
+        if self.compute_dtype == self.param_dtype:  # fp32, or 16-bit parameters (-true)
             return nullcontext()
         return torch.autocast(device.type, dtype=self.compute_dtype)
 
@@ -154,7 +165,7 @@ class LossScaler:
     @classmethod
     def from_config(cls, cfg: Config) -> LossScaler:
         s = cfg.loss_scale
-        return cls(dynamic=cfg.train.precision == "fp16", initial=s.initial,
+        return cls(dynamic=cfg.train.precision in ("fp16", "fp16-true"), initial=s.initial,
                    growth_interval=s.growth_interval, hysteresis=s.hysteresis,
                    min_scale=s.min_scale)
 

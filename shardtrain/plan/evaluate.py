@@ -28,7 +28,8 @@ CONVENTIONS = {
              "stop; docs/recompute.md)",
     "memory": "per GPU on the busiest pipeline stage; bf16: params 2 + grads 2 + master 4 + "
               "optimizer (Adam m, v) 8 bytes per parameter (K = master + optimizer = 12); "
-              "fp32: 4 + 4 + 0 + 8; ZeRO shards over dp x cp; activations per Korthikanti "
+              "fp32: 4 + 4 + 0 + 8; bf16-true, fp16-true: 2 + 2 + 0 + 8 (kahan: +2 "
+              "optimizer); ZeRO shards over dp x cp; activations per Korthikanti "
               "Table 2 under bf16, what shardtrain's block keeps under fp32 and amp "
               "(docs/recompute.md), times in-flight micro-batches; offloaded bytes are "
               "not in total",

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardtrain.config import Config, ConfigError, DataConfig, ModelConfig
+from shardtrain.config.precision import TRUE16
 from shardtrain.model.sdpa_kernels import KERNELS, attention_kernel
 from shardtrain.plan.layout_checks import PlanError, check_context_parallel, check_layer_partition
 from shardtrain.plan.optim_states import OPTIM_STATES, config_optim, optim_fields
@@ -25,7 +26,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "cpu", "nvme")
 ACTIVATION_OFFLOAD = ("none", "cpu")
-PRECISIONS = ("fp32", "bf16", "amp")  # amp: the runtime's bf16/fp16 policy (memory.py)
+# amp: the runtime's bf16/fp16 policy; bf16-true, fp16-true: 16-bit parameters (memory.py)
+PRECISIONS = ("fp32", "bf16", "amp", *TRUE16)
+BF16_UPDATES = ("nearest", "stochastic", "kahan")  # optim.bf16_update (bf16-true only)
 CP_MODES = ("ring", "ulysses")  # parallel.cp_mode
 # SDPA's kernel for attention: what activations keep (plan/activations.py)
 ATTENTION = KERNELS
@@ -68,6 +71,7 @@ class Layout:
     qgz: bool = False
     optim: str = "adamw"  # OPTIM_STATES: the optimizer state's K (plan/memory.py)
     fp8: str = "none"  # train.fp8; ZeRO-3's fp8 weight gathers where cost/fp8.py says
+    bf16_update: str = "nearest"  # optim.bf16_update: kahan adds 2 bytes per parameter
 
     @property
     def gpus(self) -> int:
@@ -106,6 +110,8 @@ class Layout:
             parts.append(f"attention={self.attention}")
         parts += [k for k in ("qwz", "hpz", "qgz") if getattr(self, k)]
         parts += [f"optim={self.optim}"] if self.optim != "adamw" else []
+        parts += [f"precision={self.precision}"] if self.precision in TRUE16 else []
+        parts += [f"bf16_update={self.bf16_update}"] if self.bf16_update != "nearest" else []
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -120,10 +126,14 @@ def check(layout: Layout, cfg: ModelConfig, *, gpus: int, node_size: int, global
                           ("offload", OFFLOAD), ("activation_offload", ACTIVATION_OFFLOAD),
                           ("precision", PRECISIONS),
                           ("cp_mode", CP_MODES), ("attention", ATTENTION),
-                          ("optim", tuple(OPTIM_STATES)), ("accumulate", ACCUMULATE)):
+                          ("optim", tuple(OPTIM_STATES)), ("accumulate", ACCUMULATE),
+                          ("bf16_update", BF16_UPDATES)):
         if getattr(lay, name) not in choices:
             raise PlanError(f"layout {name}={getattr(lay, name)!r} is not one of "
                             f"{', '.join(choices)}")
+    if lay.bf16_update != "nearest" and lay.precision != "bf16-true":
+        raise PlanError(f"layout bf16_update={lay.bf16_update} rounds bf16-true updates: set "
+                        "precision=bf16-true or bf16_update=nearest")
     for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "microbatches", "v"):
         if getattr(lay, name) < 1:
             raise PlanError(f"layout {name}={getattr(lay, name)} must be >= 1")
@@ -205,7 +215,7 @@ def _config_fields(layout: Layout, *, seq_len: int | None,
         ("train", "global_batch"): lay.dp * lay.micro_batch * lay.microbatches,
         ("train", "activation_checkpointing"): lay.recompute,
         ("train", "activation_offload"): lay.activation_offload,
-        ("train", "precision"): "fp32" if lay.precision == "fp32" else "bf16",
+        ("train", "precision"): lay.precision if lay.precision in ("fp32", *TRUE16) else "bf16",
         **({("train", "grad_reduce_dtype"): lay.reduce_dtype} if lay.reduce_dtype else {}),
         ("parallel", "zero_quantized_weights"): lay.qwz, ("parallel", "zero_hpz"): lay.hpz,
         ("parallel", "zero_quantized_gradients"): lay.qgz, ("train", "fp8"): lay.fp8,
@@ -213,6 +223,8 @@ def _config_fields(layout: Layout, *, seq_len: int | None,
     if lay.offload == "nvme":
         pairs["parallel", "offload_dir"] = offload_dir
     pairs |= optim_fields(lay.optim)
+    if lay.bf16_update != "nearest":
+        pairs["optim", "bf16_update"] = lay.bf16_update
     if seq_len is not None:
         pairs["train", "seq_len"] = seq_len
     return pairs
@@ -223,8 +235,8 @@ def layout_overrides(layout: Layout, *, seq_len: int | None = None,
     """The `--section.field VALUE` overrides that make a training config run `layout`
     (config.load(preset, overrides)): the degrees, ZeRO, ZeRO++ and offload, the schedule, the
     batch geometry (global_batch = dp x micro_batch x microbatches) and recomputation.
-    Precision: fp32 stays fp32; bf16 and amp both train under train.precision=bf16 (the
-    amp policy). `attention` has no config field: it follows from the precision and the
+    Precision: fp32, bf16-true and fp16-true stay; bf16 and amp both train under
+    train.precision=bf16 (the amp policy). `attention` has no config field: it follows from the precision and the
     model (`planned_attention`)."""
     fields = _config_fields(layout, seq_len=seq_len, offload_dir=offload_dir)
     return [item for (section, name), value in fields.items()
@@ -264,7 +276,8 @@ def config_layout(cfg: Config, world_size: int, device_type: str | None = None) 
     return Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, cp_mode=p.cp_mode, ep=p.ep, zero=p.zero,
                   unit_blocks=p.zero_unit_blocks, partition=p.zero_partition,
                   accumulate=p.zero_accumulate, offload=p.offload,
-                  precision="fp32" if t.precision == "fp32" else "amp",
+                  precision=t.precision if t.precision in ("fp32", *TRUE16) else "amp",
+                  bf16_update=cfg.optim.bf16_update,
                   reduce_dtype="" if t.grad_reduce_dtype == "fp32" else t.grad_reduce_dtype,
                   recompute=t.activation_checkpointing,
                   activation_offload=t.activation_offload, sp=p.sp, micro_batch=t.micro_batch,
@@ -283,5 +296,6 @@ def planned_attention(cfg: ModelConfig, precision: str, device_type: str = "cuda
     gets; grouped kv heads do too (repeated for the memory-efficient kernel, which takes
     none). On a GPU: flash in 16 bits (bf16, amp), memory-efficient in fp32; math only for a
     head dim neither takes, and then the planner charges its S x S probabilities."""
-    dtype = {"fp32": "float32", "fp16": "float16"}.get(precision, "bfloat16")
+    dtype = {"fp32": "float32", "fp16": "float16", "fp16-true": "float16"}.get(
+        precision, "bfloat16")
     return attention_kernel(device_type, dtype, cfg.head_dim)

@@ -10,6 +10,7 @@ optimizer term is 4 bytes per fp32 state of the layout's `optim` (plan/optim_sta
   precision policy, parallel/precision.py): fp32 parameters that are their own master
   weights, fp32 gradients, compute under autocast: the fp32 bytes, 4 + 4 + 0 + 8. The
   published figures (the paper's and Megatron's bf16 row) keep the `bf16` convention.
+- `bf16-true`, `fp16-true`: 2 + 2 + 0 + 8 (seed 004's 12 bytes; plan/state_bytes.py).
 - ZeRO-1 shards master + optimizer over N_d, ZeRO-2 the gradients too, ZeRO-3 also the
   parameters. Offload (cpu: to host memory, nvme: to NVMe; the same bytes, in different
   places) moves the sharded optimizer state and an fp32 master shard off the GPU (4 bytes
@@ -58,6 +59,8 @@ from shardtrain.plan.activation_offload import offload_terms
 from shardtrain.cost.counts import kept_params
 from shardtrain.plan.activations import (head_activation_bytes, layer_activation_bytes,
                                          mean_layer_activation_bytes)
+from shardtrain.plan.state_bytes import (REDUCE_BYTES, STATE_BYTES,  # noqa: F401 (their home)
+                                         compensation_bytes, wire_grad_bytes)
 from shardtrain.plan.buffers import (block_units, gathered_units, loss_moment, weight_casts,
                                      zero_moments)
 from shardtrain.plan.checkpoint_io import checkpoint_staging_bytes
@@ -106,12 +109,6 @@ def offload_states(states: ModelStates, *, shard_params: float, zero: int) -> Mo
                        offloaded=states.offloaded + offloaded)
 
 
-# bytes per parameter: (params, grads, master, optimizer)
-STATE_BYTES = {"bf16": (2, 2, 4, 8), "fp32": (4, 4, 0, 8), "amp": (4, 4, 0, 8)}
-# bytes per gradient element on the wire, by train.grad_reduce_dtype
-REDUCE_BYTES = {"fp32": 4, "bf16": 2}
-
-
 def zero3_gather_bytes(params: float, kept: float, precision: str) -> float:
     """Bytes of one ZeRO-3 gather of `params` parameters: under amp the weights autocast
     rounds travel in 16 bits and the `kept` rest in fp32 (zero/units.py), otherwise the
@@ -140,13 +137,15 @@ def replicas_per_node(layout: Layout, node_size: int) -> int:
 
 
 def model_states(params: float, *, nd: int = 1, zero: int = 0,
-                 precision: str = "bf16", optim: str = "adamw") -> ModelStates:
+                 precision: str = "bf16", optim: str = "adamw",
+                 compensation: int = 0) -> ModelStates:
     """Model-state bytes of one rank holding `params` parameters replicated over `nd`
     ranks: DP (2+2+K) Psi; ZeRO-1 4 Psi + K Psi/N_d; ZeRO-2 2 Psi + (2+K) Psi/N_d;
     ZeRO-3 (2+2+K) Psi/N_d (Rajbhandari et al. 2020, section 5; K = master + optimizer,
-    the optimizer 4 bytes per fp32 state of `optim`: plan/optim_states.py)."""
+    the optimizer 4 bytes per fp32 state of `optim`: plan/optim_states.py, plus
+    `compensation` bytes per parameter: kahan's, `compensation_bytes`)."""
     p, g, m, _ = STATE_BYTES[precision]
-    o = 4 * OPTIM_STATES[optim]
+    o = 4 * OPTIM_STATES[optim] + compensation
     return ModelStates(params=p * params / (nd if zero >= 3 else 1),
                        grads=g * params / (nd if zero >= 2 else 1),
                        master=m * params / (nd if zero >= 1 else 1),
@@ -196,10 +195,11 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
     save's staging pool (checkpoint.staging_mb; None: its default), in `host`."""
     lay = layout
     ranks = rank_params(cfg, lay)
+    kahan = compensation_bytes(lay.bf16_update)
     states = (model_states(ranks.dense, nd=lay.replicas, zero=lay.zero, precision=lay.precision,
-                           optim=lay.optim)
+                           optim=lay.optim, compensation=kahan)
               + model_states(ranks.expert, nd=lay.replicas // lay.ep, zero=lay.zero,
-                             precision=lay.precision, optim=lay.optim))
+                             precision=lay.precision, optim=lay.optim, compensation=kahan))
     if lay.partition == "layer":  # the busiest rank's whole units (imports this module)
         from shardtrain.plan.layer_partition import layer_states
         states = layer_states(cfg, lay)

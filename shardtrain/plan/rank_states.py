@@ -39,7 +39,9 @@ from dataclasses import replace
 from shardtrain.config import ModelConfig
 from shardtrain.cost.units import ROUNDED, backward_reads_params, unit_key
 from shardtrain.plan.layout import Layout, PlanError
-from shardtrain.plan.memory import ModelStates, model_states, offload_states
+from shardtrain.config.precision import TRUE16
+from shardtrain.plan.memory import (STATE_BYTES, ModelStates, compensation_bytes, model_states,
+                                    offload_states)
 from shardtrain.plan.optim_states import OPTIM_STATES
 from shardtrain.plan.partition import layers_per_stage
 
@@ -48,15 +50,18 @@ PARAM_BYTES = 4  # fp32 and amp both hold fp32 parameters (memory.py, STATE_BYTE
 
 
 def runtime_adamw_fp32(params: int, *, grad_padding: int = 0,
-                       step_tensors: int = 0, optim: str = "adamw") -> ModelStates:
-    """The runtime's ledger convention for a replicated fp32 data-parallel run of torch's
-    `optim` (AdamW by default), exactly: params 4 Psi, grads 4 (Psi + grad_padding)
+                       step_tensors: int = 0, optim: str = "adamw", width: int = 4,
+                       compensation: int = 0) -> ModelStates:
+    """The runtime's ledger convention for a replicated data-parallel run of torch's
+    `optim` (AdamW by default), exactly: params width Psi, grads width (Psi + grad_padding)
     (elements a flat or bucketed gradient buffer adds), optimizer 4 Psi per state (AdamW's
     exp_avg, exp_avg_sq) + 4 bytes per `step_tensors` (PyTorch's AdamW, RMSprop and Adagrad
-    keep one fp32 `step` per parameter tensor, SGD none; 0 ignores them)."""
-    steps = 0 if optim in ("sgd", "momentum") else step_tensors
-    return ModelStates(params=4 * params, grads=4 * (params + grad_padding), master=0,
-                       optimizer=4 * OPTIM_STATES[optim] * params + 4 * steps)
+    keep one fp32 `step` per parameter tensor, SGD none; 0 ignores them). `width`: 4 for
+    fp32 parameters, 2 under bf16-true and fp16-true (train/optim.py Optimizer16 keeps a
+    `step` for every optimizer, SGD's too, and `compensation` bytes per parameter)."""
+    steps = 0 if optim in ("sgd", "momentum") and width == 4 else step_tensors
+    return ModelStates(params=width * params, grads=width * (params + grad_padding), master=0,
+                       optimizer=(4 * OPTIM_STATES[optim] + compensation) * params + 4 * steps)
 
 
 def _up(n: int, k: int) -> int:
@@ -140,8 +145,10 @@ def hpz_secondary_bytes(units: dict[tuple[int, int, int], int], *, local: int,
                for key, n in units.items() if backward_reads_params(key))
 
 
-def bucket_padded(tensors: list[tuple[str, int]], *, nd: int, bucket_mb: float) -> int:
-    """Elements of the data-parallel gradient buckets (parallel/data/ddp.py)."""
+def bucket_padded(tensors: list[tuple[str, int]], *, nd: int, bucket_mb: float,
+                  width: int = PARAM_BYTES) -> int:
+    """Elements of the data-parallel gradient buckets (parallel/data/ddp.py) of `width`-byte
+    gradients."""
     cap, sizes, size = bucket_mb * 2**20, [0], 0
     for _, n in reversed(tensors):
         limit = min(cap, FIRST_BUCKET_BYTES) if len(sizes) == 1 else cap
@@ -149,7 +156,7 @@ def bucket_padded(tensors: list[tuple[str, int]], *, nd: int, bucket_mb: float) 
             sizes.append(0)
             size = 0
         sizes[-1] += n
-        size += n * PARAM_BYTES
+        size += n * width
     return sum(_up(n, nd) for n in sizes)
 
 
@@ -160,9 +167,9 @@ def rank0_states(cfg: ModelConfig, layout: Layout, *, layers: int | None = None,
     (Trainer.memory_ledger: params, grads, master, optimizer). ZeRO++: `block` is
     comm.quant_block (qwZ aligns the units to it), `local` the dp ranks on a node (hpZ)."""
     lay = layout
-    if lay.precision not in ("fp32", "amp"):
-        raise PlanError(f"layout precision={lay.precision!r}: the runtime holds fp32 or amp "
-                        "states (train.precision fp32, or bf16/fp16 = amp)")
+    if lay.precision not in ("fp32", "amp", *TRUE16):
+        raise PlanError(f"layout precision={lay.precision!r}: the runtime holds fp32, amp "
+                        "(train.precision bf16/fp16), bf16-true or fp16-true states")
     if optimizer not in ("adamw", "sgd", "rmsprop", "adagrad"):
         raise PlanError(f"optim.name={optimizer!r}: the exact count covers adamw, sgd, "
                         "rmsprop and adagrad")
@@ -180,7 +187,7 @@ def rank0_states(cfg: ModelConfig, layout: Layout, *, layers: int | None = None,
                            rounded=lay.zero == 3 and lay.precision == "amp")
         padded = sum(units.values())
         states = model_states(padded, nd=lay.replicas, zero=lay.zero, precision=lay.precision,
-                              optim=lay.optim)
+                              optim=lay.optim, compensation=compensation_bytes(lay.bf16_update))
         if lay.qwz and lay.zero < 3:  # the dequantized gather lands in the shard: the fp32
             # master gets storage of its own (zero/model.py)
             states = replace(states, master=PARAM_BYTES * padded / lay.replicas)
@@ -189,7 +196,9 @@ def rank0_states(cfg: ModelConfig, layout: Layout, *, layers: int | None = None,
         secondary = hpz_secondary_bytes(units, local=local, precision=lay.precision) \
             if lay.hpz else 0  # on the device, offload or not
         return replace(states, params=states.params + secondary)
-    padded = bucket_padded(tensors, nd=lay.replicas, bucket_mb=bucket_mb) \
+    width = STATE_BYTES[lay.precision][0]
+    padded = bucket_padded(tensors, nd=lay.replicas, bucket_mb=bucket_mb, width=width) \
         if lay.replicas > 1 else psi  # one replica: no reducer, no buckets
     return runtime_adamw_fp32(psi, grad_padding=padded - psi, step_tensors=len(tensors),
-                              optim=lay.optim)
+                              optim=lay.optim, width=width,
+                              compensation=compensation_bytes(lay.bf16_update))

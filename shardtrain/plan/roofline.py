@@ -37,8 +37,10 @@ from shardtrain.plan.layout import Layout
 from shardtrain.plan.memory import STATE_BYTES
 from shardtrain.plan.partition import rank_params
 
-_ACT = {"bf16": 2, "amp": 2, "fp32": 4}  # what the linears (autocast) produce
-_STREAM = {"bf16": 2, "amp": 4, "fp32": 4}  # the residual stream: the parameters' dtype
+_ACT = {"bf16": 2, "amp": 2, "fp32": 4,  # what the linears (autocast) produce
+        "bf16-true": 2, "fp16-true": 2}
+_STREAM = {"bf16": 2, "amp": 4, "fp32": 4,  # the residual stream: the parameters' dtype
+           "bf16-true": 2, "fp16-true": 2}
 # FLOPs per element written: (x^2 sum, rsqrt, scale, weight) for a norm; silu x up for
 # SwiGLU; exp, sum, divide for a softmax; AdamW's moments, bias correction and decay.
 _NORM_FLOPS, _ACT_FLOPS, _SOFTMAX_FLOPS, _ADAM_FLOPS = 5.0, 5.0, 5.0, 12.0

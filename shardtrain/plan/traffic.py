@@ -67,7 +67,7 @@ from shardtrain.plan.activations import kv_heads_per_rank, ulysses_kv_heads
 from shardtrain.plan.buffers import block_units
 from shardtrain.plan.layer_partition import layer_ops
 from shardtrain.plan.layout import Layout
-from shardtrain.plan.memory import (BUCKET_BYTES, REDUCE_BYTES, STATE_BYTES,
+from shardtrain.plan.memory import (BUCKET_BYTES, STATE_BYTES, wire_grad_bytes,
                                     zero3_gather_bytes)
 from shardtrain.plan.ops import (FREE, CommOp, Placement, a2a, bytes_per_step,  # noqa: F401
                                  collective, p2p, placement)
@@ -100,11 +100,10 @@ def data_parallel_ops(*, params: float, size: int, zero: int, microbatches: int 
     share of `fp8_scales` fp32 amaxes (`fp8_gather_terms`)."""
     if size <= 1 or params <= 0:
         return []
-    p_bytes, g_bytes = (b * params for b in STATE_BYTES[precision][:2])
+    p_bytes = STATE_BYTES[precision][0] * params
+    g_bytes = wire_grad_bytes(precision, reduce_dtype) * params
     if zero == 3:
         p_bytes = zero3_gather_bytes(params, kept, precision) - fp8  # fp8: 2 bytes -> 1
-    if reduce_dtype:
-        g_bytes = REDUCE_BYTES[reduce_dtype] * params
     m, pipelined = microbatches, pipelined or unsharded
     if zero == 0:
         buckets = max(1, math.ceil(g_bytes / bucket_bytes))

@@ -38,8 +38,8 @@ from shardtrain.cost.hardware import Hardware
 from shardtrain.cost.units import (ROUNDED, backward_reads_params, coalesce, launch_order,
                                    unit_key)
 from shardtrain.plan.layout import Layout, PlanError
-from shardtrain.plan.memory import (REDUCE_BYTES, STATE_BYTES, ModelStates, replicas_per_node,
-                                     zero3_gather_bytes)
+from shardtrain.plan.memory import (STATE_BYTES, ModelStates, replicas_per_node,
+                                     wire_grad_bytes, zero3_gather_bytes)
 from shardtrain.plan.ops import CommOp, Placement, a2a, collective, placement
 from shardtrain.plan.partition import rank_params
 from shardtrain.plan.rank_states import rank0_tensors, zero_units
@@ -117,8 +117,7 @@ def zeropp_group_ops(units: list[Unit], layout: Layout, *, size: int, local: int
     if size <= 1 or not units:
         return []
     pipelined = lay.pp > 1 or lay.accumulate == "unsharded"  # once per step (traffic.py)
-    grad_bytes = REDUCE_BYTES[lay.reduce_dtype] if lay.reduce_dtype \
-        else STATE_BYTES[lay.precision][1]
+    grad_bytes = wire_grad_bytes(lay.precision, lay.reduce_dtype)
     gathers = 1 if lay.zero < 3 or pipelined else m  # per unit and kind (forward, backward)
 
     def shard_gather(group: list[Unit]) -> float:

@@ -58,7 +58,7 @@ class BadStepGuard:
                 "--checkpoint.resume latest, after the fix)") if found else \
             "There is no checkpoint yet (checkpoint.every sets how often one is saved)"
         scale = f", loss scale {record.get('loss_scale', 1.0):g}" \
-            if self.precision == "fp16" else ""
+            if self.precision.startswith("fp16") else ""  # fp16, fp16-true: scaled
         raise NonFiniteError(
             f"step {record['step']}: loss {record['loss']} / gradient norm "
             f"{record['grad_norm']} not finite (train.precision={self.precision}{scale}); the "

@@ -70,7 +70,7 @@ def build_shard_optimizer(masters: list[torch.Tensor], decay: list[Runs], cfg: C
         return Adam8bitShardOptimizer(masters, decay, small or [[] for _ in masters], cfg.optim,
                                       aliased=aliased)
     if p.offload == "none":
-        return MemoryOptimizer(masters, decay, cfg.optim, aliased=aliased)
+        return MemoryOptimizer(masters, decay, cfg.optim, aliased=aliased, seed=cfg.train.seed)
     return HostOptimizer(masters, decay, cfg.optim, offload=p.offload, directory=p.offload_dir,
                          rank=rank, grads=p.zero >= 2)
 

@@ -23,6 +23,7 @@ import torch
 
 from shardtrain.config import OptimConfig
 from shardtrain.parallel.strategy import nbytes
+from shardtrain.parallel.true16 import round_seed, update_16bit
 
 Runs = list[tuple[int, int]]  # [start, end) element ranges of a shard
 
@@ -51,12 +52,14 @@ class ShardOptimizer(Protocol):
 
 
 def moment_names(optim: OptimConfig) -> tuple[str, ...]:
-    """The per-element fp32 state besides the master weights."""
+    """The per-element state besides the master weights: fp32 moments, and under
+    optim.bf16_update=kahan (bf16-true only) the bf16 compensation last."""
+    kahan = ("compensation",) if optim.bf16_update == "kahan" else ()  # bf16 (true16.py)
     if optim.name == "adamw":
-        return ("exp_avg", "exp_avg_sq")
+        return ("exp_avg", "exp_avg_sq") + kahan
     if optim.name in ("rmsprop", "adagrad"):  # torch's state names
-        return ("square_avg",) if optim.name == "rmsprop" else ("sum",)
-    return ("momentum_buffer",) if optim.momentum else ()
+        return (("square_avg",) if optim.name == "rmsprop" else ("sum",)) + kahan
+    return (("momentum_buffer",) if optim.momentum else ()) + kahan
 
 
 @torch.no_grad()
@@ -104,18 +107,31 @@ class MemoryOptimizer:
     updated in place."""
 
     def __init__(self, masters: list[torch.Tensor], decay: list[Runs], optim: OptimConfig,
-                 *, aliased: bool):
+                 *, aliased: bool, seed: int = 0):
         self.masters, self.decay, self.optim, self.aliased = masters, decay, optim, aliased
-        self.names = moment_names(optim)
-        self.moments = [[torch.zeros_like(m, dtype=torch.float32) for _ in self.names]
+        self.names, self.seed = moment_names(optim), seed
+        # 16-bit masters (bf16-true, fp16-true): the shards themselves, updated through
+        # true16.py; the moments stay fp32, kahan's compensation in the masters' dtype
+        self.moments = [[torch.zeros_like(m, dtype=m.dtype if n == "compensation"
+                                          else torch.float32) for n in self.names]
                         for m in masters]
         self.steps = 0
 
     def step(self, grads: list[torch.Tensor], params: list[torch.Tensor], lr: float) -> None:
         self.steps += 1
-        for master, moments, grad, decay, param in zip(self.masters, self.moments, grads,
-                                                       self.decay, params, strict=True):
-            update_shard(master, moments, grad, decay, lr, self.steps, self.optim)
+        for k, (master, moments, grad, decay, param) in enumerate(zip(
+                self.masters, self.moments, grads, self.decay, params, strict=True)):
+            if master.dtype != torch.float32:  # bf16-true, fp16-true (true16.py)
+                kahan = self.names[-1:] == ("compensation",)
+                fp32 = moments[:-1] if kahan else moments
+
+                def fp32_step(w: torch.Tensor, fp32=fp32, grad=grad, decay=decay) -> None:
+                    update_shard(w, fp32, grad.float(), decay, lr, self.steps, self.optim)
+                update_16bit(master, fp32_step, mode=self.optim.bf16_update,
+                             seed=round_seed(self.seed, self.steps, k),
+                             compensation=moments[-1] if kahan else None)
+            else:
+                update_shard(master, moments, grad, decay, lr, self.steps, self.optim)
             if not self.aliased:
                 param.copy_(master)
 

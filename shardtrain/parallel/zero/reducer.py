@@ -71,16 +71,16 @@ class ZeroReducer:
         self.launcher: ReadyInOrder | None = None
         self._home: dict[FlatUnit, torch.Tensor] = {}  # offloaded gradient shards' buffers
         for u in units:
-            if self.per_step:  # full gradients accumulate in place, in fp32 (the shard's)
+            if self.per_step:  # full gradients accumulate in place, in the shard's dtype
                 u.grad_flat = torch.zeros(u.padded, dtype=u.shard.dtype, device=u.flat.device)
                 for p, view in zip(u.params, u.param_views(u.grad_flat)):
                     if p.dtype == view.dtype:
                         p.grad = view
                     else:  # a 16-bit parameter (split unit, units.py): added in as it comes
                         p.register_post_accumulate_grad_hook(_accumulate_into(view))
-            if stage == 1:  # the fp32 shard is a view, or a copy filled by finish
-                u.grad_shard = u.grad_flat[u.shard_slice()] if u.flat.dtype == torch.float32 \
-                    else torch.zeros(u.shard_numel, device=u.flat.device)
+            if stage == 1:  # the shard is a view, or a copy filled by finish
+                u.grad_shard = u.grad_flat[u.shard_slice()] if u.flat.dtype == u.shard.dtype \
+                    else torch.zeros(u.shard_numel, dtype=u.shard.dtype, device=u.flat.device)
         if not self.per_step:  # the shard exists from the step's first reduce-scatter (_complete)
             self.launcher = ReadyInOrder([u.params for u in self.order], self._launch)
 
@@ -91,10 +91,11 @@ class ZeroReducer:
         self._home = dict(zip(self.units, homes, strict=True))
 
     def _first(self, u: FlatUnit, shard: torch.Tensor) -> torch.Tensor:
-        """u's gradient shard from its first reduced `shard` of the step: fp32 on the
-        device (a view of the reduced row when it is fp32), or in its host buffer."""
+        """u's gradient shard from its first reduced `shard` of the step: in the parameter
+        shard's dtype (fp32; 16-bit under bf16-true and fp16-true) on the device (a view of
+        the reduced row when it has that dtype), or in its host buffer."""
         home = self._home.get(u)
-        return shard.float() if home is None else home.copy_(shard)
+        return shard.to(u.shard.dtype) if home is None else home.copy_(shard)
 
     @contextmanager
     def no_sync(self):
@@ -234,8 +235,9 @@ class ZeroReducer:
         buffers, freed between steps, are transient: plan/memory.py counts them as buffers).
         Offloaded shards are in host buffers (offload.py counts them), none on the device."""
         if self.stage >= 2:
-            return sum(4 * u.shard_numel for u in self.units if u not in self._home)
+            return sum(u.shard.element_size() * u.shard_numel for u in self.units
+                       if u not in self._home)
         full = nbytes(*(u.grad_flat for u in self.units))
-        shards = sum(4 * u.shard_numel for u in self.units
+        shards = sum(u.shard.element_size() * u.shard_numel for u in self.units
                      if u.grad_shard._base is not u.grad_flat)
         return full + shards

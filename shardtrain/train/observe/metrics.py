@@ -39,7 +39,7 @@ def matmul_precision(device: torch.device, precision: str) -> str:
     GPU run as tf32 when torch allows it (torch.set_float32_matmul_precision)."""
     if precision == "fp32" and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
-    return precision
+    return precision.removesuffix("-true")  # bf16-true's matmuls are bf16's
 
 
 def device_peak_flops(device: torch.device, configured: float,
