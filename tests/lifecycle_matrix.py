@@ -66,6 +66,8 @@ FACTORS: dict[str, dict[str, tuple[str, ...]]] = {
     # saved activations to host memory in forward, back one block ahead in backward
     "activation_offload": {"none": (), "cpu": ("--train.activation_offload", "cpu")},
     "save": {"sync": (), "async": ("--checkpoint.async_save", "true")},
+    # the blocks' linears on torchao's float8 (train.fp8), ZeRO-3 gathering them in e4m3
+    "fp8": {"none": (), "tensorwise": ("--train.fp8", "tensorwise")},
 }
 # Where a row resumes: the next layout in this order that its other values allow (a
 # parameter server's checkpoint resumes only with servers: train/checkpoint/checkpoint.py).
