@@ -40,7 +40,7 @@ import torch
 from shardtrain.ckpt.chunks import Chunk
 from shardtrain.ckpt.files import CHECKSUMS, METADATA, Piece
 from shardtrain.ckpt.frames import as_bits
-from shardtrain.ckpt.saveplan import Layout, MetadataFile, PlanCache
+from shardtrain.ckpt.saveplan import Layout, MetadataFile, PlanCache, collector_paused
 from shardtrain.ckpt.stream import Item, Staged
 
 def results_name(rank: int) -> str:
@@ -113,7 +113,8 @@ class SavePlanned:
             and torch.cuda.is_available()
         self._staged = Staged(self.directory, self.layout.files, budget, pinned)
         try:
-            self._staged.start(self.pieces.values)
+            with collector_paused():
+                self._staged.start(self.pieces.values)
         finally:
             self.pieces._held = None
 
