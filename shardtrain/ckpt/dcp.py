@@ -43,6 +43,7 @@ from shardtrain.ckpt.frames import as_bits
 from shardtrain.ckpt.saveplan import Layout, MetadataFile, PlanCache, collector_paused
 from shardtrain.ckpt.stream import Item, Staged
 
+
 def results_name(rank: int) -> str:
     return f".results-{rank:05d}"
 

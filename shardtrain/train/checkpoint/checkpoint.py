@@ -12,9 +12,8 @@ tokenizer, so `shardtrain generate` needs nothing but the checkpoint.
 
 Durable: every data and side file is fsynced as it is written (the side files from
 threads, their fsyncs together), the staging directory before its rename, the
-checkpoints directory after it; only then are
-older checkpoints removed (never the one just committed), so a power or node loss leaves
-the previous checkpoint at worst. A run dir holds one run's checkpoints only
+checkpoints directory after it; only then are older checkpoints removed (never the one
+just committed), so a power or node loss leaves the previous checkpoint at worst. A run dir holds one run's checkpoints only
 (train/checkpoint/rundir.py). `resume = latest` takes the newest checkpoint that validates
 (ckpt/files.py `validate`) and whose bytes match their CRC-32s (`verify`, split over the
 ranks), moving any newer bad one aside (`bad-step_*`) with one line saying why.
