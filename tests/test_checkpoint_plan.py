@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import pickle
 import threading
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -73,22 +74,13 @@ class _Ranks:
         return exchange
 
     def run(self, work):
-        out, errors = [None] * self.size, []
-
         def one(rank):
             try:
-                out[rank] = work(rank)
-            except BaseException as e:
-                errors.append(e)
-                self.barrier.abort()
-        threads = [threading.Thread(target=one, args=(r,)) for r in range(self.size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        return out
+                return work(rank)
+            except BaseException:
+                self.barrier.abort()  # no rank left waiting for it
+                raise
+        return ours.in_threads([partial(one, r) for r in range(self.size)])
 
 
 def _pieces(rank: int, split: int = 128) -> list[Piece]:

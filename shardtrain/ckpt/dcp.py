@@ -32,6 +32,7 @@ import json
 import os
 import threading
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -178,21 +179,29 @@ def write_file(path: Path, data: bytes, sync: bool = True) -> None:
 def write_files(directory: Path, files: dict[str, bytes]) -> None:
     """Write each of `files` ({name: bytes}) fsynced into `directory`, each from its own
     thread: their fsyncs wait on the disk together, not one after another."""
+    in_threads([partial(write_file, directory / name, data) for name, data in files.items()])
+
+
+def in_threads(calls: list[Callable[[], object]]) -> list:
+    """Each call's result, each call run in its own thread; the first error raised here,
+    once all have ended."""
+    out: list = [None] * len(calls)
     errors: list[BaseException] = []
 
-    def one(name: str, data: bytes) -> None:
+    def one(k: int) -> None:
         try:
-            write_file(directory / name, data)
+            out[k] = calls[k]()
         except BaseException as e:  # raised below, on the caller's thread
             errors.append(e)
-    threads = [threading.Thread(target=one, args=item, name=f"checkpoint-{item[0]}")
-               for item in files.items()]
+    threads = [threading.Thread(target=one, args=(k,), name=f"checkpoint-{k}")
+               for k in range(len(calls))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if errors:
         raise errors[0]
+    return out
 
 
 def fsync_dir(path: Path) -> None:

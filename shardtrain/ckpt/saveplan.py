@@ -213,8 +213,8 @@ class PlanCache:
                   str(pieces[k].dtype).removeprefix("torch.")) for k, c in where]
         # As JSON text: one string to send, and ~10x faster to read back than the tuples
         # through the weights-only unpickler of the object exchange.
-        plans = [[(key, tuple(o), tuple(s), tuple(sh), d) for key, o, s, sh, d in json.loads(t)]
-                 for t in gather(json.dumps(plain))]
+        plans = [[(name, tuple(o), tuple(s), tuple(sh), d)
+                  for name, o, s, sh, d in json.loads(text)] for text in gather(json.dumps(plain))]
         kept, files, metadata = global_plan(plans, rank, rank == 0)
         items = [item for _, run in files for item in run]  # in `kept`'s order
         self.layout = Layout(dict(zip(items, (where[k] for k in kept))), files, metadata)
