@@ -41,8 +41,9 @@ import torch
 from shardtrain.ckpt.chunks import Chunk
 from shardtrain.ckpt.files import CHECKSUMS, METADATA, Piece
 from shardtrain.ckpt.frames import as_bits
-from shardtrain.ckpt.saveplan import Layout, MetadataFile, PlanCache, collector_paused
-from shardtrain.ckpt.stream import Item, Staged
+from shardtrain.ckpt.saveplan import (Layout, MetadataFile, PlanCache, collector_paused,
+                                      in_order)
+from shardtrain.ckpt.stream import ALIGN, Item, Staged
 
 
 def results_name(rank: int) -> str:
@@ -108,7 +109,8 @@ class SavePlanned:
         `staging_bytes`, pinned on a GPU), the writer threads writing as it goes; returns
         once all are staged: the live tensors may change after it, for an asynchronous
         save. `write` waits for the files."""
-        values = sum(item.nbytes for item in self.items)
+        # The whole share, each chunk at its aligned place in a buffer (stream.py ALIGN).
+        values = sum(-(-item.nbytes // ALIGN) * ALIGN for item in self.items)
         budget = values if self.staging_bytes is None else min(self.staging_bytes, values)
         # Pinned where the values come from a GPU: their copies then run asynchronously.
         pinned = self.device is not None and self.device.type == "cuda" \
@@ -141,6 +143,7 @@ def plan_save(directory: Path, rank: int, pieces: list[Piece],
     object, in rank order); `device`: where the pieces' values live (None: the host);
     `staging_bytes`: the staging pool's bytes (`checkpoint.staging_mb`; None: the rank's
     whole share); `cache`: the plan of earlier saves (saveplan.py; None: plan afresh)."""
+    pieces = in_order(pieces)
     layout = (cache or PlanCache()).plan(rank, pieces, gather)
     return SavePlanned(directory, rank, pieces, layout, device, staging_bytes)
 

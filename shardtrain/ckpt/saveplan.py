@@ -178,6 +178,13 @@ def _digest(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
+def in_order(pieces: list[Piece]) -> list[Piece]:
+    """The pieces in a fixed order, by region: what a rank holds, whatever order its state
+    lists it in (a torch optimizer's state loaded from a checkpoint may list a parameter's
+    moments in another order than the steps made them: the same holdings, one plan)."""
+    return sorted(pieces, key=lambda p: (p.region.key, p.region.box, p.region.start))
+
+
 def local_digest(pieces: list[Piece]) -> bytes:
     """What the rank holds: each piece's region and dtype, in order (the chunks and the
     plan follow from them)."""
