@@ -12,6 +12,7 @@ import threading
 from functools import partial
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
@@ -110,6 +111,7 @@ def _save(ranks: _Ranks, caches: list[PlanCache], directory: Path, split: int = 
     return planned
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load, one process
 def test_the_plan_is_reused_until_a_rank_holds_other_pieces(tmp_path):
     ranks, caches = _Ranks(2), [PlanCache(), PlanCache()]
     _save(ranks, caches, tmp_path / "a")
