@@ -42,7 +42,7 @@ from shardtrain.ckpt.chunks import Chunk
 from shardtrain.ckpt.files import CHECKSUMS, METADATA, Piece
 from shardtrain.ckpt.frames import as_bits
 from shardtrain.ckpt.saveplan import (Layout, MetadataFile, PlanCache, collector_paused,
-                                      in_order)
+                                      place_of)
 from shardtrain.ckpt.stream import ALIGN, Item, Staged
 
 
@@ -51,13 +51,14 @@ def results_name(rank: int) -> str:
 
 
 class _Pieces:
-    """Where each write item's values are: its piece and chunk (the layout's `where`, in
-    the items' order); fetched piece by piece as the stager asks for them (one piece's
-    values held at a time, where they live)."""
+    """Where each write item's values are: its piece (found by its place in the full
+    tensors, in whatever order this save lists them) and chunk (the layout's `where`);
+    fetched piece by piece as the stager asks for them (one piece's values held at a time,
+    where they live)."""
 
-    def __init__(self, pieces: list[Piece], where: dict[Item, tuple[int, Chunk]]):
-        self.pieces, self.where = pieces, where
-        self._held: tuple[int, torch.Tensor] | None = None
+    def __init__(self, pieces: list[Piece], where: dict[Item, tuple[tuple, Chunk]]):
+        self.pieces, self.where = {place_of(p): p for p in pieces}, where
+        self._held: tuple[tuple, torch.Tensor] | None = None
 
     def values(self, item: Item):
         """The chunk's values [chunk sizes]: a view of its piece's, where they live; on the
@@ -143,7 +144,6 @@ def plan_save(directory: Path, rank: int, pieces: list[Piece],
     object, in rank order); `device`: where the pieces' values live (None: the host);
     `staging_bytes`: the staging pool's bytes (`checkpoint.staging_mb`; None: the rank's
     whole share); `cache`: the plan of earlier saves (saveplan.py; None: plan afresh)."""
-    pieces = in_order(pieces)
     layout = (cache or PlanCache()).plan(rank, pieces, gather)
     return SavePlanned(directory, rank, pieces, layout, device, staging_bytes)
 

@@ -88,7 +88,7 @@ def check_duplicates(plans: list[list[Plain]]) -> None:
 @dataclass
 class Layout:
     """One rank's part of a planned save (the same for every save of the layout)."""
-    where: dict[Item, tuple[int, Chunk]]  # per item written: (piece index, chunk)
+    where: dict[Item, tuple[tuple, Chunk]]  # per item written: (its piece's place_of, chunk)
     files: list[tuple[str, list[Item]]]  # per data file: its name, its items (offsets set)
     metadata: MetadataFile | None  # the main rank's; None elsewhere
 
@@ -178,17 +178,19 @@ def _digest(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
-def in_order(pieces: list[Piece]) -> list[Piece]:
-    """The pieces in a fixed order, by region: what a rank holds, whatever order its state
-    lists it in (a torch optimizer's state loaded from a checkpoint may list a parameter's
-    moments in another order than the steps made them: the same holdings, one plan)."""
-    return sorted(pieces, key=lambda p: (p.region.key, p.region.box, p.region.start))
+def place_of(piece: Piece) -> tuple:
+    """A piece's place in the full tensors: its name, box and first element (what a rank
+    holds, whatever order its state lists it in)."""
+    return (piece.region.key, piece.region.box, piece.region.start)
 
 
 def local_digest(pieces: list[Piece]) -> bytes:
-    """What the rank holds: each piece's region and dtype, in order (the chunks and the
-    plan follow from them)."""
-    return _digest(repr([(p.region, str(p.dtype)) for p in pieces]).encode())
+    """What the rank holds: each piece's region and dtype, in the order of their places (the
+    chunks and the plan follow from them; a torch optimizer's state loaded from a
+    checkpoint may list a parameter's moments in another order than the steps made them:
+    the same holdings, the same plan)."""
+    held = sorted((place_of(p), p.region.shape, p.region.stop, str(p.dtype)) for p in pieces)
+    return _digest(repr(held).encode())
 
 
 class PlanCache:
@@ -224,6 +226,7 @@ class PlanCache:
                   for name, o, s, sh, d in json.loads(text)] for text in gather(json.dumps(plain))]
         kept, files, metadata = global_plan(plans, rank, rank == 0)
         items = [item for _, run in files for item in run]  # in `kept`'s order
-        self.layout = Layout(dict(zip(items, (where[k] for k in kept))), files, metadata)
+        self.layout = Layout(dict(zip(items, ((place_of(pieces[where[k][0]]), where[k][1])
+                                              for k in kept))), files, metadata)
         self.key = key
         self.planned += 1
