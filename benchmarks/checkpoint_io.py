@@ -7,7 +7,8 @@ default model on 2 processes, plain data parallelism and ZeRO-3 (and FSDP2 with 
 One launch; each process builds both trainers (dp, then ZeRO-3), takes one step, then
 `--repeats` times: rank 0 measures the disk (below), then the ranks save a synchronous
 checkpoint (timed from a barrier before to the save's return: every rank's write and the
-main rank's commit) and load it back into the same trainer (a fresh reader, timed to the
+main rank's commit; the first save plans, the later ones reuse its plan, ckpt/saveplan.py:
+both printed) and load it back into the same trainer (a fresh reader, timed to the
 end of `load_state` on every rank). The disk: what `dd bs=1M count=1024 conv=fsync`
 measures, in Python: 1 GiB written in 1 MiB blocks into the checkpoint's directory, then
 fsynced, timed to the fsync's return (`disk_mb_s`), the other ranks waiting. Rank 0 prints
@@ -178,7 +179,8 @@ def main() -> None:
         written = list(row["written"].values())
         row["mb_s"] = row["bytes"] / row["save_s"] / 1e6
         print(f"{args.config} {' '.join(overrides)}, {layout}, {args.nproc} processes: save "
-              f"{row['save_s']:.3f} s ({row['mb_s']:.0f} MB/s, ours / disk "
+              f"{row['save_s']:.3f} s (the first, planning: {row['save_all_s'][0]:.2f} s; "
+              f"{row['mb_s']:.0f} MB/s, ours / disk "
               f"{row['mb_s'] / disk:.2f}x of the disk's {disk:.0f} MB/s fsync'd), resume "
               f"{row['resume_s']:.2f} s, {row['bytes'] / 2**20:.1f} MiB on disk; written per "
               f"rank {[round(w / 2**20, 1) for w in written]} MiB; read per rank on resume / "

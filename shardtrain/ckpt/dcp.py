@@ -9,17 +9,18 @@ per rank that wrote something, readable by `torch.distributed.checkpoint` (`dcp.
 Saving (`plan_save`, `write`, `finish`): each rank lists its pieces (ckpt/files.py
 `Piece`: what it holds, as regions of the full tensors) as DCP write items, one per chunk
 (chunks.py). The plans of all ranks are exchanged (`gather`, given by the caller: the
-mesh's collectives) and every rank computes the same global plan: DCP's
-`dedup_save_plans` keeps one copy of each chunk held by several ranks (data-parallel
-replicas, shared kv heads, a pipeline's two copies of a tied embedding) and gives it to
-the holder whose plan is smallest so far (DCP weighs each chunk by its whole tensor's
-size, a fair proxy: a tensor's chunks are alike), so replicas spread over their holders
-rather than all landing on the lowest rank. Each rank writes its chunks (stream.py: a
-bounded staging pool, parallel fsynced files, each chunk framed as DCP's reader loads it
-by frames.py, its CRC-32 computed as its bytes go out, never read back), then its write
-results beside them; the main rank merges those into `.metadata` with DCP's writer
-(`finish`) and the CRC-32s into `checksums.json`, with the CRC-32 of each rank's own
-state files. Nothing is gathered: values are fetched piece by piece as they are staged.
+mesh's collectives) and every rank computes the same global plan (saveplan.py: DCP's, on
+plain tuples; once per layout, later saves exchange a digest): each chunk held by several
+ranks (data-parallel replicas, shared kv heads, a pipeline's two copies of a tied
+embedding) is written once, by the holder whose plan is smallest so far (DCP weighs each
+chunk by its whole tensor's size, a fair proxy: a tensor's chunks are alike), so replicas
+spread over their holders rather than all landing on the lowest rank; each chunk's file
+and byte offset are fixed there. Each rank writes its chunks (stream.py: a bounded
+staging pool, parallel fsynced files, each chunk framed as DCP's reader loads it by
+frames.py, its CRC-32 computed as its bytes go out, never read back), then the CRC-32s
+beside them; the main rank writes `.metadata` (planned, with every chunk's place) and the
+CRC-32s into `checksums.json`, with the CRC-32 of each rank's own state files. Nothing is
+gathered: values are fetched piece by piece as they are staged.
 
 `Reader` (files.py) reads by region: it reads only the stored chunks that overlap it
 (DCP's load planning), so a rank resuming in any layout reads about its own share.
@@ -28,28 +29,21 @@ state files. Nothing is gathered: values are fetched piece by piece as they are 
 from __future__ import annotations
 
 import json
-import math
 import os
-import pickle
+import threading
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
-from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, TensorProperties)
-from torch.distributed.checkpoint.planner import (SavePlan, TensorWriteData, WriteItem,
-                                                  WriteItemType)
 
-from shardtrain.ckpt.chunks import Chunk, region_chunks
-from shardtrain.ckpt.files import CHECKSUMS, Piece
+from shardtrain.ckpt.chunks import Chunk
+from shardtrain.ckpt.files import CHECKSUMS, METADATA, Piece
 from shardtrain.ckpt.frames import as_bits
-from shardtrain.ckpt.stream import Item, Staged, split
-
-ITEM_FRAME_BYTES = 2048  # the archive around one chunk's values (~1.6 kB: frames.py)
+from shardtrain.ckpt.saveplan import (Layout, MetadataFile, PlanCache, collector_paused,
+                                      place_of)
+from shardtrain.ckpt.stream import ALIGN, Item, Staged
 
 
 def results_name(rank: int) -> str:
@@ -57,25 +51,19 @@ def results_name(rank: int) -> str:
 
 
 class _Pieces:
-    """Where each write item's values are: its piece and chunk; fetched piece by piece as
-    the stager asks for them (one piece's values held at a time, where they live)."""
+    """Where each write item's values are: its piece (found by its place in the full
+    tensors, in whatever order this save lists them) and chunk (the layout's `where`);
+    fetched piece by piece as the stager asks for them (one piece's values held at a time,
+    where they live)."""
 
-    def __init__(self, pieces: list[Piece]):
-        self.pieces = pieces
-        self.where: dict[MetadataIndex, tuple[int, Chunk]] = {}
-        self.plain: list[tuple] = []  # the items as plain tuples (they travel: `plan_save`)
-        for k, piece in enumerate(pieces):
-            dtype = str(piece.dtype).removeprefix("torch.")
-            for chunk in region_chunks(piece.region):
-                self.where[MetadataIndex(piece.region.key, torch.Size(chunk.offsets))] = (k, chunk)
-                self.plain.append((piece.region.key, chunk.offsets, chunk.sizes,
-                                   piece.region.shape, dtype))
-        self._held: tuple[int, torch.Tensor] | None = None
+    def __init__(self, pieces: list[Piece], where: dict[Item, tuple[tuple, Chunk]]):
+        self.pieces, self.where = {place_of(p): p for p in pieces}, where
+        self._held: tuple[tuple, torch.Tensor] | None = None
 
     def values(self, item: Item):
         """The chunk's values [chunk sizes]: a view of its piece's, where they live; on the
         host, in the piece's dtype, as numpy integers of its size (frames.py `as_bits`)."""
-        k, chunk = self.where[item.index]
+        k, chunk = self.where[item]
         piece = self.pieces[k]
         if self._held is None or self._held[0] != k:
             values = piece.fetch().detach().reshape(-1)  # [numel]
@@ -94,26 +82,23 @@ class _Pieces:
 
 
 class SavePlanned:
-    """One rank's part of a save, planned: what it writes, and the checkpoint's metadata
-    (the same on every rank)."""
+    """One rank's part of a save, planned: what it writes, where, and (the main rank's) the
+    checkpoint's metadata."""
 
-    def __init__(self, directory: Path, rank: int, pieces: _Pieces, plan: SavePlan,
-                 metadata: Metadata, device: torch.device | None = None,
-                 staging_bytes: int | None = None):
+    def __init__(self, directory: Path, rank: int, pieces: list[Piece], layout: Layout,
+                 device: torch.device | None = None, staging_bytes: int | None = None):
         self.directory, self.rank = Path(directory), rank
-        self.pieces, self.plan, self.metadata = pieces, plan, metadata
+        self.pieces, self.layout = _Pieces(pieces, layout.where), layout
+        self.metadata: MetadataFile | None = layout.metadata  # `finish`'s, on the main rank
         self.device = device  # where the pieces' values live (None: the host)
         self.staging_bytes = staging_bytes  # the staging pool's (None: the whole share)
-        self.items = [Item(i.index, i.tensor_data.properties.dtype,
-                           tuple(i.tensor_data.chunk.sizes),
-                           math.prod(i.tensor_data.chunk.sizes)
-                           * i.tensor_data.properties.dtype.itemsize) for i in plan.items]
+        self.items = [item for _, run in layout.files for item in run]
         self._staged: Staged | None = None
 
     @property
     def nbytes(self) -> int:
         """Bytes this rank writes: its chunks' values, each framed (frames.py)."""
-        return sum(item.nbytes + ITEM_FRAME_BYTES for item in self.items)
+        return sum(item.stored for item in self.items)
 
     @property
     def staged_peak(self) -> int:
@@ -125,102 +110,107 @@ class SavePlanned:
         `staging_bytes`, pinned on a GPU), the writer threads writing as it goes; returns
         once all are staged: the live tensors may change after it, for an asynchronous
         save. `write` waits for the files."""
-        values = sum(item.nbytes for item in self.items)
+        # The whole share, each chunk at its aligned place in a buffer (stream.py ALIGN).
+        values = sum(-(-item.nbytes // ALIGN) * ALIGN for item in self.items)
         budget = values if self.staging_bytes is None else min(self.staging_bytes, values)
         # Pinned where the values come from a GPU: their copies then run asynchronously.
         pinned = self.device is not None and self.device.type == "cuda" \
             and torch.cuda.is_available()
-        prefix = self.plan.storage_data.prefix  # DCP's `__<rank>_`
-        self._staged = Staged(self.directory, prefix, split(self.items, values), budget,
-                              pinned)
+        self._staged = Staged(self.directory, self.layout.files, budget, pinned)
         try:
-            self._staged.start(self.pieces.values)
+            with collector_paused():
+                self._staged.start(self.pieces.values)
         finally:
             self.pieces._held = None
 
     def write(self, own_sums: dict[str, str] | None = None) -> None:
         """Write this rank's files (fsynced; staged first unless `start` did) and, last,
-        its write results: the chunks' storage and CRC-32s, with `own_sums` (the CRC-32 of
-        each of this rank's own state files, train/checkpoint/checkpoint.py
-        `stage_files`)."""
+        the CRC-32s of its chunks with `own_sums` (the CRC-32 of each of this rank's own
+        state files, train/checkpoint/checkpoint.py `stage_files`) for the main rank's
+        `finish`: not fsynced, as `finish` reads them before the commit and removes them;
+        the commit's fsyncs make what it took from them durable."""
         if self._staged is None:
             self.start()
-        results, sums = self._staged.wait()
-        write_synced(self.directory / results_name(self.rank),
-                     pickle.dumps((results, {**sums, **(own_sums or {})})))
+        sums = self._staged.wait()
+        write_file(self.directory / results_name(self.rank),
+                   json.dumps({**sums, **(own_sums or {})}).encode(), sync=False)
 
 
 def plan_save(directory: Path, rank: int, pieces: list[Piece],
-              gather: Callable[[list[tuple]], list[list[tuple]]],
-              device: torch.device | None = None,
-              staging_bytes: int | None = None) -> SavePlanned:
+              gather: Callable[[object], list], device: torch.device | None = None,
+              staging_bytes: int | None = None, cache: PlanCache | None = None
+              ) -> SavePlanned:
     """Plan this rank's part of the save (a collective: `gather` returns every rank's
-    plain items, in rank order); `device`: where the pieces' values live (None: the host);
+    object, in rank order); `device`: where the pieces' values live (None: the host);
     `staging_bytes`: the staging pool's bytes (`checkpoint.staging_mb`; None: the rank's
-    whole share)."""
-    where = _Pieces(pieces)
-    plans = [_plan(items) for items in gather(where.plain)]
-    _check_duplicates(plans)
-    plans = dedup_save_plans(plans)  # each shared chunk to the least loaded of its holders
-    plans, metadata = create_default_global_save_plan(plans)
-    plans = _writer(directory, rank).prepare_global_plan(plans)
-    return SavePlanned(directory, rank, where, plans[rank], metadata, device, staging_bytes)
+    whole share); `cache`: the plan of earlier saves (saveplan.py; None: plan afresh)."""
+    layout = (cache or PlanCache()).plan(rank, pieces, gather)
+    return SavePlanned(directory, rank, pieces, layout, device, staging_bytes)
 
 
-def _plan(plain: list[tuple]) -> SavePlan:
-    """Write items from (name, chunk offsets, chunk sizes, tensor shape, dtype name)."""
-    return SavePlan([WriteItem(
-        index=MetadataIndex(key, torch.Size(offsets)), type=WriteItemType.SHARD,
-        tensor_data=TensorWriteData(
-            chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
-            properties=TensorProperties(dtype=getattr(torch, dtype)), size=torch.Size(shape)))
-        for key, offsets, sizes, shape, dtype in plain])
-
-
-def finish(directory: Path, metadata: Metadata, world_size: int) -> None:
-    """On the main rank once every rank has written: merge the write results into
-    `.metadata` (fsynced; the results files removed)."""
-    results, checksums = [], {}
+def finish(directory: Path, metadata: MetadataFile, world_size: int,
+           side: dict[str, bytes] | None = None) -> None:
+    """On the main rank once every rank has written: `.metadata`, `checksums.json` (the
+    CRC-32s each rank wrote, merged; their files removed) and the `side` files ({name:
+    bytes}), each fsynced, from threads."""
+    checksums = {}
     for rank in range(world_size):
         path = Path(directory) / results_name(rank)
         if not path.is_file():
             raise FileNotFoundError(
                 f"{path}: rank {rank} wrote no results here; every rank must write into the "
                 "same train.run_dir (on several nodes: a shared filesystem)")
-        written, sums = pickle.loads(path.read_bytes())
-        results.append(written)
-        checksums.update(sums)
-    write_synced(Path(directory) / CHECKSUMS, json.dumps(checksums).encode())
-    _writer(directory, 0).finish(metadata, results)
+        checksums.update(json.loads(path.read_bytes()))
+    write_files(Path(directory), {CHECKSUMS: json.dumps(checksums).encode(),
+                                  METADATA: metadata.for_save(), **(side or {})})
     for rank in range(world_size):
         (Path(directory) / results_name(rank)).unlink()
 
 
-def _writer(directory: Path, rank: int) -> FileSystemWriter:
-    """DCP's writer: its global plan (each rank's file prefix) and metadata (`finish`)."""
-    writer = FileSystemWriter(directory, sync_files=True, overwrite=True)
-    writer.set_up_storage_writer(rank == 0, rank=rank)
-    return writer
-
-
-def _check_duplicates(plans: list[SavePlan]) -> None:
-    """DCP deduplicates chunks by (name, offsets): two ranks' chunks there must be the same
-    chunk, or one would be dropped."""
-    seen: dict[MetadataIndex, torch.Size] = {}
-    for plan in plans:
-        for item in plan.items:
-            sizes = item.tensor_data.chunk.sizes
-            if seen.setdefault(item.index, sizes) != sizes:
-                raise RuntimeError(f"{item.index.fqn}: two ranks hold different chunks at "
-                                   f"offsets {tuple(item.index.offset)} ({tuple(sizes)} and "
-                                   f"{tuple(seen[item.index])}); their regions must match")
-
-
-def write_synced(path: Path, data: bytes) -> None:
-    """Write `data` whole, fsynced, under `path` (atomically: via a temporary name)."""
+def write_file(path: Path, data: bytes, sync: bool = True) -> None:
+    """Write `data` whole under `path`, fsynced unless `sync` is False (atomically: via a
+    temporary name)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_files(directory: Path, files: dict[str, bytes]) -> None:
+    """Write each of `files` ({name: bytes}) fsynced into `directory`, each from its own
+    thread: their fsyncs wait on the disk together, not one after another."""
+    in_threads([partial(write_file, directory / name, data) for name, data in files.items()])
+
+
+def in_threads(calls: list[Callable[[], object]]) -> list:
+    """Each call's result, each call run in its own thread; the first error raised here,
+    once all have ended."""
+    out: list = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def one(k: int) -> None:
+        try:
+            out[k] = calls[k]()
+        except BaseException as e:  # raised below, on the caller's thread
+            errors.append(e)
+    threads = [threading.Thread(target=one, args=(k,), name=f"checkpoint-{k}")
+               for k in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+def fsync_dir(path: Path) -> None:
+    """Make `path`'s entries (files created, renamed, removed) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,16 +1,20 @@
 """Writing one rank's stored chunks: a bounded staging pool feeding parallel file writers.
 
 The rank's chunks (in its save plan's order) are split into at most `WRITERS` runs of
-about equal bytes, one DCP data file each (`__<rank>_<j>.distcp`), each written and
-fsynced by its own thread. A single stager (the calling thread: `Staged.start`) copies
-the chunks' values, part by part, into reusable buffers of a pool of `budget` bytes
-(`checkpoint.staging_mb`; pinned host memory where the values live on a GPU, each
-buffer's copies awaited by its writer through an event) and hands each filled buffer to
-its file's writer, which frames each chunk (frames.py: the bytes `torch.save` would write,
-as DCP's reader loads them), computes its CRC-32 as the bytes go out, and gives the
-buffer back. The stager waits for a free buffer when all are in flight: at no moment are
-more than `budget` bytes staged (`peak` counts them), whatever the rank's share, and a
-chunk larger than a buffer goes in several parts.
+about equal bytes, one DCP data file each (`__<rank>_<j>.distcp`), each chunk's byte
+offset fixed when the save is planned (`place`: a framed chunk's length depends only on
+its dtype and shape), each file written and fsynced by its own thread. A single stager
+(the calling thread: `Staged.start`) copies the chunks' values, part by part, into
+reusable buffers of a pool of `budget` bytes (`checkpoint.staging_mb`; pinned host memory
+where the values live on a GPU, each buffer's copies awaited by its writer through an
+event) and hands each filled buffer to its file's writer, which frames each chunk
+(frames.py: the bytes `torch.save` would write, as DCP's reader loads them), computes its
+CRC-32 as the bytes go out, writes the whole buffer's frames and values with one
+`os.writev` (a buffer holds up to hundreds of small chunks: one syscall, not three per
+chunk), checks each chunk lands at its planned offset, and gives the buffer back. The
+stager waits for a free buffer when all are in flight: at no moment are more than
+`budget` bytes staged (`peak` counts them), whatever the rank's share, and a chunk larger
+than a buffer goes in several parts.
 
 Why threads: `write`, `fsync` and `zlib.crc32` release the GIL, so the copy, the CRC and
 two files' writes overlap; on the 2-core machine two fsynced files in parallel wrote
@@ -30,9 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.storage import WriteResult
 
 from shardtrain.ckpt.frames import frame, parts
 
@@ -40,6 +42,7 @@ WRITERS = 2  # data files (and writer threads) per rank, at most
 SPLIT_BYTES = 64 << 20  # a rank's bytes per extra file, at least
 BLOCK_BYTES = 8 << 20  # one staging buffer, at most
 ALIGN = 64  # a part's place in a buffer (a view of any dtype needs an aligned offset)
+IOV_MAX = 1024  # byte ranges per os.writev, at most (Linux's limit)
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,13 @@ class Item:
     index: MetadataIndex
     dtype: torch.dtype
     shape: tuple[int, ...]  # the stored chunk's sizes
-    nbytes: int
+    nbytes: int  # its values'
+    offset: int = 0  # where its frame starts in its data file (`place`)
+
+    @property
+    def stored(self) -> int:
+        """Its bytes in the file: the values, framed."""
+        return self.nbytes + frame(self.dtype, self.shape).nbytes
 
 
 class Pool:
@@ -82,60 +91,84 @@ class Pool:
 
 
 class _Writer(threading.Thread):
-    """One data file: each batch (a filled buffer's ops) framed, summed, written; fsynced."""
+    """One data file: each batch (a filled buffer's ops) framed, summed and written with
+    one `os.writev`, each chunk at its planned offset; fsynced."""
 
     def __init__(self, directory: Path, name: str, pool: Pool):
         super().__init__(name=f"checkpoint-writer-{name}", daemon=True)
         self.path, self.name, self.pool = Path(directory) / name, name, pool
         self.batches: queue.Queue = queue.Queue()
-        self.results: list[WriteResult] = []
         self.sums: dict[str, str] = {}  # "file:offset" -> the stored chunk's CRC-32
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            with open(self.path, "wb", buffering=1 << 20) as f:
-                at = crc = 0
-                while (batch := self.batches.get()) is not None:
-                    buffer, used, copied, ops = batch
-                    if copied is not None:
-                        copied.synchronize()  # the buffer's device-to-host copies
-                    for op, arg in ops:
-                        if op == "begin":  # arg: the Item
-                            at, header = f.tell(), frame(arg.dtype, arg.shape).header
-                            f.write(header)
-                            crc = zlib.crc32(header)
-                        elif op == "data":  # arg: a memoryview into the buffer
-                            f.write(arg)
-                            crc = zlib.crc32(arg, crc)
-                        else:  # "end"
-                            trailer = frame(arg.dtype, arg.shape).trailer
-                            f.write(trailer)
-                            crc = zlib.crc32(trailer, crc)
-                            length = f.tell() - at
-                            self.results.append(WriteResult(
-                                index=arg.index, size_in_bytes=length,
-                                storage_data=_StorageInfo(self.name, at, length)))
-                            self.sums[f"{self.name}:{at}"] = f"{crc:08x}"
-                    if buffer is not None:
-                        self.pool.give_back(buffer, used)
-                f.flush()
-                os.fsync(f.fileno())
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                self._write(fd)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         except BaseException as e:  # raised by `Staged.wait`, on the caller's thread
             self.error = e
             self.pool.failed.set()
 
+    def _write(self, fd: int) -> None:
+        at = crc = 0  # the file's length so far; the current chunk's CRC-32
+        while (batch := self.batches.get()) is not None:
+            buffer, used, copied, ops = batch
+            if copied is not None:
+                copied.synchronize()  # the buffer's device-to-host copies
+            out: list = []  # byte ranges to write: frames and views into the buffer
+            for op, arg in ops:
+                if op == "begin":  # arg: the Item
+                    if arg.offset != at:
+                        raise RuntimeError(f"{self.path}: chunk {arg.index.fqn} at byte {at}, "
+                                           f"planned at {arg.offset}")
+                    data = frame(arg.dtype, arg.shape).header
+                    crc = zlib.crc32(data)
+                elif op == "data":  # arg: a memoryview into the buffer
+                    data = arg
+                    crc = zlib.crc32(data, crc)
+                else:  # "end"
+                    data = frame(arg.dtype, arg.shape).trailer
+                    crc = zlib.crc32(data, crc)
+                    self.sums[f"{self.name}:{arg.offset}"] = f"{crc:08x}"
+                out.append(data)
+                at += len(data)
+            _write_all(fd, out)
+            if buffer is not None:
+                self.pool.give_back(buffer, used)
 
-def split(items: list[Item], nbytes: int) -> list[list[Item]]:
-    """`items` in order as at most WRITERS runs of about equal bytes (one per data file)."""
+
+def _write_all(fd: int, ranges: list) -> None:
+    """Every byte of `ranges` appended to `fd`, IOV_MAX ranges per os.writev (which may
+    write less than asked: the rest is written again)."""
+    for at in range(0, len(ranges), IOV_MAX):
+        batch = [memoryview(r).cast("B") for r in ranges[at:at + IOV_MAX]]
+        while batch:
+            n = os.writev(fd, batch)
+            while batch and n >= batch[0].nbytes:
+                n -= batch[0].nbytes
+                batch.pop(0)
+            if batch and n:
+                batch[0] = batch[0][n:]
+
+
+def place(items: list[Item]) -> list[list[Item]]:
+    """`items` in order as at most WRITERS runs of about equal bytes (one per data file),
+    each item at its byte offset in its file."""
+    nbytes = sum(item.nbytes for item in items)
     files = max(1, min(WRITERS, nbytes // SPLIT_BYTES))
     runs: list[list[Item]] = [[]]
-    done = 0
+    done = at = 0
     for item in items:
         if done >= len(runs) * nbytes / files and len(runs) < files:
             runs.append([])
-        runs[-1].append(item)
+            at = 0
+        runs[-1].append(Item(item.index, item.dtype, item.shape, item.nbytes, at))
         done += item.nbytes
+        at += runs[-1][-1].stored
     return runs
 
 
@@ -143,11 +176,10 @@ class Staged:
     """A rank's write in flight: `start` stages every chunk (the writers still writing),
     `wait` until every file is written and fsynced."""
 
-    def __init__(self, directory: Path, prefix: str, runs: list[list[Item]], budget: int,
+    def __init__(self, directory: Path, files: list[tuple[str, list[Item]]], budget: int,
                  pinned: bool):
-        self.runs, self.pool = runs, Pool(budget, pinned)
-        self.writers = [_Writer(directory, f"{prefix}{j}{DEFAULT_SUFFIX}", self.pool)
-                        for j in range(len(runs))]
+        self.runs, self.pool = [run for _, run in files], Pool(budget, pinned)
+        self.writers = [_Writer(directory, name, self.pool) for name, _ in files]
 
     def start(self, values) -> None:
         """Stage every chunk: `values(item)` its values [item.shape], on any device."""
@@ -203,13 +235,12 @@ class Staged:
         if buffer is not None or ops:
             flush()
 
-    def wait(self) -> tuple[list[WriteResult], dict[str, str]]:
-        """Every file written and fsynced: the write results and CRC-32s; a writer's
-        error, if one failed."""
+    def wait(self) -> dict[str, str]:
+        """Every file written and fsynced: the stored chunks' CRC-32s; a writer's error,
+        if one failed."""
         for w in self.writers:
             w.join()
         for w in self.writers:
             if w.error is not None:
                 raise w.error
-        return ([r for w in self.writers for r in w.results],
-                {k: v for w in self.writers for k, v in w.sums.items()})
+        return {k: v for w in self.writers for k, v in w.sums.items()}

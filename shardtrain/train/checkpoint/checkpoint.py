@@ -10,10 +10,10 @@ global batches, the same for any dp size -- and the layout that wrote it), the r
 config (whose [model] section is checked on resume) and, for a BPE run, a copy of the
 tokenizer, so `shardtrain generate` needs nothing but the checkpoint.
 
-Durable: every file is fsynced as it is written (DCP's `sync_files`, and ours), the
-staging directory before its rename, the checkpoints directory after it; only then are
-older checkpoints removed (never the one just committed), so a power or node loss leaves
-the previous checkpoint at worst. A run dir holds one run's checkpoints only
+Durable: every data and side file is fsynced as it is written (the side files from
+threads, their fsyncs together), the staging directory before its rename, the
+checkpoints directory after it; only then are older checkpoints removed (never the one
+just committed), so a power or node loss leaves the previous checkpoint at worst. A run dir holds one run's checkpoints only
 (train/checkpoint/rundir.py). `resume = latest` takes the newest checkpoint that validates
 (ckpt/files.py `validate`) and whose bytes match their CRC-32s (`verify`, split over the
 ranks), moving any newer bad one aside (`bad-step_*`) with one line saying why.
@@ -32,20 +32,21 @@ import json
 import os
 import shutil
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
-
 from shardtrain import config as config_mod
-from shardtrain.ckpt.dcp import finish, write_synced
+from shardtrain.ckpt.dcp import finish, fsync_dir, write_file
 from shardtrain.ckpt.files import FORMAT, SIDE, validate, verify
+from shardtrain.ckpt.saveplan import MetadataFile
 from shardtrain.config import Config, ConfigError
 from shardtrain.train.checkpoint.agree import Agreement
 
 _PREFIX = "step_"
 _ASIDE = "bad-"
+_REMOVED = ".tmp-removed-"  # an old checkpoint being deleted (`clear_staging` takes its rest)
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -81,46 +82,49 @@ def stage_files(cfg: Config, step: int, files: dict[str, Any]) -> dict[str, str]
     for name, state in files.items():
         buffer = io.BytesIO()
         torch.save(state, buffer)
-        write_synced(staged / name, buffer.getvalue())
+        write_file(staged / name, buffer.getvalue())
         sums[name] = f"{zlib.crc32(buffer.getbuffer()):08x}"
     return sums
 
 
 def save_checkpoint(cfg: Config, *, step: int, staged: Path, world_size: int,
-                    metadata: Metadata, aliases: dict[str, str], extra: dict[str, Any],
+                    metadata: MetadataFile, aliases: dict[str, str], extra: dict[str, Any],
                     layout: dict[str, int], sampler_state: dict[str, Any],
-                    tokenizer_file: Path | None = None) -> Path:
+                    tokenizer_file: Path | None = None,
+                    remove: Callable[[list[Path]], None] | None = None) -> Path:
     """On the main rank, once every rank has written its part: DCP's metadata and our side
-    files, each fsynced, then the directory renamed into place and made durable; then
-    the checkpoints beyond `checkpoint.keep` go, never this one (newest by name is not
-    always newest written). `layout`: the layout that wrote it."""
+    files, each fsynced (ckpt/dcp.py `finish`: from threads), then the directory renamed
+    into place and made durable; then the checkpoints beyond `checkpoint.keep` go, never
+    this one (newest by name is not always newest written): renamed out of the listing
+    (`.tmp-removed-*`, cleared with the staging directories if a crash leaves one), then
+    deleted by `remove` (default: at once; the Saver's: in a background thread, as
+    deleting a GiB of files takes ~0.3 s). `layout`: the layout that wrote it."""
     root = checkpoint_root(cfg.train.run_dir)
     final = root / step_name(step)
-    finish(staged, metadata, world_size)
-    write_synced(staged / "meta.json", json.dumps(
-        {"step": step, "sampler": sampler_state, "layout": layout}, indent=1).encode())
-    write_synced(staged / "config.toml", config_mod.to_toml(cfg).encode())
+    side = {"meta.json": json.dumps({"step": step, "sampler": sampler_state,
+                                     "layout": layout}, indent=1).encode(),
+            "config.toml": config_mod.to_toml(cfg).encode(),
+            SIDE: json.dumps({"format": FORMAT, "aliases": aliases, "extra": extra}).encode()}
     if tokenizer_file is not None:
-        write_synced(staged / TOKENIZER_FILE, tokenizer_file.read_bytes())
-    write_synced(staged / SIDE, json.dumps(  # last: only now is the directory whole
-        {"format": FORMAT, "aliases": aliases, "extra": extra}).encode())
-    _fsync_dir(staged)
+        side[TOKENIZER_FILE] = tokenizer_file.read_bytes()
+    finish(staged, metadata, world_size, side)
+    fsync_dir(staged)
     if final.exists():
         shutil.rmtree(final)
     os.replace(staged, final)
-    _fsync_dir(root)  # the rename itself durable before anything older is removed
+    fsync_dir(root)  # the rename itself durable before anything older is removed
     older = [p for p in list_checkpoints(root) if p != final]
+    retired = []
     for old in older[:max(0, len(older) - (cfg.checkpoint.keep - 1))]:
-        shutil.rmtree(old, ignore_errors=True)
+        retired.append(root / f"{_REMOVED}{old.name}")
+        os.replace(old, retired[-1])
+    (remove or remove_dirs)(retired)
     return final
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def remove_dirs(paths: list[Path]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def list_checkpoints(root: Path) -> list[Path]:

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from shardtrain.ckpt.dcp import SavePlanned, plan_save
+from shardtrain.ckpt.saveplan import PlanCache
 from shardtrain.comm.threads import device_thread
 from shardtrain.config import Config
 from shardtrain.mesh import ParallelMesh
@@ -59,6 +60,8 @@ class Saver:
             ckpt.clear_staging(cfg)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._removing: threading.Thread | None = None  # old checkpoints being deleted
+        self.plans = PlanCache()  # the save plan, reused while the layout holds
         self.space = SpaceGuard(ckpt.checkpoint_root(cfg.train.run_dir), rank=mesh.rank,
                                 world_size=mesh.world_size, keep=cfg.checkpoint.keep,
                                 last_good=resumed)
@@ -77,7 +80,8 @@ class Saver:
         comms = [self.mesh.comm(d) for d in ("dp", "cp", "tp", "pp")]
         planned = plan_save(staged, self.mesh.rank, pieces, partial(
             gather_plans, comms=comms, rank=self.mesh.rank, world_size=self.mesh.world_size),
-            device=self.mesh.device, staging_bytes=self.cfg.checkpoint.staging_mb << 20)
+            device=self.mesh.device, staging_bytes=self.cfg.checkpoint.staging_mb << 20,
+            cache=self.plans)
         # The model's ties, not this rank's: under pp the main rank's first stage holds no
         # head, and a checkpoint read whole (generate, export) needs the alias.
         aliases = {model_key(k): model_key(v) for k, v in tied_names(self.cfg.model).items()}
@@ -93,7 +97,8 @@ class Saver:
         commit = partial(ckpt.save_checkpoint, self.cfg, step=step, staged=staged,
                          world_size=self.mesh.world_size, metadata=planned.metadata,
                          aliases=aliases, extra=extra, sampler_state=sampler_state,
-                         layout=layout, tokenizer_file=tokenizer_file)
+                         layout=layout, tokenizer_file=tokenizer_file,
+                         remove=self._remove)
         finish = partial(self._write_and_commit, step, planned, sums, error, commit)
         if not self.cfg.checkpoint.async_save:
             finish()
@@ -138,12 +143,24 @@ class Saver:
         self.space.last_good = final or ckpt.checkpoint_root(self.cfg.train.run_dir) / \
             ckpt.step_name(step)
 
+    def _remove(self, paths: list[Path]) -> None:
+        """Delete the checkpoints the last commit retired, in the background (`wait` joins)."""
+        if self._removing is not None:
+            self._removing.join()
+        self._removing = threading.Thread(target=ckpt.remove_dirs, args=(paths,),
+                                          name="checkpoint-remove", daemon=True)
+        self._removing.start()
+
     def wait(self) -> None:
-        """Until the asynchronous save in flight (if any) is written and committed; its
-        error, the same on every rank, if it failed."""
+        """Until the asynchronous save in flight (if any) is written and committed and the
+        checkpoints it retired are deleted; its error, the same on every rank, if it
+        failed."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._removing is not None:
+            self._removing.join()
+            self._removing = None
         if self._error is not None:
             error, self._error = self._error, None
             if isinstance(error, SaveFailed):
