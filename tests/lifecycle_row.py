@@ -110,7 +110,9 @@ def check_row(tmp: Path, row: Row, got: dict) -> None:
     name = label(row)
     assert all(map(math.isfinite, got["a"] + got["b"])), f"{name}: a loss is not finite: {got}"
     assert len(got["a"]) == STEPS and len(got["b"]) == STEPS - HALF, f"{name}: {got}"
-    low = row["precision"] != "fp32"
+    # fp8's e4m3 roundings turn a layout's different summation order into a different
+    # rounded operand now and then (docs/precision.md, "FP8"): the 16-bit bounds, in fp32 too
+    low = row["precision"] != "fp32" or row.get("fp8", "none") != "none"
     loss_rtol = BF16_LOSS_RTOL[got["tp"]] if low else LOSS_RTOL
     weight_rtol = WEIGHT_RTOL_16[got["tp"]] if low else WEIGHT_TOL
     weight_atol = weight_rtol
