@@ -109,11 +109,14 @@ def cost(row: Row) -> int:
     return 2 if row["compile"] == "on" else 1
 
 
-def covering(strength: int = 2, seed: int = 0) -> tuple[list[Row], int]:
+def covering(strength: int = 2, seed: int = 0, only: dict[str, set[str]] | None = None
+             ) -> tuple[list[Row], int]:
     """Valid rows covering every `strength`-wise combination some valid row holds, and how
     many such combinations there are. Each pick covers the most new combinations per unit
-    of `cost` (pairwise: 8 compiled rows, the least that meets every layout, not 20)."""
-    candidates = [r for r in all_rows() if valid(r)]
+    of `cost` (pairwise: 8 compiled rows, the least that meets every layout, not 20).
+    `only`: factors limited to some of their values (the rows that hold them only)."""
+    candidates = [r for r in all_rows() if valid(r)
+                  and all(r[f] in values for f, values in (only or {}).items())]
     rng = random.Random(seed)
     rng.shuffle(candidates)
     uncovered = {c for r in candidates for c in _combos(r, strength)}
