@@ -102,8 +102,7 @@ class Layout:
                   if v not in (1, "flat", "sharded")]
         if self.offload != "none":
             parts.append(f"offload={self.offload}")
-        if self.fp8 != "none":
-            parts.append(f"fp8={self.fp8}")
+        parts += [f"fp8={self.fp8}"] if self.fp8 != "none" else []
         if self.ps_servers:
             parts.append(f"ps_servers={self.ps_servers}")
         if self.attention != "flash":

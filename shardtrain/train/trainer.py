@@ -71,9 +71,8 @@ class Trainer:
         check_vocab(self.data, cfg.model.vocab_size)
         self.model = build_skeleton(cfg)  # shapes only (LoRA applied): parallelize materialises
         before = reset_peak_memory(device)  # the build's own peak (parallel/build.py)
-        self.parallel = parallelize(self.model, mesh, cfg, device=device,
-                                    make_optimizer=lambda m: build_optimizer(
-                                        m, cfg.optim, t.lr, t.seed),
+        make = lambda m: build_optimizer(m, cfg.optim, t.lr, t.seed)  # noqa: E731
+        self.parallel = parallelize(self.model, mesh, cfg, device=device, make_optimizer=make,
                                     values=lambda shards: start_values(cfg, shards))
         self.build_memory = {"build_base_bytes": before,
                              "build_peak_bytes": peak_memory(device)["peak_mem_bytes"]}

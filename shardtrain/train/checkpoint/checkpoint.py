@@ -230,17 +230,15 @@ MODEL_STATE_FIELDS = {
     "rope_high_freq_factor": "rope_high_freq_factor",
     "rope_original_max_len": "rope_original_max_len",
     "rope_attention_factor": "rope_attention_factor", "sliding_window": "sliding_window",
-    "moe_score": "moe_score",  # the router's weights were trained for this scoring
-    "moe_ffn_dim": "expert_hidden", "moe_shared_experts": "moe_shared_experts",
-    "moe_first_dense": "moe_first_dense",
+    "moe_score": "moe_score", "moe_ffn_dim": "expert_hidden",  # (the router learnt its score)
+    "moe_shared_experts": "moe_shared_experts", "moe_first_dense": "moe_first_dense",
 }
 MODEL_FREE_FIELDS = (
     "init_from",  # where the first weights came from: a path, moved or gone since
     "moe_impl",  # grouped matmul or a loop: the same function
     "moe_aux_loss_coef", "moe_z_loss_coef",  # training-loss weights, as the lr is
     "moe_capacity_factor", "moe_drop_policy",  # routing under load in training
-    "moe_balance", "moe_bias_rate",  # how the selection bias moves: a training policy
-    "moe_groups", "moe_max_groups",  # which experts a token may use, as capacity limits them
+    "moe_balance", "moe_bias_rate", "moe_groups", "moe_max_groups",  # routing policies
 )
 
 
