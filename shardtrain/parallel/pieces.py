@@ -97,10 +97,11 @@ def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
     return max(steps, default=0)
 
 
-def gather_plans(plain: list[tuple], comms: list[Communicator], rank: int,
-                 world_size: int) -> list[list[tuple]]:
-    """Every rank's plain save items (ckpt/dcp.py `plan_save`), in rank order: exchanged
-    over each mesh dim in turn (after the last every rank knows every rank's)."""
+def gather_plans(plain: object, comms: list[Communicator], rank: int,
+                 world_size: int) -> list:
+    """Every rank's part of a save's plan exchange (ckpt/saveplan.py: its digests, or its
+    plain save items as JSON text), in rank order: exchanged over each mesh dim in turn
+    (after the last every rank knows every rank's)."""
     mine = {rank: plain}
     for comm in comms:
         merged: dict = {}
