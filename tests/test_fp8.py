@@ -47,14 +47,14 @@ def test_conversion_swaps_the_blocks_linears_on_meta(tmp_path):
 @pytest.mark.parametrize("overrides, field", [
     (("--train.precision", "fp16"), "train.precision=fp16"),
     (("--model.n_experts", "4"), "model.n_experts"),
-    (("--parallel.tp", "2"), "parallel.tp"),
+    (("--parallel.tp", "4"), "parallel.tp=4 above model.n_kv_heads"),  # kv heads shared
     (("--lora.rank", "4"), "lora.rank"),
     (("--model.dim", "72", "--model.n_heads", "4", "--model.n_kv_heads", "2"), "model.dim"),
 ])
 def test_refused_configs_name_the_field(tmp_path, overrides, field):
     cfg = tiny(tmp_path, "bad", "--train.fp8", "tensorwise", *overrides)
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
-        cfg.validate(2 if "--parallel.tp" in overrides else 1)
+        cfg.validate(4 if "--parallel.tp" in overrides else 1)
     tiny(tmp_path, "ok", "--train.fp8", "rowwise").validate(1)  # fp32 and bf16 both run
     tiny(tmp_path, "ok", "--train.fp8", "tensorwise", "--train.precision", "bf16").validate(1)
 
@@ -108,8 +108,10 @@ def test_float8_linear_matches_the_dequantized_reference(recipe):
 
 def test_the_planner_refuses_what_fp8_refuses_and_counts_fp8_gathers(tmp_path):
     model = tiny(tmp_path, "plan").model
-    refusal = trainer_refusal(Layout(dp=1, tp=2, fp8="tensorwise"), model, seq_len=32)
-    assert refusal is not None and "parallel.tp" in refusal
+    refusal = trainer_refusal(Layout(dp=1, tp=4, fp8="tensorwise"), model, seq_len=32)
+    assert refusal is not None and "parallel.tp=4 above" in refusal  # tiny: 2 kv heads
+    assert trainer_refusal(Layout(dp=1, tp=2, sp=True, fp8="rowwise"), model, seq_len=32) \
+        is None
     assert "train.fp8" in trainer_refusal(Layout(dp=2, fp8="fp4"), model, seq_len=32)
     hw = hardware.get("h100")
 

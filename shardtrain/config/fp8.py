@@ -32,8 +32,10 @@ def check_fp8(cfg: Config) -> None:
                           "weights are not nn.Linear layers torchao converts; drop train.fp8 "
                           "or use a dense model (model.n_experts=0)")
     refused = [  # (field = value, set, why)
-        (f"parallel.tp={p.tp}", p.tp > 1, "its column- and row-parallel linears are not "
-         "converted, and a sharded weight's scale would need the amax agreed over tp"),
+        (f"parallel.tp={p.tp} above model.n_kv_heads={m.kv_heads}", p.tp > m.kv_heads,
+         "tp ranks then share a kv head and each holds a part of its k and v projections' "
+         "output gradient, whose fp8 cast would round the parts, not their sum; use "
+         "parallel.tp <= model.n_kv_heads"),
         (f"parallel.ps_servers={p.ps_servers}", p.ps_servers > 0,
          "fp8 has no parity row with parameter servers yet"),
         ("parallel.zero_quantized_weights=true", p.zero_quantized_weights,
@@ -43,14 +45,19 @@ def check_fp8(cfg: Config) -> None:
     for field, bad, why in refused:
         if bad:
             raise ConfigError(f"{head} with {field}: {why}; drop train.fp8 or that setting")
-    dims = {"model.dim": m.dim, "the q heads' width (model.n_heads x head dim)":
-            m.n_heads * m.head_dim, "the kv heads' width": m.kv_heads * m.head_dim,
-            "the MLP's hidden width": m.ffn_hidden}
-    for name, size in dims.items():
-        if size % MULTIPLE:
-            raise ConfigError(f"{head}: {name} = {size} is not a multiple of {MULTIPLE}, "
-                              "which fp8 matrix multiplies need on CUDA; choose model.dim, "
-                              "model.n_heads and model.ffn_dim to make it one")
+    # Every matmul dimension a rank sees: tensor parallelism splits the heads' and the
+    # MLP's widths over tp (parallel/tensor/layers.py), never model.dim
+    split = f" / parallel.tp={p.tp}" if p.tp > 1 else ""
+    dims = {"model.dim": (m.dim, 1), "the q heads' width (model.n_heads x head dim)"
+            f"{split}": (m.n_heads * m.head_dim, p.tp),
+            f"the kv heads' width{split}": (m.kv_heads * m.head_dim, p.tp),
+            f"the MLP's hidden width{split}": (m.ffn_hidden, p.tp)}
+    for name, (size, parts) in dims.items():
+        if size % (MULTIPLE * parts):
+            raise ConfigError(f"{head}: {name} = {size / parts:g} is not a multiple of "
+                              f"{MULTIPLE}, which fp8 matrix multiplies need on CUDA; choose "
+                              "model.dim, model.n_heads and model.ffn_dim (or parallel.tp) "
+                              "to make it one")
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError(f"{head} needs torchao (the fp8 extra): pip install "
                           "'shardtrain[fp8]', or drop train.fp8")

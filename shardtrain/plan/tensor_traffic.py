@@ -17,13 +17,24 @@ output and its gradient are the residual stream (fp32 under amp).
 - The vocabulary-parallel embedding all-reduces its output once per micro-batch (under
   sp, entering the split residual stream all-gathers its gradient back); the
   vocabulary-parallel loss all-reduces the row maxima [b s] and the sums [2, b s], fp32.
+- Under train.fp8 the blocks' linears agree their fp8 scales over tp (quant/float8_tp.py,
+  the ledger's "tp:amax"), per layer and micro-batch, each set one all-reduce of fp32
+  amaxes: tensorwise, each column-parallel linear 1 per forward (its weight's) and 1 in
+  backward (its output gradient's), each row-parallel one 1 of 2 per forward (input and
+  weight); rowwise, each row-parallel linear b s + C per forward (its input's rows and its
+  weight's output rows), each column-parallel one b s + C in backward (the output
+  gradient's rows and the weight's input rows). Latency-bound: 4 to 12 bytes, or about
+  1/C of one region all-reduce's X.
 The embedding sits on the first pipeline stage and the head and loss on the last: with
 pp > 1 the last stage's share is counted (the planner's busiest rank holds the head).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from shardtrain.config import ModelConfig
+from shardtrain.cost.fp8 import converted_per_block
 from shardtrain.plan.layout import Layout
 from shardtrain.plan.ops import FREE, CommOp, Placement, collective
 from shardtrain.plan.partition import rank_params
@@ -54,4 +65,19 @@ def tensor_parallel_ops(cfg: ModelConfig, layout: Layout, *, seq_len: int,
         ops = [op("all_reduce", x * value, blocks * (2 * f + 2) + m)]
     if first:
         ops.append(op("all_reduce", x * resid, m))
+    ops += fp8_scale_ops(cfg, lay, tokens=tokens, blocks=blocks, forwards=f, op=op)
     return ops + [op("all_reduce", 4 * tokens, m), op("all_reduce", 8 * tokens, m)]
+
+
+def fp8_scale_ops(cfg: ModelConfig, lay: Layout, *, tokens: int, blocks: int, forwards: int,
+                  op: Callable[[str, float, int], CommOp]) -> list[CommOp]:
+    """The fp8 scale agreements of `blocks` layer passes (module docstring): `op(name,
+    bytes, calls)`. Two of each block's converted linears are row-parallel (wo, w2)."""
+    if lay.fp8 == "none":
+        return []
+    rows = 2
+    cols = converted_per_block(cfg) - rows
+    if lay.fp8 == "tensorwise":
+        return [op("all_reduce", 4, blocks * cols * (forwards + 1)),
+                op("all_reduce", 8, blocks * rows * forwards)]
+    return [op("all_reduce", 4 * (tokens + cfg.dim), blocks * (rows * forwards + cols))]

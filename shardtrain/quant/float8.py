@@ -17,6 +17,10 @@ What stays as it is, and why (docs/precision.md, "FP8"):
   the output projection in bf16 too);
 - an MoE router's scores choose experts: a rounding flips a choice, not an error of 2^-4.
 
+Under tensor parallelism the blocks' linears are our column- and row-parallel modules, not
+nn.Linear: `convert_blocks` has them run their matmuls with the same recipe, each scale's
+amax agreed over tp where the rank holds a slice of what it spans (float8_tp.py).
+
 Scales are dynamic (from the current amax of each cast tensor), so a conversion holds no
 state: conversion on the meta device before materialisation (parallel/parallelize.py) keeps
 every parameter object and name, and no buffer appears.
@@ -49,14 +53,22 @@ def float8_config(recipe: str):
 def convert_blocks(model: nn.Module, recipe: str) -> list[str]:
     """Swap every nn.Linear inside `model.layers` (the transformer's blocks) for a
     Float8Linear of `recipe`, in place (on the meta device too: the weight and bias objects
-    move over unchanged). Returns the converted weights' full names ("layers.0.attn.wq.
-    weight", ...). Only the blocks: the head and the embedding stay outside (module doc)."""
+    move over unchanged); a tensor-parallel linear there (`use_float8`) keeps its module and
+    runs its matmul in fp8 with the same recipe, scales agreed over tp (float8_tp.py).
+    Returns the converted weights' full names ("layers.0.attn.wq.weight", ...). Only the
+    blocks: the head and the embedding stay outside (module doc)."""
     from torchao.float8 import convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
     config = float8_config(recipe)
-    for block in model.layers:  # an MoE router would stay (module doc); config/fp8.py refuses MoE
+    names = []
+    for i, block in model.layers.named_children():  # an MoE router would stay (module
+        # doc); config/fp8.py refuses MoE
         convert_to_float8_training(block, config=config,
                                    module_filter_fn=lambda mod, fqn: "router" not in fqn)
-    return [f"layers.{name}.weight" for name, m in model.layers.named_modules()
-            if isinstance(m, Float8Linear)]
+        for name, m in block.named_modules():
+            if hasattr(m, "use_float8"):  # a tensor-parallel linear: fp8 with agreed scales
+                m.use_float8(config)  # (parallel/tensor/layers.py, float8_tp.py)
+            if isinstance(m, Float8Linear) or getattr(m, "fp8", None) is not None:
+                names.append(f"layers.{i}.{name}.weight")
+    return names

@@ -26,10 +26,15 @@ whole (expert parallelism splits the experts over ep instead, parallel/expert/) 
 the layer on the tokens it holds: all of them (the same work on every tp rank, so the same
 gradients), or under sp its sequence chunk (gradient parts summed over tp, `partial`).
 
+Under train.fp8 the blocks' column- and row-parallel linears run their matmuls in fp8 with
+the scales agreed over tp (quant/float8_tp.py): the head stays as it is, as in one process.
+
 Rank r of the tp group holds block r of every split dimension (sharding.Placement).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -43,8 +48,10 @@ from shardtrain.model.transformer import Transformer
 from shardtrain.parallel.tensor.sharding import Placement
 from shardtrain.parallel.tensor.ops import (CopyToRegion, GatheredInput, GatherFromSequence,
                                             ReduceFromRegion, ReduceScatterToSequence,
-                                            ScatterToSequence, handle, regather_sequence)
+                                            ScatterToSequence, all_reduce_max, handle,
+                                            regather_sequence)
 from shardtrain.parallel.tensor.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
+from shardtrain.quant.float8_tp import Float8Tp, Float8TpMatmul
 
 # Region of a block -> {linear: how its weight is split}. kv: column, or shared kv heads.
 TABLE = {
@@ -105,9 +112,28 @@ class LoRAFactors:
         return F.linear(h, self.lora_b) * self.lora_scaling
 
 
-class ColumnParallelLinear(LoRAFactors, nn.Module):
+class Float8Matmul:
+    """train.fp8 on a tensor-parallel linear (quant/float8.py `convert_blocks` calls
+    `use_float8` on the blocks' linears, never on the head): its matmul runs in fp8 with the
+    converted nn.Linear's recipe, the scales agreed over tp (quant/float8_tp.py)."""
+
+    fp8: Float8Tp | None = None
+    kind = ""  # "column" or "row": which dimension of the operands tp splits
+
+    def use_float8(self, config) -> None:
+        comm = self.region.comm if self.kind == "column" else self.comm
+        self.fp8 = Float8Tp(config, self.kind, partial(all_reduce_max, comm=comm))
+
+    def float8_linear(self, x: torch.Tensor, saved: torch.Tensor, rebuild=None
+                      ) -> torch.Tensor:
+        return Float8TpMatmul.apply(x, self.weight, saved, self.fp8, rebuild)
+
+
+class ColumnParallelLinear(LoRAFactors, Float8Matmul, nn.Module):
     """y = x A^T + b with the rows of A (output features) split: weight [out/t, in]. Its
     input is its region's (replicated [B, S, in]); its output stays split [B, S, out/t]."""
+
+    kind = "column"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, region: Region):
         super().__init__()
@@ -118,7 +144,11 @@ class ColumnParallelLinear(LoRAFactors, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         r = self.region
-        if r.sp:
+        if self.fp8 is not None:  # under sp it saves the chunk, as _LinearOnGathered does
+            y = self.float8_linear(x, r.chunk, partial(gathered_again, r.gathered, r.comm)) \
+                if r.sp else self.float8_linear(x, x)
+            y = y if self.bias is None else y + self.bias.to(y.dtype)  # as Float8Linear adds it
+        elif r.sp:
             y = _LinearOnGathered.apply(x, r.chunk, self.weight, self.bias, r.comm,
                                         r.gathered)
         else:
@@ -126,10 +156,12 @@ class ColumnParallelLinear(LoRAFactors, nn.Module):
         return y if self.lora_a is None else y + self.lora_update(x)  # [B, S, out/t]
 
 
-class RowParallelLinear(LoRAFactors, nn.Module):
+class RowParallelLinear(LoRAFactors, Float8Matmul, nn.Module):
     """y = sum_r x_r A_r^T + b with the columns of A (input features) split: weight
     [out, in/t]. The partial products [B, S, out] are all-reduced (`g`), or reduce-scattered
     along the sequence under sp; the bias is added once, after."""
+
+    kind = "row"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Communicator, *,
                  sp: bool):
@@ -140,11 +172,14 @@ class RowParallelLinear(LoRAFactors, nn.Module):
         self.no_lora()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # [B, S, out] partial sums
+        y = F.linear(x, self.weight) if self.fp8 is None else self.float8_linear(x, x)
+        # y: [B, S, out] partial sums
         if self.lora_a is not None:  # x_r A_r^T B^T: a partial sum too, reduced with the base's
             y = y + self.lora_update(x)
         y = (ReduceScatterToSequence if self.sp else ReduceFromRegion).apply(y, self.comm)
-        return y if self.bias is None else y + self.bias
+        if self.bias is None:
+            return y
+        return y + (self.bias if self.fp8 is None else self.bias.to(y.dtype))  # Float8Linear's
 
 
 class _LinearOnGathered(Function):
@@ -162,13 +197,19 @@ class _LinearOnGathered(Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         chunk, weight = ctx.saved_tensors
-        g = ctx.gathered
-        x = g.rebuild(chunk) if g is not None else regather_sequence(chunk, ctx.comm)
+        x = gathered_again(ctx.gathered, ctx.comm, chunk)
         x = x.to(grad.dtype).flatten(0, -2)  # [B*S, in]
         rows = grad.flatten(0, -2)  # [B*S, out/t]
         grad_w = (rows.t() @ x).to(weight.dtype)  # [out/t, in]
         grad_b = rows.sum(0).to(weight.dtype) if ctx.has_bias else None
         return grad @ weight.to(grad.dtype), None, grad_w, grad_b, None, None
+
+
+def gathered_again(gathered: GatheredInput | None, comm: str, chunk: torch.Tensor
+                   ) -> torch.Tensor:
+    """A sequence-parallel region's input [B, S, C] again in backward, from this rank's
+    chunk: once per region eagerly (GatheredInput), per linear when compiled."""
+    return gathered.rebuild(chunk) if gathered is not None else regather_sequence(chunk, comm)
 
 
 def to_compute(x: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,14 @@ def all_reduce(x: torch.Tensor, comm: str) -> torch.Tensor:
     return out
 
 
+@torch.library.custom_op("shardtrain::tp_all_reduce_max", mutates_args=())
+def all_reduce_max(x: torch.Tensor, comm: str) -> torch.Tensor:
+    """The max over the group of fp8 amaxes (quant/float8_tp.py), on the ledger as tp:amax."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    _COMMS[comm].all_reduce(out, "max", tag=f"{TAG}:amax")
+    return out
+
+
 @torch.library.custom_op("shardtrain::tp_gather_sequence", mutates_args=())
 def gather_sequence(x: torch.Tensor, comm: str) -> torch.Tensor:
     """[B, S/t, C] chunks of every rank -> [B, S, C]."""
@@ -82,6 +90,7 @@ def reduce_scatter_sequence(x: torch.Tensor, comm: str) -> torch.Tensor:
 
 
 @all_reduce.register_fake
+@all_reduce_max.register_fake
 def _(x: torch.Tensor, comm: str) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
