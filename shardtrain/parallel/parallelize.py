@@ -143,7 +143,7 @@ def _zero(module: torch.nn.Module, shards: StageShards, mesh: ParallelMesh, cfg:
     fp8 where cost/fp8.py says so (zero/fp8_gather.py)."""
     dp, c, p = mesh.comm(mesh.replica_dim), cfg.comm, cfg.parallel
     unit_comm = build_unit_comm(mesh, p, block=c.quant_block)  # ZeRO++
-    if fp8_gathers(fp8=cfg.train.fp8, zero=p.zero, partition=p.zero_partition,
+    if fp8_gathers(fp8=cfg.train.fp8, zero=p.zero, partition=p.zero_partition, tp=p.tp,
                    sixteen_bit=policy.gather_dtype != torch.float32,
                    zeropp=p.zero_hpz or p.zero_quantized_gradients):
         unit_comm = Float8GatherComm(dp, fp8_names=fp8_names)

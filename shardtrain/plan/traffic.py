@@ -131,11 +131,11 @@ def data_parallel_ops(*, params: float, size: int, zero: int, microbatches: int 
 def fp8_gather_terms(cfg: ModelConfig, layout: Layout, ranks: RankParams) -> dict[str, float]:
     """data_parallel_ops' `fp8` and `fp8_scales` where ZeRO-3 gathers the blocks' converted
     weights in e4m3 (cost/fp8.py `fp8_gathers`; parallel/zero/fp8_gather.py): every block's
-    linear weights (its parameters less those kept in fp32: norms, biases; fp8 runs no tp,
-    no experts) and one amax per converted weight."""
+    linear weights (its parameters less those kept in fp32: norms, biases; no tp here, no
+    experts under fp8) and one amax per converted weight."""
     lay = layout
     if not fp8_gathers(fp8=lay.fp8, zero=lay.zero, sixteen_bit=lay.precision != "fp32",
-                       zeropp=any_zeropp(lay), partition=lay.partition):
+                       zeropp=any_zeropp(lay), partition=lay.partition, tp=lay.tp):
         return {}
     return {"fp8": ranks.layers * (ranks.layer - kept_params(cfg)[0]),
             "fp8_scales": ranks.layers * converted_per_block(cfg)}
