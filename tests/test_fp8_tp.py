@@ -101,7 +101,7 @@ def _scales(comm) -> dict[str, float]:
     layer = ColumnParallelLinear(whole.chunk(comm.size)[comm.rank].clone(), None,
                                  Region(comm, sp=False))
     layer.use_float8(float8_config("tensorwise"))
-    (wq,) = layer.fp8.cast([(layer.weight.detach().t(), "weight", "weight", 0)], {})
+    (wq,), _ = layer.fp8.cast([(layer.weight.detach().t(), "weight", "weight", 0)], {})
     return {"shard": wq._scale.item(), "whole": tensor_to_scale(whole, wq._data.dtype).item(),
             "own": tensor_to_scale(layer.weight.detach(), wq._data.dtype).item()}
 
@@ -154,3 +154,22 @@ def test_ledger_equals_the_planner_with_the_scale_all_reduces(ranks):
                   f"planner {planned:.0f} B")
             assert tags.get("tp:amax", 0) > 0
             assert tags.get("tp", 0) + tags["tp:amax"] == pytest.approx(planned, abs=8), name
+
+
+@pytest.mark.slow
+def test_compiled_fp8_tp_blocks_match_eager(tmp_path):
+    """train.compile with tp + sp under fp8 (test_compile.py's harness and backend for its
+    tp rows): each block one graph, no graph break (quant/float8_tp.py's Function passes
+    each tensor once and mutates nothing dynamo cannot see), the same collectives, scale
+    all-reduces included, and eager's numbers (fp32 parity)."""
+    from tests.parity import assert_parity
+    from tests.test_compile import STEPS, _runs
+
+    o = (*STEP["tensorwise"], "--parallel.sp", "true")
+    texts = [config.to_toml(tiny(tmp_path, c, *STEPS, *o, "--train.compile", c))
+             for c in ("false", "true")]
+    eager, compiled = run_distributed(_runs, 2, texts, ["aot_eager_decomp_partition"] * 2)[0]
+    assert (compiled["graphs"], compiled["breaks"]) == (1, 0)
+    assert compiled["comm"] == eager["comm"]
+    assert any(key[2] == "tp:amax" for key in compiled["comm"])
+    assert_parity(eager, compiled, "compiled tp2 sp fp8")

@@ -72,16 +72,18 @@ class Float8Tp:
         split = SPLIT[self.kind].get(operand)
         return split is not None and (axis is None or axis % 2 == split)
 
-    def cast(self, casts: list[tuple[torch.Tensor, str, str, int]], amaxes: dict) -> list:
+    def cast(self, casts: list[tuple[torch.Tensor, str, str, int]], known: dict
+             ) -> tuple[list, dict]:
         """Float8TrainingTensors of `casts`, each (2-D tensor, operand, torchao cast name,
-        rowwise axis), with the amaxes that span the split agreed in one all-reduce.
-        `amaxes` keeps each (operand, axis)'s amax for reuse (tensorwise backward)."""
+        rowwise axis), with the amaxes that span the split agreed in one all-reduce; and
+        every (operand, axis)'s amax, `known`'s (the forward's, reused by the tensorwise
+        backward) and the new ones. A new dict: torch.compile traces no mutation here."""
         from torchao.float8.config import ScalingGranularity
         from torchao.float8.float8_training_tensor import GemmInputRole, \
             hp_tensor_and_scale_to_float8
         from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
 
-        plan, fresh = [], []
+        amaxes, plan, fresh = dict(known), [], []
         for t, operand, name, axis in casts:
             cc = getattr(self.config, f"cast_config_{name}")
             axis = axis if cc.scaling_granularity is ScalingGranularity.AXISWISE else None
@@ -103,24 +105,25 @@ class Float8Tp:
                                      round_scales_to_power_of_2=self.config.
                                      round_scales_to_power_of_2),
                     cc.target_dtype, self.mm, role[key[0]], axis)
-                for t, key, cc, axis in plan]
+                for t, key, cc, axis in plan], amaxes
 
 
 class Float8TpMatmul(Function):
     """x w^T of a tensor-parallel linear in fp8 (module doc): forward(x [..., K], weight
-    [N, K] (this rank's slice), saved, spec, rebuild) -> [..., N]. Backward reads x back
-    from `saved` through `rebuild` (sequence parallelism saves the input's sequence chunk
-    and gathers it again; None: `saved` is x)."""
+    [N, K] (this rank's slice), spec, chunk, rebuild) -> [..., N]. Sequence parallelism
+    saves the input's sequence `chunk` for backward, which gathers x again by `rebuild`
+    (chunk None: x is saved)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, saved: torch.Tensor,
-                spec: Float8Tp, rebuild: Callable[[torch.Tensor], torch.Tensor] | None
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, spec: Float8Tp,
+                chunk: torch.Tensor | None = None,
+                rebuild: Callable[[torch.Tensor], torch.Tensor] | None = None
                 ) -> torch.Tensor:
-        ctx.save_for_backward(saved, weight)
-        ctx.spec, ctx.rebuild, ctx.amaxes = spec, rebuild, {}
+        ctx.save_for_backward(x if chunk is None else chunk, weight)
         rows = x.reshape(-1, x.shape[-1])  # [M, K]
-        xq, wq = spec.cast([(rows, "input", "input", -1),
-                            (weight.t(), "weight", "weight", 0)], ctx.amaxes)
+        (xq, wq), amaxes = spec.cast([(rows, "input", "input", -1),
+                                      (weight.t(), "weight", "weight", 0)], {})
+        ctx.spec, ctx.rebuild, ctx.amaxes = spec, rebuild, amaxes
         return torch.mm(xq, wq).reshape(*x.shape[:-1], -1)  # [..., N]
 
     @staticmethod
@@ -129,7 +132,7 @@ class Float8TpMatmul(Function):
         x = saved if ctx.rebuild is None else ctx.rebuild(saved)
         go, rows = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])  # [M, N] [M, K]
         w_t = weight.t()  # [K, N]
-        goq, wq, go0, x0 = ctx.spec.cast(  # one agreement for the backward's four casts
+        (goq, wq, go0, x0), _ = ctx.spec.cast(  # one agreement for the backward's casts
             [(go, "grad", "grad_output", -1), (w_t, "weight", "weight_for_grad_input", -1),
              (go, "grad", "grad_output_for_grad_weight", 0),
              (rows, "input", "input_for_grad_weight", 0)], ctx.amaxes)

@@ -124,9 +124,10 @@ class Float8Matmul:
         comm = self.region.comm if self.kind == "column" else self.comm
         self.fp8 = Float8Tp(config, self.kind, partial(all_reduce_max, comm=comm))
 
-    def float8_linear(self, x: torch.Tensor, saved: torch.Tensor, rebuild=None
-                      ) -> torch.Tensor:
-        return Float8TpMatmul.apply(x, self.weight, saved, self.fp8, rebuild)
+    def float8_linear(self, x: torch.Tensor, *sp) -> torch.Tensor:
+        """x [B, S, in] -> [B, S, out] (this rank's part); `sp`: Float8TpMatmul's chunk
+        and rebuild under sequence parallelism."""
+        return Float8TpMatmul.apply(x, self.weight, self.fp8, *sp)
 
 
 class ColumnParallelLinear(LoRAFactors, Float8Matmul, nn.Module):
@@ -146,7 +147,7 @@ class ColumnParallelLinear(LoRAFactors, Float8Matmul, nn.Module):
         r = self.region
         if self.fp8 is not None:  # under sp it saves the chunk, as _LinearOnGathered does
             y = self.float8_linear(x, r.chunk, partial(gathered_again, r.gathered, r.comm)) \
-                if r.sp else self.float8_linear(x, x)
+                if r.sp else self.float8_linear(x)
             y = y if self.bias is None else y + self.bias.to(y.dtype)  # as Float8Linear adds it
         elif r.sp:
             y = _LinearOnGathered.apply(x, r.chunk, self.weight, self.bias, r.comm,
@@ -172,7 +173,7 @@ class RowParallelLinear(LoRAFactors, Float8Matmul, nn.Module):
         self.no_lora()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight) if self.fp8 is None else self.float8_linear(x, x)
+        y = F.linear(x, self.weight) if self.fp8 is None else self.float8_linear(x)
         # y: [B, S, out] partial sums
         if self.lora_a is not None:  # x_r A_r^T B^T: a partial sum too, reduced with the base's
             y = y + self.lora_update(x)
