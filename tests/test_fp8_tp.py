@@ -32,9 +32,17 @@ pytest.importorskip("torchao", reason="train.fp8 needs the fp8 extra (torchao)")
 B, S = 2, 32
 BOUND = {"tensorwise": 1e-5, "rowwise": 1e-2}  # relative L2, fp32 (module docstring)
 CASES = [(recipe, sp) for recipe in ("tensorwise", "rowwise") for sp in (False, True)]
-STEP = {"tensorwise": ("--parallel.tp", "2", "--train.fp8", "tensorwise"),
-        "rowwise sp": ("--parallel.tp", "2", "--parallel.sp", "true", "--train.fp8",
-                       "rowwise")}
+TP2 = ("--parallel.tp", "2")
+STEP = {"tensorwise": (*TP2, "--train.fp8", "tensorwise"),
+        "rowwise sp": (*TP2, "--parallel.sp", "true", "--train.fp8", "rowwise"),
+        # GPT-2: biases, an ungated MLP (6 converted linears); full recomputation reruns
+        # each forward's agreements
+        "gpt2 full recompute": (*TP2, "--train.fp8", "tensorwise", "--model.style", "gpt2",
+                                "--model.n_kv_heads", "0",
+                                "--train.activation_checkpointing", "full"),
+        "gpt2 full recompute rowwise": (*TP2, "--train.fp8", "rowwise", "--model.style",
+                                        "gpt2", "--model.n_kv_heads", "0",
+                                        "--train.activation_checkpointing", "full")}
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -142,18 +150,31 @@ def test_tp_blocks_equal_the_single_process_fp8_blocks(ranks):
 
 
 def test_ledger_equals_the_planner_with_the_scale_all_reduces(ranks):
+    """The scale all-reduces (ledger tag tp:amax) equal the planner's fp8 terms (its tp
+    bytes with fp8 less without) in every run; the whole tp traffic equals the planner's
+    where there is no full recomputation (there the planner counts the MLP's g all-reduce
+    again, which torch's checkpoint does not recompute: its recomputation stops at the last
+    tensor backward needs; a planner matter outside fp8)."""
+    import dataclasses
+
     cfgs, out = ranks
     hw = hardware.get("h100")
+
+    def planned(cfg, **change) -> float:
+        lay = dataclasses.replace(config_layout(cfg, 2), **change)
+        return sum(op.bytes_sent for op in step_ops(cfg.model, lay, hw,
+                                                    seq_len=cfg.train.seq_len)
+                   if op.group == "tp")
+
     for i, (name, cfg) in enumerate(cfgs.items()):
-        planned = sum(op.bytes_sent for op in step_ops(cfg.model, config_layout(cfg, 2), hw,
-                                                       seq_len=cfg.train.seq_len)
-                      if op.group == "tp")
+        amax = planned(cfg) - planned(cfg, fp8="none")
         for r in out:
             tags = r["steps"][i]["by_tag"]
             print(f"{name}: ledger tp {tags.get('tp', 0)} + tp:amax {tags.get('tp:amax')} B, "
-                  f"planner {planned:.0f} B")
-            assert tags.get("tp:amax", 0) > 0
-            assert tags.get("tp", 0) + tags["tp:amax"] == pytest.approx(planned, abs=8), name
+                  f"planner {planned(cfg):.0f} B ({amax:.0f} B amaxes)")
+            assert tags.get("tp:amax", 0) == pytest.approx(amax, abs=8) and amax > 0, name
+            if cfg.train.activation_checkpointing != "full":
+                assert tags["tp"] + tags["tp:amax"] == pytest.approx(planned(cfg), abs=8), name
 
 
 @pytest.mark.slow
