@@ -39,32 +39,40 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch.autograd import Function
 
+if TYPE_CHECKING:  # the fp8 extra, imported where it is used
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor, LinearMMConfig
+
 # The dimension of each 2-D operand the tp group splits, per kind of linear (module doc)
 SPLIT = {"column": {"weight": 1, "grad": 1}, "row": {"input": 1, "weight": 0}}
+Amaxes = dict[tuple[str, "int | None"], torch.Tensor]  # (operand, rowwise axis) -> amax
 
 
-@dataclass(frozen=True)
+@dataclass
 class Float8Tp:
-    """How one tensor-parallel linear casts to fp8: its recipe (torchao's Float8LinearConfig,
-    float8.py `float8_config`), which dimension the tp group splits (`kind`: column or row)
-    and the group's all-reduce max of a flat fp32 tensor (`agree`)."""
+    """How one tensor-parallel linear casts to fp8: its recipe (float8.py `float8_config`),
+    which dimension the tp group splits (`kind`: column or row) and the group's all-reduce
+    max of a flat fp32 tensor (`agree`)."""
 
-    config: object  # torchao.float8.Float8LinearConfig (the fp8 extra, imported when used)
+    config: Float8LinearConfig
     kind: str
     agree: Callable[[torch.Tensor], torch.Tensor]
-    mm: object = field(init=False)  # torchao's LinearMMConfig, as Float8Linear builds it
+    mm: LinearMMConfig = field(init=False)  # the three matmuls' settings, as Float8Linear's
 
     def __post_init__(self):
         from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
 
+        if self.kind not in SPLIT:
+            raise ValueError(f"a tensor-parallel linear is column or row, not {self.kind!r}")
         c = self.config
         gemm = (c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)
-        object.__setattr__(self, "mm", LinearMMConfig(
-            *(ScaledMMConfig(c.emulate, g.use_fast_accum, False, c.pad_inner_dim) for g in gemm)))
+        self.mm = LinearMMConfig(*(ScaledMMConfig(c.emulate, g.use_fast_accum, False,
+                                                  c.pad_inner_dim) for g in gemm))
 
     def agreed(self, operand: str, axis: int | None) -> bool:
         """Whether the amax of `operand` along `axis` (None: the whole tensor) spans the
@@ -72,8 +80,8 @@ class Float8Tp:
         split = SPLIT[self.kind].get(operand)
         return split is not None and (axis is None or axis % 2 == split)
 
-    def cast(self, casts: list[tuple[torch.Tensor, str, str, int]], known: dict
-             ) -> tuple[list, dict]:
+    def cast(self, casts: list[tuple[torch.Tensor, str, str, int]], known: Amaxes
+             ) -> tuple[list[Float8TrainingTensor], Amaxes]:
         """Float8TrainingTensors of `casts`, each (2-D tensor, operand, torchao cast name,
         rowwise axis), with the amaxes that span the split agreed in one all-reduce; and
         every (operand, axis)'s amax, `known`'s (the forward's, reused by the tensorwise
