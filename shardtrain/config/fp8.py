@@ -1,6 +1,7 @@
-"""train.fp8's checks (quant/float8.py runs the recipe; docs/precision.md, "FP8"): what it
-composes with, refused before any process starts, and run again by `parallelize` on the
-resolved config (train.precision=auto is resolved from the device only then)."""
+"""train.fp8's checks (quant/float8.py runs the recipe, quant/float8_tp.py its
+tensor-parallel form; docs/precision.md, "FP8"): what it composes with, refused before any
+process starts, and run again by `parallelize` on the resolved config (train.precision=auto
+is resolved from the device only then)."""
 
 from __future__ import annotations
 
@@ -28,9 +29,12 @@ def check_fp8(cfg: Config) -> None:
         raise ConfigError(f"{head} with train.precision={t.precision}: fp8 training composes "
                           "with bf16 mixed precision (or fp32); set --train.precision bf16")
     if m.n_experts:
+        # torchao 0.18's fp8 grouped matmul (prototype.moe_training) is rowwise only and
+        # runs on CUDA alone (triton kernels and torch._scaled_grouped_mm)
         raise ConfigError(f"{head} with model.n_experts={m.n_experts}: the experts' stacked "
-                          "weights are not nn.Linear layers torchao converts; drop train.fp8 "
-                          "or use a dense model (model.n_experts=0)")
+                          "weights are not nn.Linear layers torchao converts, and its fp8 "
+                          "grouped matmul runs on CUDA only; drop train.fp8 or use a dense "
+                          "model (model.n_experts=0)")
     refused = [  # (field = value, set, why)
         (f"parallel.tp={p.tp} above model.n_kv_heads={m.kv_heads}", p.tp > m.kv_heads,
          "tp ranks then share a kv head and each holds a part of its k and v projections' "
