@@ -114,6 +114,44 @@ def _scales(comm) -> dict[str, float]:
             "own": tensor_to_scale(layer.weight.detach(), wq._data.dtype).item()}
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_a_linear_held_whole_gives_the_float8_linears_bits(tmp_path, recipe, kind):
+    """At tp = 1 (nothing to agree) the tensor-parallel fp8 matmul is torchao's Float8Linear
+    to the bit: output, input and weight gradients, in fp32 and under bf16 autocast."""
+    from torch import nn
+
+    from shardtrain.parallel.tensor.layers import ColumnParallelLinear, Region, \
+        RowParallelLinear
+    from shardtrain.quant.float8 import convert_blocks, float8_config
+    from tests.parity import make_mesh
+
+    comm = make_mesh(tiny(tmp_path, "whole"), 0, 1).comm("tp")
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(48, 64, generator=gen)  # [out, in]
+    dense = nn.Module()
+    dense.layers = nn.ModuleList([nn.Sequential(nn.Linear(64, 48, bias=False))])
+    dense.layers[0][0].weight.data.copy_(w)
+    convert_blocks(dense, recipe)
+    region = Region(comm, sp=False)
+    ours = ColumnParallelLinear(w.clone(), None, region) if kind == "column" else \
+        RowParallelLinear(w.clone(), None, comm, sp=False)
+    ours.use_float8(float8_config(recipe))
+    for autocast in (False, True):
+        x = torch.randn(2, 16, 64, generator=gen) * torch.logspace(-2, 1, 16)[:, None]
+        go = torch.randn(2, 16, 48, generator=gen)
+        got = []
+        for layer in (dense.layers[0][0], ours):
+            xi = x.clone().requires_grad_()
+            with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                out = layer(xi)
+            out.backward(go.to(out.dtype))
+            got.append((out, xi.grad, layer.weight.grad))
+            layer.weight.grad = None
+        for want, mine in zip(*got):
+            assert torch.equal(want, mine), (recipe, kind, autocast)
+
+
 def _worker(rank: int, world: int, texts: list[str]) -> dict:
     from tests.parity import make_mesh
 
