@@ -1,5 +1,6 @@
 """train.fp8 under tensor (and sequence) parallelism (quant/float8_tp.py): the scales are
-agreed over tp, so a sharded operand is cast with the whole tensor's scale; each block's
+agreed over tp, so a sharded operand is cast with the whole tensor's scale; at tp = 1 the
+tensor-parallel fp8 matmul is torchao's Float8Linear to the bit; each block's
 attention and MLP at tp = 2, with and without sp, equal the single process's Float8Linear
 block, outputs and gradients; without the agreement they would not; one training step's
 ledger of tp traffic equals the planner's, fp8 scale all-reduces included. One spawn of two
