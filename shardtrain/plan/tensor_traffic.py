@@ -7,12 +7,16 @@ moves the compute dtype (regions are entered in it, tensor/layers.py); the embed
 output and its gradient are the residual stream (fp32 under amp).
 
 - Without sp, per layer: g's all-reduce of X after each of the two regions per forward,
-  f's all-reduce of the input gradient per region in backward: L m (2f + 2) all-reduces.
+  f's all-reduce of the input gradient per region in backward: L m (f + 3) all-reduces
+  (4 without recomputation; full recomputation reruns the attention region's g but not
+  the MLP's: torch's checkpoint stops recomputing at the last tensor backward needs, the
+  MLP's partial output before its sum).
   The head's region adds f's one in backward.
 - With sp, per layer: the regions' all-gathers (2 per forward), g's backward all-gathers
   (2) and the backward's re-gather of each region's input (2: the column-parallel
   linears keep only their sequence chunk, Korthikanti sec. 4.2.2), L m (2f + 4); the
-  reduce-scatters of g forward and f backward, L m (2f + 2). The head's region: two
+  reduce-scatters of g forward and f backward, L m (f + 3) (the MLP's g again not
+  recomputed). The head's region: two
   all-gathers (forward, re-gather) and one reduce-scatter.
 - The vocabulary-parallel embedding all-reduces its output once per micro-batch (under
   sp, entering the split residual stream all-gathers its gradient back); the
@@ -58,11 +62,11 @@ def tensor_parallel_ops(cfg: ModelConfig, layout: Layout, *, seq_len: int,
 
     if lay.sp:
         ops = [op("all_gather", x * value, blocks * (2 * f + 4) + 2 * m),
-               op("reduce_scatter", x * value, blocks * (2 * f + 2) + m)]
+               op("reduce_scatter", x * value, blocks * (f + 3) + m)]
         if first:
             ops.append(op("all_gather", x * resid, m))
     else:
-        ops = [op("all_reduce", x * value, blocks * (2 * f + 2) + m)]
+        ops = [op("all_reduce", x * value, blocks * (f + 3) + m)]
     if first:
         ops.append(op("all_reduce", x * resid, m))
     ops += fp8_scale_ops(cfg, lay, tokens=tokens, blocks=blocks, forwards=f, op=op)
