@@ -17,6 +17,7 @@ from torch import nn
 
 from shardtrain.config import ModelConfig
 from shardtrain.model.attention import sdpa_core
+from shardtrain.model.mla import LatentAttention
 from shardtrain.model.mlp import MLP
 from shardtrain.model.moe import MoE
 from shardtrain.model.positions import (Documents, apply_rope, position_ids, position_index,
@@ -78,7 +79,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = _norm(cfg)
-        self.attn = Attention(cfg)
+        self.attn = LatentAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.mlp_norm = _norm(cfg)
         self.mlp = MoE(cfg, layer) if cfg.is_moe(layer) else MLP(cfg)
 
