@@ -111,7 +111,7 @@ def test_refusals_name_the_field_and_the_supported_values(tmp_path, capsys):
     tiny_family(hf, "mistral", sliding_window=32)
     _edit(hf, model_type="gemma")
     with pytest.raises(ConfigError, match=r"model_type='gemma' is not supported; .*llama, "
-                                          r"qwen2, qwen3, mistral, mixtral, qwen3_moe, gpt2"):
+                                          r"qwen2, qwen3, mistral, mixtral, qwen3_moe, deepseek_v3, gpt2"):
         load_hf(hf)
     _edit(hf, model_type="mistral", rope_parameters={"rope_type": "longrope", "factor": 4.0})
     with pytest.raises(ConfigError, match=r"rope_type=.longrope. is not supported .*default, "
