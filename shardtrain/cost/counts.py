@@ -67,6 +67,16 @@ def attention_matmul_params(cfg: ModelConfig) -> int:
     return sum(o * i for o, i in attention_linears(cfg).values())
 
 
+def latent_params(cfg: ModelConfig) -> tuple[int, int]:
+    """(parameters, of them norms) of one block's attention that every tensor-parallel
+    rank holds whole: mla's down-projections to its latents (wq_a, wkv_a) and the latents'
+    RMSNorms (parallel/tensor/latent.py); none under mha."""
+    if cfg.attention != "mla":
+        return 0, 0
+    norms = cfg.q_lora_rank + cfg.kv_lora_rank
+    return cfg.dim * (norms + cfg.qk_rope_head_dim) + norms, norms
+
+
 def attention_params(cfg: ModelConfig) -> int:
     if cfg.attention == "mla":  # the linears and the latent RMSNorms' weights
         return attention_matmul_params(cfg) + cfg.q_lora_rank + cfg.kv_lora_rank
