@@ -191,23 +191,8 @@ def test_yarn_rope_scaling_matches(tmp_path, extra):
 def test_planner_tensor_parallel_slices_are_the_runtimes(pieces):
     """Rank 0's tensors at tp=2, built on the meta device by the runtime, are the planner's
     (the biases split with their rows, the q/k norms whole)."""
-    import torch.distributed as dist
-
-    from shardtrain.comm import CommFactory
-    from shardtrain.cost.hardware import runtime_link
-    from shardtrain.mesh import MeshShape, ParallelMesh
-    from shardtrain.parallel.tensor.layers import apply_tensor_parallel
-    from shardtrain.train.start import dryrun
+    from tp_meta import tp_rank0_tensors
 
     cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, **pieces)
-    dryrun.fake_world(2)
-    try:
-        mesh = ParallelMesh(MeshShape(tp=2), rank=0, communicator=CommFactory(
-            kind=dryrun.ZeroFilledCommunicator), link=runtime_link("cpu", gpu_name="",
-                                                                    across_nodes=False))
-        model = build_model(cfg, seed=None)
-        apply_tensor_parallel(model, mesh.comm("tp"), sp=False)
-        built = [(n, p.numel()) for n, p in model.named_parameters()]
-    finally:
-        dist.destroy_process_group()
+    built = tp_rank0_tensors(cfg)
     assert built == rank0_tensors(cfg, Layout(tp=2, precision="fp32"))

@@ -99,3 +99,16 @@ def test_documents_attend_apart_and_every_weight_learns():
 def test_refusals_name_the_field(changes, field):
     with pytest.raises(ConfigError, match=field):
         mla(**changes)
+
+
+def test_fp8_checks_the_latent_widths():
+    """train.fp8 needs every linear's widths multiples of 16: under mla the latent ones."""
+    pytest.importorskip("torchao")
+    from shardtrain import config
+
+    shape = ["--model.attention", "mla", "--model.n_kv_heads", "0", "--model.kv_lora_rank",
+             "32", "--model.qk_nope_head_dim", "16", "--model.v_head_dim", "16",
+             "--train.fp8", "tensorwise", "--train.precision", "bf16"]
+    config.load("tiny", [*shape, "--model.qk_rope_head_dim", "16"]).validate(1)
+    with pytest.raises(ConfigError, match="kv_lora_rank \\+ qk_rope_head_dim = 40"):
+        config.load("tiny", [*shape, "--model.qk_rope_head_dim", "8"]).validate(1)

@@ -24,12 +24,14 @@ MOE = ("--model.n_experts", "4", "--model.moe_ffn_dim", "32", "--model.moe_share
        "--model.moe_groups", "2", "--model.moe_max_groups", "1",
        "--model.moe_route_scale", "2.5")
 BF16 = ("--train.precision", "bf16")
-ROWS = [("tp2", ("--parallel.tp", "2")), ("tp2 sp", ("--parallel.tp", "2", "--parallel.sp", "true")),
+ROWS = [("tp2", ("--parallel.tp", "2")),
+        ("tp2 sp", ("--parallel.tp", "2", "--parallel.sp", "true")),
         ("pp2", ("--parallel.pp", "2")), ("cp2", ("--parallel.cp", "2")),
         ("cp2 ulysses selective", ("--parallel.cp", "2", "--parallel.cp_mode", "ulysses",
                                    "--train.activation_checkpointing", "selective")),
-        ("dp2 zero3", ("--parallel.zero", "3")), ("pp2 full", ("--parallel.pp", "2",
-         "--train.activation_checkpointing", "full")), ("moe ep2", (*MOE, "--parallel.ep", "2"))]
+        ("dp2 zero3", ("--parallel.zero", "3")),
+        ("pp2 full", ("--parallel.pp", "2", "--train.activation_checkpointing", "full")),
+        ("moe ep2", (*MOE, "--parallel.ep", "2"))]
 ROWS += [(f"{label} bf16", (*o, *BF16)) for label, o in ROWS
          if label in ("tp2 sp", "pp2", "cp2", "dp2 zero3", "moe ep2")]
 

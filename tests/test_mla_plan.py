@@ -10,15 +10,13 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dist import run_distributed
 from parity import make_mesh, tiny, tiny_data
+from tp_meta import tp_rank0_tensors
 from shardtrain.cli import main
-from shardtrain.comm import CommFactory
 from shardtrain.config import ModelConfig
 from shardtrain.cost.counts import param_counts
-from shardtrain.mesh import MeshShape, ParallelMesh
 from shardtrain.model.transformer import build_model
 from shardtrain.parallel.activation import checkpoint_attention_cores, saved_bytes_per_block
 from shardtrain.plan.activations import runtime_activation_bytes
@@ -26,7 +24,6 @@ from shardtrain.plan.layout import Layout, config_layout
 from shardtrain.plan.partition import rank_params
 from shardtrain.plan.rank_states import rank0_tensors
 from shardtrain.plan.traffic import cp_bytes_per_step
-from shardtrain.train.start import dryrun
 from shardtrain.train.trainer import Trainer
 
 B, S = 2, 32
@@ -60,21 +57,9 @@ def test_saved_activations_equal_the_planner(q_lora_rank, precision, mode):
 @pytest.mark.parametrize("q_lora_rank", [0, 24])
 def test_rank0_tensor_parallel_tensors_are_the_planners(q_lora_rank):
     """Built on the meta device by the runtime at tp=2: heads split, latents whole."""
-    from shardtrain.cost.hardware import runtime_link
-    from shardtrain.parallel.tensor.layers import apply_tensor_parallel
-
     cfg = mla(q_lora_rank)
     assert sum(n for _, n in rank0_tensors(cfg, Layout())) == param_counts(cfg).total
-    dryrun.fake_world(2)
-    try:
-        mesh = ParallelMesh(MeshShape(tp=2), rank=0,
-                            link=runtime_link("cpu", gpu_name="", across_nodes=False),
-                            communicator=CommFactory(kind=dryrun.ZeroFilledCommunicator))
-        model = build_model(cfg, seed=None)
-        apply_tensor_parallel(model, mesh.comm("tp"), sp=False)
-        built = [(n, p.numel()) for n, p in model.named_parameters()]
-    finally:
-        dist.destroy_process_group()
+    built = tp_rank0_tensors(cfg)
     assert built == rank0_tensors(cfg, Layout(tp=2, precision="fp32"))
     # the planner's per-rank count (memory, ZeRO traffic) keeps the latents whole: it is
     # off only by the block and final norms it counts split (partition.py's simplification)

@@ -46,6 +46,15 @@ def check_fp8(cfg: Config) -> None:
     dims = {"model.dim": m.dim, "the q heads' width (model.n_heads x head dim)":
             m.n_heads * m.head_dim, "the kv heads' width": m.kv_heads * m.head_dim,
             "the MLP's hidden width": m.ffn_hidden}
+    if m.attention == "mla":  # latent attention's linears' widths (model/mla.py)
+        dims = {"model.dim": m.dim, "the MLP's hidden width": m.ffn_hidden,
+                "model.n_heads x (qk_nope_head_dim + qk_rope_head_dim)": m.n_heads * m.qk_head_dim,
+                "model.kv_lora_rank": m.kv_lora_rank,
+                "model.kv_lora_rank + qk_rope_head_dim": m.kv_lora_rank + m.qk_rope_head_dim,
+                "model.n_heads x (qk_nope_head_dim + v_head_dim)":
+                    m.n_heads * (m.qk_nope_head_dim + m.v_head_dim),
+                "model.n_heads x v_head_dim": m.n_heads * m.v_head_dim,
+                **({"model.q_lora_rank": m.q_lora_rank} if m.q_lora_rank else {})}
     for name, size in dims.items():
         if size % MULTIPLE:
             raise ConfigError(f"{head}: {name} = {size} is not a multiple of {MULTIPLE}, "

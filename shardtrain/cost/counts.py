@@ -203,8 +203,9 @@ def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "n
 def attention_core_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "none",
                                    attention: str = "flash") -> float:
     """The attention core's share of `hardware_flops_per_token`: QK^T and the weighted sum
-    of V, 2 s (q + v) per layer forward (`core_widths`), three passes, plus what recomputation reruns of it (full
-    and flash-selective: its forward; math-selective: QK^T only). The rest is the linears'."""
+    of V, 2 s (q + v) per layer forward (`core_widths`), three passes, plus what
+    recomputation reruns of it (full and flash-selective: its forward; math-selective:
+    QK^T only). The rest is the linears'."""
     qk, av = (2.0 * cfg.n_layers * seq_len * w for w in core_widths(cfg))
     rerun = {"none": 0.0, "full": qk + av, "selective": qk + av if attention != "math" else qk}
     return (qk + av) * 3.0 + rerun[recompute]

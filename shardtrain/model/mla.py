@@ -43,7 +43,8 @@ class LatentAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.nope, self.rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.v_dim = cfg.v_head_dim
         self.rank = cfg.kv_lora_rank
         d, heads = cfg.qk_head_dim, cfg.n_heads
         if cfg.q_lora_rank:
