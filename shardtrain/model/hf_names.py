@@ -1,5 +1,6 @@
 """Hugging Face <-> shardtrain: config.json fields and tensor names, for the llama-style
-families (Llama, Qwen2, Qwen3, Mistral: their config.json in hf_families.py) and GPT-2.
+families (Llama, Qwen2, Qwen3, Mistral: their config.json in hf_families.py; Mixtral,
+Qwen3-MoE, DeepSeek-V3: hf_moe.py) and GPT-2.
 
 `model_config_from_hf` reads a Hugging Face config.json into a `ModelConfig` (errors name
 the file and the field); `hf_config_from_model` writes one back. `tensor_maps` lists, for
@@ -12,6 +13,8 @@ parameters it holds and the two conversions between them:
   the channels applied to q and k alike, so the rows of each head are permuted on the way
   in and back on the way out; pair i keeps its frequency theta^(-2i/D) in both layouts.
   A q/k bias (Qwen2) is permuted with its rows, a q/k norm weight [D] (Qwen3) as one head.
+- DeepSeek-V3's latent attention (model/mla.py) maps one tensor to one: its RoPE channels
+  are stored in interleaved pairs (rope_interleave), which is how ours turn.
 - GPT-2 stores its linears as Conv1D, weight [in, out] (the transpose of nn.Linear), and
   fuses q, k, v into one c_attn tensor [C, 3C].
 """

@@ -74,7 +74,8 @@ def _norm(cfg: ModelConfig) -> nn.Module:
 
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); block `layer`'s
-    mlp is a mixture of experts where the config says so (ModelConfig.is_moe)."""
+    mlp is a mixture of experts where the config says so (ModelConfig.is_moe), its
+    attention latent under model.attention = mla (model/mla.py)."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
