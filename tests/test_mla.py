@@ -112,3 +112,17 @@ def test_fp8_checks_the_latent_widths():
     config.load("tiny", [*shape, "--model.qk_rope_head_dim", "16"]).validate(1)
     with pytest.raises(ConfigError, match="kv_lora_rank \\+ qk_rope_head_dim = 40"):
         config.load("tiny", [*shape, "--model.qk_rope_head_dim", "8"]).validate(1)
+
+
+def test_deepseek_v3_counts_are_the_published_ones():
+    """DeepSeek-V3's shape (its config.json, MTP module aside): 671B parameters, 37B of
+    them active per token (arXiv 2412.19437, abstract)."""
+    cfg = ModelConfig(vocab_size=129280, dim=7168, n_layers=61, n_heads=128, ffn_dim=18432,
+                      max_seq_len=4096, attention="mla", q_lora_rank=1536, kv_lora_rank=512,
+                      qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                      n_experts=256, moe_top_k=8, moe_ffn_dim=2048, moe_shared_experts=1,
+                      moe_first_dense=3, moe_score="sigmoid", moe_balance="bias",
+                      moe_groups=8, moe_max_groups=4, moe_route_scale=2.5)
+    cfg.validate()
+    counts = param_counts(cfg)
+    assert (counts.total // 10**9, counts.active // 10**9) == (671, 37)
