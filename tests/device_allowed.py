@@ -13,6 +13,8 @@ OFF_STEP = {
                              "(an async save's staging waits only for its own copies)",
     ("model/generate.py", "*"): "text generation after training (train/finetune/sample.py)",
     ("model/hf.py", "*"): "Hugging Face weights in and out, at start and end",
+    ("model/hf_names.py", "_expert_maps"): "the zeros DeepSeek-V3's router bias is exported "
+                                           "as without an expert bias: export, on the host",
     ("model/experts.py", "__init__"): "parameters built on the meta device, materialised by "
                                       "parallel/build.py on the rank's device",
     ("model/moe.py", "__init__"): "the expert bias buffer built on the meta device, "

@@ -58,6 +58,16 @@ FACTORS: dict[str, dict[str, tuple[str, ...]]] = {
                 "--model.moe_ffn_dim", "32", "--model.moe_shared_experts", "1",
                 "--model.moe_first_dense", "1", "--model.moe_groups", "2",
                 "--model.moe_max_groups", "1"),
+        # DeepSeek-V3 whole (its Hugging Face family): latent attention with a q bottleneck
+        # (v narrower than q and k: padded for the core) over the MoE above, routed scale
+        "mla": ("--model.attention", "mla", "--model.n_kv_heads", "0", "--model.q_lora_rank",
+                "32", "--model.kv_lora_rank", "32", "--model.qk_nope_head_dim", "16",
+                "--model.qk_rope_head_dim", "16", "--model.v_head_dim", "16",
+                "--model.moe_route_scale", "2.5", "--model.n_experts", "4", "--model.moe_top_k",
+                "2", "--model.moe_score", "sigmoid", "--model.moe_balance", "bias",
+                "--model.moe_aux_loss_coef", "0.001", "--model.moe_ffn_dim", "32",
+                "--model.moe_shared_experts", "1", "--model.moe_first_dense", "1",
+                "--model.moe_groups", "2", "--model.moe_max_groups", "1"),
     },
     "attention": {"plain": (), "document": ("--data.document_mask", "true")},
     "optim": {o: ("--optim.name", o) for o in ("adamw", "rmsprop", "adagrad")},

@@ -111,7 +111,7 @@ def test_refusals_name_the_field_and_the_supported_values(tmp_path, capsys):
     tiny_family(hf, "mistral", sliding_window=32)
     _edit(hf, model_type="gemma")
     with pytest.raises(ConfigError, match=r"model_type='gemma' is not supported; .*llama, "
-                                          r"qwen2, qwen3, mistral, mixtral, qwen3_moe, gpt2"):
+                                          r"qwen2, qwen3, mistral, mixtral, qwen3_moe, deepseek_v3, gpt2"):
         load_hf(hf)
     _edit(hf, model_type="mistral", rope_parameters={"rope_type": "longrope", "factor": 4.0})
     with pytest.raises(ConfigError, match=r"rope_type=.longrope. is not supported .*default, "
@@ -191,23 +191,8 @@ def test_yarn_rope_scaling_matches(tmp_path, extra):
 def test_planner_tensor_parallel_slices_are_the_runtimes(pieces):
     """Rank 0's tensors at tp=2, built on the meta device by the runtime, are the planner's
     (the biases split with their rows, the q/k norms whole)."""
-    import torch.distributed as dist
-
-    from shardtrain.comm import CommFactory
-    from shardtrain.cost.hardware import runtime_link
-    from shardtrain.mesh import MeshShape, ParallelMesh
-    from shardtrain.parallel.tensor.layers import apply_tensor_parallel
-    from shardtrain.train.start import dryrun
+    from tp_meta import tp_rank0_tensors
 
     cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, **pieces)
-    dryrun.fake_world(2)
-    try:
-        mesh = ParallelMesh(MeshShape(tp=2), rank=0, communicator=CommFactory(
-            kind=dryrun.ZeroFilledCommunicator), link=runtime_link("cpu", gpu_name="",
-                                                                    across_nodes=False))
-        model = build_model(cfg, seed=None)
-        apply_tensor_parallel(model, mesh.comm("tp"), sp=False)
-        built = [(n, p.numel()) for n, p in model.named_parameters()]
-    finally:
-        dist.destroy_process_group()
+    built = tp_rank0_tensors(cfg)
     assert built == rank0_tensors(cfg, Layout(tp=2, precision="fp32"))

@@ -7,21 +7,15 @@ checkpoint exports to the model one process trained."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import torch
 
 transformers = pytest.importorskip("transformers")
 
-from shardtrain import cli, config  # noqa: E402
 from shardtrain.config import ConfigError  # noqa: E402
-from shardtrain.cost.counts import param_counts  # noqa: E402
-from shardtrain.model.hf import load_hf, save_hf, source_config  # noqa: E402
+from shardtrain.model.hf import load_hf  # noqa: E402
 
-from dist import run_distributed  # noqa: E402
-from hf_tiny import logits, save_random  # noqa: E402
-from parity import tiny, train_layouts  # noqa: E402
+from hf_tiny import check_layouts_from_checkpoint, check_load_and_export, save_random  # noqa: E402
+from parity import tiny  # noqa: E402
 
 SHAPE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=128,
@@ -42,23 +36,10 @@ def tiny_moe(path, family: str, **changes):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_logits_both_ways_and_exact_counts(tmp_path, family):
-    ref = tiny_moe(tmp_path / "hf", family)
-    ours = load_hf(tmp_path / "hf").eval()
-    cfg = ours.cfg
+    cfg = check_load_and_export(tmp_path, tiny_moe(tmp_path / "hf", family))
     assert (cfg.n_experts, cfg.moe_top_k, cfg.moe_score) == (4, 2, "softmax")
     assert (cfg.moe_first_dense, cfg.expert_hidden) == ((1, 32) if family == "qwen3_moe"
                                                          else (0, 96))
-    torch.testing.assert_close(logits(ours, True), logits(ref, False), rtol=0, atol=1e-4)
-    for name, base in (("out", source_config(tmp_path / "hf")), ("fresh", None)):
-        save_hf(ours, tmp_path / name, base_config=base)
-        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name).eval()
-        assert type(back) is type(ref), name
-        torch.testing.assert_close(logits(back, False), logits(ref, False), rtol=0, atol=1e-4)
-    counts = param_counts(cfg)
-    assert counts.total == sum(p.numel() for p in ref.parameters())
-    idle = sum(p.numel() for n, p in ref.named_parameters() if ".experts." in n) \
-        * (1 - cfg.moe_top_k / cfg.n_experts)
-    assert counts.active == counts.total - idle
 
 
 def test_refusals_and_export_rules(tmp_path):
@@ -85,21 +66,4 @@ def test_ep2_and_tp2_start_from_the_checkpoint_and_export(tmp_path):
     common = ("--model.init_from", str(tmp_path / "hf"), "--train.steps", "2",
               "--train.seq_len", "24", "--model.moe_z_loss_coef", "0",
               "--checkpoint.every", "2")
-    text = lambda name, *o: config.to_toml(tiny(tmp_path, name, *common, *o))  # noqa: E731
-    one = train_layouts(0, 1, [text("one")])[0]
-    runs = {"ep2": ("--parallel.ep", "2"), "tp2": ("--parallel.tp", "2", "--parallel.sp", "true")}
-    per_rank = run_distributed(train_layouts, 2, [text(n, *o) for n, o in runs.items()])
-
-    def exported(name: str) -> torch.Tensor:
-        step = sorted((tmp_path / name / "checkpoints").glob("step_*"))[-1]
-        out = tmp_path / f"{name}-hf"
-        assert cli.main(["export", "--checkpoint", str(step), "--out", str(out)]) == 0
-        assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3_moe"
-        return logits(transformers.AutoModelForCausalLM.from_pretrained(out).eval(), False)
-
-    ref = exported("one")
-    for i, name in enumerate(runs):
-        got = per_rank[0][i]
-        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(one["losses"]),
-                                   rtol=1e-5, atol=0, msg=lambda m: f"{name}: {m}")
-        torch.testing.assert_close(exported(name), ref, rtol=0, atol=1e-4)
+    check_layouts_from_checkpoint(tmp_path, "qwen3_moe", *common)

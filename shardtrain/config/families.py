@@ -46,8 +46,11 @@ def check_window(seq_len: int, model) -> None:
 
 
 def moe_family(cfg) -> str:
-    """The Hugging Face family a mixture-of-experts `cfg` (ModelConfig) is written as,
-    mixtral or qwen3_moe (model/hf_moe.py), or a ConfigError saying why none holds it."""
+    """The Hugging Face family a mixture-of-experts or latent-attention `cfg` (ModelConfig)
+    is written as, mixtral, qwen3_moe or deepseek_v3 (model/hf_moe.py), or a ConfigError
+    saying why none holds it."""
+    if cfg.attention == "mla":
+        return _deepseek(cfg)
     why = [what for what, bad in (
         ("sigmoid scores", cfg.moe_score != "softmax"), ("the expert bias", cfg.moe_balance == "bias"),
         ("shared experts", cfg.moe_shared_experts), ("group-limited routing", cfg.moe_groups),
@@ -56,7 +59,8 @@ def moe_family(cfg) -> str:
     if why:
         raise ConfigError(f"a mixture-of-experts model with {', '.join(why)} has no Hugging "
                           f"Face family to export to (Mixtral and Qwen3-MoE route with "
-                          "softmax top-k >= 2, renormalised, no shared experts)")
+                          "softmax top-k >= 2, renormalised, no shared experts; DeepSeek-V3, "
+                          "which has them, has latent attention: model.attention='mla')")
     if cfg.qk_norm:
         return "qwen3_moe"
     if cfg.moe_first_dense or cfg.expert_hidden != cfg.ffn_hidden:
@@ -64,3 +68,21 @@ def moe_family(cfg) -> str:
                           "Mixtral has neither, Qwen3-MoE (which has them) has q/k norms; no "
                           "Hugging Face family holds this model")
     return "mixtral"
+
+
+def _deepseek(cfg) -> str:
+    """DeepSeek-V3 (transformers' deepseek_v3): latent attention, and where there are experts
+    sigmoid top-k >= 2 routing renormalised, shared experts, groups of >= 2 experts (its
+    group score sums a group's best two)."""
+    moe = bool(cfg.n_experts)
+    why = [what for what, bad in (
+        ("softmax scores", moe and cfg.moe_score != "sigmoid"),
+        ("no shared expert", moe and not cfg.moe_shared_experts),
+        ("top-1 gates", moe and cfg.moe_top_k == 1),
+        ("one-expert groups", moe and cfg.moe_groups and cfg.n_experts // cfg.moe_groups < 2))
+        if bad]
+    if why:
+        raise ConfigError(f"a latent-attention model with {', '.join(why)} has no Hugging Face "
+                          "family to export to (DeepSeek-V3 routes with sigmoid scores, top-k "
+                          ">= 2 renormalised, beside shared experts)")
+    return "deepseek_v3"

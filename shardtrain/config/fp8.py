@@ -40,6 +40,10 @@ def check_fp8(cfg: Config) -> None:
          "tp ranks then share a kv head and each holds a part of its k and v projections' "
          "output gradient, whose fp8 cast would round the parts, not their sum; use "
          "parallel.tp <= model.n_kv_heads"),
+        (f"parallel.tp={p.tp} with model.attention=mla", p.tp > 1 and m.attention == "mla",
+         "the latents' down-projections are whole on every tp rank, and each rank holds the "
+         "part of their output gradient its heads give, whose fp8 cast would round the "
+         "parts, not their sum"),
         (f"parallel.ps_servers={p.ps_servers}", p.ps_servers > 0,
          "fp8 has no parity row with parameter servers yet"),
         ("parallel.zero_quantized_weights=true", p.zero_quantized_weights,
@@ -49,13 +53,26 @@ def check_fp8(cfg: Config) -> None:
     for field, bad, why in refused:
         if bad:
             raise ConfigError(f"{head} with {field}: {why}; drop train.fp8 or that setting")
-    # Every matmul dimension a rank sees: tensor parallelism splits the heads' and the
-    # MLP's widths over tp (parallel/tensor/layers.py), never model.dim
+    # Every matmul dimension a rank sees: (size, parts) with parts the tp split; tensor
+    # parallelism splits the heads' and the MLP's widths over tp (parallel/tensor/layers.py,
+    # latent.py), never model.dim nor the latents (whole on every tp rank)
     split = f" / parallel.tp={p.tp}" if p.tp > 1 else ""
-    dims = {"model.dim": (m.dim, 1), "the q heads' width (model.n_heads x head dim)"
-            f"{split}": (m.n_heads * m.head_dim, p.tp),
-            f"the kv heads' width{split}": (m.kv_heads * m.head_dim, p.tp),
-            f"the MLP's hidden width{split}": (m.ffn_hidden, p.tp)}
+    t_ = p.tp
+    dims = {"model.dim": (m.dim, 1), f"the MLP's hidden width{split}": (m.ffn_hidden, t_)}
+    if m.attention == "mla":  # latent attention's linears' widths (model/mla.py)
+        dims |= {f"model.n_heads x (qk_nope_head_dim + qk_rope_head_dim){split}":
+                 (m.n_heads * m.qk_head_dim, t_),
+                 "model.kv_lora_rank": (m.kv_lora_rank, 1),
+                 "model.kv_lora_rank + qk_rope_head_dim":
+                     (m.kv_lora_rank + m.qk_rope_head_dim, 1),
+                 f"model.n_heads x (qk_nope_head_dim + v_head_dim){split}":
+                     (m.n_heads * (m.qk_nope_head_dim + m.v_head_dim), t_),
+                 f"model.n_heads x v_head_dim{split}": (m.n_heads * m.v_head_dim, t_),
+                 **({"model.q_lora_rank": (m.q_lora_rank, 1)} if m.q_lora_rank else {})}
+    else:
+        dims |= {f"the q heads' width (model.n_heads x head dim){split}":
+                 (m.n_heads * m.head_dim, t_),
+                 f"the kv heads' width{split}": (m.kv_heads * m.head_dim, t_)}
     for name, (size, parts) in dims.items():
         if size % (MULTIPLE * parts):
             raise ConfigError(f"{head}: {name} = {size / parts:g} is not a multiple of "

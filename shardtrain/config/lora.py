@@ -58,6 +58,11 @@ class LoRAConfig:
 def check_finetune_layout(cfg) -> None:
     """The layouts LoRA and the 8-bit optimizer compose with in this release (cfg: Config)."""
     p = cfg.parallel
+    attention = [t for t in cfg.lora.target_list if t in ("q", "k", "v", "o")]
+    if cfg.lora.enabled and cfg.model.attention == "mla" and attention:
+        raise ConfigError(f"lora.targets={cfg.lora.targets!r}: latent attention "
+                          "(model.attention='mla', model/mla.py) has no adapters on its "
+                          "projections; target gate, up, down only")
     if cfg.lora.enabled:
         for name, value, why in (
                 ("tp", p.tp if cfg.lora.quantize_base == "nf4" else 1, "an NF4 base is not "

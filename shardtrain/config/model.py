@@ -72,6 +72,20 @@ class ModelConfig:
     rope_original_max_len: int = 8192
     rope_attention_factor: float = 0.0  # yarn's cos/sin scale; 0: 0.1 ln(factor) + 1
     sliding_window: int = 0
+    # Attention (docs/moe.md, "Multi-head latent attention"): `mha`, multi-head attention
+    # (grouped kv heads by n_kv_heads); `mla`, DeepSeek-V2's latent attention (arXiv
+    # 2405.04434 sec. 2.1; model/mla.py): q through a rank-q_lora_rank bottleneck (0: one
+    # projection), k and v up-projected per head from one kv_lora_rank latent, each head's
+    # query and key qk_nope_head_dim channels without RoPE plus qk_rope_head_dim with it
+    # (the key's shared by all heads), values of v_head_dim.
+    attention: Literal["mha", "mla"] = "mha"
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # The routed experts' gates times this (DeepSeek-V3's routed_scaling_factor, 2.5 there)
+    moe_route_scale: float = 1.0
 
     @property
     def kv_heads(self) -> int:
@@ -80,6 +94,17 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.head_size or self.dim // self.n_heads
+
+    @property
+    def qk_head_dim(self) -> int:
+        """The head dim the attention core sees: q and k (and v, padded to it, under mla)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" \
+            else self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """The channels of each head RoPE turns (the RoPE tables' width)."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
     @property
     def ffn_hidden(self) -> int:
@@ -124,9 +149,10 @@ class ModelConfig:
         if self.style == "gpt2" and self.n_kv_heads not in (0, self.n_heads):
             raise ConfigError("model.n_kv_heads: the gpt2 style has no grouped-query attention; "
                               "set it to 0")
-        if self.style == "llama" and self.head_dim % 2:
+        if self.style == "llama" and self.attention == "mha" and self.head_dim % 2:
             raise ConfigError(f"model.dim / model.n_heads = {self.head_dim} must be even for RoPE")
         check_families(self)
+        self._validate_attention()
         if self.n_experts < 0 or (self.n_experts and not 1 <= self.moe_top_k <= self.n_experts):
             raise ConfigError(f"model.moe_top_k={self.moe_top_k} must lie in 1..model.n_experts="
                               f"{self.n_experts}")
@@ -170,6 +196,39 @@ class ModelConfig:
             raise ConfigError(f"model.moe_impl='grouped' needs model.dim={self.dim} and the "
                               f"expert width {self.expert_hidden} to be multiples of 8; change "
                               "them (model.moe_ffn_dim) or set model.moe_impl='loop'")
+
+    def _validate_attention(self) -> None:
+        latent = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                  "v_head_dim")
+        if self.attention not in ("mha", "mla"):
+            raise ConfigError(f"model.attention={self.attention!r} is not one of mha, mla")
+        if self.moe_route_scale <= 0:
+            raise ConfigError(f"model.moe_route_scale={self.moe_route_scale} must be positive")
+        if self.attention == "mha":
+            for name in latent:
+                if getattr(self, name):
+                    raise ConfigError(f"model.{name}={getattr(self, name)} shapes latent "
+                                      "attention: set model.attention='mla' or drop it")
+            return
+        if self.style != "llama" or self.qkv_bias or self.qk_norm or self.head_size \
+                or self.n_kv_heads not in (0, self.n_heads) or self.rope_scaling != "none":
+            raise ConfigError("model.attention='mla' is DeepSeek's llama-style block with every "
+                              "head its own latent keys: it takes no n_kv_heads, head_size, "
+                              "qkv_bias, qk_norm or rope_scaling (set them to their defaults)")
+        for name in latent:
+            if getattr(self, name) < 0 or (not getattr(self, name) and name in (
+                    "kv_lora_rank", "qk_rope_head_dim", "v_head_dim")):
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be "
+                                  + (">= 0" if name in ("q_lora_rank", "qk_nope_head_dim")
+                                     else "positive") + " under model.attention='mla'")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even "
+                              "(RoPE turns channel pairs)")
+        if self.v_head_dim > self.qk_head_dim:
+            # the core takes one head dim: v is zero-padded up to q and k's (model/mla.py)
+            raise ConfigError(f"model.v_head_dim={self.v_head_dim} exceeds the query/key head "
+                              f"dim qk_nope_head_dim + qk_rope_head_dim = {self.qk_head_dim}; "
+                              "make it no larger")
 
     def _validate_groups(self) -> None:
         g, limit = self.moe_groups, self.moe_max_groups

@@ -139,7 +139,8 @@ class TrainConfig:
                               f"{model.max_seq_len}; lower it or raise model.max_seq_len")
         check_window(self.seq_len, model)
         check_observability(self)
-        if self.export_hf and model.n_experts:  # refused here, not after the training
+        # a model no Hugging Face family holds is refused here, not after the training
+        if self.export_hf and (model.n_experts or model.attention == "mla"):
             try:
                 moe_family(model)
             except ConfigError as e:

@@ -46,7 +46,40 @@ def shared_params(cfg: ModelConfig) -> int:
     return mlp_params(cfg, n * cfg.expert_hidden) if n else 0
 
 
+def attention_linears(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """The attention's linears, name -> (out, in) features, in module order. mla (model/
+    mla.py): the q bottleneck or one q projection, the kv latent with the shared RoPE key,
+    its per-head up-projection to k_nope and v, and wo."""
+    h, heads = cfg.dim, cfg.n_heads
+    if cfg.attention != "mla":
+        q, kv = heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        return {"wq": (q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q)}
+    q = heads * cfg.qk_head_dim
+    out = {"wq_a": (cfg.q_lora_rank, h), "wq_b": (q, cfg.q_lora_rank)} if cfg.q_lora_rank \
+        else {"wq": (q, h)}
+    return {**out, "wkv_a": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, h),
+            "wkv_b": (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+            "wo": (h, heads * cfg.v_head_dim)}
+
+
+def attention_matmul_params(cfg: ModelConfig) -> int:
+    """The attention's linear weights (what one token multiplies by)."""
+    return sum(o * i for o, i in attention_linears(cfg).values())
+
+
+def latent_params(cfg: ModelConfig) -> tuple[int, int]:
+    """(parameters, of them norms) of one block's attention that every tensor-parallel
+    rank holds whole: mla's down-projections to its latents (wq_a, wkv_a) and the latents'
+    RMSNorms (parallel/tensor/latent.py); none under mha."""
+    if cfg.attention != "mla":
+        return 0, 0
+    norms = cfg.q_lora_rank + cfg.kv_lora_rank
+    return cfg.dim * (norms + cfg.qk_rope_head_dim) + norms, norms
+
+
 def attention_params(cfg: ModelConfig) -> int:
+    if cfg.attention == "mla":  # the linears and the latent RMSNorms' weights
+        return attention_matmul_params(cfg) + cfg.q_lora_rank + cfg.kv_lora_rank
     h, q, kv = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     weights = h * q + 2 * h * kv + q * h
     biases = q + 2 * kv + h if cfg.style == "gpt2" else 0
@@ -85,8 +118,8 @@ def kept_params(cfg: ModelConfig) -> tuple[int, int, int]:
     router, the embedding tables): what ZeRO-3 still gathers in fp32 under bf16 or fp16.
     For a MoE model, of a MoE block. Outside: the token (and position) table and the final
     norm (an untied head is rounded; a tied one is the token table)."""
-    h, q, kv = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    attention = attention_params(cfg) - (h * q + 2 * h * kv + q * h)  # biases, q/k norms
+    h = cfg.dim
+    attention = attention_params(cfg) - attention_matmul_params(cfg)  # biases, norms
 
     def biases(f: int) -> int:  # of one MLP of hidden width f
         return (f + h) if cfg.style == "gpt2" else 0
@@ -107,19 +140,27 @@ def kept_params(cfg: ModelConfig) -> tuple[int, int, int]:
 def matmul_params_per_token(cfg: ModelConfig) -> int:
     """Weights one token multiplies by: every active linear and the output head (embedding
     lookups, norms and biases are not matmuls)."""
-    h, q, kv = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    h = cfg.dim
     per = 3 if cfg.style == "llama" else 2  # the MLP's linears, each h x f
-    attention = h * q + 2 * h * kv + q * h
+    attention = attention_matmul_params(cfg)
     dense = attention + per * h * cfg.ffn_hidden
     moe = attention + h * cfg.n_experts + per * h * cfg.expert_hidden * (
         cfg.moe_top_k + cfg.moe_shared_experts)  # routed k, shared, the router
     return cfg.moe_layers * moe + (cfg.n_layers - cfg.moe_layers) * dense + cfg.vocab_size * h
 
 
+def core_widths(cfg: ModelConfig) -> tuple[int, int]:
+    """(H x q/k head dim, H x v head dim): per token and key, QK^T's and the weighted sum
+    of V's multiply-adds. mla: the model's v_head_dim (the core's zero-padding of v,
+    model/mla.py, is not model work)."""
+    v = cfg.v_head_dim if cfg.attention == "mla" else cfg.head_dim
+    return cfg.n_heads * cfg.qk_head_dim, cfg.n_heads * v
+
+
 def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """2 x matmul weights + attention scores and weighted values (2 x 2 x s x q per layer)."""
-    q = cfg.n_heads * cfg.head_dim
-    return 2.0 * matmul_params_per_token(cfg) + 4.0 * cfg.n_layers * seq_len * q
+    """2 x matmul weights + attention scores and weighted values (2 x s x (q + v) per
+    layer, q = v = H x head dim under mha)."""
+    return 2.0 * matmul_params_per_token(cfg) + 2.0 * cfg.n_layers * seq_len * sum(core_widths(cfg))
 
 
 def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -162,8 +203,9 @@ def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "n
 def attention_core_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "none",
                                    attention: str = "flash") -> float:
     """The attention core's share of `hardware_flops_per_token`: QK^T and the weighted sum
-    of V, 4 s q per layer forward, three passes, plus what recomputation reruns of it (full
-    and flash-selective: its forward; math-selective: QK^T only). The rest is the linears'."""
-    forward = 4.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
-    rerun = {"none": 0.0, "full": 1.0, "selective": 1.0 if attention != "math" else 0.5}
-    return forward * (3.0 + rerun[recompute])
+    of V, 2 s (q + v) per layer forward (`core_widths`), three passes, plus what
+    recomputation reruns of it (full and flash-selective: its forward; math-selective:
+    QK^T only). The rest is the linears'."""
+    qk, av = (2.0 * cfg.n_layers * seq_len * w for w in core_widths(cfg))
+    rerun = {"none": 0.0, "full": qk + av, "selective": qk + av if attention != "math" else qk}
+    return (qk + av) * 3.0 + rerun[recompute]

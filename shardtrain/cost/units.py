@@ -40,7 +40,8 @@ KEPT, ROUNDED = 0, 1  # the halves of a split unit: gathered in fp32, in the com
 # Modules whose `weight` feeds only matmuls (F.linear under autocast, the experts' grouped
 # matmul: model/moe.py casts to autocast's dtype). Biases are not listed: a row-parallel
 # linear adds its bias to the fp32 residual after the all-reduce (tensor/layers.py).
-_LINEARS = frozenset({"wq", "wk", "wv", "wo", "w1", "w2", "w3", "head"})
+_LINEARS = frozenset({"wq", "wk", "wv", "wo", "w1", "w2", "w3", "head",
+                      "wq_a", "wq_b", "wkv_a", "wkv_b"})  # the last four: model/mla.py
 
 
 def rounded_for_compute(name: str) -> bool:

@@ -24,8 +24,9 @@ import torch
 from torch import nn
 
 from shardtrain.config import ConfigError, ModelConfig
-from shardtrain.model.hf_names import (IGNORED_SUFFIXES, canonical_name, hf_config_from_model,
-                                       model_config_from_hf, read_config_json, tensor_maps)
+from shardtrain.model.hf_names import (IGNORED_SUFFIXES, beyond_the_model, canonical_name,
+                                       hf_config_from_model, model_config_from_hf,
+                                       read_config_json, tensor_maps)
 from shardtrain.model.transformer import Transformer
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -89,7 +90,8 @@ def iter_hf_weights(path: str | os.PathLike, cfg: ModelConfig
     path = Path(path)
     with torch.device("meta"):
         reference = Transformer(cfg)  # shapes only
-    shapes = {n: p.shape for n, p in reference.named_parameters(remove_duplicate=False)}
+    shapes = {n: p.shape for n, p in [*reference.named_parameters(remove_duplicate=False),
+                                      *reference.named_buffers()]}  # the expert bias too
     maps = {m.hf: m for m in tensor_maps(cfg)}
     tied_head = "lm_head.weight" if cfg.tie_embeddings else None
     seen: set[str] = set()
@@ -100,7 +102,8 @@ def iter_hf_weights(path: str | os.PathLike, cfg: ModelConfig
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():
                 name = canonical_name(cfg, key)
-                if name == tied_head or name.endswith(IGNORED_SUFFIXES):
+                if name == tied_head or name.endswith(IGNORED_SUFFIXES) or \
+                        beyond_the_model(cfg, name):  # DeepSeek-V3's MTP modules
                     continue  # a tied head repeats the embedding; buffers hold nothing
                 m = maps.get(name)
                 if m is None:

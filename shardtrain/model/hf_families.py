@@ -42,6 +42,8 @@ def family_config(raw: dict[str, Any], file: Path, get) -> ModelConfig:
         raise refuse(file, "attention_bias", True, f"a {family} with biases on all four "
                      "attention projections; shardtrain reads q/k/v biases as Qwen2 has them")
     head_dim = get("head_dim", int, None)
+    if family == "deepseek_v3":  # its head_dim names the RoPE channels: latent attention's
+        head_dim = dim // heads
     if head_dim is None:  # Qwen3's default is 128, the others' hidden_size / heads
         head_dim = 128 if family == "qwen3" else dim // heads
     window = 0
@@ -56,7 +58,8 @@ def family_config(raw: dict[str, Any], file: Path, get) -> ModelConfig:
     return ModelConfig(
         style="llama", vocab_size=get("vocab_size", int), dim=dim,
         n_layers=get("num_hidden_layers", int), n_heads=heads,
-        n_kv_heads=get("num_key_value_heads", int, heads), ffn_dim=get("intermediate_size", int),
+        n_kv_heads=0 if family == "deepseek_v3" else get("num_key_value_heads", int, heads),
+        ffn_dim=get("intermediate_size", int),
         max_seq_len=get("max_position_embeddings", int, 2048),
         tie_embeddings=get("tie_word_embeddings", bool, False),
         norm_eps=get("rms_norm_eps", float, 1e-6), rope_theta=theta,
@@ -149,7 +152,8 @@ def family_of(cfg: ModelConfig, base: dict[str, Any] | None) -> str:
 
 def family_fields(cfg: ModelConfig, base: dict[str, Any] | None) -> dict[str, Any]:
     """The config.json fields that describe a llama-style `cfg` (a MoE one: hf_moe.py)."""
-    family = "mistral" if cfg.n_experts else family_of(cfg, base)  # the block's fields
+    moe = cfg.n_experts or cfg.attention == "mla"  # hf_moe.py's families
+    family = "mistral" if moe else family_of(cfg, base)  # the block's fields
     rope: dict[str, Any] = {"rope_type": "default" if cfg.rope_scaling == "none"
                             else cfg.rope_scaling, "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling != "none":
@@ -178,7 +182,7 @@ def family_fields(cfg: ModelConfig, base: dict[str, Any] | None) -> dict[str, An
                    sliding_window=cfg.sliding_window or None)
         if cfg.sliding_window and "max_window_layers" not in (base or {}):
             out.update(max_window_layers=0)  # every layer windowed
-    if cfg.n_experts:
+    if moe:
         out.pop("sliding_window")  # the family's own fields say it
         out.update(moe_fields(cfg))
     return out

@@ -1,5 +1,6 @@
 """Hugging Face <-> shardtrain: config.json fields and tensor names, for the llama-style
-families (Llama, Qwen2, Qwen3, Mistral: their config.json in hf_families.py) and GPT-2.
+families (Llama, Qwen2, Qwen3, Mistral: their config.json in hf_families.py; Mixtral,
+Qwen3-MoE, DeepSeek-V3: hf_moe.py) and GPT-2.
 
 `model_config_from_hf` reads a Hugging Face config.json into a `ModelConfig` (errors name
 the file and the field); `hf_config_from_model` writes one back. `tensor_maps` lists, for
@@ -12,6 +13,8 @@ parameters it holds and the two conversions between them:
   the channels applied to q and k alike, so the rows of each head are permuted on the way
   in and back on the way out; pair i keeps its frequency theta^(-2i/D) in both layouts.
   A q/k bias (Qwen2) is permuted with its rows, a q/k norm weight [D] (Qwen3) as one head.
+- DeepSeek-V3's latent attention (model/mla.py) maps one tensor to one: its RoPE channels
+  are stored in interleaved pairs (rope_interleave), which is how ours turn.
 - GPT-2 stores its linears as Conv1D, weight [in, out] (the transpose of nn.Linear), and
   fuses q, k, v into one c_attn tensor [C, 3C].
 """
@@ -168,18 +171,10 @@ def tensor_maps(cfg: ModelConfig) -> list[TensorMap]:
         maps = [_plain("model.embed_tokens.weight", "tok_emb.weight")]
         for i in range(cfg.n_layers):
             hf, me = f"model.layers.{i}.", f"layers.{i}."
-            maps += [_rope_rows(hf + "self_attn.q_proj.weight", me + "attn.wq.weight", cfg.n_heads),
-                     _rope_rows(hf + "self_attn.k_proj.weight", me + "attn.wk.weight", cfg.kv_heads),
-                     _plain(hf + "self_attn.v_proj.weight", me + "attn.wv.weight")]
-            if cfg.qkv_bias:  # a q/k bias row moves with its weight row
-                a = hf + "self_attn."
-                maps += [_rope_rows(a + "q_proj.bias", me + "attn.wq.bias", cfg.n_heads),
-                         _rope_rows(a + "k_proj.bias", me + "attn.wk.bias", cfg.kv_heads),
-                         _plain(a + "v_proj.bias", me + "attn.wv.bias")]
-            if cfg.qk_norm:  # the norm weight [D] is one head's channels: permuted alike
-                maps += [_rope_rows(hf + f"self_attn.{n}_norm.weight",
-                                    me + f"attn.{n}_norm.weight", 1) for n in ("q", "k")]
-            maps.append(_plain(hf + "self_attn.o_proj.weight", me + "attn.wo.weight"))
+            if cfg.attention == "mla":
+                maps += _latent_maps(cfg, hf, me)
+            else:
+                maps += _head_maps(cfg, hf, me)
             maps += _expert_maps(cfg, hf, me) if cfg.is_moe(i) else [
                 _plain(hf + "mlp.gate_proj.weight", me + "mlp.w1.weight"),
                 _plain(hf + "mlp.up_proj.weight", me + "mlp.w3.weight"),
@@ -188,39 +183,86 @@ def tensor_maps(cfg: ModelConfig) -> list[TensorMap]:
                      _plain(hf + "post_attention_layernorm.weight", me + "mlp_norm.weight")]
         maps.append(_plain("model.norm.weight", "norm.weight"))
     else:
-        maps = [_plain("transformer.wte.weight", "tok_emb.weight"),
-                _plain("transformer.wpe.weight", "pos_emb.weight")]
-        for i in range(cfg.n_layers):
-            hf, me = f"transformer.h.{i}.", f"layers.{i}."
-            qkv = ("attn.wq", "attn.wk", "attn.wv")
-            maps += [_plain(hf + f"ln_{n}.{leaf}", me + f"{norm}.{leaf}")
-                     for n, norm in ((1, "attn_norm"), (2, "mlp_norm")) for leaf in ("weight", "bias")]
-            maps += [_split(hf + "attn.c_attn.weight", tuple(me + q + ".weight" for q in qkv), True),
-                     _split(hf + "attn.c_attn.bias", tuple(me + q + ".bias" for q in qkv), False),
-                     _conv1d(hf + "attn.c_proj.weight", me + "attn.wo.weight"),
-                     _plain(hf + "attn.c_proj.bias", me + "attn.wo.bias"),
-                     _conv1d(hf + "mlp.c_fc.weight", me + "mlp.w1.weight"),
-                     _plain(hf + "mlp.c_fc.bias", me + "mlp.w1.bias"),
-                     _conv1d(hf + "mlp.c_proj.weight", me + "mlp.w2.weight"),
-                     _plain(hf + "mlp.c_proj.bias", me + "mlp.w2.bias")]
-        maps += [_plain("transformer.ln_f.weight", "norm.weight"),
-                 _plain("transformer.ln_f.bias", "norm.bias")]
+        maps = _gpt2_maps(cfg)
     if not cfg.tie_embeddings:
         maps.append(_plain("lm_head.weight", "head.weight"))
     return maps
 
 
+def _head_maps(cfg: ModelConfig, hf: str, me: str) -> list[TensorMap]:
+    """A llama-style block's q, k, v, o projections (biases, q/k norms)."""
+    a = hf + "self_attn."
+    maps = [_rope_rows(a + "q_proj.weight", me + "attn.wq.weight", cfg.n_heads),
+            _rope_rows(a + "k_proj.weight", me + "attn.wk.weight", cfg.kv_heads),
+            _plain(a + "v_proj.weight", me + "attn.wv.weight")]
+    if cfg.qkv_bias:  # a q/k bias row moves with its weight row
+        maps += [_rope_rows(a + "q_proj.bias", me + "attn.wq.bias", cfg.n_heads),
+                 _rope_rows(a + "k_proj.bias", me + "attn.wk.bias", cfg.kv_heads),
+                 _plain(a + "v_proj.bias", me + "attn.wv.bias")]
+    if cfg.qk_norm:  # the norm weight [D] is one head's channels: permuted alike
+        maps += [_rope_rows(a + f"{n}_norm.weight", me + f"attn.{n}_norm.weight", 1)
+                 for n in ("q", "k")]
+    return maps + [_plain(a + "o_proj.weight", me + "attn.wo.weight")]
+
+
+def _latent_maps(cfg: ModelConfig, hf: str, me: str) -> list[TensorMap]:
+    """A DeepSeek-V3 block's latent attention (model/mla.py), one tensor for one: its RoPE
+    channels are laid out in interleaved pairs (rope_interleave), as ours turn them."""
+    names = {"wq_a": "q_a_proj", "q_a_norm": "q_a_layernorm", "wq_b": "q_b_proj"} \
+        if cfg.q_lora_rank else {"wq": "q_proj"}
+    names.update(wkv_a="kv_a_proj_with_mqa", kv_a_norm="kv_a_layernorm", wkv_b="kv_b_proj",
+                 wo="o_proj")
+    return [_plain(f"{hf}self_attn.{theirs}.weight", f"{me}attn.{ours}.weight")
+            for ours, theirs in names.items()]
+
+
+def _gpt2_maps(cfg: ModelConfig) -> list[TensorMap]:
+    maps = [_plain("transformer.wte.weight", "tok_emb.weight"),
+            _plain("transformer.wpe.weight", "pos_emb.weight")]
+    for i in range(cfg.n_layers):
+        hf, me = f"transformer.h.{i}.", f"layers.{i}."
+        qkv = ("attn.wq", "attn.wk", "attn.wv")
+        maps += [_plain(hf + f"ln_{n}.{leaf}", me + f"{norm}.{leaf}")
+                 for n, norm in ((1, "attn_norm"), (2, "mlp_norm")) for leaf in ("weight", "bias")]
+        maps += [_split(hf + "attn.c_attn.weight", tuple(me + q + ".weight" for q in qkv), True),
+                 _split(hf + "attn.c_attn.bias", tuple(me + q + ".bias" for q in qkv), False),
+                 _conv1d(hf + "attn.c_proj.weight", me + "attn.wo.weight"),
+                 _plain(hf + "attn.c_proj.bias", me + "attn.wo.bias"),
+                 _conv1d(hf + "mlp.c_fc.weight", me + "mlp.w1.weight"),
+                 _plain(hf + "mlp.c_fc.bias", me + "mlp.w1.bias"),
+                 _conv1d(hf + "mlp.c_proj.weight", me + "mlp.w2.weight"),
+                 _plain(hf + "mlp.c_proj.bias", me + "mlp.w2.bias")]
+    return maps + [_plain("transformer.ln_f.weight", "norm.weight"),
+                   _plain("transformer.ln_f.bias", "norm.bias")]
+
+
 def _expert_maps(cfg: ModelConfig, hf: str, me: str) -> list[TensorMap]:
     """A MoE block's router and its experts' projections, one Hugging Face tensor per
     expert and projection, each a slice of our stacked [E, out, in] (hf_moe.py)."""
-    where, names = LAYOUT[moe_family(cfg)]
+    family = moe_family(cfg)
+    where, names = LAYOUT[family]
     maps = [_plain(f"{hf}{where}.gate.weight", me + "mlp.router.weight")]
+    if family == "deepseek_v3":  # the router's bias (ours only under moe_balance = bias:
+        # zeros otherwise, which select as no bias does) and the shared experts' MLP
+        bias = f"{hf}mlp.gate.e_score_correction_bias"
+        maps.append(_plain(bias, me + "mlp.expert_bias") if cfg.moe_balance == "bias" else
+                    TensorMap(bias, (), lambda t: [], lambda ts: torch.zeros(cfg.n_experts)))
+        maps += [_plain(f"{hf}mlp.shared_experts.{theirs}.weight", f"{me}mlp.shared.{ours}.weight")
+                 for theirs, ours in zip(names, ("w1", "w3", "w2"))]
     for e in range(cfg.n_experts):
         for theirs, ours in zip(names, ("w1", "w3", "w2")):
             maps.append(TensorMap(f"{hf}{where}.experts.{e}.{theirs}.weight",
                                   (me + f"mlp.experts.{ours}",), lambda t: [t],
                                   lambda ts, e=e: ts[0][e], expert=e))
     return maps
+
+
+def beyond_the_model(cfg: ModelConfig, key: str) -> bool:
+    """A tensor of the blocks after the last: DeepSeek-V3's multi-token-prediction modules
+    (num_nextn_predict_layers), which transformers' model leaves out as shardtrain's does."""
+    parts = key.split(".")
+    return cfg.attention == "mla" and parts[:2] == ["model", "layers"] and \
+        parts[2].isdigit() and int(parts[2]) >= cfg.n_layers
 
 
 def canonical_name(cfg: ModelConfig, key: str) -> str:

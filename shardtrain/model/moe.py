@@ -178,7 +178,8 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])  # [T, C] (x [B, S, C], S this rank's share)
         bias = self.expert_bias if cfg.moe_balance == "bias" else None
         limit = (cfg.moe_groups, cfg.moe_max_groups) if cfg.moe_max_groups else None
-        r = route(tokens, self.router, cfg.moe_top_k, cfg.moe_score, bias, limit)
+        r = route(tokens, self.router, cfg.moe_top_k, cfg.moe_score, bias, limit,
+                  cfg.moe_route_scale)
         d = sort_slots(r, capacity(cfg, tokens.shape[0]), cfg.moe_drop_policy)
         if getattr(self.experts, "grouped", False):  # ep's exchange, one row per group
             y = self.experts.exchange_grouped(tokens, r, d)  # [T, C], combined

@@ -48,10 +48,12 @@ class Routing:
 
 
 def route(tokens: torch.Tensor, router: nn.Linear, top_k: int, score: str = "softmax",
-          bias: torch.Tensor | None = None, groups: tuple[int, int] | None = None) -> Routing:
+          bias: torch.Tensor | None = None, groups: tuple[int, int] | None = None,
+          scale: float = 1.0) -> Routing:
     """Router in fp32 (autocast off: small logit differences decide the choice); `bias`
     [E] added to the scores for the choice only; `groups` (G, g): the choice limited to
-    each token's g best of G expert groups (see the module docstring)."""
+    each token's g best of G expert groups (see the module docstring); `scale`: the gates'
+    factor (model.moe_route_scale, DeepSeek-V3's routed_scaling_factor)."""
     with torch.autocast(tokens.device.type, enabled=False):  # called: layouts hook modules
         # in the router's dtype: fp32, or 16-bit weights (bf16-true, fp16-true), whose
         # logits are widened before the softmax
@@ -70,6 +72,8 @@ def route(tokens: torch.Tensor, router: nn.Linear, top_k: int, score: str = "sof
     weights = scores.gather(1, experts)
     if top_k > 1:
         weights = weights / weights.sum(-1, keepdim=True)
+    if scale != 1.0:
+        weights = weights * scale
     return Routing(logits, probs, weights, experts, kept)
 
 

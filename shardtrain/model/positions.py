@@ -24,7 +24,7 @@ from shardtrain.config import ModelConfig
 def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [S, D/2] for rotary position embeddings (Su et al. 2021), pair i
     turning at theta^(-2i/D) per position, scaled as `cfg.rope_scaling` says."""
-    d = cfg.head_dim
+    d = cfg.rope_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64),
                          scale_frequencies(inv_freq, cfg))
@@ -68,7 +68,7 @@ def yarn_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     more than beta_fast = 32 times over the original context keep their frequency, those
     turning fewer than beta_slow = 1 times are divided by the factor, a linear ramp in the
     pair index between (bounds floored and ceiled, as transformers' truncate=True)."""
-    d, orig = cfg.head_dim, cfg.rope_original_max_len
+    d, orig = cfg.rope_dim, cfg.rope_original_max_len
 
     def pair_of(rotations: float) -> float:  # the pair index turning `rotations` times
         return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))

@@ -17,6 +17,7 @@ from torch import nn
 
 from shardtrain.config import ModelConfig
 from shardtrain.model.attention import sdpa_core
+from shardtrain.model.mla import LatentAttention
 from shardtrain.model.mlp import MLP
 from shardtrain.model.moe import MoE
 from shardtrain.model.positions import (Documents, apply_rope, position_ids, position_index,
@@ -73,12 +74,13 @@ def _norm(cfg: ModelConfig) -> nn.Module:
 
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); block `layer`'s
-    mlp is a mixture of experts where the config says so (ModelConfig.is_moe)."""
+    mlp is a mixture of experts where the config says so (ModelConfig.is_moe), its
+    attention latent under model.attention = mla (model/mla.py)."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = _norm(cfg)
-        self.attn = Attention(cfg)
+        self.attn = LatentAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.mlp_norm = _norm(cfg)
         self.mlp = MoE(cfg, layer) if cfg.is_moe(layer) else MLP(cfg)
 

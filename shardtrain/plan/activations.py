@@ -29,6 +29,14 @@ the tensor-by-tensor list). One layer, one micro-batch of b sequences of s local
   and its GELU (2 n F v).
 - qk-norm (Qwen3, model.qk_norm): the RMSNorm of each query and key head keeps its input
   and x * rstd (2 r D per head and token) and rstd (4): n (H + G) (2 r D + 4).
+- latent attention (model.attention = mla, model/mla.py; `latent_bytes`): the core's
+  terms with D = qk_nope + qk_rope head dims and every head its own k and v (v zero-padded
+  to D); wo keeps its own copy of out's first v_head_dim channels (n H Dv v), so selective
+  recomputation drops out too; q/kv inputs cast twice under autocast (wq or wq_a, and
+  wkv_a); per latent (kv_lora_rank, and q_lora_rank when set) fp32: the norm's input (a
+  view of wkv_a's output, with the RoPE key), x * rstd, rstd and its output, 3 r R + 4;
+  autocast: the norm's fp32 copy of its input, rstd, its fp32 output and the cast the
+  up-projection keeps, (2 r + v) R + 4.
 - context parallelism (parallel/context/): the ring core saves q, k, v, out and the lse
   (the flash terms); its out has q's memory layout ([b, s, H, D]), so wo's input is a view
   of it, no copy. Its
@@ -102,7 +110,7 @@ def runtime_activation_bytes(cfg: ModelConfig, *, s: int, b: int, t: int = 1,
         raise ValueError(f"attention={attention!r} is not one of {', '.join(ATTENTION)}")
     v = 4 if precision == "fp32" else 2
     r = 4  # residual stream, norms and their statistics: fp32 under both policies
-    c, d = cfg.dim, cfg.head_dim
+    c, d = cfg.dim, cfg.qk_head_dim
     n = b * s
     local = n / t if sp else n  # tokens of the replicated (norm, residual) region
     if recompute == "full":
@@ -114,8 +122,9 @@ def runtime_activation_bytes(cfg: ModelConfig, *, s: int, b: int, t: int = 1,
         attn_in = mlp_in = local * c * v  # (under sp its sequence chunk)
     elif v == 4:  # one fp32 input shared by a region's linears
         attn_in = mlp_in = n * c * r
-    else:  # autocast's cast of the input, one per linear
-        attn_in, mlp_in = 3 * n * c * v, (2 if llama else 1) * n * c * v
+    else:  # autocast's cast of the input, one per linear (mla: wq or wq_a, and wkv_a)
+        attn_in = (2 if cfg.attention == "mla" else 3) * n * c * v
+        mlp_in = (2 if llama else 1) * n * c * v
     mlp = (4 if llama else 2) * n * (cfg.ffn_hidden // t) * v
     if cfg.n_experts:
         mlp = moe_block_bytes(cfg, tokens=local, precision=precision, ep=ep)
@@ -123,6 +132,8 @@ def runtime_activation_bytes(cfg: ModelConfig, *, s: int, b: int, t: int = 1,
     inputs = attn_in + mlp_in
     if cfg.qk_norm:  # the query and key heads' RMSNorms (module docstring)
         inputs += n * (heads + kv) * (2 * r * d + 4)
+    if cfg.attention == "mla":
+        inputs += latent_bytes(cfg, n=n, heads=heads, v=v)
     lse = 4 * b * heads * s
     out = n * heads * d * v
     qkv = n * (heads + 2 * kv) * d * v
@@ -135,8 +146,8 @@ def runtime_activation_bytes(cfg: ModelConfig, *, s: int, b: int, t: int = 1,
             core += qkv + out + 2 * 8 * s * cp
     elif cp > 1:  # ring: q, k, v, out, lse; out laid out as q ([b, s, H, D] in memory), so
         core = qkv + out + lse  # wo's input is a view of it, no copy
-    elif recompute == "selective":  # the checkpoint keeps q, k, v; wo keeps out
-        core = qkv + out
+    elif recompute == "selective":  # the checkpoint keeps q, k, v; wo keeps out (mla:
+        core = qkv + (0 if cfg.attention == "mla" else out)  # a copy of its slice)
     elif attention == "flash":
         core = qkv + out + lse
     elif attention == "efficient":  # k, v repeated to the query heads for the kernel
@@ -145,6 +156,19 @@ def runtime_activation_bytes(cfg: ModelConfig, *, s: int, b: int, t: int = 1,
         m = 4  # the math kernel's dtype on CPU, autocast included
         core = 3 * n * heads * d * m + b * heads * s * s * m + out
     return norms + inputs + core + mlp
+
+
+def latent_bytes(cfg: ModelConfig, *, n: float, heads: int, v: int) -> float:
+    """What latent attention (model/mla.py) keeps beyond the core's q, k, v and out, for n
+    tokens and `heads` heads on this rank (module docstring)."""
+    r, ranks = 4, [cfg.kv_lora_rank] + ([cfg.q_lora_rank] if cfg.q_lora_rank else [])
+    if v == 4:  # each latent: the down-projection's output (the norm's input; wkv_a's with
+        # the RoPE key), the norm's x * rstd and rstd, its output (the up-projection's input)
+        latents = sum(3 * r * rank + 4 for rank in ranks) + r * cfg.qk_rope_head_dim
+    else:  # autocast: the norm's fp32 copy of its 16-bit input, rstd, its fp32 output
+        # and the up-projection's cast of it
+        latents = sum((2 * r + v) * rank + 4 for rank in ranks)
+    return n * (latents + heads * cfg.v_head_dim * v)  # + wo's input, a copy of out's slice
 
 
 def moe_block_bytes(cfg: ModelConfig, *, tokens: float, precision: str = "fp32",

@@ -297,4 +297,4 @@ def planned_attention(cfg: ModelConfig, precision: str, device_type: str = "cuda
     head dim neither takes, and then the planner charges its S x S probabilities."""
     dtype = {"fp32": "float32", "fp16": "float16", "fp16-true": "float16"}.get(
         precision, "bfloat16")
-    return attention_kernel(device_type, dtype, cfg.head_dim)
+    return attention_kernel(device_type, dtype, cfg.qk_head_dim)

@@ -6,7 +6,8 @@ token (and position) embedding, the last the final norm and the output head, or 
 the tied embedding as Megatron-LM keeps one (Narayanan et al. 2021); under the V placement
 (zbv, dualpipev) the first stage holds all of them, as one process does. Tensor parallelism
 splits every dense weight t ways (vocabulary-parallel embedding and head; replicated norms,
-biases and the MoE router are counted as split too, a < 0.1% simplification). Experts are
+biases and the MoE router are counted as split too, a < 0.1% simplification; latent
+attention's down-projections, whole on every tp rank, are counted whole). Experts are
 not split by tp: each tp rank holds whole experts (parallel/expert/layers.py) and expert
 parallelism splits them ep ways, n_experts / ep per rank. With tp = pp = ep = 1 the total
 is exactly `param_counts(cfg).total`.
@@ -18,7 +19,8 @@ import math
 from dataclasses import dataclass, replace
 
 from shardtrain.config import ModelConfig
-from shardtrain.cost.counts import expert_params, kept_params, norm_params, param_counts
+from shardtrain.cost.counts import (expert_params, kept_params, latent_params, norm_params,
+                                    param_counts)
 from shardtrain.parallel.pipeline.schedules import V_SHAPED
 from shardtrain.plan.layout import Layout
 
@@ -73,8 +75,12 @@ def rank_params(cfg: ModelConfig, layout: Layout) -> RankParams:
             + (cfg.max_seq_len * cfg.dim if cfg.style == "gpt2" else 0)
     expert = expert_layer / layout.ep  # replicated over tp, split over ep
     plain = layers - moe
-    return RankParams(dense=(moe * moe_layer + plain * plain_layer + outside) / t,
+    whole, whole_kept = (n * (t - 1) / t for n in latent_params(cfg))  # per block: mla's
+    # latent projections and norms, whole on every tp rank (counted split above)
+    return RankParams(dense=(moe * moe_layer + plain * plain_layer + outside) / t + layers * whole,
                       expert=moe * expert, layers=layers, moe_layers=moe,
-                      layer=max(moe_layer / t + expert if moe else 0, plain_layer / t if plain else 0),
-                      kept=(moe * kept_layer + plain * kept_plain + kept_outside) / t,
+                      layer=whole + max(moe_layer / t + expert if moe else 0,
+                                        plain_layer / t if plain else 0),
+                      kept=(moe * kept_layer + plain * kept_plain + kept_outside) / t
+                      + layers * whole_kept,
                       kept_expert=moe * kept_expert / layout.ep, lookup=lookup / t)

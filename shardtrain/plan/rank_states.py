@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardtrain.config import ModelConfig
+from shardtrain.cost.counts import attention_linears
 from shardtrain.cost.units import ROUNDED, backward_reads_params, unit_key
 from shardtrain.plan.layout import Layout, PlanError
 from shardtrain.config.precision import TRUE16
@@ -81,6 +82,16 @@ def block_tensors(cfg: ModelConfig, index: int, t: int) -> list[tuple[str, int]]
         [("bias", rows)] if gpt2 or cfg.qkv_bias else [])
     linears = [("attn_norm", norm), ("attn.wq", qkv(-(-q // t))), ("attn.wk", qkv(kv)),
                ("attn.wv", qkv(kv)), ("attn.wo", row(-(-q // t)))]
+    if cfg.attention == "mla":  # heads split, the latents whole (parallel/tensor/latent.py)
+        whole = {"wq_a", "wkv_a"}
+        linears = [("attn_norm", norm)]
+        for name, (out, inp) in attention_linears(cfg).items():
+            size = out * inp if name in whole else (out * -(-inp // t) if name == "wo"
+                                                     else -(-out // t) * inp)
+            linears.append((f"attn.{name}", [("weight", size)]))
+            if name in ("wq_a", "wkv_a"):
+                rank = cfg.q_lora_rank if name == "wq_a" else cfg.kv_lora_rank
+                linears.append((f"attn.{name[1:]}_norm", [("weight", rank)]))
     if cfg.qk_norm:  # Qwen3: whole on every tp rank
         linears += [("attn.q_norm", [("weight", cfg.head_dim)]),
                     ("attn.k_norm", [("weight", cfg.head_dim)])]

@@ -77,7 +77,8 @@ def roofline_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, global_batch
     lay, t = layout, layout.tp
     act, stream = _ACT[lay.precision], _STREAM[lay.precision]
     h, v = cfg.dim, cfg.vocab_size
-    q, kv = cfg.n_heads * cfg.head_dim / t, cfg.kv_heads * cfg.head_dim / t  # one tp rank
+    d = cfg.qk_head_dim  # mla: q and k (and the zero-padded v) after decompression
+    q, kv = cfg.n_heads * d / t, cfg.kv_heads * d / t  # one tp rank
     T = lay.micro_batch * seq_len / lay.cp
     Tn = T / t if lay.sp else T  # the residual-width ops run on the sequence chunk under sp
     full, selective = lay.recompute == "full", lay.recompute == "selective"

@@ -36,6 +36,8 @@ one micro-batch, s = seq / cp; P, G = this rank's parameter and gradient bytes):
   (G' = G when N divides it, else H: kv heads repeated), each sending (N-1)/N of its
   input; exposed. Full recomputation reruns the forward's two; selective changes neither
   mode (a context-parallel core declares `recomputes_in_backward` and is not wrapped).
+  Latent attention (model.attention = mla) moves the decompressed K and V, not the latent:
+  G = H heads, D = qk_nope + qk_rope head dims, V zero-padded to D (model/mla.py).
 - ep (`expert_parallel_ops`, what parallel/expert/layers.py sends; native pairwise
   all-to-alls, the ledger's (n-1)/n of the input): per MoE layer on this stage and
   micro-batch, the kept-slot counts [E] int64, the slot rows [K, C] to the experts' ranks
@@ -250,7 +252,7 @@ def context_parallel_ops(cfg: ModelConfig, layout: Layout, *, seq_len: int,
     if n <= 1:
         return []
     value = 4 if lay.precision == "fp32" else 2
-    b, s, d = lay.micro_batch, seq_len // n, cfg.head_dim
+    b, s, d = lay.micro_batch, seq_len // n, cfg.qk_head_dim  # mla: k and v padded to it
     heads, kv = cfg.n_heads // lay.tp, kv_heads_per_rank(cfg, lay.tp)
     calls = rank_params(cfg, lay).layers * lay.microbatches  # attention calls per step
     if lay.cp_mode == "ring":

@@ -21,6 +21,9 @@ their input for backward, and the head all-gathers the final norm's output. The 
 weights (and row-parallel biases) then see 1/t of the tokens: their gradients are summed
 over tp.
 
+Latent attention (model.attention = mla) splits its heads the same way, its latents whole
+on every rank (latent.py).
+
 Mixture-of-experts layers are not split: every tp rank holds the router and experts
 whole (expert parallelism splits the experts over ep instead, parallel/expert/) and runs
 the layer on the tokens it holds: all of them (the same work on every tp rank, so the same
@@ -43,6 +46,7 @@ from torch.autograd import Function
 
 from shardtrain.comm import Communicator
 from shardtrain.model.experts import autocast_dtype
+from shardtrain.model.mla import LatentAttention
 from shardtrain.model.moe import MoE
 from shardtrain.model.transformer import Transformer
 from shardtrain.parallel.tensor.sharding import Placement
@@ -224,6 +228,7 @@ def apply_tensor_parallel(model: Transformer, comm: Communicator, *, sp: bool
     model on the meta device (shapes only) or a materialised one (each rank keeps its
     slice). Returns the placement of every split or partially-reduced parameter, and the
     loss over the vocab-split logits."""
+    from shardtrain.parallel.tensor.latent import shard_latent  # it imports the linears here
     t, r, cfg = comm.size, comm.rank, model.cfg
     places: dict[str, Placement] = {}
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}  # LoRA's base
@@ -253,6 +258,9 @@ def apply_tensor_parallel(model: Transformer, comm: Communicator, *, sp: bool
                 continue
             region = Region(comm, sp=sp)
             region.attach(module)
+            if isinstance(module, LatentAttention):
+                shard_latent(module, f"layers.{i}.attn.", region, comm, split, places, sp=sp)
+                continue
             for name, kind in linears.items():
                 dense, prefix = getattr(module, name), f"layers.{i}.{region_name}.{name}."
                 if dense is None:  # no w3 in the GELU MLP

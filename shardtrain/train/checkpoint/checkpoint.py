@@ -226,13 +226,12 @@ MODEL_STATE_FIELDS = {
     "norm_eps": "norm_eps", "rope_theta": "rope_theta", "n_experts": "n_experts",
     "moe_top_k": "moe_top_k", "qkv_bias": "qkv_bias", "qk_norm": "qk_norm",
     "rope_scaling": "rope_scaling", "rope_factor": "rope_factor",
-    "rope_low_freq_factor": "rope_low_freq_factor",
-    "rope_high_freq_factor": "rope_high_freq_factor",
-    "rope_original_max_len": "rope_original_max_len",
-    "rope_attention_factor": "rope_attention_factor", "sliding_window": "sliding_window",
+    **{n: n for n in ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len",
+                      "rope_attention_factor", "sliding_window")},
     "moe_score": "moe_score", "moe_ffn_dim": "expert_hidden",  # (the router learnt its score)
     "moe_shared_experts": "moe_shared_experts", "moe_first_dense": "moe_first_dense",
-}
+    **{n: n for n in ("attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                      "qk_rope_head_dim", "v_head_dim", "moe_route_scale")}}
 MODEL_FREE_FIELDS = (
     "init_from",  # where the first weights came from: a path, moved or gone since
     "moe_impl",  # grouped matmul or a loop: the same function

@@ -31,7 +31,9 @@ SHAPE_FIELDS = ("style", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads
                 "head_size", "rope_scaling", "rope_factor", "rope_low_freq_factor",
                 "rope_high_freq_factor", "rope_original_max_len", "rope_attention_factor",
                 "sliding_window", "n_experts", "moe_top_k", "moe_ffn_dim", "moe_first_dense",
-                "moe_shared_experts", "moe_groups", "moe_max_groups", "moe_score")
+                "moe_shared_experts", "moe_groups", "moe_max_groups", "moe_score", "attention",
+                "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                "v_head_dim", "moe_route_scale", "moe_balance")
 
 
 def resolve_init_from(cfg: Config) -> None:
@@ -51,6 +53,8 @@ def resolve_init_from(cfg: Config) -> None:
             mine, theirs = cfg.model.n_kv_heads or theirs, hf.kv_heads
         elif name == "ffn_dim":
             mine, theirs = cfg.model.ffn_dim or theirs, hf.ffn_hidden
+        elif name == "moe_balance" and theirs != "bias":
+            continue  # a choice of training, unless the checkpoint holds an expert bias
         if mine != theirs and mine != getattr(default, name):
             raise ConfigError(f"model.{name}={mine!r} conflicts with {path / 'config.json'} "
                               f"({theirs!r}); drop model.{name}: model.init_from sets the shape")
