@@ -5,13 +5,12 @@ Tensor parallel (Shoeybi et al. 2019, sec. 3): attention and the MLP of each blo
 parallel regions. A region is entered through `f` (ops.py) once per forward; its
 column-parallel linears (wq, wk, wv; w1, w3) split their output features -- attention
 heads, MLP hidden units -- so everything up to the row-parallel linear (wo; w2) is local;
-the row-parallel linear's partial products leave through `g`, an all-reduce. Per layer:
-two all-reduces of [B, S, C] in forward, two in backward. The embedding and the output
-head split the vocabulary (vocab.py).
-
-Grouped-query attention: with n_kv_heads >= t the kv heads are split like the query heads;
-with fewer, rank r holds a copy of the one kv head its query heads use, shared by
-t / n_kv_heads ranks, whose gradient parts are summed (sharding.py).
+the row-parallel linear's partial products leave through `g`, an all-reduce. Per layer: two
+all-reduces of [B, S, C] in forward, two in backward. The embedding and the output head
+split the vocabulary (vocab.py). Grouped-query attention: with n_kv_heads >= t the kv heads
+are split like the query heads; with fewer, rank r holds a copy of the one kv head its
+query heads use, shared by t / n_kv_heads ranks, whose gradient parts are summed
+(sharding.py).
 
 Sequence parallel (Korthikanti et al. 2022, sec. 4.2.2): the residual stream between the
 regions (norms, residual adds) is split along the sequence: the embedding's output is cut
@@ -19,19 +18,15 @@ into chunks before the first block, `f` becomes an all-gather and `g` a reduce-s
 same bytes as the all-reduce), the column-parallel linears keep only the sequence chunk of
 their input for backward, and the head all-gathers the final norm's output. The norm
 weights (and row-parallel biases) then see 1/t of the tokens: their gradients are summed
-over tp.
+over tp. Latent attention (model.attention = mla) splits its heads the same way, its
+latents whole on every rank (latent.py).
 
-Latent attention (model.attention = mla) splits its heads the same way, its latents whole
-on every rank (latent.py).
-
-Mixture-of-experts layers are not split: every tp rank holds the router and experts
-whole (expert parallelism splits the experts over ep instead, parallel/expert/) and runs
-the layer on the tokens it holds: all of them (the same work on every tp rank, so the same
+Mixture-of-experts layers are not split: every tp rank holds the router and experts whole
+(expert parallelism splits the experts over ep instead, parallel/expert/) and runs the
+layer on the tokens it holds: all of them (the same work on every tp rank, so the same
 gradients), or under sp its sequence chunk (gradient parts summed over tp, `partial`).
-
 Under train.fp8 the blocks' column- and row-parallel linears run their matmuls in fp8 with
 the scales agreed over tp (quant/float8_tp.py): the head stays as it is, as in one process.
-
 Rank r of the tp group holds block r of every split dimension (sharding.Placement).
 """
 
@@ -50,10 +45,9 @@ from shardtrain.model.mla import LatentAttention
 from shardtrain.model.moe import MoE
 from shardtrain.model.transformer import Transformer
 from shardtrain.parallel.tensor.sharding import Placement
-from shardtrain.parallel.tensor.ops import (CopyToRegion, GatheredInput, GatherFromSequence,
-                                            ReduceFromRegion, ReduceScatterToSequence,
-                                            ScatterToSequence, all_reduce_max, handle,
-                                            regather_sequence)
+from shardtrain.parallel.tensor.ops import (
+    CopyToRegion, GatheredInput, GatherFromSequence, ReduceFromRegion, ReduceScatterToSequence,
+    ScatterToSequence, all_reduce_max, handle, regather_sequence)
 from shardtrain.parallel.tensor.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 from shardtrain.quant.float8_tp import Float8Tp, Float8TpMatmul
 
@@ -294,8 +288,7 @@ def apply_tensor_parallel(model: Transformer, comm: Communicator, *, sp: bool
     start = r * places["tok_emb.weight"].block()  # first vocabulary row of this rank
     model.tok_emb = VocabParallelEmbedding(emb, start=start, comm=comm)
     head_region = Region(comm, sp=sp)
-    model.head = ColumnParallelLinear(split("head.weight", model.head.weight, 0), None,
-                                      head_region)
+    model.head = ColumnParallelLinear(split("head.weight", model.head.weight, 0), None, head_region)
     head_region.attach(model.head)
     model.tie_weights()
     for n, p in model.named_parameters():
