@@ -19,6 +19,7 @@ from shardtrain.config import ModelConfig
 from shardtrain.model.attention import sdpa_core
 from shardtrain.model.mlp import MLP
 from shardtrain.model.moe import MoE
+from shardtrain.model.mtp import MTPModule, MTPOutput, mtp_forward
 from shardtrain.model.positions import (Documents, apply_rope, position_ids, position_index,
                                         rope_tables)
 
@@ -73,14 +74,15 @@ def _norm(cfg: ModelConfig) -> nn.Module:
 
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); block `layer`'s
-    mlp is a mixture of experts where the config says so (ModelConfig.is_moe)."""
+    mlp is a mixture of experts where the config says so (ModelConfig.is_moe), unless
+    `dense` (the multi-token prediction modules' block: model/mtp.py)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int = 0):
+    def __init__(self, cfg: ModelConfig, layer: int = 0, *, dense: bool = False):
         super().__init__()
         self.attn_norm = _norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = _norm(cfg)
-        self.mlp = MoE(cfg, layer) if cfg.is_moe(layer) else MLP(cfg)
+        self.mlp = MoE(cfg, layer) if cfg.is_moe(layer) and not dense else MLP(cfg)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 documents: Documents | None = None) -> torch.Tensor:
@@ -95,7 +97,8 @@ def tied_names(cfg: ModelConfig) -> dict[str, str]:
 
 
 class Transformer(nn.Module):
-    """tokens [B, S] (and positions [B, S] for packed documents) -> logits [B, S, V]."""
+    """tokens [B, S] (and positions [B, S] for packed documents) -> logits [B, S, V]; with
+    model.mtp_depth, in training, the main and the depths' logits (model/mtp.py)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -105,6 +108,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = _norm(cfg)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.mtp = mtp_modules(cfg)
         self.tie_weights()
         # The global positions of the tokens this rank holds, when they are not 0..S-1
         # (context parallelism sets them: parallel/context/); None: the first S positions.
@@ -119,7 +123,7 @@ class Transformer(nn.Module):
             self.get_submodule(name.rpartition(".")[0]).weight = self.get_parameter(first)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None
-                ) -> torch.Tensor:
+                ) -> torch.Tensor | MTPOutput:
         """`positions`: each token's position in its document, [B, S] (data.document_mask:
         attention stays inside documents; under context parallelism the full rows', not
         the tokens held); None: one sequence per row, causal."""
@@ -134,7 +138,10 @@ class Transformer(nn.Module):
             rope = (self.rope_cos[at], self.rope_sin[at])
         for layer in self.layers:
             x = layer(x, rope, documents)
-        return self.head(self.norm(x))
+        logits = self.head(self.norm(x))
+        if self.mtp is None or not self.training:  # inference: the main model alone
+            return logits
+        return mtp_forward(self, x, tokens, logits, rope, documents, positions)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -148,6 +155,15 @@ class Transformer(nn.Module):
         the checkpoint): tied weights and the RoPE tables."""
         self.tie_weights()
         init_state_buffers(self, self.cfg)
+
+
+def mtp_modules(cfg: ModelConfig) -> nn.ModuleList | None:
+    """The multi-token prediction modules (model/mtp.py), registered as `mtp.<k-1>` for
+    depth k; None without them (the state dict is then unchanged)."""
+    if not cfg.mtp_depth:
+        return None
+    return nn.ModuleList(MTPModule(cfg, block=Block(cfg, dense=True), norm=lambda: _norm(cfg))
+                         for _ in range(cfg.mtp_depth))
 
 
 @torch.no_grad()

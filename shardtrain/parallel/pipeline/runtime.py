@@ -62,7 +62,10 @@ class Pipeline:
         self.executor = PipelineExecutor(
             chunks, self.pp, loss=loss, act_shape=(t.micro_batch, seq, cfg.model.dim),
             act_dtype=policy.residual_dtype, wire_dtype=policy.boundary_dtype, device=device,
-            autocast=policy.autocast(device), rank=mesh.rank, place=self.place)
+            autocast=policy.autocast(device), rank=mesh.rank, place=self.place,
+            tokens_at_end=cfg.model.mtp_depth > 0)
+        # Multi-token prediction reports the main loss and each depth's (model/mtp.py).
+        self.parts = 1 + cfg.model.mtp_depth if cfg.model.mtp_depth else 0
         # The last training step's timeline (format: executor.py) and the most micro-batches
         # whose activations this rank held at once during it.
         self.timeline: dict[str, Any] | None = None
@@ -79,7 +82,8 @@ class Pipeline:
         multiplied by `loss_scale` (fp16). `loss_tokens`: the counted targets (not IGNORE)
         of the whole global batch, every replica's micro-batches (the sampler counts them:
         data/sampler.py); None: every target counts. Returns the mean loss over those
-        tokens (unscaled), the same on every stage."""
+        tokens (unscaled), the same on every stage; with multi-token prediction [1 + D]:
+        the main loss, then each depth's."""
         batches = [self._mine(b) for b in micro_batches]
         inputs, targets = [b[0] for b in batches], [b[1] for b in batches]
         positions = [b[2] for b in batches] if len(batches[0]) > 2 else None
@@ -87,7 +91,8 @@ class Pipeline:
         with self.versions.computing() if self.versions else nullcontext():
             total = self.executor.run(self.actions, inputs, targets, no_sync=no_sync,
                                       loss_scale=loss_scale, info={"schedule": self.schedule},
-                                      positions=positions, weights=weights)
+                                      positions=positions, weights=weights,
+                                      parts=self.parts)
         self.timeline, self.peak_live = self.executor.timeline, self.executor.peak_live
         if self.cores:
             self.timeline["attention_s"] = sum(core.compute_s for core in self.cores)

@@ -202,17 +202,20 @@ def apply_tensor_parallel(model: Transformer, comm: Communicator, *, sp: bool
 
     shared_kv = cfg.kv_heads < t  # parts = kv heads, rank r holds kv head r * g / t
     kv_split = (cfg.kv_heads, r * cfg.kv_heads // t) if shared_kv else (t, r)
-    for i, block in enumerate(model.layers):
+    # the blocks, and the multi-token prediction modules' blocks alike (tensor/mtp.py)
+    blocks = [(f"layers.{i}", b) for i, b in enumerate(model.layers)]
+    for block_name, block in blocks + [(f"mtp.{k}.block", m.block)
+                                       for k, m in enumerate(model.mtp or [])]:
         for region_name, linears in TABLE.items():
             module = block.get_submodule(region_name)
             if isinstance(module, MoE):  # experts whole on every tp rank (docstring)
                 for pname, p in module.named_parameters():
-                    replicate(f"layers.{i}.{region_name}.{pname}", p)
+                    replicate(f"{block_name}.{region_name}.{pname}", p)
                 continue
             region = Region(comm, sp=sp)
             region.attach(module)
             for name, kind in linears.items():
-                dense, prefix = getattr(module, name), f"layers.{i}.{region_name}.{name}."
+                dense, prefix = getattr(module, name), f"{block_name}.{region_name}.{name}."
                 if dense is None:  # no w3 in the GELU MLP
                     continue
                 if kind == "row":

@@ -1,0 +1,35 @@
+"""The layouts multi-token prediction (model.mtp_depth, model/mtp.py) runs under, checked
+before any process starts; the planner proposes none of the others (plan/layout.py
+`trainer_refusal` runs this same validation)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from shardtrain.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from shardtrain.config.schema import Config
+
+
+def check_mtp(cfg: Config) -> None:
+    m, p = cfg.model, cfg.parallel
+    if not m.mtp_depth:
+        return
+    if p.cp > 1:
+        # Depth k's target at a cp rank's last local tokens is a token k + 1 ahead, held
+        # by the next rank of the split (the zigzag's chunks are not even contiguous).
+        raise ConfigError(f"model.mtp_depth={m.mtp_depth} with parallel.cp={p.cp}: the "
+                          "shifted targets and embeddings of a rank's last tokens live on "
+                          "other cp ranks; set parallel.cp=1 (tp with sp splits the sequence "
+                          "instead) or model.mtp_depth=0")
+    if p.zero == 3:
+        # ZeRO-3's gather events (parallel/zero/events.py) end with the head; the modules
+        # run after it and read the token table again, which its schedule does not hold.
+        raise ConfigError(f"model.mtp_depth={m.mtp_depth} with parallel.zero=3: ZeRO-3's "
+                          "gather schedule has no event for the modules after the head; use "
+                          "parallel.zero=1 or 2, or model.mtp_depth=0")
+    if p.tp > 1 and (2 * m.dim) % p.tp:
+        raise ConfigError(f"model.mtp_depth={m.mtp_depth} with parallel.tp={p.tp}: the "
+                          f"projection's 2 x model.dim={2 * m.dim} input features split "
+                          "evenly over tp; choose a tp dividing them")
