@@ -59,7 +59,9 @@ class MTPModule(nn.Module):
         """h: the previous depth's hidden state, e: the shifted tokens' embedding, each
         [B, S, C] (under sequence parallelism [B, S/t, C]) -> this depth's [B, S, C]."""
         x = self.proj(torch.cat([self.h_norm(h), self.e_norm(e)], dim=-1))  # [B, S, C]
-        return self.block(x, rope, documents)
+        # The residual stream in h's dtype (the precision policy's, fp32 under bf16 autocast),
+        # as the main blocks' starts from the embedding's, not in the projection's bf16.
+        return self.block(x.to(h.dtype), rope, documents)
 
 
 @dataclass
