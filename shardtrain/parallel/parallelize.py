@@ -94,12 +94,14 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
     if cfg.train.fp8 != "none":  # on meta, before compile and checkpointing wrap the blocks
         check_fp8(cfg)  # again, on the precision the device resolved
         fp8_names = convert_blocks(model, cfg.train.fp8)
+    # the blocks compiled and recomputed: the main ones and the MTP modules' (model/mtp.py)
+    blocks = [*model.layers, *(m.block for m in model.mtp or [])]
     if cfg.train.compile:  # before checkpointing: a checkpoint runs the compiled forward
-        compile_blocks(model.layers)
+        compile_blocks(blocks)
     if cfg.train.activation_checkpointing == "full":
-        checkpoint_blocks(model.layers)
+        checkpoint_blocks(blocks)
     elif cfg.train.activation_checkpointing == "selective":  # after cp: it sees the cp core
-        checkpoint_attention_cores(model.layers)
+        checkpoint_attention_cores(blocks)
     offload = None
     if cfg.train.activation_offload == "cpu":  # last: a checkpoint saves through its hooks
         offload = ActivationOffload(device)
