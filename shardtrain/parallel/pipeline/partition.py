@@ -9,17 +9,19 @@ the V placement (ZB-V, DualPipeV: schedules.Placement) stage s holds virtual sta
 
 With one chunk per stage the cut balances a cost -- FLOPs (the step time is the slowest
 stage's) or parameters (memory) -- counting the embedding on the first stage and the head
-on the last: the contiguous split that minimises the largest stage's cost (each stage at
+on the last (with the multi-token prediction modules and their token-table copy:
+model/mtp.py): the contiguous split that minimises the largest stage's cost (each stage at
 least one layer). Interleaving needs equal chunks: the layer count must divide by pp x v
 (config validation says so before launch).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache
 
 from shardtrain.config import ModelConfig
-from shardtrain.cost.counts import forward_flops_per_token, norm_params, param_counts
+from shardtrain.cost.counts import forward_flops_per_token, mtp_params, norm_params, param_counts
 
 
 def stage_costs(cfg: ModelConfig, *, by: str = "flops", seq_len: int = 1
@@ -27,13 +29,16 @@ def stage_costs(cfg: ModelConfig, *, by: str = "flops", seq_len: int = 1
     """(one layer, extra on the first stage, extra on the last stage) by FLOPs per token or
     by parameters. FLOPs: the embedding is a lookup (free), the head a [dim, vocab] matmul."""
     head = cfg.vocab_size * cfg.dim
-    if by == "flops":
-        layer = (forward_flops_per_token(cfg, seq_len) - 2.0 * head) / cfg.n_layers
-        return layer, 0.0, 2.0 * head
+    if by == "flops":  # the multi-token prediction modules (model/mtp.py) are the last's
+        without = forward_flops_per_token(replace(cfg, mtp_depth=0), seq_len)
+        layer = (without - 2.0 * head) / cfg.n_layers
+        return layer, 0.0, 2.0 * head + forward_flops_per_token(cfg, seq_len) - without
     if by == "params":
         counts = param_counts(cfg)
         first = counts.embedding - (0 if cfg.tie_embeddings else head)  # tokens (+ positions)
-        return float(counts.per_layer), float(first), float(head + norm_params(cfg))
+        copy = head if cfg.mtp_depth and not cfg.tie_embeddings else 0  # the MTP's table
+        return float(counts.per_layer), float(first), \
+            float(head + norm_params(cfg) + mtp_params(cfg) + copy)
     raise ValueError(f"balance by {by!r}: one of flops, params")
 
 

@@ -1,0 +1,76 @@
+"""Multi-token prediction in the planner (cost/counts.py, plan/): its parameters exactly as
+built (the whole model, rank 0's tensors, the last pipeline stage), its matmul FLOPs as the
+built model's linears, and no proposed layout that the trainer refuses (cp, ZeRO-3)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from torch import nn
+
+from shardtrain.config import ModelConfig
+from shardtrain.cost.counts import matmul_params_per_token, mtp_params, param_counts
+from shardtrain.model.transformer import build_model
+from shardtrain.parallel.pipeline.stage import split_stages
+from shardtrain.plan.layout import Layout
+from shardtrain.plan.partition import rank_params
+from shardtrain.plan.rank_states import rank0_tensors
+from shardtrain.plan.search import candidates
+
+from parity import tiny
+
+MTP = ("--model.mtp_depth", "2")
+SHAPES = {
+    "llama": (),
+    "gpt2-tied": ("--model.style", "gpt2", "--model.n_kv_heads", "0",
+                  "--model.tie_embeddings", "true"),
+    "moe": ("--model.n_experts", "4", "--model.moe_ffn_dim", "32",
+            "--model.moe_shared_experts", "1", "--model.moe_first_dense", "1"),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_parameter_counts_are_the_built_models(tmp_path, shape):
+    cfg = tiny(tmp_path, "m", *MTP, *SHAPES[shape]).model
+    model = build_model(cfg, seed=None)  # shapes only
+    built = sum(p.numel() for p in model.parameters())
+    assert param_counts(cfg).total == built
+    assert mtp_params(cfg) == sum(p.numel() for p in model.mtp.parameters()) > 0
+    without = dataclasses.replace(cfg, mtp_depth=0)
+    assert param_counts(cfg).total - param_counts(without).total == mtp_params(cfg)
+    if not cfg.n_experts:  # rank 0's tensors, in module order (ZeRO's exact padding)
+        assert rank0_tensors(cfg, Layout(dp=1)) == [(n, p.numel()) for n, p
+                                                    in model.named_parameters()]
+
+
+def test_matmul_flops_count_each_depths_block_projection_and_head(tmp_path):
+    """Per token: every linear's weight once (the MTP projections and blocks included),
+    the shared head once more per depth (its logits are computed D + 1 times)."""
+    cfg = tiny(tmp_path, "m", *MTP).model
+    model = build_model(cfg, seed=None)
+    linears = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    assert matmul_params_per_token(cfg) == linears + cfg.mtp_depth * cfg.vocab_size * cfg.dim
+
+
+@pytest.mark.parametrize("tied", ["false", "true"])
+def test_last_stage_holds_the_modules_and_the_table_copy(tmp_path, tied):
+    """pp=2 on two blocks: the planner's busiest rank is the last stage, exactly its
+    parameters (a block, the final norm, the head, the modules and the table copy)."""
+    cfg = tiny(tmp_path, "m", *MTP, "--model.tie_embeddings", tied, "--parallel.pp", "2")
+    last, _ = split_stages(build_model(cfg.model, seed=None), cfg, stage=1)
+    held = {id(p): p.numel() for p in last.parameters()}  # a tied table once
+    assert "tok_emb.weight" in dict(last.named_parameters())
+    planned = rank_params(cfg.model, Layout(dp=1, pp=2, microbatches=4))
+    assert planned.total == sum(held.values())
+
+
+def test_planner_proposes_no_layout_the_trainer_refuses(tmp_path):
+    cfg: ModelConfig = tiny(tmp_path, "m", *MTP, "--model.n_layers", "4",
+                            "--model.max_seq_len", "8192").model
+    layouts = list(candidates(cfg, gpus=8, node_size=8, global_batch=16, seq_len=8192,
+                              precision="bf16"))
+    assert layouts and all(lay.zero != 3 and lay.cp == 1 for lay in layouts)
+    plain = list(candidates(dataclasses.replace(cfg, mtp_depth=0), gpus=8, node_size=8,
+                            global_batch=16, seq_len=8192, precision="bf16"))
+    assert any(lay.cp > 1 for lay in plain) and any(lay.zero == 3 for lay in plain)
