@@ -89,3 +89,17 @@ def test_mtp_parity_rows_and_resume(tmp_path):
                                    torch.tensor(ref["losses"][2:]), rtol=LOSS_RTOL, atol=0)
         torch.testing.assert_close(torch.tensor(resumed["mtp"]), torch.tensor(ref["mtp"][2:]),
                                    rtol=LOSS_RTOL, atol=0)
+
+
+@pytest.mark.slow  # one 2-rank spawn of three rows (~15 s loaded)
+def test_mtp_parity_schedules_tied(tmp_path):
+    """A tied head on four blocks: the V (ZB-V: stage 0 holds the embedding, the head and
+    the modules, the inputs read twice), interleaved and 1F1B (the last stage's one table
+    serving the head and the modules)."""
+    tied = ("--model.tie_embeddings", "true", "--model.n_layers", "4")
+    text = lambda name, *o: config.to_toml(tiny(tmp_path, name, *MTP, *tied, *o))  # noqa: E731
+    v2 = ("--parallel.virtual_stages", "2")
+    check_rows(text, [("zbv", ("--parallel.pp", "2", "--parallel.schedule", "zbv", *v2)),
+                      ("interleaved", ("--parallel.pp", "2", "--parallel.schedule",
+                                       "interleaved", *v2)),
+                      ("pp2", ("--parallel.pp", "2"))])
