@@ -19,6 +19,7 @@ from shardtrain.model.transformer import build_model
 from shardtrain.parallel.tensor.vocab import cross_entropy
 from shardtrain.train.trainer import Trainer
 
+from chat_data import llama_dir, write_chat
 from parity import make_mesh, tiny
 
 MTP = ("--model.mtp_depth", "2")
@@ -142,6 +143,37 @@ def test_metrics_report_each_depth_and_resume(tmp_path):
     assert resumed.run().losses == whole.losses[2:]
     for name, w in resumed.parallel.full_state_dict().items():
         assert torch.equal(w, trained[name]), name
+
+
+def test_chat_sft_masks_and_documents_carry_to_every_depth(tmp_path):
+    """Chat SFT rows packed as documents, from a Hugging Face Llama (model.init_from: the
+    modules drawn, the family has none): step 1's logged depth losses are the means over
+    the targets the definition keeps (the assistant's tokens, inside each conversation),
+    each micro-batch weighted by its counted main targets as the main loss is."""
+    pytest.importorskip("transformers")
+    llama = llama_dir(tmp_path / "llama")
+    cfg = tiny(tmp_path, "sft", *MTP, "--model.init_from", str(llama), "--data.format", "chat",
+               "--data.source", str(write_chat(tmp_path / "chat.jsonl", 100, turns=2)),
+               "--data.document_mask", "true", "--train.steps", "1")
+    trainer = Trainer(cfg, make_mesh(cfg, 0, 1), torch.device("cpu"))
+    state = trainer.sampler.state_dict()
+    batches = trainer.sampler.next_step()
+    trainer.sampler.load_state_dict(state)
+    counted = sum(int(b[1].ne(IGNORE).sum()) for b in batches)
+    want, crossed = torch.zeros(2), 0
+    with torch.no_grad():
+        for inputs, targets, positions in batches:
+            out = trainer.parallel.module(inputs, positions)
+            for k in (1, 2):
+                kept = torch.tensor([_reference_targets(t.tolist(), p.tolist(), k)
+                                     for t, p in zip(targets, positions)])
+                crossed += int((kept != depth_targets(targets, k, None)).sum())
+                ce = F.cross_entropy(out.depths[k - 1].flatten(0, 1), kept.flatten(),
+                                     ignore_index=IGNORE)
+                want[k - 1] += ce * int(targets.ne(IGNORE).sum()) / counted
+    assert crossed > 0 and 0 < counted < sum(b[1].numel() for b in batches)
+    record = trainer.run().history[0]
+    torch.testing.assert_close(torch.tensor(record["mtp_losses"]), want, rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("overrides,field", [
