@@ -5,10 +5,12 @@ built model's linears, and no proposed layout that the trainer refuses (cp, ZeRO
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 from torch import nn
 
+from shardtrain.cli import main
 from shardtrain.config import ModelConfig
 from shardtrain.cost.counts import matmul_params_per_token, mtp_params, param_counts
 from shardtrain.model.transformer import build_model
@@ -18,7 +20,7 @@ from shardtrain.plan.partition import rank_params
 from shardtrain.plan.rank_states import rank0_tensors
 from shardtrain.plan.search import candidates
 
-from parity import tiny
+from parity import tiny, tiny_data
 
 MTP = ("--model.mtp_depth", "2")
 SHAPES = {
@@ -74,3 +76,19 @@ def test_planner_proposes_no_layout_the_trainer_refuses(tmp_path):
     plain = list(candidates(dataclasses.replace(cfg, mtp_depth=0), gpus=8, node_size=8,
                             global_batch=16, seq_len=8192, precision="bf16"))
     assert any(lay.cp > 1 for lay in plain) and any(lay.zero == 3 for lay in plain)
+
+
+@pytest.mark.parametrize("world, overrides", [
+    (48, ("--parallel.zero", "1", "--train.global_batch", "96")),  # ZeRO's padding
+    (64, ("--parallel.tp", "2", "--parallel.sp", "true", "--parallel.zero", "2",
+          "--model.style", "gpt2", "--model.n_kv_heads", "0", "--train.global_batch", "64")),
+])
+def test_dry_run_model_states_equal_the_planner(tmp_path, capsys, world, overrides):
+    """Rank 0 of a big job over the fake process group (train/start/dryrun.py): its model
+    states, the modules' tp slices and ZeRO's padding included, are the planner's exactly."""
+    assert main(["train", "--dry-run-world", str(world), "--config", "tiny", *MTP,
+                 "--train.run_dir", str(tmp_path / "dry"), *tiny_data(tmp_path),
+                 *overrides]) == 0
+    report = json.loads((tmp_path / "dry" / "dry_run.json").read_text())
+    assert report["planned_exact"] is not None and report["match"] is True
+    assert "measured == planned exact" in capsys.readouterr().out
