@@ -8,14 +8,19 @@ import dataclasses
 import json
 
 import pytest
+import torch
 from torch import nn
 
 from shardtrain.cli import main
 from shardtrain.config import ModelConfig
 from shardtrain.cost.counts import matmul_params_per_token, mtp_params, param_counts
+from shardtrain.model.mtp import MTPLoss
 from shardtrain.model.transformer import build_model
+from shardtrain.parallel.activation import SavedActivations
 from shardtrain.parallel.pipeline.stage import split_stages
-from shardtrain.plan.layout import Layout
+from shardtrain.parallel.tensor.vocab import cross_entropy
+from shardtrain.plan.activations import mtp_activation_bytes
+from shardtrain.plan.layout import Layout, planned_attention
 from shardtrain.plan.partition import rank_params
 from shardtrain.plan.rank_states import rank0_tensors
 from shardtrain.plan.search import candidates
@@ -92,3 +97,28 @@ def test_dry_run_model_states_equal_the_planner(tmp_path, capsys, world, overrid
     report = json.loads((tmp_path / "dry" / "dry_run.json").read_text())
     assert report["planned_exact"] is not None and report["match"] is True
     assert "measured == planned exact" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+@pytest.mark.parametrize("precision", ["fp32", "amp"])
+def test_activation_term_is_the_runtimes_measurement(tmp_path, style, precision):
+    """What two depths add to what the model keeps for backward (`SavedActivations` around
+    the forward and the loss), as the planner counts it, on one rank."""
+    b, s = 2, 32
+    shape = SHAPES["gpt2-tied"][:4] if style == "gpt2" else ()
+    cfg = tiny(tmp_path, "m", *MTP, *shape).model
+    gen = torch.Generator().manual_seed(0)
+    tokens, targets = (torch.randint(0, 256, (b, s), generator=gen) for _ in range(2))
+    kept = {}
+    for depth in (0, 2):
+        model = build_model(dataclasses.replace(cfg, mtp_depth=depth)).train()
+        loss = MTPLoss(cross_entropy, model.cfg) if depth else cross_entropy
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "amp")
+        with SavedActivations(exclude=model) as meter, autocast:
+            loss(model(tokens), targets)
+        kept[depth] = meter.bytes
+    attention = planned_attention(cfg, "bf16" if precision == "amp" else precision, "cpu")
+    lay = Layout(dp=1, micro_batch=b, microbatches=1, precision=precision, attention=attention)
+    # each depth's loss also keeps a 0-d loss and a 0-d flag (vocab.py's `where`): 5 bytes
+    # the planner leaves out, as it does the main loss's
+    assert kept[2] - kept[0] - 2 * 5 == mtp_activation_bytes(cfg, lay, seq_len=s) > 0
