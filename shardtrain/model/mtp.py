@@ -111,7 +111,7 @@ def mtp_forward(owner: nn.Module, h: torch.Tensor, tokens: torch.Tensor,
     return MTPOutput(logits, depths, docs)
 
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+BaseLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> mean
 
 
 class MTPLoss:
@@ -120,7 +120,7 @@ class MTPLoss:
     cross-entropy: parallel/tensor/vocab.py). Returns (objective, [main, L_1..L_D]
     detached) for a training forward's `MTPOutput`, the plain loss for eval logits."""
 
-    def __init__(self, base: LossFn, cfg: ModelConfig):
+    def __init__(self, base: BaseLoss, cfg: ModelConfig):
         self.base, self.coef, self.depth = base, cfg.mtp_loss_coef, cfg.mtp_depth
 
     def __call__(self, out: torch.Tensor | MTPOutput, targets: torch.Tensor):
