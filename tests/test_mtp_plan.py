@@ -87,6 +87,8 @@ def test_planner_proposes_no_layout_the_trainer_refuses(tmp_path):
     (48, ("--parallel.zero", "1", "--train.global_batch", "96")),  # ZeRO's padding
     (64, ("--parallel.tp", "2", "--parallel.sp", "true", "--parallel.zero", "2",
           "--model.style", "gpt2", "--model.n_kv_heads", "0", "--train.global_batch", "64")),
+    (64, ("--parallel.tp", "2", "--parallel.pp", "2", "--model.n_layers", "4",  # stage 0's
+          "--parallel.microbatches", "2", "--train.global_batch", "64")),  # cut: the plain one
 ])
 def test_dry_run_model_states_equal_the_planner(tmp_path, capsys, world, overrides):
     """Rank 0 of a big job over the fake process group (train/start/dryrun.py): its model
@@ -96,6 +98,7 @@ def test_dry_run_model_states_equal_the_planner(tmp_path, capsys, world, overrid
                  *overrides]) == 0
     report = json.loads((tmp_path / "dry" / "dry_run.json").read_text())
     assert report["planned_exact"] is not None and report["match"] is True
+    assert report["stage_layers"]["runtime"] == report["stage_layers"]["planner"]
     assert "measured == planned exact" in capsys.readouterr().out
 
 
