@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from shardtrain import config
 from shardtrain.config import ConfigError
 from shardtrain.config.data import IGNORE
-from shardtrain.model.mtp import MTPLoss, MTPOutput, depth_targets, same_document
+from shardtrain.model.mtp import MTPLoss, MTPOutput, depth_batch, depth_targets, same_document
 from shardtrain.model.transformer import build_model
 from shardtrain.parallel.tensor.vocab import cross_entropy
 from shardtrain.train.trainer import Trainer
@@ -91,15 +91,17 @@ def test_packed_documents_predict_as_each_alone(tmp_path):
     targets = torch.cat([d[:, 1:] for d in docs], 1)
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
 
-    def depth_sums(out: MTPOutput, targets: torch.Tensor) -> torch.Tensor:
-        return torch.stack([F.cross_entropy(
-            logits.flatten(0, 1), depth_targets(targets, k, same).flatten(),
-            ignore_index=IGNORE, reduction="sum")
-            for k, (logits, same) in enumerate(zip(out.depths, out.same_document), 1)])
+    def depth_sums(tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor
+                   ) -> torch.Tensor:
+        inputs, stacked = depth_batch(tokens, targets, positions, 3)
+        out = model(tokens, positions, mtp_tokens=inputs)
+        return torch.stack([F.cross_entropy(logits.flatten(0, 1), stacked[..., k].flatten(),
+                                            ignore_index=IGNORE, reduction="sum")
+                            for k, logits in enumerate(out.depths, 1)])
 
-    packed = depth_sums(model(tokens, positions), targets)
+    packed = depth_sums(tokens, targets, positions)
     # alone: one document in its row, whose depth-k targets past its end are not counted
-    alone = sum(depth_sums(model(d[:, :-1], torch.arange(n)[None]), d[:, 1:])
+    alone = sum(depth_sums(d[:, :-1], d[:, 1:], torch.arange(n)[None])
                 for d, n in zip(docs, lengths))
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-4)
     assert (packed > 0).all()
@@ -109,16 +111,19 @@ def test_objective_weighs_the_depths_by_coef_over_depth(tmp_path):
     cfg = tiny(tmp_path, "m", *MTP, "--model.mtp_loss_coef", "0.3").model
     gen = torch.Generator().manual_seed(2)
     out = MTPOutput(torch.randn(2, 8, 256, generator=gen),
-                    [torch.randn(2, 8, 256, generator=gen) for _ in range(2)], [None, None])
+                    [torch.randn(2, 8, 256, generator=gen) for _ in range(2)])
     targets = torch.randint(0, 256, (2, 8), generator=gen)
     targets[0, :3] = IGNORE  # masked targets count nowhere
-    objective, parts = MTPLoss(cross_entropy, cfg)(out, targets)
-    want = [cross_entropy(out.logits, targets)] + [
-        cross_entropy(out.depths[k - 1], depth_targets(targets, k, None)) for k in (1, 2)]
+    stacked = depth_batch(targets, targets, None, 2)[1]  # [2, 8, 3]
+    objective, parts = MTPLoss(cross_entropy, cfg)(out, stacked)
+    main = int(targets.ne(IGNORE).sum())  # eq. 24: each depth's token losses summed / T
+    want = [cross_entropy(out.logits, targets)] + [F.cross_entropy(
+        out.depths[k - 1].flatten(0, 1), depth_targets(targets, k, None).flatten(),
+        ignore_index=IGNORE, reduction="sum") / main for k in (1, 2)]
     torch.testing.assert_close(parts, torch.stack(want))
     torch.testing.assert_close(objective, want[0] + 0.3 / 2 * (want[1] + want[2]))
     plain = torch.randn(2, 8, 256, generator=gen)  # eval logits: the plain loss
-    torch.testing.assert_close(MTPLoss(cross_entropy, cfg)(plain, targets),
+    torch.testing.assert_close(MTPLoss(cross_entropy, cfg)(plain, stacked),
                                cross_entropy(plain, targets))
 
 
@@ -132,7 +137,8 @@ def test_metrics_report_each_depth_and_resume(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text()
             .splitlines()]
     assert [len(r["mtp_losses"]) for r in rows] == [2] * 4
-    assert all(5.0 < v < 6.5 for r in rows for v in r["mtp_losses"])  # ~ln 256, trained
+    # about ln 256 x (S - k) / S (eq. 24: the depth's sum over the S main targets), trained
+    assert all(4.0 < v < 6.0 for r in rows for v in r["mtp_losses"])
     assert [r["loss"] for r in rows] == whole.losses and whole.sample is not None
     first = build_model(cfg.model)
     trained = trainer.parallel.full_state_dict()
@@ -147,9 +153,9 @@ def test_metrics_report_each_depth_and_resume(tmp_path):
 
 def test_chat_sft_masks_and_documents_carry_to_every_depth(tmp_path):
     """Chat SFT rows packed as documents, from a Hugging Face Llama (model.init_from: the
-    modules drawn, the family has none): step 1's logged depth losses are the means over
+    modules drawn, the family has none): step 1's logged depth losses are the sums over
     the targets the definition keeps (the assistant's tokens, inside each conversation),
-    each micro-batch weighted by its counted main targets as the main loss is."""
+    over the global batch's counted main targets (eq. 24's 1 / T)."""
     pytest.importorskip("transformers")
     llama = llama_dir(tmp_path / "llama")
     cfg = tiny(tmp_path, "sft", *MTP, "--model.init_from", str(llama), "--data.format", "chat",
@@ -168,9 +174,9 @@ def test_chat_sft_masks_and_documents_carry_to_every_depth(tmp_path):
                 kept = torch.tensor([_reference_targets(t.tolist(), p.tolist(), k)
                                      for t, p in zip(targets, positions)])
                 crossed += int((kept != depth_targets(targets, k, None)).sum())
-                ce = F.cross_entropy(out.depths[k - 1].flatten(0, 1), kept.flatten(),
-                                     ignore_index=IGNORE)
-                want[k - 1] += ce * int(targets.ne(IGNORE).sum()) / counted
+                # eq. 24: the depth's token losses over the main targets' count
+                want[k - 1] += F.cross_entropy(out.depths[k - 1].flatten(0, 1), kept.flatten(),
+                                               ignore_index=IGNORE, reduction="sum") / counted
     assert crossed > 0 and 0 < counted < sum(b[1].numel() for b in batches)
     record = trainer.run().history[0]
     torch.testing.assert_close(torch.tensor(record["mtp_losses"]), want, rtol=1e-5, atol=0)
@@ -179,7 +185,6 @@ def test_chat_sft_masks_and_documents_carry_to_every_depth(tmp_path):
 @pytest.mark.parametrize("overrides,field", [
     (("--model.mtp_depth", "-1"), "model.mtp_depth"),
     (("--model.mtp_loss_coef", "-0.1"), "model.mtp_loss_coef"),
-    ((*MTP, "--parallel.cp", "2"), "mtp_depth=2 with parallel.cp=2"),
     ((*MTP, "--parallel.zero", "3"), "mtp_depth=2 with parallel.zero=3"),
     ((*MTP, "--model.dim", "42", "--model.n_heads", "8", "--model.n_kv_heads", "8",
       "--model.head_size", "8", "--model.ffn_dim", "64", "--parallel.tp", "8"), "mtp_depth=2 with parallel.tp=8"),

@@ -1,8 +1,8 @@
 """Multi-token prediction's parity rows (model/mtp.py): against one process, the same
 per-step main and depth losses and final weights (the modules and the token table
 included) under pp=2 (the last stage's modules and table copy), tp=2 with sp (the
-row-parallel projection, the vocab-parallel head and loss), dp=2 x ZeRO-2 and ep=2 on a
-mixture of experts, fp32 and bf16; a checkpoint resumes across a layout change."""
+row-parallel projection, the vocab-parallel head and loss), cp=2, dp=2 x ZeRO-2 and ep=2 on
+a mixture of experts, fp32 and bf16; a checkpoint resumes across a layout change."""
 
 from __future__ import annotations
 
@@ -59,16 +59,21 @@ def check_rows(text, rows: list[tuple[str, tuple[str, ...]]], world: int = 2) ->
     return refs[False]
 
 
-def test_mtp_parity_pp2_and_tp2_sp(tmp_path):
-    """The two layouts that move the modules: the last pipeline stage (its table copy's
-    gradient summed with the first stage's) and the tensor-parallel split."""
-    text = lambda name, *o: config.to_toml(tiny(tmp_path, name, *MTP, *o))  # noqa: E731
-    check_rows(text, [("pp2", ("--parallel.pp", "2")), ("tp2 sp", TP_SP)])
+def test_mtp_parity_pp2_tp2_sp_cp2_on_packed_documents(tmp_path):
+    """The layouts that move the modules or split the rows, on packed documents: the last
+    pipeline stage (its table copy's gradient summed with the first stage's), the
+    tensor-parallel split, and context parallelism (each rank's depth inputs and targets
+    from the whole rows, the row's end on one rank)."""
+    docs = ("--data.document_mask", "true")
+    text = lambda name, *o: config.to_toml(tiny(tmp_path, name, *MTP, *docs, *o))  # noqa
+    check_rows(text, [("pp2", ("--parallel.pp", "2")), ("tp2 sp", TP_SP),
+                      ("cp2", ("--parallel.cp", "2"))])
 
 
 @pytest.mark.slow  # two 2-rank spawns of eight rows, one process resumed (~50 s loaded)
 def test_mtp_parity_rows_and_resume(tmp_path):
-    """dp=2 x ZeRO-2 (fp32, bf16), pp=2 (again, and bf16), tp=2 x sp in bf16, and ep=2 on
+    """dp=2 x ZeRO-2 (fp32, bf16), pp=2 (again, and bf16), tp=2 x sp in bf16, cp=2 (Ulysses,
+    and bf16), and ep=2 on
     a mixture of experts with sigmoid routing and the expert bias (fp32, bf16). The pp=2
     and ep=2 runs' step-2 checkpoints resume on one process (pp=2 -> 1, ep=2 -> 1) to the
     straight run's main and depth losses."""
@@ -76,7 +81,9 @@ def test_mtp_parity_rows_and_resume(tmp_path):
     reference = check_rows(text, [
         ("dp2 zero2", ("--parallel.zero", "2")), ("dp2 zero2 bf16", ("--parallel.zero", "2", *BF16)),
         ("pp2", ("--parallel.pp", "2")), ("pp2 bf16", ("--parallel.pp", "2", *BF16)),
-        ("tp2 sp bf16", (*TP_SP, *BF16))])
+        ("tp2 sp bf16", (*TP_SP, *BF16)), ("cp2 ulysses", ("--parallel.cp", "2",
+                                                           "--parallel.cp_mode", "ulysses")),
+        ("cp2 bf16", ("--parallel.cp", "2", *BF16))])
     moe = lambda name, *o: config.to_toml(tiny(tmp_path, f"moe-{name}", *MTP, *MOE, *o))  # noqa
     moe_reference = check_rows(moe, [("ep2", ("--parallel.ep", "2")),
                                      ("ep2 bf16", ("--parallel.ep", "2", *BF16))])

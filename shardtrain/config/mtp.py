@@ -1,5 +1,5 @@
 """The layouts multi-token prediction (model.mtp_depth, model/mtp.py) runs under, checked
-before any process starts; the planner proposes none of the others (plan/layout.py
+before any process starts (all but ZeRO-3); the planner proposes none of the others (plan/layout.py
 `trainer_refusal` runs this same validation)."""
 
 from __future__ import annotations
@@ -16,13 +16,6 @@ def check_mtp(cfg: Config) -> None:
     m, p = cfg.model, cfg.parallel
     if not m.mtp_depth:
         return
-    if p.cp > 1:
-        # Depth k's target at a cp rank's last local tokens is a token k + 1 ahead, held
-        # by the next rank of the split (the zigzag's chunks are not even contiguous).
-        raise ConfigError(f"model.mtp_depth={m.mtp_depth} with parallel.cp={p.cp}: the "
-                          "shifted targets and embeddings of a rank's last tokens live on "
-                          "other cp ranks; set parallel.cp=1 (tp with sp splits the sequence "
-                          "instead) or model.mtp_depth=0")
     if p.zero == 3:
         # ZeRO-3's gather events (parallel/zero/events.py) end with the head; the modules
         # run after it and read the token table again, which its schedule does not hold.

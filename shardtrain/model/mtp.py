@@ -25,6 +25,9 @@ Targets (`depth_targets`): depth k's target at i is the main target at i + k (to
 i + k + 1), so a target the data masks (IGNORE: chat's prompts and padding) stays masked.
 With packed documents (data.document_mask) it is also IGNORE unless token i + k + 1 lies in
 token i's document; beyond the row (i + k + 1 = S) the document is unknown, so ignored.
+The depths' input tokens and targets are built from whole rows (`depth_batch`, by the
+pipeline before context parallelism splits the sequence: parallel/pipeline/runtime.py),
+so a rank holding a slice of the row gets them for its own positions.
 
 The modules run in training only: in eval mode (evaluation, sampling, export) the model
 is the main model alone, and its eval loss the next-token loss, comparable across runs.
@@ -67,10 +70,9 @@ class MTPModule(nn.Module):
 @dataclass
 class MTPOutput:
     """The training forward's output with multi-token prediction: the main logits and
-    each depth's, and where each depth's target stays in its token's document."""
+    each depth's."""
     logits: torch.Tensor  # [B, S, V] (or [B, S, V/t] under tensor parallelism)
     depths: list[torch.Tensor]  # D x the same shape
-    same_document: list[torch.Tensor | None]  # D x [B, S] bool; None: no packed documents
 
 
 def shifted(tokens: torch.Tensor, k: int, fill: int) -> torch.Tensor:
@@ -96,38 +98,59 @@ def depth_targets(targets: torch.Tensor, k: int, same_doc: torch.Tensor | None
     return out if same_doc is None else out.masked_fill(~same_doc, IGNORE)
 
 
+def depth_tokens(tokens: torch.Tensor, depth: int) -> torch.Tensor:
+    """[B, S, D]: depth k's input token at i, token i + k (0 past the row's end)."""
+    return torch.stack([shifted(tokens, k, 0) for k in range(1, depth + 1)], dim=-1)
+
+
+def depth_batch(inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None,
+                depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole rows [B, S] -> (the depths' input tokens [B, S, D], the targets [B, S, 1 + D]:
+    the main ones, then each depth's). Built before a layout splits the sequence (context
+    parallelism), so a rank's tokens get theirs from wherever in the row they lie."""
+    docs = [None if positions is None else same_document(positions, k)
+            for k in range(1, depth + 1)]
+    stacked = [targets, *(depth_targets(targets, k, d) for k, d in enumerate(docs, 1))]
+    return depth_tokens(inputs, depth), torch.stack(stacked, dim=-1)
+
+
 def mtp_forward(owner: nn.Module, h: torch.Tensor, tokens: torch.Tensor,
-                logits: torch.Tensor, rope, documents, positions: torch.Tensor | None
-                ) -> MTPOutput:
+                logits: torch.Tensor, rope, documents) -> MTPOutput:
     """The D depths after the main model. `owner` holds `tok_emb`, `head` and `mtp` (the
     model, or the pipeline's last stage); h [B, S, C]: the last block's output; tokens
-    [B, S]: the micro-batch's inputs; positions [B, S] with packed documents."""
-    depths, docs = [], []
-    for k, module in enumerate(owner.mtp, start=1):
-        e = owner.tok_emb(shifted(tokens, k, 0))  # [B, S, C]: Emb(t_{i+k})
+    [B, S, D]: each depth's input tokens (`depth_batch`)."""
+    depths = []
+    for k, module in enumerate(owner.mtp):
+        e = owner.tok_emb(tokens[..., k])  # [B, S, C]: Emb(t_{i+k+1}), depth k + 1
         h = module(h, e, rope, documents)
         depths.append(owner.head(module.out_norm(h)))  # [B, S, V]
-        docs.append(None if positions is None else same_document(positions, k))
-    return MTPOutput(logits, depths, docs)
+    return MTPOutput(logits, depths)
 
 
 BaseLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> mean
 
 
 class MTPLoss:
-    """The training objective L_main + coef / D * sum_k L_k (DeepSeek-V3 eq. 24-25), each L
-    the mean over its counted targets by `base` (the plain or the vocab-parallel
-    cross-entropy: parallel/tensor/vocab.py). Returns (objective, [main, L_1..L_D]
-    detached) for a training forward's `MTPOutput`, the plain loss for eval logits."""
+    """The training objective L_main + coef / D * sum_k L_k (DeepSeek-V3 eq. 24-25): L_main
+    the mean over the counted targets by `base` (the plain or the vocab-parallel
+    cross-entropy: parallel/tensor/vocab.py); L_k, as eq. 24 writes it, depth k's summed
+    token losses over the same count T of main targets (not over its own, fewer, counted
+    ones): a micro-batch's sum then adds up to the batch's whatever slice of the rows a
+    rank holds (under context parallelism the row ends, whose depth targets are ignored,
+    sit on one rank). targets [B, S, 1 + D] (`depth_batch`). Returns (objective,
+    [L_main, L_1..L_D] detached) for a training forward's `MTPOutput`, the main loss for
+    eval logits."""
 
     def __init__(self, base: BaseLoss, cfg: ModelConfig):
         self.base, self.coef, self.depth = base, cfg.mtp_loss_coef, cfg.mtp_depth
 
     def __call__(self, out: torch.Tensor | MTPOutput, targets: torch.Tensor):
+        main = self.base(out if isinstance(out, torch.Tensor) else out.logits, targets[..., 0])
         if isinstance(out, torch.Tensor):
-            return self.base(out, targets)
-        main = self.base(out.logits, targets)
-        parts = [self.base(logits, depth_targets(targets, k, doc))
-                 for k, (logits, doc) in enumerate(zip(out.depths, out.same_document), 1)]
-        objective = main + (self.coef / self.depth) * torch.stack(parts).sum()
-        return objective, torch.stack([main, *parts]).detach()  # [1 + D]
+            return main
+        counted = targets.ne(IGNORE).flatten(0, -2).sum(0)  # [1 + D] on the device
+        per_main = counted[1:] / counted[0].clamp(min=1)  # [D]: each depth's mean -> / T
+        parts = torch.stack([self.base(logits, targets[..., k])
+                             for k, logits in enumerate(out.depths, 1)]) * per_main  # [D]
+        objective = main + (self.coef / self.depth) * parts.sum()
+        return objective, torch.cat([main[None], parts]).detach()  # [1 + D]

@@ -19,7 +19,7 @@ from shardtrain.config import ModelConfig
 from shardtrain.model.attention import sdpa_core
 from shardtrain.model.mlp import MLP
 from shardtrain.model.moe import MoE
-from shardtrain.model.mtp import MTPModule, MTPOutput, mtp_forward
+from shardtrain.model.mtp import MTPModule, MTPOutput, depth_tokens, mtp_forward
 from shardtrain.model.positions import (Documents, apply_rope, position_ids, position_index,
                                         rope_tables)
 
@@ -122,11 +122,12 @@ class Transformer(nn.Module):
         for name, first in tied_names(self.cfg).items():
             self.get_submodule(name.rpartition(".")[0]).weight = self.get_parameter(first)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None
-                ) -> torch.Tensor | MTPOutput:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, *,
+                mtp_tokens: torch.Tensor | None = None) -> torch.Tensor | MTPOutput:
         """`positions`: each token's position in its document, [B, S] (data.document_mask:
         attention stays inside documents; under context parallelism the full rows', not
-        the tokens held); None: one sequence per row, causal."""
+        the tokens held); None: one sequence per row, causal. `mtp_tokens` [B, S, D]: the
+        MTP depths' input tokens (model/mtp.py `depth_batch`; None: from `tokens`)."""
         documents = None if positions is None else Documents.from_positions(positions)
         x = self.tok_emb(tokens)  # [B, S, C]
         rope = None
@@ -141,7 +142,9 @@ class Transformer(nn.Module):
         logits = self.head(self.norm(x))
         if self.mtp is None or not self.training:  # inference: the main model alone
             return logits
-        return mtp_forward(self, x, tokens, logits, rope, documents, positions)
+        if mtp_tokens is None:
+            mtp_tokens = depth_tokens(tokens, self.cfg.mtp_depth)
+        return mtp_forward(self, x, mtp_tokens, logits, rope, documents)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

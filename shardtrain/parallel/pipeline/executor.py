@@ -73,15 +73,13 @@ class PipelineExecutor:
                  act_shape: tuple[int, ...], act_dtype: torch.dtype, device: torch.device,
                  wire_dtype: torch.dtype | None = None,
                  autocast: AbstractContextManager | None = None, rank: int = 0,
-                 place: Placement | None = None, tokens_at_end: bool = False):
+                 place: Placement | None = None):
         """`comm`: the pipeline group (group rank = stage); `act_shape`/`act_dtype`: the
         boundary activation of one micro-batch; `wire_dtype`: what it and its gradient
         travel in (default act_dtype); `autocast`: entered around each forward; `rank`:
         the global rank, for the timeline; `place`: the virtual stages' placement (default:
-        the loop over len(chunks) chunks); `tokens_at_end`: the last virtual stage's chunk
-        also reads the micro-batch's inputs (keyword `tokens`: multi-token prediction)."""
+        the loop over len(chunks) chunks)."""
         self.chunks, self.comm, self.loss = list(chunks), comm, loss
-        self.tokens_at_end = tokens_at_end
         self.stage, self.pp = comm.rank, comm.size
         self.place = place or Placement(comm.size, len(self.chunks))
         self.act_shape, self.act_dtype, self.device = act_shape, act_dtype, device
@@ -102,7 +100,8 @@ class PipelineExecutor:
             no_sync: Callable[[], AbstractContextManager] | None = None,
             loss_scale: float = 1.0, info: dict[str, Any] | None = None,
             positions: Sequence[torch.Tensor] | None = None,
-            weights: Sequence[float] | None = None, parts: int = 0) -> torch.Tensor:
+            weights: Sequence[float] | None = None, parts: int = 0,
+            mtp_tokens: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """Run this rank's `actions` over m micro-batches: `inputs` and `targets` hold m
         each (inputs are read on virtual stage 0, targets on the last); `positions`, m
         more, go to every chunk (packed documents: model/positions.py). Returns the sum
@@ -112,7 +111,8 @@ class PipelineExecutor:
         is scaled by loss_scale x weight / m before its backward, so the accumulated
         gradients are loss_scale times those of the weighted mean loss (loss_scale: fp16's
         loss scaling, else 1). `info`: extra timeline fields (the schedule's name). `parts`:
-        the loss reports that many values (LossFn), each summed so: the result is [parts]."""
+        the loss reports that many values (LossFn), each summed so: the result is [parts].
+        `mtp_tokens`: m more, read by the last virtual stage (multi-token prediction)."""
         m = len(inputs)
         self.settle()  # the last run's marks have passed (its step was decided)
         if backward and self.origin is None:  # once: the stages' shared time origin
@@ -121,7 +121,8 @@ class PipelineExecutor:
         run = _Run(self, m, backward, loss_scale)
         if parts:
             run.loss_sum = torch.zeros(parts, device=self.device)
-        run.feed = Feed(self.device, inputs=inputs, targets=targets, positions=positions)
+        run.feed = Feed(self.device, inputs=inputs, targets=targets, positions=positions,
+                        mtp_tokens=mtp_tokens)
         run.weights = weights
         run.split = {(a.mb, a.chunk) for a in actions if a.op == "W"}
         # per chunk, the last action that accumulates weight gradients
@@ -205,9 +206,8 @@ class _Run:
             x.requires_grad_(self.backward_pass)
         # The MoE auxiliary losses' gradients are scaled as this loss's is (model/moe.py).
         extra = (self.feed.take("positions", a.mb),) if self.feed.has("positions") else ()
-        # Virtual stage 0 read the inputs as x; a later last one reads them again.
-        tokens = {"tokens": self.feed.take("inputs", a.mb)} \
-            if ex.tokens_at_end and g == self.last_virtual and g > 0 else {}
+        tokens = {"mtp_tokens": self.feed.take("mtp_tokens", a.mb)} \
+            if g == self.last_virtual and self.feed.has("mtp_tokens") else {}
         with ex.autocast, loss_grad_scale(self.loss_scale / self.m):
             out = ex.chunks[a.chunk](x, *extra, **tokens)
         if g == self.last_virtual:

@@ -12,9 +12,9 @@ Which stage holds the first and the last virtual stage follows the schedule's pl
 (schedules.Placement): stage 0 and stage pp - 1 in the loop, stage 0 for both in the V.
 
 Multi-token prediction (model/mtp.py): the last stage holds the modules and, as for a tied
-head, a copy of the token table they embed the shifted tokens with: the input tokens are
-fed to the last stage (executor.py `tokens_at_end`) rather than their embeddings sent
-along the pipeline (D activations [B, S, C] more per micro-batch through every stage).
+head, a copy of the token table they embed the shifted tokens with: the depths' input
+tokens are fed to the last stage (executor.py, `mtp_tokens`) rather than their embeddings
+sent along the pipeline (D activations [B, S, C] more per micro-batch through every stage).
 
 Tied embeddings (Press & Wolf 2017): under the V placement stage 0 holds both ends, and the
 head shares the embedding's tensor as in the full model (no copy, nothing to exchange).
@@ -108,10 +108,10 @@ class StageChunk(nn.Module):
         return list({id(p): p for m in mods for p in m.parameters()}.values())
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, *,
-                tokens: torch.Tensor | None = None) -> torch.Tensor | MTPOutput:
+                mtp_tokens: torch.Tensor | None = None) -> torch.Tensor | MTPOutput:
         """`positions` [B, S]: packed documents (model/positions.py); every chunk takes
-        them, as every chunk's attention masks by document. `tokens` [B, S]: the inputs,
-        which the last chunk's multi-token prediction embeds again (model/mtp.py)."""
+        them, as every chunk's attention masks by document. `mtp_tokens` [B, S, D]: the
+        last chunk's multi-token prediction depths' input tokens (model/mtp.py)."""
         stage = self.stage
         documents = None if positions is None else Documents.from_positions(positions)
         if self.first:  # x: tokens [B, S]
@@ -128,7 +128,7 @@ class StageChunk(nn.Module):
         if self.last:
             h, x = x, stage.head(stage.norm(x))  # [B, S, V] (or [B, S, V/tp])
             if hasattr(stage, "mtp") and stage.training:
-                return mtp_forward(stage, h, tokens, x, rope, documents, positions)
+                return mtp_forward(stage, h, mtp_tokens, x, rope, documents)
         return x
 
 
