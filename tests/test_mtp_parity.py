@@ -98,6 +98,15 @@ def test_mtp_parity_rows_and_resume(tmp_path):
                                    rtol=LOSS_RTOL, atol=0)
 
 
+@pytest.mark.slow  # one 4-rank spawn of one row (~20 s loaded)
+def test_mtp_parity_pp2_dp2_zero3(tmp_path):
+    """ZeRO-3 under a pipeline: each unit (the last stage's head unit holds the modules)
+    stays gathered through the step, so the modules after the head find theirs."""
+    text = lambda name, *o: config.to_toml(tiny(tmp_path, name, *MTP, *o))  # noqa: E731
+    check_rows(text, [("pp2 dp2 zero3", ("--parallel.pp", "2", "--parallel.zero", "3"))],
+               world=4)
+
+
 @pytest.mark.slow  # one 2-rank spawn of three rows (~15 s loaded)
 def test_mtp_parity_schedules_tied(tmp_path):
     """A tied head on four blocks: the V (ZB-V: stage 0 holds the embedding, the head and
