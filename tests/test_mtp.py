@@ -185,7 +185,6 @@ def test_chat_sft_masks_and_documents_carry_to_every_depth(tmp_path):
 @pytest.mark.parametrize("overrides,field", [
     (("--model.mtp_depth", "-1"), "model.mtp_depth"),
     (("--model.mtp_loss_coef", "-0.1"), "model.mtp_loss_coef"),
-    ((*MTP, "--parallel.zero", "3"), "mtp_depth=2 with parallel.zero=3 and parallel.pp=1"),
     ((*MTP, "--model.dim", "42", "--model.n_heads", "8", "--model.n_kv_heads", "8",
       "--model.head_size", "8", "--model.ffn_dim", "64", "--parallel.tp", "8"), "mtp_depth=2 with parallel.tp=8"),
 ])

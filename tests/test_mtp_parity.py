@@ -1,8 +1,9 @@
 """Multi-token prediction's parity rows (model/mtp.py): against one process, the same
 per-step main and depth losses and final weights (the modules and the token table
 included) under pp=2 (the last stage's modules and table copy), tp=2 with sp (the
-row-parallel projection, the vocab-parallel head and loss), cp=2, dp=2 x ZeRO-2 and ep=2 on
-a mixture of experts, fp32 and bf16; a checkpoint resumes across a layout change."""
+row-parallel projection, the vocab-parallel head and loss), cp=2, dp=2 x ZeRO-2 and
+ZeRO-3 (with and without a pipeline) and ep=2 on a mixture of experts, fp32 and bf16; a
+checkpoint resumes across a layout change."""
 
 from __future__ import annotations
 
@@ -72,8 +73,8 @@ def test_mtp_parity_pp2_tp2_sp_cp2_on_packed_documents(tmp_path):
 
 @pytest.mark.slow  # two 2-rank spawns of eight rows, one process resumed (~50 s loaded)
 def test_mtp_parity_rows_and_resume(tmp_path):
-    """dp=2 x ZeRO-2 (fp32, bf16), pp=2 (again, and bf16), tp=2 x sp in bf16, cp=2 (Ulysses,
-    and bf16), and ep=2 on
+    """dp=2 x ZeRO-2 and ZeRO-3 (fp32, bf16), pp=2 (again, and bf16), tp=2 x sp in bf16,
+    cp=2 (Ulysses, and bf16), and ep=2 on
     a mixture of experts with sigmoid routing and the expert bias (fp32, bf16). The pp=2
     and ep=2 runs' step-2 checkpoints resume on one process (pp=2 -> 1, ep=2 -> 1) to the
     straight run's main and depth losses."""
@@ -83,7 +84,8 @@ def test_mtp_parity_rows_and_resume(tmp_path):
         ("pp2", ("--parallel.pp", "2")), ("pp2 bf16", ("--parallel.pp", "2", *BF16)),
         ("tp2 sp bf16", (*TP_SP, *BF16)), ("cp2 ulysses", ("--parallel.cp", "2",
                                                            "--parallel.cp_mode", "ulysses")),
-        ("cp2 bf16", ("--parallel.cp", "2", *BF16))])
+        ("cp2 bf16", ("--parallel.cp", "2", *BF16)), ("dp2 zero3", ("--parallel.zero", "3")),
+        ("dp2 zero3 bf16", ("--parallel.zero", "3", *BF16))])
     moe = lambda name, *o: config.to_toml(tiny(tmp_path, f"moe-{name}", *MTP, *MOE, *o))  # noqa
     moe_reference = check_rows(moe, [("ep2", ("--parallel.ep", "2")),
                                      ("ep2 bf16", ("--parallel.ep", "2", *BF16))])
@@ -101,7 +103,7 @@ def test_mtp_parity_rows_and_resume(tmp_path):
 @pytest.mark.slow  # one 4-rank spawn of one row (~20 s loaded)
 def test_mtp_parity_pp2_dp2_zero3(tmp_path):
     """ZeRO-3 under a pipeline: each unit (the last stage's head unit holds the modules)
-    stays gathered through the step, so the modules after the head find theirs."""
+    stays gathered through the step (without one: tests above, the head's event)."""
     text = lambda name, *o: config.to_toml(tiny(tmp_path, name, *MTP, *o))  # noqa: E731
     check_rows(text, [("pp2 dp2 zero3", ("--parallel.pp", "2", "--parallel.zero", "3"))],
                world=4)

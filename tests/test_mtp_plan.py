@@ -1,7 +1,6 @@
 """Multi-token prediction in the planner (cost/counts.py, plan/): its parameters exactly as
 built (the whole model, rank 0's tensors, the last pipeline stage), its matmul FLOPs as the
-built model's linears, and no proposed layout that the trainer refuses (ZeRO-3 without a
-pipeline)."""
+built model's linears, and no proposed layout that the trainer refuses."""
 
 from __future__ import annotations
 
@@ -78,11 +77,14 @@ def test_planner_proposes_no_layout_the_trainer_refuses(tmp_path):
                             "--model.max_seq_len", "8192").model
     layouts = list(candidates(cfg, gpus=8, node_size=8, global_batch=16, seq_len=8192,
                               precision="bf16"))
-    assert layouts and all(lay.zero != 3 or lay.pp > 1 for lay in layouts)
-    assert any(lay.cp > 1 for lay in layouts)  # context parallelism composes
-    plain = list(candidates(dataclasses.replace(cfg, mtp_depth=0), gpus=8, node_size=8,
-                            global_batch=16, seq_len=8192, precision="bf16"))
-    assert any(lay.zero == 3 and lay.pp == 1 for lay in plain)
+    assert layouts
+    assert any(lay.cp > 1 for lay in layouts) and any(lay.zero == 3 for lay in layouts)
+    # 2 x dim = 84 features of the projection: tp = 8 refused (config/mtp.py), not without
+    odd = dataclasses.replace(cfg, dim=42, n_heads=8, n_kv_heads=8, head_size=8, ffn_dim=64)
+    for depth, eight in ((2, False), (0, True)):
+        found = candidates(dataclasses.replace(odd, mtp_depth=depth), gpus=8, node_size=8,
+                           global_batch=16, seq_len=8192, precision="bf16")
+        assert any(lay.tp == 8 for lay in found) == eight, depth
 
 
 @pytest.mark.parametrize("world, overrides", [

@@ -73,7 +73,9 @@ def rank_params(cfg: ModelConfig, layout: Layout) -> RankParams:
             kept_outside - first + (word if cfg.table_at_ends else 0)
     t = layout.tp
     lookup = 0.0
-    if layout.pp == 1 or layout.schedule in V_SHAPED:  # the embedding's unit on this rank
+    # the embedding's unit on this rank, gathered for forward only; with multi-token
+    # prediction it is gathered again for the modules' lookups (zero/events.py): no saving
+    if (layout.pp == 1 or layout.schedule in V_SHAPED) and not cfg.mtp_depth:
         lookup = (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim) \
             + (cfg.max_seq_len * cfg.dim if cfg.style == "gpt2" else 0)
     expert = expert_layer / layout.ep  # replicated over tp, split over ep
