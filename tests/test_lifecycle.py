@@ -49,7 +49,7 @@ def test_every_triple_of_values_runs_a_whole_lifecycle(tmp_path, summary):
     pytest.importorskip("transformers")
     # fp8 and the 16-bit-parameter precisions are covered pairwise (the README's set); their
     # triples would take the 3-wise set from 194 rows to 284, each compiled by inductor,
-    # past CI's time; multi-token prediction's (pairwise too) to 215
+    # past CI's time; multi-token prediction's (pairwise too) to 227
     models = {"llama", "llama-tied", "gpt2", "qwen3", "moe"}
     rows, triples = covering(strength=3, seed=1, only={
         "fp8": {"none"}, "precision": {"fp32", "bf16", "fp16"}, "model": models})
