@@ -73,7 +73,7 @@ def _activation_bytes(rank: int, world_size: int, tmp) -> int:
                "--train.micro_batch", "1", "--train.global_batch", "1")
     trainer = Trainer(cfg, make_mesh(cfg, rank, world_size), torch.device("cpu"))
     pipeline, model = trainer.parallel.pipeline, trainer.parallel.module
-    inputs, targets = pipeline._mine(trainer.sampler.next_step()[0])
+    (inputs, targets), _ = pipeline._mine(trainer.sampler.next_step()[0])  # (no MTP)
     with SavedActivations(exclude=model) as meter:
         loss = cross_entropy(model(inputs), targets)
     with trainer.parallel.update.no_sync():  # no gradient all-reduce left in flight

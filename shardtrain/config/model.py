@@ -86,6 +86,13 @@ class ModelConfig:
     v_head_dim: int = 0
     # The routed experts' gates times this (DeepSeek-V3's routed_scaling_factor, 2.5 there)
     moe_route_scale: float = 1.0
+    # Multi-token prediction (docs/moe.md, "Multi-token prediction"; DeepSeek-V3, arXiv
+    # 2412.19437 sec. 2.2): mtp_depth sequential modules after the model, module k
+    # predicting the token k + 1 ahead with the shared embedding and head; their mean loss
+    # weighted by mtp_loss_coef (DeepSeek-V3's lambda: 0.3 for its first 10T tokens, 0.1
+    # after; 0.1 here, the value a run spends most of its tokens at) joins the main loss.
+    mtp_depth: int = 0
+    mtp_loss_coef: float = 0.1
 
     @property
     def kv_heads(self) -> int:
@@ -157,6 +164,17 @@ class ModelConfig:
             raise ConfigError(f"model.moe_top_k={self.moe_top_k} must lie in 1..model.n_experts="
                               f"{self.n_experts}")
         self._validate_moe()
+        if self.mtp_depth < 0 or self.mtp_loss_coef < 0:
+            raise ConfigError(f"model.mtp_depth={self.mtp_depth} and model.mtp_loss_coef="
+                              f"{self.mtp_loss_coef} must be >= 0 (mtp_depth 0: no multi-token "
+                              "prediction)")
+
+    @property
+    def table_at_ends(self) -> bool:
+        """Whether the token table is read after the blocks too: by a tied head, or by the
+        multi-token prediction modules (model/mtp.py). A pipeline's last stage then holds a
+        copy of it (parallel/pipeline/stage.py)."""
+        return self.tie_embeddings or self.mtp_depth > 0
 
     def _validate_moe(self) -> None:
         for name in ("moe_aux_loss_coef", "moe_z_loss_coef", "moe_capacity_factor",

@@ -13,6 +13,7 @@ from shardtrain.config.errors import ConfigError, positive
 from shardtrain.config.faults import check_faults
 from shardtrain.config.families import check_window, moe_family
 from shardtrain.config.fp8 import check_fp8
+from shardtrain.config.mtp import check_mtp
 from shardtrain.config.layout import (check_compile, check_context_parallel,
                                       check_expert_parallel, check_pipeline,
                                       check_tensor_parallel)
@@ -233,6 +234,7 @@ class Config:
         check_tensor_parallel(self)
         check_context_parallel(self)
         check_expert_parallel(self)
+        check_mtp(self)
         check_pipeline(self, world_size)
         check_compile(self)
         check_fp8(self)

@@ -92,6 +92,13 @@ def norm_params(cfg: ModelConfig) -> int:
     return cfg.dim if cfg.style == "llama" else 2 * cfg.dim  # RMSNorm weight; LayerNorm w + b
 
 
+def mtp_params(cfg: ModelConfig) -> int:
+    """The multi-token prediction modules (model/mtp.py): per depth the two input norms,
+    the projection [C, 2C], a dense block and the output norm (embedding and head shared)."""
+    block = attention_params(cfg) + 2 * norm_params(cfg) + mlp_params(cfg)
+    return cfg.mtp_depth * (3 * norm_params(cfg) + 2 * cfg.dim * cfg.dim + block)
+
+
 def param_counts(cfg: ModelConfig) -> ParamCounts:
     h, v = cfg.dim, cfg.vocab_size
     dense = attention_params(cfg) + 2 * norm_params(cfg) + mlp_params(cfg)
@@ -106,7 +113,7 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
         moe, plain = cfg.n_layers, 0
     embedding = v * h + (cfg.max_seq_len * h if cfg.style == "gpt2" else 0)
     head = 0 if cfg.tie_embeddings else v * h
-    outside = embedding + head + norm_params(cfg)
+    outside = embedding + head + norm_params(cfg) + mtp_params(cfg)
     return ParamCounts(total=moe * layer + plain * dense + outside, embedding=embedding + head,
                        per_layer=max(layer, dense), active_per_layer=active_layer,
                        active=moe * active_layer + plain * dense + outside, dense_layer=dense)
@@ -116,8 +123,8 @@ def kept_params(cfg: ModelConfig) -> tuple[int, int, int]:
     """(dense per block, expert per block, outside the blocks) parameters autocast does not
     round to the compute dtype (cost/units.py `rounded_for_compute`: norms, biases, the
     router, the embedding tables): what ZeRO-3 still gathers in fp32 under bf16 or fp16.
-    For a MoE model, of a MoE block. Outside: the token (and position) table and the final
-    norm (an untied head is rounded; a tied one is the token table)."""
+    For a MoE model, of a MoE block. Outside: the token (and position) table, the final
+    norm (an untied head is rounded; a tied one is the token table), the MTP modules'."""
     h = cfg.dim
     attention = attention_params(cfg) - attention_matmul_params(cfg)  # biases, norms
 
@@ -134,7 +141,10 @@ def kept_params(cfg: ModelConfig) -> tuple[int, int, int]:
     else:
         block += biases(cfg.ffn_hidden)
     outside = cfg.vocab_size * h + (cfg.max_seq_len * h if cfg.style == "gpt2" else 0)
-    return block, expert, outside + norm_params(cfg)
+    # the MTP modules' three norms per depth and their dense blocks' norms and biases
+    mtp = cfg.mtp_depth * (3 * norm_params(cfg) + 2 * norm_params(cfg) + attention
+                           + biases(cfg.ffn_hidden))
+    return block, expert, outside + norm_params(cfg) + mtp
 
 
 def matmul_params_per_token(cfg: ModelConfig) -> int:
@@ -146,7 +156,10 @@ def matmul_params_per_token(cfg: ModelConfig) -> int:
     dense = attention + per * h * cfg.ffn_hidden
     moe = attention + h * cfg.n_experts + per * h * cfg.expert_hidden * (
         cfg.moe_top_k + cfg.moe_shared_experts)  # routed k, shared, the router
-    return cfg.moe_layers * moe + (cfg.n_layers - cfg.moe_layers) * dense + cfg.vocab_size * h
+    # each MTP depth: its projection [C, 2C], a dense block and the shared head once more
+    mtp = cfg.mtp_depth * (2 * h * h + dense + cfg.vocab_size * h)
+    return cfg.moe_layers * moe + (cfg.n_layers - cfg.moe_layers) * dense \
+        + cfg.vocab_size * h + mtp
 
 
 def core_widths(cfg: ModelConfig) -> tuple[int, int]:
@@ -159,8 +172,14 @@ def core_widths(cfg: ModelConfig) -> tuple[int, int]:
 
 def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """2 x matmul weights + attention scores and weighted values (2 x s x (q + v) per
-    layer, q = v = H x head dim under mha)."""
-    return 2.0 * matmul_params_per_token(cfg) + 2.0 * cfg.n_layers * seq_len * sum(core_widths(cfg))
+    attention block, q = v = H x head dim under mha)."""
+    return (2.0 * matmul_params_per_token(cfg)
+            + 2.0 * attention_blocks(cfg) * seq_len * sum(core_widths(cfg)))
+
+
+def attention_blocks(cfg: ModelConfig) -> int:
+    """Blocks whose attention runs per token: the layers and one per MTP depth."""
+    return cfg.n_layers + cfg.mtp_depth
 
 
 def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -196,16 +215,19 @@ def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "n
         dense = cfg.n_layers - cfg.moe_layers
         last = 2.0 * cfg.dim * (dense * cfg.ffn_hidden + cfg.moe_layers
                                 * cfg.moe_shared_experts * cfg.expert_hidden)
-        return base + forward_flops_per_token(cfg, seq_len) - 2.0 * cfg.vocab_size * cfg.dim - last
+        # not rerun either: the heads (the main one, each MTP depth's) and MTP projections
+        outside = 2.0 * cfg.dim * ((1 + cfg.mtp_depth) * cfg.vocab_size
+                                   + cfg.mtp_depth * (2 * cfg.dim + cfg.ffn_hidden))
+        return base + forward_flops_per_token(cfg, seq_len) - outside - last
     raise ValueError(f"recompute={recompute!r} is not one of none, selective, full")
 
 
 def attention_core_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "none",
                                    attention: str = "flash") -> float:
     """The attention core's share of `hardware_flops_per_token`: QK^T and the weighted sum
-    of V, 2 s (q + v) per layer forward (`core_widths`), three passes, plus what
+    of V, 2 s (q + v) per attention block forward (`core_widths`), three passes, plus what
     recomputation reruns of it (full and flash-selective: its forward; math-selective:
     QK^T only). The rest is the linears'."""
-    qk, av = (2.0 * cfg.n_layers * seq_len * w for w in core_widths(cfg))
+    qk, av = (2.0 * attention_blocks(cfg) * seq_len * w for w in core_widths(cfg))
     rerun = {"none": 0.0, "full": qk + av, "selective": qk + av if attention != "math" else qk}
     return (qk + av) * 3.0 + rerun[recompute]

@@ -20,6 +20,7 @@ from shardtrain.model.attention import sdpa_core
 from shardtrain.model.mla import LatentAttention
 from shardtrain.model.mlp import MLP
 from shardtrain.model.moe import MoE
+from shardtrain.model.mtp import MTPModule, MTPOutput, depth_tokens, mtp_forward
 from shardtrain.model.positions import (Documents, apply_rope, position_ids, position_index,
                                         rope_tables)
 
@@ -74,15 +75,16 @@ def _norm(cfg: ModelConfig) -> nn.Module:
 
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); block `layer`'s
-    mlp is a mixture of experts where the config says so (ModelConfig.is_moe), its
-    attention latent under model.attention = mla (model/mla.py)."""
+    mlp is a mixture of experts where the config says so (ModelConfig.is_moe), unless
+    `dense` (the multi-token prediction modules' block: model/mtp.py); its attention latent
+    under model.attention = mla (model/mla.py)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int = 0):
+    def __init__(self, cfg: ModelConfig, layer: int = 0, *, dense: bool = False):
         super().__init__()
         self.attn_norm = _norm(cfg)
         self.attn = LatentAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.mlp_norm = _norm(cfg)
-        self.mlp = MoE(cfg, layer) if cfg.is_moe(layer) else MLP(cfg)
+        self.mlp = MoE(cfg, layer) if cfg.is_moe(layer) and not dense else MLP(cfg)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 documents: Documents | None = None) -> torch.Tensor:
@@ -97,7 +99,8 @@ def tied_names(cfg: ModelConfig) -> dict[str, str]:
 
 
 class Transformer(nn.Module):
-    """tokens [B, S] (and positions [B, S] for packed documents) -> logits [B, S, V]."""
+    """tokens [B, S] (and positions [B, S] for packed documents) -> logits [B, S, V]; with
+    model.mtp_depth, in training, the main and the depths' logits (model/mtp.py)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -107,6 +110,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = _norm(cfg)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.mtp = mtp_modules(cfg)
         self.tie_weights()
         # The global positions of the tokens this rank holds, when they are not 0..S-1
         # (context parallelism sets them: parallel/context/); None: the first S positions.
@@ -120,11 +124,12 @@ class Transformer(nn.Module):
         for name, first in tied_names(self.cfg).items():
             self.get_submodule(name.rpartition(".")[0]).weight = self.get_parameter(first)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, *,
+                mtp_tokens: torch.Tensor | None = None) -> torch.Tensor | MTPOutput:
         """`positions`: each token's position in its document, [B, S] (data.document_mask:
         attention stays inside documents; under context parallelism the full rows', not
-        the tokens held); None: one sequence per row, causal."""
+        the tokens held); None: one sequence per row, causal. `mtp_tokens` [B, S, D]: the
+        MTP depths' input tokens (model/mtp.py `depth_batch`; None: from `tokens`)."""
         documents = None if positions is None else Documents.from_positions(positions)
         x = self.tok_emb(tokens)  # [B, S, C]
         rope = None
@@ -136,7 +141,12 @@ class Transformer(nn.Module):
             rope = (self.rope_cos[at], self.rope_sin[at])
         for layer in self.layers:
             x = layer(x, rope, documents)
-        return self.head(self.norm(x))
+        logits = self.head(self.norm(x))
+        if self.mtp is None or not self.training:  # inference: the main model alone
+            return logits
+        if mtp_tokens is None:
+            mtp_tokens = depth_tokens(tokens, self.cfg.mtp_depth)
+        return mtp_forward(self, x, mtp_tokens, logits, rope, documents)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -150,6 +160,15 @@ class Transformer(nn.Module):
         the checkpoint): tied weights and the RoPE tables."""
         self.tie_weights()
         init_state_buffers(self, self.cfg)
+
+
+def mtp_modules(cfg: ModelConfig) -> nn.ModuleList | None:
+    """The multi-token prediction modules (model/mtp.py), registered as `mtp.<k-1>` for
+    depth k; None without them (the state dict is then unchanged)."""
+    if not cfg.mtp_depth:
+        return None
+    return nn.ModuleList(MTPModule(cfg, block=Block(cfg, dense=True), norm=lambda: _norm(cfg))
+                         for _ in range(cfg.mtp_depth))
 
 
 @torch.no_grad()

@@ -34,6 +34,7 @@ from shardtrain.config import Config
 from shardtrain.config.fp8 import check_fp8
 from shardtrain.cost.fp8 import fp8_gathers
 from shardtrain.mesh import ParallelMesh
+from shardtrain.model.mtp import MTPLoss
 from shardtrain.model.transformer import Transformer, init_state_buffers
 from shardtrain.parallel.build import Fill, ModuleTarget, Values, filler, materialize
 from shardtrain.parallel.activation import checkpoint_attention_cores, checkpoint_blocks
@@ -55,6 +56,7 @@ from shardtrain.parallel.precision import LossScaler, PrecisionPolicy
 from shardtrain.parallel.ps.update import PSUpdate, steps_together
 from shardtrain.parallel.strategy import Strategy, Update, rank_file
 from shardtrain.parallel.tensor.layers import apply_tensor_parallel
+from shardtrain.parallel.tensor.mtp import apply_mtp_tensor_parallel
 from shardtrain.parallel.tensor.vocab import cross_entropy
 from shardtrain.parallel.zero.fp8_gather import Float8GatherComm
 from shardtrain.parallel.zero.model import ZeroModel
@@ -79,6 +81,9 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
     placements, loss = {}, cross_entropy
     if tp.size > 1:
         placements, loss = apply_tensor_parallel(model, tp, sp=cfg.parallel.sp)
+        placements |= apply_mtp_tensor_parallel(model, tp, sp=cfg.parallel.sp)
+    if cfg.model.mtp_depth:  # the main and the depths' losses, on the same cross-entropy
+        loss = MTPLoss(loss, cfg.model)
     split = apply_context_parallel(model, mesh.comm("cp"), cfg)
     ep, ep_placements = None, None
     if mesh.shape.ep > 1:
@@ -89,12 +94,14 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
     if cfg.train.fp8 != "none":  # on meta, before compile and checkpointing wrap the blocks
         check_fp8(cfg)  # again, on the precision the device resolved
         fp8_names = convert_blocks(model, cfg.train.fp8)
+    # the blocks compiled and recomputed: the main ones and the MTP modules' (model/mtp.py)
+    blocks = [*model.layers, *(m.block for m in model.mtp or [])]
     if cfg.train.compile:  # before checkpointing: a checkpoint runs the compiled forward
-        compile_blocks(model.layers)
+        compile_blocks(blocks)
     if cfg.train.activation_checkpointing == "full":
-        checkpoint_blocks(model.layers)
+        checkpoint_blocks(blocks)
     elif cfg.train.activation_checkpointing == "selective":  # after cp: it sees the cp core
-        checkpoint_attention_cores(model.layers)
+        checkpoint_attention_cores(blocks)
     offload = None
     if cfg.train.activation_offload == "cpu":  # last: a checkpoint saves through its hooks
         offload = ActivationOffload(device)
@@ -117,7 +124,7 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config, *,
     par = cfg.parallel  # tied copies on two stages exchange gradients (state.py)
     apart = placement(par.schedule, par.pp, par.virtual_stages).ends_apart
     shards = StageShards(module, tp, placements, pp=pp, reference_keys=reference_keys,
-                         tied=cfg.model.tie_embeddings and apart, ep=ep,
+                         tied=cfg.model.table_at_ends and apart, ep=ep,
                          ep_placements=ep_placements)
     fill = filler(values(shards) if values is not None else
                   lambda wants: shards.initial_values(cfg.train.seed, wants))

@@ -213,6 +213,31 @@ def head_activation_bytes(cfg: ModelConfig, *, s: int, b: int, t: int = 1, sp: b
     return norm + head_in + 8 * n + loss
 
 
+def mtp_activation_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int) -> float:
+    """What the multi-token prediction modules (model/mtp.py) keep for backward per
+    micro-batch, on the rank holding them (the last stage): per depth a dense block
+    (`layer_activation_bytes`), its output norm, head and loss as the main head's
+    (`head_activation_bytes`), its two input norms less the hidden state's input (already
+    kept by the norm before it: the final norm, or the previous depth's output norm), the
+    projection's input [n, 2C] (in the compute dtype; under tp its region's, whole) and the
+    shifted tokens' ids [n] int64 (under tp and its vocabulary split, their mask too). Equal
+    to the runtime's measurement without tp (tests/test_mtp_plan.py)."""
+    if not cfg.mtp_depth:
+        return 0.0
+    lay, s = layout, seq_len // layout.cp
+    dense = cfg if not cfg.n_experts else replace(cfg, n_experts=0)
+    v, r, n = (4 if lay.precision == "fp32" else 2), 4, s * lay.micro_batch
+    local = n / lay.tp if lay.sp else n
+    norm = local * ((2 * r * cfg.dim + 4) if cfg.style == "llama" else (r * cfg.dim + 8))
+    norms = 2 * norm - local * r * cfg.dim
+    projection = (n if lay.tp > 1 else local) * 2 * cfg.dim * v
+    ids = 8 * n + (n if lay.tp > 1 else 0)
+    head = head_activation_bytes(cfg, s=s, b=lay.micro_batch, t=lay.tp, sp=lay.sp,
+                                 precision=lay.precision)
+    block = layer_activation_bytes(dense, lay, seq_len=seq_len)
+    return cfg.mtp_depth * (block + head + norms + projection + ids)
+
+
 def layer_activation_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int,
                            recompute: str | None = None) -> float:
     """One layer, one micro-batch, on one rank: Korthikanti's Table 2 under the `bf16`

@@ -58,7 +58,7 @@ from shardtrain.config import ModelConfig
 from shardtrain.plan.activation_offload import offload_terms
 from shardtrain.cost.counts import kept_params
 from shardtrain.plan.activations import (head_activation_bytes, layer_activation_bytes,
-                                         mean_layer_activation_bytes)
+                                         mean_layer_activation_bytes, mtp_activation_bytes)
 from shardtrain.plan.state_bytes import (REDUCE_BYTES, STATE_BYTES,  # noqa: F401 (their home)
                                          compensation_bytes, wire_grad_bytes)
 from shardtrain.plan.buffers import (block_units, gathered_units, loss_moment, weight_casts,
@@ -227,6 +227,9 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
                                         offloaded + off.host_bytes)
     if lay.recompute == "full":
         activations += layer_activation_bytes(cfg, lay, seq_len=seq_len, recompute="none")
+    # the MTP modules' (on the last stage), added to the busiest stage's: with several
+    # stages an upper bound (the last one holds fewer micro-batches in flight)
+    activations += flight * mtp_activation_bytes(cfg, lay, seq_len=seq_len)
     buffers = 0.0
     # shardtrain's own runtime without a pipeline: the head's activations and the step's
     # largest transient (activations.py, buffers.py)

@@ -3,7 +3,8 @@
 The planner reports the busiest rank: the pipeline stage with the most parameters. Each
 stage holds ceil(L / (p v)) layers per virtual chunk; the first stage also holds the
 token (and position) embedding, the last the final norm and the output head, or a copy of
-the tied embedding as Megatron-LM keeps one (Narayanan et al. 2021); under the V placement
+the tied embedding as Megatron-LM keeps one (Narayanan et al. 2021), and the multi-token
+prediction modules with (untied) a copy of the token table (model/mtp.py); under the V placement
 (zbv, dualpipev) the first stage holds all of them, as one process does. Tensor parallelism
 splits every dense weight t ways (vocabulary-parallel embedding and head; replicated norms,
 biases and the MoE router are counted as split too, a < 0.1% simplification; latent
@@ -19,8 +20,8 @@ import math
 from dataclasses import dataclass, replace
 
 from shardtrain.config import ModelConfig
-from shardtrain.cost.counts import (expert_params, kept_params, latent_params, norm_params,
-                                    param_counts)
+from shardtrain.cost.counts import (expert_params, kept_params, latent_params, mtp_params,
+                                    norm_params, param_counts)
 from shardtrain.parallel.pipeline.schedules import V_SHAPED
 from shardtrain.plan.layout import Layout
 
@@ -64,13 +65,18 @@ def rank_params(cfg: ModelConfig, layout: Layout) -> RankParams:
     if layout.pp > 1 and layout.schedule not in V_SHAPED:  # the V: all on stage 0, as pp = 1
         word = cfg.vocab_size * cfg.dim
         first = counts.embedding - (0 if cfg.tie_embeddings else word)  # word (+ position)
-        last = norm_params(cfg) + word  # the untied head, or the tied embedding's copy
+        # the untied head, or the tied embedding's copy; the MTP modules and (untied) the
+        # token table's copy they embed with (model/mtp.py)
+        copy = word if cfg.mtp_depth and not cfg.tie_embeddings else 0
+        last = norm_params(cfg) + word + mtp_params(cfg) + copy
         outside = max(first, last)
         kept_outside = first if first >= last else \
-            norm_params(cfg) + (word if cfg.tie_embeddings else 0)
+            kept_outside - first + (word if cfg.table_at_ends else 0)
     t = layout.tp
     lookup = 0.0
-    if layout.pp == 1 or layout.schedule in V_SHAPED:  # the embedding's unit on this rank
+    # the embedding's unit on this rank, gathered for forward only; with multi-token
+    # prediction it is gathered again for the modules' lookups (zero/events.py): no saving
+    if (layout.pp == 1 or layout.schedule in V_SHAPED) and not cfg.mtp_depth:
         lookup = (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim) \
             + (cfg.max_seq_len * cfg.dim if cfg.style == "gpt2" else 0)
     expert = expert_layer / layout.ep  # replicated over tp, split over ep

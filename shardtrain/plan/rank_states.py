@@ -106,7 +106,7 @@ def rank0_tensors(cfg: ModelConfig, layout: Layout, *, layers: int | None = None
     """(name, elements) of every trainable tensor rank 0 holds, in module order: the
     embedding, stage 0's `layers` blocks (default: the planner's layers_per_stage; the
     runtime's balanced cut may differ, parallel/pipeline/partition.py), and with pp = 1 the
-    final norm and the head (once, if tied)."""
+    final norm, the head (once, if tied) and the multi-token prediction modules."""
     if cfg.n_experts:
         raise PlanError("the exact per-rank count covers dense models; model.n_experts="
                         f"{cfg.n_experts} (use memory_per_gpu's estimate)")
@@ -119,9 +119,15 @@ def rank0_tensors(cfg: ModelConfig, layout: Layout, *, layers: int | None = None
     for i in range(n):
         out += block_tensors(cfg, i, t)
     if layout.pp == 1:
-        out += [("norm.weight", h)] + ([("norm.bias", h)] if cfg.style == "gpt2" else [])
+        norm = [("weight", h)] + ([("bias", h)] if cfg.style == "gpt2" else [])
+        out += [(f"norm.{p}", n) for p, n in norm]
         if not cfg.tie_embeddings:
             out.append(("head.weight", vocab_rows * h))
+        for k in range(cfg.mtp_depth):  # model/mtp.py, registered after the head
+            block = [(f"mtp.{k}.block.{n.split('.', 2)[2]}", c) for n, c in block_tensors(cfg, 0, t)]
+            out += [(f"mtp.{k}.{m}.{p}", n) for m in ("h_norm", "e_norm") for p, n in norm] \
+                + [(f"mtp.{k}.proj.weight", h * -(-2 * h // t))] + block \
+                + [(f"mtp.{k}.out_norm.{p}", n) for p, n in norm]
     return out
 
 

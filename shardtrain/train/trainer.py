@@ -35,7 +35,7 @@ from shardtrain.train.finetune.finetune import build_skeleton, nf4_bytes, resolv
 from shardtrain.train.observe.profile import StepProfiler
 from shardtrain.train.observe.tracking import open_trackers
 from shardtrain.train.checkpoint.interrupt import Interrupt
-from shardtrain.train.observe.metrics import (MetricsWriter, device_peak_flops, moe_fields, moe_totals,
+from shardtrain.train.observe.metrics import (MetricsWriter, device_peak_flops, moe_totals, step_fields,
                                       peak_memory, reset_peak_memory)
 from shardtrain.train.optim import build_optimizer, lr_at
 from shardtrain.train.pace import Pace, busy_seconds
@@ -137,6 +137,7 @@ class Trainer:
             # The loss is the mean over the global batch's counted targets (chat: the
             # assistant's tokens), a count every rank's sampler knows (data/sampler.py).
             mean_loss = self.parallel.forward_backward(micro_batches, self.sampler.loss_tokens)
+        mean_loss, *mtp = mean_loss if mean_loss.dim() else [mean_loss]  # MTP: main, depths
         grad_norm = self.parallel.clip_grad_norm(o.grad_clip or float("inf"))
         self.parallel.step(lr)  # not applied if the loss or gradients were not finite
         end = self.timer.mark()
@@ -148,8 +149,7 @@ class Trainer:
         record = {
             "step": self.step, "loss": None, "lr": lr, "grad_norm": None,
             "tokens": self.step * self.tokens_per_step, "loss_tokens": self.sampler.loss_tokens,
-            "tokens_per_s": None, "step_time_s": None, "mfu": None,
-            "loss_scale": self.parallel.loss_scale,
+            "tokens_per_s": None, "step_time_s": None, "mfu": None, "loss_scale": self.parallel.loss_scale,
             "skipped": self.parallel.skipped, "bad_step": self.parallel.bad,
             "comm_bytes": comm["sent_bytes"], "comm_calls": comm["calls"],
             **self.memory_ledger(),
@@ -161,10 +161,10 @@ class Trainer:
             record["step_time_s"] = elapsed
             record["mfu"] = None if self.peak_flops is None else \
                 self.flops_per_step / (elapsed * self.mesh.world_size * self.peak_flops)
-            record.update(moe_fields(read[2:], self.cfg.model) if len(read) > 2 else {})
+            record.update(step_fields(read[2:], self.cfg.model))  # MTP's, MoE's
             record.update(self.pace.measure(record["step"], elapsed, compute))  # logged: gathers
 
-        self.pending.add(record, [mean_loss, grad_norm, *moe], start, end, finish)
+        self.pending.add(record, [mean_loss, grad_norm, *mtp, *moe], start, end, finish)
         return record
 
     @torch.no_grad()

@@ -27,7 +27,7 @@ def apply_context_parallel(model: Transformer, cp: Communicator,
     split = SequenceSplit(seq_len=cfg.train.seq_len, cp=cp.size, zigzag=p.cp_split == "zigzag")
     split.check()
     core = ContextAttention(cp, split, p.cp_mode)
-    for block in model.layers:
+    for block in [*model.layers, *(m.block for m in model.mtp or [])]:  # MTP's too
         block.attn.core = core
     return split
 

@@ -63,7 +63,9 @@ from shardtrain.parallel.pipeline.schedules import COMPUTE, Action, Placement
 from shardtrain.parallel.pipeline.split_backward import Kept, input_backward, weight_backward
 from shardtrain.model.moe import loss_grad_scale
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (output, targets) -> mean
+# (output, targets) -> mean; or (objective, reported [P]): multi-token prediction's loss
+# (model/mtp.py MTPLoss) backpropagates the objective and reports its parts.
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
 
 
 class PipelineExecutor:
@@ -98,7 +100,8 @@ class PipelineExecutor:
             no_sync: Callable[[], AbstractContextManager] | None = None,
             loss_scale: float = 1.0, info: dict[str, Any] | None = None,
             positions: Sequence[torch.Tensor] | None = None,
-            weights: Sequence[float] | None = None) -> torch.Tensor:
+            weights: Sequence[float] | None = None, parts: int = 0,
+            mtp_tokens: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """Run this rank's `actions` over m micro-batches: `inputs` and `targets` hold m
         each (inputs are read on virtual stage 0, targets on the last); `positions`, m
         more, go to every chunk (packed documents: model/positions.py). Returns the sum
@@ -107,14 +110,19 @@ class PipelineExecutor:
         the last virtual stage (zero elsewhere). With `backward`, each micro-batch's loss
         is scaled by loss_scale x weight / m before its backward, so the accumulated
         gradients are loss_scale times those of the weighted mean loss (loss_scale: fp16's
-        loss scaling, else 1). `info`: extra timeline fields (the schedule's name)."""
+        loss scaling, else 1). `info`: extra timeline fields (the schedule's name). `parts`:
+        the loss reports that many values (LossFn), each summed so: the result is [parts].
+        `mtp_tokens`: m more, read by the last virtual stage (multi-token prediction)."""
         m = len(inputs)
         self.settle()  # the last run's marks have passed (its step was decided)
         if backward and self.origin is None:  # once: the stages' shared time origin
             self.comm.barrier()
             self.origin = Clock.stamp(self.device.type == "cuda")
         run = _Run(self, m, backward, loss_scale)
-        run.feed = Feed(self.device, inputs=inputs, targets=targets, positions=positions)
+        if parts:
+            run.loss_sum = torch.zeros(parts, device=self.device)
+        run.feed = Feed(self.device, inputs=inputs, targets=targets, positions=positions,
+                        mtp_tokens=mtp_tokens)
         run.weights = weights
         run.split = {(a.mb, a.chunk) for a in actions if a.op == "W"}
         # per chunk, the last action that accumulates weight gradients
@@ -198,13 +206,16 @@ class _Run:
             x.requires_grad_(self.backward_pass)
         # The MoE auxiliary losses' gradients are scaled as this loss's is (model/moe.py).
         extra = (self.feed.take("positions", a.mb),) if self.feed.has("positions") else ()
+        tokens = {"mtp_tokens": self.feed.take("mtp_tokens", a.mb)} \
+            if g == self.last_virtual and self.feed.has("mtp_tokens") else {}
         with ex.autocast, loss_grad_scale(self.loss_scale / self.m):
-            out = ex.chunks[a.chunk](x, *extra)
+            out = ex.chunks[a.chunk](x, *extra, **tokens)
         if g == self.last_virtual:
             loss = ex.loss(out, self.feed.take("targets", a.mb))
+            loss, reported = loss if isinstance(loss, tuple) else (loss, loss)
             # A weight of exactly 1 (every token counted) leaves both products unchanged.
             w = 1.0 if self.weights is None else self.weights[a.mb]
-            self.loss_sum += loss.detach() * w
+            self.loss_sum += reported.detach() * w
             out = loss * (self.loss_scale * w / self.m)
         else:
             if out.shape != ex.act_shape or out.dtype != ex.act_dtype:

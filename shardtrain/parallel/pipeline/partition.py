@@ -9,17 +9,19 @@ the V placement (ZB-V, DualPipeV: schedules.Placement) stage s holds virtual sta
 
 With one chunk per stage the cut balances a cost -- FLOPs (the step time is the slowest
 stage's) or parameters (memory) -- counting the embedding on the first stage and the head
-on the last: the contiguous split that minimises the largest stage's cost (each stage at
-least one layer). Interleaving needs equal chunks: the layer count must divide by pp x v
+on the last (by parameters with the multi-token prediction modules and their token-table
+copy: model/mtp.py; by FLOPs without them): the contiguous split that minimises the
+largest stage's cost (each stage at least one layer). Interleaving needs equal chunks: the layer count must divide by pp x v
 (config validation says so before launch).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache
 
 from shardtrain.config import ModelConfig
-from shardtrain.cost.counts import forward_flops_per_token, norm_params, param_counts
+from shardtrain.cost.counts import forward_flops_per_token, mtp_params, norm_params, param_counts
 
 
 def stage_costs(cfg: ModelConfig, *, by: str = "flops", seq_len: int = 1
@@ -28,12 +30,19 @@ def stage_costs(cfg: ModelConfig, *, by: str = "flops", seq_len: int = 1
     by parameters. FLOPs: the embedding is a lookup (free), the head a [dim, vocab] matmul."""
     head = cfg.vocab_size * cfg.dim
     if by == "flops":
-        layer = (forward_flops_per_token(cfg, seq_len) - 2.0 * head) / cfg.n_layers
+        # The multi-token prediction modules (model/mtp.py) on the last stage are left out:
+        # cut by their FLOPs, the layers they displace would go to earlier stages, which
+        # hold more micro-batches in flight, and the planner's busiest stage (ceil(L / pp)
+        # layers) would no longer be the runtime's; the cut stays the plain model's.
+        plain = replace(cfg, mtp_depth=0)
+        layer = (forward_flops_per_token(plain, seq_len) - 2.0 * head) / cfg.n_layers
         return layer, 0.0, 2.0 * head
     if by == "params":
         counts = param_counts(cfg)
         first = counts.embedding - (0 if cfg.tie_embeddings else head)  # tokens (+ positions)
-        return float(counts.per_layer), float(first), float(head + norm_params(cfg))
+        copy = head if cfg.mtp_depth and not cfg.tie_embeddings else 0  # the MTP's table
+        return float(counts.per_layer), float(first), \
+            float(head + norm_params(cfg) + mtp_params(cfg) + copy)
     raise ValueError(f"balance by {by!r}: one of flops, params")
 
 

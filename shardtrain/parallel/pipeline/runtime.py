@@ -18,6 +18,7 @@ from torch import nn
 from shardtrain.config import Config
 from shardtrain.config.data import IGNORE
 from shardtrain.mesh import ParallelMesh
+from shardtrain.model.mtp import depth_batch
 from shardtrain.model.positions import Documents
 from shardtrain.parallel.context.apply import context_cores
 from shardtrain.parallel.context.balance import balanced
@@ -63,6 +64,9 @@ class Pipeline:
             chunks, self.pp, loss=loss, act_shape=(t.micro_batch, seq, cfg.model.dim),
             act_dtype=policy.residual_dtype, wire_dtype=policy.boundary_dtype, device=device,
             autocast=policy.autocast(device), rank=mesh.rank, place=self.place)
+        # Multi-token prediction reports the main loss and each depth's (model/mtp.py).
+        self.depth = cfg.model.mtp_depth
+        self.parts = 1 + self.depth if self.depth else 0
         # The last training step's timeline (format: executor.py) and the most micro-batches
         # whose activations this rank held at once during it.
         self.timeline: dict[str, Any] | None = None
@@ -79,15 +83,18 @@ class Pipeline:
         multiplied by `loss_scale` (fp16). `loss_tokens`: the counted targets (not IGNORE)
         of the whole global batch, every replica's micro-batches (the sampler counts them:
         data/sampler.py); None: every target counts. Returns the mean loss over those
-        tokens (unscaled), the same on every stage."""
-        batches = [self._mine(b) for b in micro_batches]
+        tokens (unscaled), the same on every stage; with multi-token prediction [1 + D]:
+        the main loss, then each depth's."""
+        mine = [self._mine(b) for b in micro_batches]
+        batches, mtp_tokens = [b for b, _ in mine], [t for _, t in mine] if self.depth else None
         inputs, targets = [b[0] for b in batches], [b[1] for b in batches]
         positions = [b[2] for b in batches] if len(batches[0]) > 2 else None
         weights = None if loss_tokens is None else self._weights(targets, loss_tokens)
         with self.versions.computing() if self.versions else nullcontext():
             total = self.executor.run(self.actions, inputs, targets, no_sync=no_sync,
                                       loss_scale=loss_scale, info={"schedule": self.schedule},
-                                      positions=positions, weights=weights)
+                                      positions=positions, weights=weights,
+                                      parts=self.parts, mtp_tokens=mtp_tokens)
         self.timeline, self.peak_live = self.executor.timeline, self.executor.peak_live
         if self.cores:
             self.timeline["attention_s"] = sum(core.compute_s for core in self.cores)
@@ -106,36 +113,51 @@ class Pipeline:
         counted, n_i = loss_tokens / (R m): every weight is exactly 1. A global batch with
         no counted token weighs nothing."""
         scale = self.replicas.size * self.m
-        return [int(t.ne(IGNORE).sum()) * scale / loss_tokens if loss_tokens else 0.0
-                for t in targets]
+        return [int(main_targets(t).ne(IGNORE).sum()) * scale / loss_tokens if loss_tokens
+                else 0.0 for t in targets]
 
     def evaluate(self, batch: Batch) -> tuple[torch.Tensor, float]:
         """The mean loss over the counted tokens of one batch (forward only), the same on
         every stage, and the share of this rank's targets that count (the weight of this
         loss in an average over batches and ranks: exactly 1 when all do)."""
-        inputs, targets, *positions = self._mine(batch)
+        (inputs, targets, *positions), _ = self._mine(batch)  # evaluation: no MTP forward
         total = self.executor.run(self.eval_actions, [inputs], [targets], backward=False,
                                   positions=[positions[0]] if positions else None)
-        return self._from_last_stage(total), int(targets.ne(IGNORE).sum()) / targets.numel()
+        main = main_targets(targets)
+        return self._from_last_stage(total), int(main.ne(IGNORE).sum()) / main.numel()
 
     def average_over_replicas(self, loss: torch.Tensor) -> torch.Tensor:
         self.replicas.all_reduce(loss, "avg", tag="metric")
         return loss
 
-    def _mine(self, batch: Batch) -> Batch:
+    def _mine(self, batch: Batch) -> tuple[Batch, torch.Tensor | None]:
         """This cp rank's slice of every sequence of a micro-batch (all of it without cp).
         Packed documents' positions (batch[2]) stay whole: each rank's attention needs the
         documents' spans over the full rows, and RoPE takes the positions held from them
-        (model/positions.py, `position_index`)."""
-        if self.split is None:
-            return batch
+        (model/positions.py, `position_index`). With multi-token prediction the depths'
+        input tokens [B, S, D] (returned beside the batch) and targets [B, S, 1 + D] (in
+        the targets' place) are built from the whole rows first (model/mtp.py
+        `depth_batch`): a rank's last tokens' are in the next rank's slice."""
         inputs, targets, *positions = batch
+        extra = None
+        if self.depth:
+            extra, targets = depth_batch(inputs, targets, positions[0] if positions else None,
+                                         self.depth)
+        if self.split is None:
+            return (inputs, targets, *positions), extra
         split = self.split if not positions else \
             balanced(self.split, Documents.from_positions(positions[0]))
-        return (split.take(inputs, self.cp_rank, dim=1),
-                split.take(targets, self.cp_rank, dim=1), *positions)
+        mine = [split.take(t, self.cp_rank, dim=1) for t in (inputs, targets)]
+        return (*mine, *positions), None if extra is None else \
+            split.take(extra, self.cp_rank, dim=1)
 
     def _from_last_stage(self, loss: torch.Tensor) -> torch.Tensor:
         """From the stage holding the last virtual stage (stage 0 under the V)."""
         self.pp.broadcast(loss, src=self.place.where(self.place.last)[0], tag="metric")
         return loss
+
+
+def main_targets(targets: torch.Tensor) -> torch.Tensor:
+    """The next-token targets [B, S] of a micro-batch's targets: with multi-token
+    prediction [B, S, 1 + D] (`Pipeline._mine`), their first column."""
+    return targets[..., 0] if targets.dim() == 3 else targets

@@ -11,6 +11,11 @@ last, activations -> activations between.
 Which stage holds the first and the last virtual stage follows the schedule's placement
 (schedules.Placement): stage 0 and stage pp - 1 in the loop, stage 0 for both in the V.
 
+Multi-token prediction (model/mtp.py): the last stage holds the modules and, as for a tied
+head, a copy of the token table they embed the shifted tokens with: the depths' input
+tokens are fed to the last stage (executor.py, `mtp_tokens`) rather than their embeddings
+sent along the pipeline (D activations [B, S, C] more per micro-batch through every stage).
+
 Tied embeddings (Press & Wolf 2017): under the V placement stage 0 holds both ends, and the
 head shares the embedding's tensor as in the full model (no copy, nothing to exchange).
 Otherwise the last stage keeps its own copy of the embedding
@@ -27,6 +32,7 @@ import torch
 from torch import nn
 
 from shardtrain.config import Config
+from shardtrain.model.mtp import MTPOutput, mtp_forward
 from shardtrain.model.positions import Documents, position_ids, position_index
 from shardtrain.model.transformer import Transformer, init_parameters
 from shardtrain.parallel.pipeline.partition import layer_ranges, stage_costs
@@ -43,13 +49,15 @@ class PipelineStage(nn.Module):
         cfg = self.cfg = model.cfg
         ends = [place.virtual(stage, c) for c in range(len(ranges))]
         first, last = 0 in ends, place.last in ends
-        if first or (last and cfg.tie_embeddings):
+        if first or (last and cfg.table_at_ends):  # a tied head, or the MTP modules
             self.tok_emb = model.tok_emb
         if first and model.pos_emb is not None:
             self.pos_emb = model.pos_emb
         self.layers = nn.ModuleDict({str(i): model.layers[i] for r in ranges for i in r})
         if last:
             self.norm, self.head = model.norm, model.head
+            if model.mtp is not None:  # multi-token prediction (model/mtp.py)
+                self.mtp = model.mtp
         self.seq_shards = seq_shards
         self.positions: torch.Tensor | None = None  # as Transformer.positions
         if cfg.style == "llama":  # filled in by init_weights, after materialisation
@@ -95,12 +103,15 @@ class StageChunk(nn.Module):
         if self.first:
             mods += [stage.tok_emb, *([stage.pos_emb] if hasattr(stage, "pos_emb") else [])]
         if self.last:
-            mods += [stage.norm, stage.head]
+            mods += [stage.norm, stage.head, *([stage.tok_emb, stage.mtp]
+                                               if hasattr(stage, "mtp") else [])]
         return list({id(p): p for m in mods for p in m.parameters()}.values())
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, *,
+                mtp_tokens: torch.Tensor | None = None) -> torch.Tensor | MTPOutput:
         """`positions` [B, S]: packed documents (model/positions.py); every chunk takes
-        them, as every chunk's attention masks by document."""
+        them, as every chunk's attention masks by document. `mtp_tokens` [B, S, D]: the
+        last chunk's multi-token prediction depths' input tokens (model/mtp.py)."""
         stage = self.stage
         documents = None if positions is None else Documents.from_positions(positions)
         if self.first:  # x: tokens [B, S]
@@ -115,7 +126,9 @@ class StageChunk(nn.Module):
         for i in self.indices:
             x = stage.layers[str(i)](x, rope, documents)
         if self.last:
-            x = stage.head(stage.norm(x))  # [B, S, V] (or [B, S, V/tp])
+            h, x = x, stage.head(stage.norm(x))  # [B, S, V] (or [B, S, V/tp])
+            if hasattr(stage, "mtp") and stage.training:
+                return mtp_forward(stage, h, mtp_tokens, x, rope, documents)
         return x
 
 

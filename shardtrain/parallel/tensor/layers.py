@@ -43,7 +43,7 @@ from shardtrain.comm import Communicator
 from shardtrain.model.experts import autocast_dtype
 from shardtrain.model.mla import LatentAttention
 from shardtrain.model.moe import MoE
-from shardtrain.model.transformer import Transformer
+from shardtrain.model.transformer import Block, Transformer
 from shardtrain.parallel.tensor.sharding import Placement
 from shardtrain.parallel.tensor.ops import (
     CopyToRegion, GatheredInput, GatherFromSequence, ReduceFromRegion, ReduceScatterToSequence,
@@ -218,10 +218,9 @@ def to_compute(x: torch.Tensor) -> torch.Tensor:
 
 def apply_tensor_parallel(model: Transformer, comm: Communicator, *, sp: bool
                           ) -> tuple[dict[str, Placement], VocabParallelCrossEntropy]:
-    """Swap the model's modules for their tensor-parallel versions, in place. Works on a
-    model on the meta device (shapes only) or a materialised one (each rank keeps its
-    slice). Returns the placement of every split or partially-reduced parameter, and the
-    loss over the vocab-split logits."""
+    """Swap the model's modules for their tensor-parallel versions, in place, on the meta
+    device (shapes only) or materialised (each rank keeps its slice). Returns the placement
+    of every split or partially-reduced parameter, and the loss over the vocab-split logits."""
     from shardtrain.parallel.tensor.latent import shard_latent  # it imports the linears here
     t, r, cfg = comm.size, comm.rank, model.cfg
     places: dict[str, Placement] = {}
@@ -243,20 +242,21 @@ def apply_tensor_parallel(model: Transformer, comm: Communicator, *, sp: bool
 
     shared_kv = cfg.kv_heads < t  # parts = kv heads, rank r holds kv head r * g / t
     kv_split = (cfg.kv_heads, r * cfg.kv_heads // t) if shared_kv else (t, r)
-    for i, block in enumerate(model.layers):
+    # the blocks, and the multi-token prediction modules' blocks alike (tensor/mtp.py)
+    for block_name, block in [(n, b) for n, b in model.named_modules() if isinstance(b, Block)]:
         for region_name, linears in TABLE.items():
             module = block.get_submodule(region_name)
             if isinstance(module, MoE):  # experts whole on every tp rank (docstring)
                 for pname, p in module.named_parameters():
-                    replicate(f"layers.{i}.{region_name}.{pname}", p)
+                    replicate(f"{block_name}.{region_name}.{pname}", p)
                 continue
             region = Region(comm, sp=sp)
             region.attach(module)
             if isinstance(module, LatentAttention):
-                shard_latent(module, f"layers.{i}.attn.", region, comm, split, places, sp=sp)
+                shard_latent(module, f"{block_name}.attn.", region, comm, split, places, sp=sp)
                 continue
             for name, kind in linears.items():
-                dense, prefix = getattr(module, name), f"layers.{i}.{region_name}.{name}."
+                dense, prefix = getattr(module, name), f"{block_name}.{region_name}.{name}."
                 if dense is None:  # no w3 in the GELU MLP
                     continue
                 if kind == "row":

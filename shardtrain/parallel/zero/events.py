@@ -10,7 +10,8 @@ the embedding's tables when it embeds tokens: the position table's, and the toke
 table's, which is the head's unit when tied, cost/units.py), each block (its dense unit
 and under expert parallelism its experts' unit; the last block's holds the final norm) --
 or, with `parallel.zero_unit_blocks` = k, each run of k blocks sharing those units --
-then the head (the head's unit: its weight, or the tied token table).
+then the head (the head's unit: its weight, or the tied token table; with multi-token
+prediction the modules, in the head's unit, and the token table's unit again).
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ def forward_events(chunk: nn.Module, units: list[FlatUnit]) -> list[Event]:
         if len(events) > 1 and block_units and events[-1][1] == block_units:
             continue
         events.append((block, block_units))
-    if last:
-        events.append((owner.head, [u for u in units if u.key[0] == HEAD]))
+    if last:  # the multi-token prediction modules (model/mtp.py) run in the head's event,
+        # after it, looking tokens up again: the table's unit is the head's event's too
+        again = [u for u in tables if u.key[0] != HEAD] if getattr(owner, "mtp", None) else []
+        events.append((owner.head, [u for u in units if u.key[0] == HEAD] + again))
     return events
 
 

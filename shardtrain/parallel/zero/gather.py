@@ -175,6 +175,9 @@ class ParamGatherer(UnitGatherer):
         # (zero/reducer.py): it is freed, and the deferred prefetch started, as soon as the
         # head's backward is done, not when it is reduced.
         self.shared = [u for u in self.events[self.deferred] if u in self.events[0]]
+        # Events whose backward hook this forward placed: the head runs again for each
+        # multi-token prediction depth (model/mtp.py), its backward start is its first call's.
+        self.hooked: set[int] = set()
         for k, (module, _) in enumerate(events):
             module.register_forward_pre_hook(self._pre_forward_hook(k))
         for k, module in midpoints.items():
@@ -205,14 +208,17 @@ class ParamGatherer(UnitGatherer):
                 self.start(unit, "forward")
             for unit in self.events[k]:
                 self.ready(unit, "forward")
-            if k > 0 and torch.is_grad_enabled():
+            if k > 0 and torch.is_grad_enabled() and k not in self.hooked:
+                self.hooked.add(k)
                 _on_grad(args[0], lambda: self._pre_backward(k - 1))
         return hook
 
-    def _end_of_forward(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+    def _end_of_forward(self, module: nn.Module, args: tuple, output) -> None:
         self.free_all()
-        if torch.is_grad_enabled():
-            _on_grad(output, lambda: self._pre_backward(len(self.events) - 1))
+        self.hooked.clear()
+        if torch.is_grad_enabled():  # whichever logits' gradient comes first (MTP: a depth's)
+            for logits in _logits(output):
+                _on_grad(logits, lambda: self._pre_backward(len(self.events) - 1))
 
     def _midpoint_hook(self, k: int):
         # Kept out of a compiled block's graph: traced, its closure's event index k becomes a
@@ -246,6 +252,11 @@ class ParamGatherer(UnitGatherer):
         event k's."""
         for unit in reversed(self._units(k - self.prefetch, k)):
             self.start(unit, "backward")
+
+
+def _logits(output) -> list[torch.Tensor]:
+    """The model's output tensors: the logits, or an MTPOutput's main and depth logits."""
+    return [output] if isinstance(output, torch.Tensor) else [output.logits, *output.depths]
 
 
 def _on_grad(tensor: torch.Tensor, fn) -> None:

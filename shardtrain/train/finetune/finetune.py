@@ -102,9 +102,9 @@ def start_values(cfg: Config, shards: StageShards) -> Values:
     hf, peft = bool(cfg.model.init_from), bool(cfg.lora.init_from)
 
     def values(wants: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
-        def drawn(name: str) -> bool:  # what no file provides
+        def drawn(name: str) -> bool:  # what no file provides (the families have no MTP)
             adapter = name.endswith((".lora_a", ".lora_b"))
-            return wants(name) and not (peft if adapter else hf)
+            return wants(name) and not (peft if adapter else hf and not name.startswith("mtp."))
 
         yield from shards.initial_values(seed, drawn)
         if not hf:

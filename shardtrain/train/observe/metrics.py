@@ -248,3 +248,12 @@ def moe_fields(total: list[float], cfg: ModelConfig) -> dict[str, Any]:
     return {"moe_aux_loss": aux / forwards, "moe_z_loss": z / forwards,
             "moe_dropped": int(dropped), "moe_expert_cv": cv / layers,
             **layer_balance(total, cfg)}
+
+
+def step_fields(read: list[float], cfg: ModelConfig) -> dict[str, Any]:
+    """A step's optional fields, read after its loss and gradient norm: multi-token
+    prediction's loss at each depth (`mtp_losses`, D values: model/mtp.py; `loss` is the
+    main next-token loss), then the MoE totals (`moe_fields`)."""
+    d = cfg.mtp_depth
+    out: dict[str, Any] = {"mtp_losses": read[:d]} if d else {}
+    return out | (moe_fields(read[d:], cfg) if cfg.n_experts else {})
