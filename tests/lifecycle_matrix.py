@@ -58,8 +58,8 @@ FACTORS: dict[str, dict[str, tuple[str, ...]]] = {
                 "--model.moe_ffn_dim", "32", "--model.moe_shared_experts", "1",
                 "--model.moe_first_dense", "1", "--model.moe_groups", "2",
                 "--model.moe_max_groups", "1"),
-        # DeepSeek-V3 whole (its Hugging Face family): latent attention with a q bottleneck
-        # (v narrower than q and k: padded for the core) over the MoE above, routed scale
+        # DeepSeek-V3 whole: latent attention with a q bottleneck (v narrower than q and k:
+        # padded for the core) over the MoE above, routed scale, one MTP module
         "mla": ("--model.attention", "mla", "--model.n_kv_heads", "0", "--model.q_lora_rank",
                 "32", "--model.kv_lora_rank", "32", "--model.qk_nope_head_dim", "16",
                 "--model.qk_rope_head_dim", "16", "--model.v_head_dim", "16",
@@ -67,7 +67,8 @@ FACTORS: dict[str, dict[str, tuple[str, ...]]] = {
                 "2", "--model.moe_score", "sigmoid", "--model.moe_balance", "bias",
                 "--model.moe_aux_loss_coef", "0.001", "--model.moe_ffn_dim", "32",
                 "--model.moe_shared_experts", "1", "--model.moe_first_dense", "1",
-                "--model.moe_groups", "2", "--model.moe_max_groups", "1"),
+                "--model.moe_groups", "2", "--model.moe_max_groups", "1", "--model.mtp_depth",
+                "1"),
         # DeepSeek-V3's multi-token prediction: two sequential modules sharing the embedding
         # and head (the last pipeline stage holds them), their losses weighted 0.3
         "mtp": ("--model.mtp_depth", "2", "--model.mtp_loss_coef", "0.3"),
