@@ -19,7 +19,8 @@ Gradients accumulate over the micro-batches; the caller's
 last, so a data-parallel reducer all-reduces once, overlapping the remaining backwards.
 A (micro-batch, chunk) with a W in the schedule has its backward split (split_backward.py):
 its B computes the input gradient only, its W the weights' gradients -- then a chunk's
-last W is what communicates.
+last W is what communicates. Where the W is the action right after its B, B runs the whole
+backward instead and the W is an empty slot (`split_keys`).
 
 Timeline format (`PipelineExecutor.timeline`, written by the trainer as
 `<run_dir>/timeline_rank{R}.json`; read by `shardtrain report`; keep it stable):
@@ -116,10 +117,10 @@ class PipelineExecutor:
         run = _Run(self, m, backward, loss_scale)
         run.feed = Feed(self.device, inputs=inputs, targets=targets, positions=positions)
         run.weights = weights
-        run.split = {(a.mb, a.chunk) for a in actions if a.op == "W"}
+        run.split = split_keys(actions)
         # per chunk, the last action that accumulates weight gradients
         final = {a.chunk: a for a in actions
-                 if a.op == "W" or (a.op == "B" and (a.mb, a.chunk) not in run.split)}
+                 if a.op in ("B", "W") and (a.op == "W") == ((a.mb, a.chunk) in run.split)}
         i = 0
         while i < len(actions):
             a = actions[i]
@@ -166,6 +167,17 @@ class PipelineExecutor:
     def _neighbour(self, chunk: int, step: int) -> tuple[int, int]:
         """(stage, local chunk) of the virtual stage `step` (+1 or -1) from this chunk's."""
         return self.place.where(self._virtual(chunk) + step)
+
+
+def split_keys(actions: list[Action]) -> set[tuple[int, int]]:
+    """The (micro-batch, chunk)s whose backward runs split: those with a W, except where
+    the W is the very next action after its B. There nothing runs between the two, so one
+    whole backward computes the same gradients without the split's cost (about a tenth of
+    a backward on the default model: docs/pipeline.md) and the W marks an empty slot; the
+    order of actions, the timeline's, is the schedule's."""
+    keys = {(a.mb, a.chunk) for a in actions if a.op == "W"}
+    return keys - {(a.mb, a.chunk) for a, b in zip(actions, actions[1:])
+                   if a.op == "B" and b.op == "W" and (a.mb, a.chunk) == (b.mb, b.chunk)}
 
 
 class _Run:
@@ -241,7 +253,10 @@ class _Run:
         return self.outgoing.pop((kind, mb, other))
 
     def weight(self, a: Action) -> None:
-        """W: the weight gradients of a split backward; then its activations go."""
+        """W: the weight gradients of a split backward; then its activations go. (A W
+        that its B ran whole, split_keys, has nothing left to do.)"""
+        if (a.mb, a.chunk) not in self.split:
+            return
         kept = self.kept.pop((a.mb, a.chunk))
         if isinstance(kept, Kept):
             weight_backward(kept)
