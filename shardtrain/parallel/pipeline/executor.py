@@ -12,9 +12,9 @@ upcast on arrival, so every chunk computes on the residual stream's dtype.
 
 Transfers go through the pipeline communicator (so the ledger counts them): consecutive
 transfer actions are posted as one batch and waited for together, the semantics the
-validator proved deadlock-free (under the V placement sends are eager: posted, then waited
-for at the end of the run; a hand-off between two chunks of this rank is no transfer).
-Gradients accumulate over the micro-batches; the caller's
+validator proved deadlock-free (under the V placement and ZB-H1 sends are eager: posted,
+then collected once done or at the end of the run; a hand-off between two chunks of this
+rank is no transfer). Gradients accumulate over the micro-batches; the caller's
 `no_sync` context suppresses gradient communication on every backward except each chunk's
 last, so a data-parallel reducer all-reduces once, overlapping the remaining backwards.
 A (micro-batch, chunk) with a W in the schedule has its backward split (split_backward.py):
@@ -193,7 +193,7 @@ class _Run:
         # virtual stage 0, whose input gradient nobody needs: its W is the whole backward
         self.kept: dict[tuple[int, int], Kept | tuple] = {}
         self.outgoing: dict[tuple[str, int, int], torch.Tensor] = {}
-        self.sending: list = []  # eager sends' works (PeerWork), waited for at the end
+        self.sending: list = []  # eager sends' works (PeerWork) not yet collected
         self.loss_sum = torch.zeros((), device=ex.device)
         self.clock = Clock(ex.device, ex.origin)
         self.spans: list[tuple[Action, int, int]] = []  # (action, start mark, end mark)
@@ -279,7 +279,10 @@ class _Run:
                 buffer = torch.empty(ex.act_shape, dtype=ex.wire_dtype, device=ex.device)
                 self.received[(kind, a.mb, a.chunk)] = buffer
                 recvs.append((peer, buffer, f"pp_{kind}"))
-        if ex.place.eager_sends:  # the tensors stay alive in the works until the end
+        if ex.place.eager_sends:  # the tensors stay alive in the works until taken
+            for work in [w for w in self.sending if w.done()]:
+                work.wait()  # done: returns at once (or raises what the send met)
+                self.sending.remove(work)
             self.sending += [ex.comm.isend(t.contiguous(), peer, tag=tag)
                              for peer, t, tag in sends]
             sends = []
