@@ -170,11 +170,9 @@ class PipelineExecutor:
 
 
 def split_keys(actions: list[Action]) -> set[tuple[int, int]]:
-    """The (micro-batch, chunk)s whose backward runs split: those with a W, except where
-    the W is the very next action after its B. There nothing runs between the two, so one
-    whole backward computes the same gradients without the split's cost (about a tenth of
-    a backward on the default model: docs/pipeline.md) and the W marks an empty slot; the
-    order of actions, the timeline's, is the schedule's."""
+    """The (micro-batch, chunk)s whose backward runs split: those with a W, but where the
+    W is the very next action after its B. There one whole backward computes the same
+    gradients without the split's cost (docs/pipeline.md); the W is an empty slot."""
     keys = {(a.mb, a.chunk) for a in actions if a.op == "W"}
     return keys - {(a.mb, a.chunk) for a, b in zip(actions, actions[1:])
                    if a.op == "B" and b.op == "W" and (a.mb, a.chunk) == (b.mb, b.chunk)}
