@@ -170,7 +170,7 @@ class PipelineExecutor:
 
 
 def split_keys(actions: list[Action]) -> set[tuple[int, int]]:
-    """The (micro-batch, chunk)s whose backward runs split: those with a W, but where the
+    """The (micro-batch, chunk)s whose backward runs split: those with a W, except where the
     W is the very next action after its B. There one whole backward computes the same
     gradients without the split's cost (docs/pipeline.md); the W is an empty slot."""
     keys = {(a.mb, a.chunk) for a in actions if a.op == "W"}
