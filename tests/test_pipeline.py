@@ -110,6 +110,17 @@ def test_v_schedules_need_eager_sends(monkeypatch):
             validate(build(name, 2, 4, 2), 2, 4, 2, shape="v")
 
 
+def test_zb_h1_sends_eagerly_and_is_sound_so():
+    """ZB-H1's placement sends eagerly (schedules.placement says why), and every (pp, m)
+    is proven sound under those semantics, the ones the executor runs."""
+    for p in range(2, 6):
+        place = schedules.placement("zb-h1", p)
+        assert place.eager_sends and not schedules.placement("1f1b", p).eager_sends
+        for m in range(1, 2 * p + 3):
+            validate(build("zb-h1", p, m), p, m, shape=place.shape, eager=True,
+                     bound=schedules.activation_bound("zb-h1", p, m))
+
+
 def test_partition():
     # V (ZB-V, DualPipeV): stage s holds virtual stages s and 2p - 1 - s.
     assert layer_ranges(8, 2, 2, shape="v") == [[range(0, 2), range(6, 8)],

@@ -5,7 +5,8 @@ full recomputation, LoRA, tied embeddings (test_pipeline_parity.py's row; under 
 data parallelism too), ZeRO-1/2/3 over dp = 2 and tensor + sequence parallelism inside a
 stage; each run's measured timeline
 (timeline_rank*.json) runs its computes in the simulator's order; the split itself gives a
-full backward's gradients under LoRA (one process)."""
+full backward's gradients under LoRA and, in six autograd calls for W, a Llama block's
+(one process); a W right after its B leaves the backward whole."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from test_pipeline_parity import GPT2, RECOMPUTE, _cfg, _check_order, _pp
 from test_pipeline_parity import references, tmp  # noqa: F401 (the module's fixtures)
 
 from shardtrain import config
+from shardtrain.model.transformer import Block
+from shardtrain.parallel.pipeline.executor import split_keys
+from shardtrain.parallel.pipeline.schedules import build
 from shardtrain.parallel.pipeline.split_backward import input_backward, weight_backward
 
 BF16 = ("--train.precision", "bf16")
@@ -110,3 +114,39 @@ def test_split_backward_equals_the_full_one_under_lora():
     assert all(torch.equal(p.grad, g) for p, g in
                zip((p for p in model.parameters() if p.requires_grad), full))
     assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+
+
+def test_split_backward_of_a_llama_block_is_the_whole_one_in_six_calls():
+    """Bit for bit the whole backward's gradients, with W's sibling groups in one autograd
+    call each: w2 | w1 w3 | the MLP's norm | wo | wq wk wv | the attention's norm."""
+    cfg = config.load("tiny", ["--model.style", "llama", "--model.n_layers", "1"]).model
+    torch.manual_seed(0)
+    block = Block(cfg)
+    x, grad = torch.randn(2, 8, cfg.dim, requires_grad=True), torch.randn(2, 8, cfg.dim)
+    block(x, None).backward(grad)
+    whole = {n: p.grad.clone() for n, p in block.named_parameters()}
+    x_grad, x.grad = x.grad.clone(), None
+    block.zero_grad(set_to_none=True)
+    kept = input_backward(block(x, None), grad, x)
+    assert torch.equal(x.grad, x_grad)
+    assert [len(nodes) for nodes, _, _ in kept.groups] == [1, 2, 1, 1, 3, 1]
+    weight_backward(kept)
+    assert all(torch.equal(p.grad, whole[n]) for n, p in block.named_parameters())
+
+
+def test_a_w_right_after_its_b_runs_whole_at_the_b():
+    """split_keys: only the (micro-batch, chunk)s whose W waits for other actions split;
+    ZB-V's rank 1 runs chunk 1's W right after its B (the hand-off to its own chunk 0)
+    but in the cool-down."""
+    plan = build("zbv", 2, 4, 2)
+    for rank, actions in enumerate(plan):
+        waits = set()
+        for i, a in enumerate(actions):
+            if a.op == "B":
+                w = next(j for j, b in enumerate(actions) if (b.op, b.mb, b.chunk) ==
+                         ("W", a.mb, a.chunk))
+                if w > i + 1:
+                    waits.add((a.mb, a.chunk))
+        assert split_keys(actions) == waits, rank
+    assert {(mb, 1) for mb in range(3)}.isdisjoint(split_keys(plan[1]))
+    assert split_keys(plan[0]) and split_keys(plan[1])

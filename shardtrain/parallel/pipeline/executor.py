@@ -12,14 +12,15 @@ upcast on arrival, so every chunk computes on the residual stream's dtype.
 
 Transfers go through the pipeline communicator (so the ledger counts them): consecutive
 transfer actions are posted as one batch and waited for together, the semantics the
-validator proved deadlock-free (under the V placement sends are eager: posted, then waited
-for at the end of the run; a hand-off between two chunks of this rank is no transfer).
-Gradients accumulate over the micro-batches; the caller's
+validator proved deadlock-free (under the V placement and ZB-H1 sends are eager: posted,
+then collected once done or at the end of the run; a hand-off between two chunks of this
+rank is no transfer). Gradients accumulate over the micro-batches; the caller's
 `no_sync` context suppresses gradient communication on every backward except each chunk's
 last, so a data-parallel reducer all-reduces once, overlapping the remaining backwards.
 A (micro-batch, chunk) with a W in the schedule has its backward split (split_backward.py):
 its B computes the input gradient only, its W the weights' gradients -- then a chunk's
-last W is what communicates.
+last W is what communicates. Where the W is the action right after its B, B runs the whole
+backward instead and the W is an empty slot (`split_keys`).
 
 Timeline format (`PipelineExecutor.timeline`, written by the trainer as
 `<run_dir>/timeline_rank{R}.json`; read by `shardtrain report`; keep it stable):
@@ -124,10 +125,10 @@ class PipelineExecutor:
         run.feed = Feed(self.device, inputs=inputs, targets=targets, positions=positions,
                         mtp_tokens=mtp_tokens)
         run.weights = weights
-        run.split = {(a.mb, a.chunk) for a in actions if a.op == "W"}
+        run.split = split_keys(actions)
         # per chunk, the last action that accumulates weight gradients
         final = {a.chunk: a for a in actions
-                 if a.op == "W" or (a.op == "B" and (a.mb, a.chunk) not in run.split)}
+                 if a.op in ("B", "W") and (a.op == "W") == ((a.mb, a.chunk) in run.split)}
         i = 0
         while i < len(actions):
             a = actions[i]
@@ -176,6 +177,15 @@ class PipelineExecutor:
         return self.place.where(self._virtual(chunk) + step)
 
 
+def split_keys(actions: list[Action]) -> set[tuple[int, int]]:
+    """The (micro-batch, chunk)s whose backward runs split: those with a W, except where the
+    W is the very next action after its B. There one whole backward computes the same
+    gradients without the split's cost (docs/pipeline.md); the W is an empty slot."""
+    keys = {(a.mb, a.chunk) for a in actions if a.op == "W"}
+    return keys - {(a.mb, a.chunk) for a, b in zip(actions, actions[1:])
+                   if a.op == "B" and b.op == "W" and (a.mb, a.chunk) == (b.mb, b.chunk)}
+
+
 class _Run:
     """The state of one executor run: saved activations, buffers in flight, the timeline."""
 
@@ -189,7 +199,7 @@ class _Run:
         # virtual stage 0, whose input gradient nobody needs: its W is the whole backward
         self.kept: dict[tuple[int, int], Kept | tuple] = {}
         self.outgoing: dict[tuple[str, int, int], torch.Tensor] = {}
-        self.sending: list = []  # eager sends' works (PeerWork), waited for at the end
+        self.sending: list = []  # eager sends' works (PeerWork) not yet collected
         self.loss_sum = torch.zeros((), device=ex.device)
         self.clock = Clock(ex.device, ex.origin)
         self.spans: list[tuple[Action, int, int]] = []  # (action, start mark, end mark)
@@ -252,7 +262,10 @@ class _Run:
         return self.outgoing.pop((kind, mb, other))
 
     def weight(self, a: Action) -> None:
-        """W: the weight gradients of a split backward; then its activations go."""
+        """W: the weight gradients of a split backward; then its activations go. (A W
+        that its B ran whole, split_keys, has nothing left to do.)"""
+        if (a.mb, a.chunk) not in self.split:
+            return
         kept = self.kept.pop((a.mb, a.chunk))
         if isinstance(kept, Kept):
             weight_backward(kept)
@@ -275,7 +288,10 @@ class _Run:
                 buffer = torch.empty(ex.act_shape, dtype=ex.wire_dtype, device=ex.device)
                 self.received[(kind, a.mb, a.chunk)] = buffer
                 recvs.append((peer, buffer, f"pp_{kind}"))
-        if ex.place.eager_sends:  # the tensors stay alive in the works until the end
+        if ex.place.eager_sends:  # the tensors stay alive in the works until taken
+            for work in [w for w in self.sending if w.done()]:
+                work.wait()  # done: returns at once (or raises what the send met)
+                self.sending.remove(work)
             self.sending += [ex.comm.isend(t.contiguous(), peer, tag=tag)
                              for peer, t, tag in sends]
             sends = []

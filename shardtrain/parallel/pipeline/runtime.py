@@ -54,9 +54,11 @@ class Pipeline:
         self.place = schedules.placement(executed, self.pp.size, v)
         plan = schedules.build(executed, self.pp.size, self.m, v)
         validate(plan, self.pp.size, self.m, v, shape=self.place.shape,
+                 eager=self.place.eager_sends,
                  bound=schedules.activation_bound(executed, self.pp.size, self.m, v))
         evaluation = schedules.build_forward_only(self.pp.size, 1, v, self.place.shape)
-        validate(evaluation, self.pp.size, 1, v, backward=False, shape=self.place.shape)
+        validate(evaluation, self.pp.size, 1, v, backward=False, shape=self.place.shape,
+                 eager=self.place.eager_sends)
         self.actions, self.eval_actions = plan[self.pp.rank], evaluation[self.pp.rank]
         # context and sequence parallel: the activations between stages are split
         seq = t.seq_len // p.cp // (p.tp if p.sp else 1)

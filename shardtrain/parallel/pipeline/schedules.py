@@ -23,9 +23,9 @@ transfer actions of a rank form one batch, posted together (batch_isend_irecv) a
 for together; a transfer completes only once its peer has posted the matching one
 (rendezvous: no buffering is assumed). Activations and gradients travel under different
 message tags, and on each (sender, receiver, kind) channel the k-th send matches the k-th
-receive. Under the V placement sends are eager instead: a send is posted (isend) and
-the rank goes on, waiting for it only at the end of the step; a receive still waits for its
-message. The V's two chunks send both ways between neighbours (chunk 0 down, chunk 1 up),
+receive. Under the V placement (and under ZB-H1: `placement`) sends are eager instead: a
+send is posted (isend) and the rank goes on, its work collected once done or at the end of
+the step; a receive still waits for its message. The V's two chunks send both ways between neighbours (chunk 0 down, chunk 1 up),
 and with rendezvous sends two neighbours each sending before receiving would wait for each
 other; eager sends leave only the data dependencies, which the validator replays.
 
@@ -74,11 +74,12 @@ class Placement:
     pp: int
     v: int = 1
     shape: str = "loop"  # loop | v
+    eager: bool = False  # sends eager in the loop too (`placement`)
 
     @property
     def eager_sends(self) -> bool:
-        """Whether sends complete when posted (module doc): the V placement's."""
-        return self.shape == "v"
+        """Whether sends complete when posted (module doc): the V placement's, and ZB-H1's."""
+        return self.shape == "v" or self.eager
 
     @property
     def last(self) -> int:
@@ -193,7 +194,11 @@ V_SHAPED = ("zbv", "dualpipev")
 
 
 def placement(schedule: str, pp: int, v: int = 1) -> Placement:
-    return Placement(pp, v, "v" if schedule in V_SHAPED else "loop")
+    # ZB-H1 puts W passes between a send and the next receive (a later stage: B, send the
+    # input gradient, W, receive the next activation). A rendezvous send would hold the
+    # receiving stage, whose batch also waits for that next activation's send, for the
+    # whole W: eager sends leave it only its data dependency, the simulator's.
+    return Placement(pp, v, "v" if schedule in V_SHAPED else "loop", eager=schedule == "zb-h1")
 
 
 def activation_bound(schedule: str, pp: int, m: int, v: int = 1) -> int:

@@ -6,10 +6,11 @@ B walks the autograd graph from the output. The nodes on a path to the input for
 path; an intermediate is a node of it with an edge off the path that leads to weights.
 B hooks the intermediates, computes the input gradient with the graph kept (retain_graph),
 and the hooks capture the gradient flowing into each. W restarts autograd from the
-intermediates with those gradients, once per group of weights that share intermediates,
-and stops at that group's weights: autograd then leaves the input path (which leads only
-to other groups' weights) alone, and the weights' gradients accumulate as a full
-backward's would (the same ops, so the same numbers). Data parallelism's and ZeRO's
+intermediates with those gradients, once per group of weights that share intermediates
+(groups whose intermediates reach none of each other share one call: `_calls`), and stops
+at those weights: autograd then leaves the input path (which leads only to other calls'
+weights) alone, and the weights' gradients accumulate as a full backward's would (the same
+ops, so the same numbers). Data parallelism's and ZeRO's
 post-accumulate-grad hooks fire then: a weight's reduction waits for its W. While W runs,
 each intermediate's incoming gradient is replaced by the captured one, so a gradient that
 also reaches it from an earlier intermediate is not counted twice.
@@ -27,6 +28,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+# (tensors, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad)
+_ENGINE = torch.autograd.Variable._execution_engine
+
 
 def _node(t: torch.Tensor) -> Node | None:
     """t's autograd node; for a leaf its AccumulateGrad (reached through a view)."""
@@ -37,9 +41,10 @@ def _node(t: torch.Tensor) -> Node | None:
 
 @dataclass
 class Kept:
-    """What B leaves for W: per group, its intermediates, the gradients that flowed into
-    them and its weights."""
-    groups: list[tuple[list[Node], list[torch.Tensor]]]
+    """What B leaves for W: per autograd call (`_calls`), its intermediates, its weights
+    and whether the intermediates' gradients are clamped; the gradients that flowed into
+    the intermediates."""
+    groups: list[tuple[list[Node], list[torch.Tensor], bool]]
     grads: dict[Node, tuple] = field(default_factory=dict)
 
 
@@ -78,7 +83,7 @@ def input_backward(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
         nodes, ws = groups.setdefault(find(next(iter(weights))), ([], set()))
         nodes.append(n)
         ws.update(weights)
-    kept = Kept([(nodes, [w.variable for w in ws]) for nodes, ws in groups.values()])
+    kept = Kept(_calls(list(groups.values()), _levels(order, children, on_path, reached)))
     handles = [n.register_prehook(_capture(kept, n)) for n in reached]
     try:
         (x.grad,) = torch.autograd.grad(out, x, grad, retain_graph=True)
@@ -88,9 +93,44 @@ def input_backward(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
     return kept
 
 
+def _levels(order: list[Node], children: dict[Node, list[Node]], on_path: set[Node],
+            reached: dict[Node, set[Node]]) -> dict[Node, int]:
+    """Each intermediate's level: the most intermediates on a path from the output above
+    it. One intermediate that reaches another through the input path sits above it, so
+    intermediates of one level reach none of each other."""
+    above = {n: 0 for n in order}
+    for n in order:  # parents first
+        if n in on_path:
+            below = above[n] + (n in reached)
+            for m in children[n]:
+                if m in on_path:
+                    above[m] = max(above[m], below)
+    return {n: above[n] for n in reached}
+
+
+def _calls(groups: list[tuple[list[Node], set[Node]]], level: dict[Node, int]
+           ) -> list[tuple[list[Node], list[torch.Tensor], bool]]:
+    """W's autograd calls. Groups of one intermediate and one level share a call: started
+    together from intermediates that reach none of each other, autograd runs only their
+    own nodes towards their weights (none of the input path), so one traversal does the
+    work of several (a Llama block's 9 groups in 6 calls: w2 | w1 w3 | the MLP's norm |
+    wo | wq wk wv | the attention's norm). A group of several intermediates, one above
+    another, keeps its own call (weight_backward clamps its gradients)."""
+    shared: dict[int, tuple[list[Node], list[Node]]] = {}
+    alone = []
+    for nodes, ws in groups:
+        if len(nodes) > 1:
+            alone.append((nodes, [w.variable for w in ws], True))
+            continue
+        into = shared.setdefault(level[nodes[0]], ([], [], False))
+        into[0].append(nodes[0])
+        into[1].extend(w.variable for w in ws)
+    return [*shared.values(), *alone]
+
+
 def weight_backward(kept: Kept) -> None:
     """W: the weights' gradients, accumulated into .grad (their hooks fire)."""
-    for k, (nodes, weights) in enumerate(kept.groups):
+    for k, (nodes, weights, clamp) in enumerate(kept.groups):
         edges, grads = [], []
         for n in nodes:
             for i, g in enumerate(kept.grads.get(n, ())):
@@ -98,13 +138,16 @@ def weight_backward(kept: Kept) -> None:
                     edges.append(GradientEdge(n, i))
                     grads.append(g)
         handles = [n.register_prehook(lambda _, saved=kept.grads[n]: saved)
-                   for n in nodes if len(nodes) > 1 and n in kept.grads]
+                   for n in nodes if clamp and n in kept.grads]
         try:
             if edges:
-                # the graph stays for the next groups; the last call (or dropping the
-                # output) frees it
-                torch.autograd.backward(edges, grads, inputs=weights,
-                                        retain_graph=k < len(kept.groups) - 1)
+                # torch.autograd.backward's own engine call, without its per-call argument
+                # checks: B captured these gradients from this graph, so they fit (the
+                # checks cost about 30 us a call). The graph stays for the next calls; the
+                # last (or dropping the output) frees it. Gradients accumulate into .grad
+                # (accumulate_grad), and their hooks fire.
+                _ENGINE.run_backward(tuple(edges), tuple(grads), k < len(kept.groups) - 1,
+                                     False, tuple(weights), True, True)
         finally:
             for h in handles:
                 h.remove()

@@ -15,8 +15,8 @@ Checks, for every rank (stage) of a schedule built for (pp, m, v) and a placemen
    met its peer's; no buffering). On each (sender, receiver, kind) channel the k-th send
    must carry what the k-th receive expects (same micro-batch, same pipeline boundary);
    a state where no rank can move while some have actions left is a deadlock. Under the V
-   placement (ZB-V, DualPipeV) sends are eager (schedules.py): a send completes once
-   posted, a receive once its peer's send is posted.
+   placement (ZB-V, DualPipeV) and ZB-H1 sends are eager (schedules.py): a send completes
+   once posted, a receive once its peer's send is posted.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ class ScheduleError(ValueError):
 
 
 def validate(schedule: Schedule, pp: int, m: int, v: int = 1, *, backward: bool = True,
-             shape: str = "loop", bound: int | None = None) -> None:
-    """`shape`: the placement (schedules.Placement); `bound`: the most (micro-batch,
-    chunk)s a rank may hold between forward and finished backward."""
+             shape: str = "loop", bound: int | None = None, eager: bool = False) -> None:
+    """`shape`, `eager`: the placement (schedules.Placement); `bound`: the most
+    (micro-batch, chunk)s a rank may hold between forward and finished backward."""
     if len(schedule) != pp:
         raise ScheduleError(f"the schedule has {len(schedule)} ranks, expected pp={pp}")
-    place = Placement(pp, v, shape)
+    place = Placement(pp, v, shape, eager)
     for s, actions in enumerate(schedule):
         _check_rank(s, actions, place, m, backward)
         if bound is not None and peak_in_flight(actions) > bound:
