@@ -19,7 +19,7 @@ from test_pipeline_parity import references, tmp  # noqa: F401 (the module's fix
 
 from shardtrain import config
 from shardtrain.model.transformer import Block
-from shardtrain.parallel.pipeline.executor import split_keys
+from shardtrain.parallel.pipeline.split_backward import split_keys
 from shardtrain.parallel.pipeline.schedules import build
 from shardtrain.parallel.pipeline.split_backward import input_backward, weight_backward
 

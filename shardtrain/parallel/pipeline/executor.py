@@ -1,26 +1,26 @@
 """Run one rank's part of any valid pipeline schedule, and record its timeline.
 
 The executor knows nothing about transformers: it drives a list of chunk modules (which
-virtual stage local chunk c is: the placement, schedules.Placement) and, on the last
-virtual stage, a loss function. Virtual stage 0 takes the micro-batch's inputs; every other chunk takes an
-activation received from the previous virtual stage. All boundary activations share one
-shape and dtype, known in advance ([micro_batch, seq_len / seq_shards, dim] for the
-transformer), so receives are posted into preallocated buffers with no shape handshake.
-They travel, with their gradients, in the wire dtype (the precision policy's boundary
-dtype: the compute dtype, half the bytes of the fp32 residual stream under bf16) and are
-upcast on arrival, so every chunk computes on the residual stream's dtype.
+virtual stage local chunk c is: the placement, schedules.Placement) and, on the last virtual
+stage, a loss function. Virtual stage 0 takes the micro-batch's inputs; every other chunk
+takes an activation received from the previous virtual stage. All boundary activations share
+one shape and dtype, known in advance ([micro_batch, seq_len / seq_shards, dim] for the
+transformer), so receives are posted into preallocated buffers with no shape handshake. They
+travel, with their gradients, in the wire dtype (the precision policy's boundary dtype: the
+compute dtype, half the bytes of the fp32 residual stream under bf16) and are upcast on
+arrival, so every chunk computes on the residual stream's dtype.
 
 Transfers go through the pipeline communicator (so the ledger counts them): consecutive
 transfer actions are posted as one batch and waited for together, the semantics the
 validator proved deadlock-free (under the V placement and ZB-H1 sends are eager: posted,
 then collected once done or at the end of the run; a hand-off between two chunks of this
-rank is no transfer). Gradients accumulate over the micro-batches; the caller's
-`no_sync` context suppresses gradient communication on every backward except each chunk's
-last, so a data-parallel reducer all-reduces once, overlapping the remaining backwards.
-A (micro-batch, chunk) with a W in the schedule has its backward split (split_backward.py):
-its B computes the input gradient only, its W the weights' gradients -- then a chunk's
-last W is what communicates. Where the W is the action right after its B, B runs the whole
-backward instead and the W is an empty slot (`split_keys`).
+rank is no transfer). Gradients accumulate over the micro-batches; the caller's `no_sync`
+context suppresses gradient communication on every backward except each chunk's last, so a
+data-parallel reducer all-reduces once, overlapping the remaining backwards. A (micro-batch,
+chunk) with a W in the schedule has its backward split (split_backward.py): its B computes
+the input gradient only, its W the weights' gradients -- then a chunk's last W is what
+communicates. Where the W is the action right after its B, B runs the whole backward instead
+and the W is an empty slot (`split_keys`).
 
 Timeline format (`PipelineExecutor.timeline`, written by the trainer as
 `<run_dir>/timeline_rank{R}.json`; read by `shardtrain report`; keep it stable):
@@ -35,14 +35,14 @@ the optimizer step (added by the trainer; `schedule` comes from the caller; unde
 parallelism the pipeline adds `attention_s`, this rank's attention compute seconds); times
 are seconds from the origin the pipeline group agreed once, right after a barrier at its
 first training step (so stages share a time origin up to that barrier's skew, and no step
-pays a barrier: the schedule's transfers already order the stages; a forward-only
-evaluation before any training step times from its own start, its timeline is not kept).
-A step's span is from its first forward to its last action (train/observe/report.py). Transfers of
-one batch share its start (posting) and end (all complete). On CPU the clock is
+pays a barrier: the schedule's transfers already order the stages; a forward-only evaluation
+before any training step times from its own start, its timeline is not kept). A step's span
+is from its first forward to its last action (train/observe/report.py). Transfers of one
+batch share its start (posting) and end (all complete). On CPU the clock is
 time.perf_counter(); on CUDA each mark is an event recorded on the current stream (`Clock`),
 so the times are the GPU's, not those of the kernel launches, and the actions' times are
-filled in by `settle()` (the strategy calls it after the step's agreed decision, when
-every mark has passed: no wait).
+filled in by `settle()` (the strategy calls it after the step's agreed decision, when every
+mark has passed: no wait).
 
 The micro-batches' host tensors reach the device through `Feed`, pinned and one ahead: a
 `.to(device)` from pageable memory would block the host until the device reached the copy.
@@ -61,7 +61,8 @@ from shardtrain.comm import Communicator
 from shardtrain.parallel.pipeline.clock import Clock
 from shardtrain.parallel.pipeline.feed import Feed
 from shardtrain.parallel.pipeline.schedules import COMPUTE, Action, Placement
-from shardtrain.parallel.pipeline.split_backward import Kept, input_backward, weight_backward
+from shardtrain.parallel.pipeline.split_backward import (Kept, input_backward, split_keys,
+                                                         weight_backward)
 from shardtrain.model.moe import loss_grad_scale
 
 # (output, targets) -> mean; or (objective, reported [P]): multi-token prediction's loss
@@ -154,8 +155,7 @@ class PipelineExecutor:
             work.wait()
         self.peak_live = run.peak_live
         self.timeline = {"rank": self.rank, "stage": self.stage, "pp": self.pp,
-                         "microbatches": m, "virtual_stages": self.virtual_stages,
-                         **(info or {})}
+                         "microbatches": m, "virtual_stages": self.virtual_stages, **(info or {})}
         self._unsettled = run
         if not run.clock.cuda:
             self.settle()
@@ -175,15 +175,6 @@ class PipelineExecutor:
     def _neighbour(self, chunk: int, step: int) -> tuple[int, int]:
         """(stage, local chunk) of the virtual stage `step` (+1 or -1) from this chunk's."""
         return self.place.where(self._virtual(chunk) + step)
-
-
-def split_keys(actions: list[Action]) -> set[tuple[int, int]]:
-    """The (micro-batch, chunk)s whose backward runs split: those with a W, except where the
-    W is the very next action after its B. There one whole backward computes the same
-    gradients without the split's cost (docs/pipeline.md); the W is an empty slot."""
-    keys = {(a.mb, a.chunk) for a in actions if a.op == "W"}
-    return keys - {(a.mb, a.chunk) for a, b in zip(actions, actions[1:])
-                   if a.op == "B" and b.op == "W" and (a.mb, a.chunk) == (b.mb, b.chunk)}
 
 
 class _Run:

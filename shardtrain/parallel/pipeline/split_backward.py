@@ -24,9 +24,13 @@ part does.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
+
+if TYPE_CHECKING:
+    from shardtrain.parallel.pipeline.schedules import Action
 
 # (tensors, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad)
 _ENGINE = torch.autograd.Variable._execution_engine
@@ -174,3 +178,12 @@ def _topological(root: Node) -> list[Node]:
             post.append(n)
             stack.pop()
     return post[::-1]
+
+
+def split_keys(actions: list[Action]) -> set[tuple[int, int]]:
+    """The (micro-batch, chunk)s whose backward runs split: those with a W, except where the
+    W is the very next action after its B. There one whole backward computes the same
+    gradients without the split's cost (docs/pipeline.md); the W is an empty slot."""
+    keys = {(a.mb, a.chunk) for a in actions if a.op == "W"}
+    return keys - {(a.mb, a.chunk) for a, b in zip(actions, actions[1:])
+                   if a.op == "B" and b.op == "W" and (a.mb, a.chunk) == (b.mb, b.chunk)}
