@@ -231,11 +231,11 @@ MODEL_STATE_FIELDS = {
     "moe_score": "moe_score", "moe_ffn_dim": "expert_hidden",  # (the router learnt its score)
     "moe_shared_experts": "moe_shared_experts", "moe_first_dense": "moe_first_dense",
     **{n: n for n in ("attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-                      "qk_rope_head_dim", "v_head_dim", "moe_route_scale")}}
+                      "qk_rope_head_dim", "v_head_dim", "moe_route_scale", "mtp_depth")}}
 MODEL_FREE_FIELDS = (
     "init_from",  # where the first weights came from: a path, moved or gone since
     "moe_impl",  # grouped matmul or a loop: the same function
-    "moe_aux_loss_coef", "moe_z_loss_coef",  # training-loss weights, as the lr is
+    "moe_aux_loss_coef", "moe_z_loss_coef", "mtp_loss_coef",  # loss weights, as the lr is
     "moe_capacity_factor", "moe_drop_policy",  # routing under load in training
     "moe_balance", "moe_bias_rate", "moe_groups", "moe_max_groups",  # routing policies
 )
