@@ -69,9 +69,6 @@ FACTORS: dict[str, dict[str, tuple[str, ...]]] = {
                 "--model.moe_shared_experts", "1", "--model.moe_first_dense", "1",
                 "--model.moe_groups", "2", "--model.moe_max_groups", "1", "--model.mtp_depth",
                 "1"),
-        # DeepSeek-V3's multi-token prediction: two sequential modules sharing the embedding
-        # and head (the last pipeline stage holds them), their losses weighted 0.3
-        "mtp": ("--model.mtp_depth", "2", "--model.mtp_loss_coef", "0.3"),
     },
     "attention": {"plain": (), "document": ("--data.document_mask", "true")},
     "optim": {o: ("--optim.name", o) for o in ("adamw", "rmsprop", "adagrad")},
