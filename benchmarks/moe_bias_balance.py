@@ -31,6 +31,7 @@ from shardtrain.train.trainer import Trainer
 
 RECIPES = {  # label: model overrides
     "aux (softmax, coef 0.01)": (),
+    "aux (sigmoid, coef 0.01)": ("--model.moe_score", "sigmoid"),
     "none (softmax)": ("--model.moe_balance", "none", "--model.moe_aux_loss_coef", "0"),
     "bias (softmax)": ("--model.moe_balance", "bias", "--model.moe_aux_loss_coef", "0"),
     "bias (sigmoid, seq loss 1e-4)": ("--model.moe_score", "sigmoid", "--model.moe_balance",
