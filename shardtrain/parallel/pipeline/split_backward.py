@@ -32,6 +32,8 @@ from torch.autograd.graph import GradientEdge, Node
 if TYPE_CHECKING:
     from shardtrain.parallel.pipeline.schedules import Action
 
+# torch's private engine handle (what torch.autograd.backward calls; a torch release that
+# moves it fails here at import, and the pipeline parity tests say so). Its arguments:
 # (tensors, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad)
 _ENGINE = torch.autograd.Variable._execution_engine
 
