@@ -68,6 +68,19 @@ class ParallelConfig:
     ps_partition_mb: float = 4.0  # pushes and pulls travel in partitions of at most this
     ps_priority: Literal["none", "layer"] = "layer"  # earliest layers first, or FIFO
     ps_credit: int = 4  # a worker's pushes in flight at once
+    # Replica groups (parallel/replica/, docs/faults.md): dp splits into `replicas` groups,
+    # sharded inside (ZeRO over dp / replicas: HSDP) and averaged across. `sync`: what
+    # crosses groups - every_step: the gradients; local_sgd: the weights every `sync_every`
+    # steps (averaged); diloco: the pseudo-gradient (weights at the last sync - averaged
+    # weights) into an outer SGD with Nesterov momentum (Douillard et al. 2023, arXiv
+    # 2311.08105: outer_lr 0.7, outer_momentum 0.9). sync_fragments F: streaming DiLoCo, a
+    # 1/F slice of the model synchronised every sync_every / F steps.
+    replicas: int = 1
+    sync: Literal["every_step", "local_sgd", "diloco"] = "every_step"
+    sync_every: int = 1
+    sync_fragments: int = 1
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
 
     def resolved_dp(self, world_size: int) -> int:
         """dp = 0 fills the world; parameter servers are not part of it."""

@@ -24,6 +24,7 @@ from shardtrain.config.parallel import CommConfig, ParallelConfig
 from shardtrain.config.precision import check_true_precision
 from shardtrain.config.ps import check_parameter_server, check_slow_ranks
 from shardtrain.config.ranges import check_ranges
+from shardtrain.config.replicas import FaultConfig, check_replicas
 
 
 @dataclass(kw_only=True)
@@ -209,6 +210,7 @@ class Config:
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
     def validate(self, world_size: int) -> None:
         """Every check that needs no data or process group; raises ConfigError."""
@@ -241,6 +243,7 @@ class Config:
         check_true_precision(self)
         check_slow_ranks(self.train.slow_ranks, world_size)
         check_faults(self.train, world_size)
+        check_replicas(self, world_size)
         if self.parallel.zero and self.comm.compress != "none":
             raise ConfigError(f"comm.compress={self.comm.compress} compresses data-parallel "
                               f"all-reduces; parallel.zero={self.parallel.zero} reduce-scatters "
