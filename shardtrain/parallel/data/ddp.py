@@ -170,7 +170,8 @@ class ReplicatedUpdate:
             return True
 
         return ReplicaView(
-            grads=[b.buffer for b in self.reducer.buckets], weights=params, refresh=lambda: None,
+            grads=lambda: [b.buffer for b in self.reducer.buckets], weights=params,
+            refresh=lambda: None,
             pieces=lambda key_of, tensors: [tensor_piece(self.shards, key_of(name_of[p]),
                                                          name_of[p], t)
                                             for p, t in zip(params, tensors, strict=True)],

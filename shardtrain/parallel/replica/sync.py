@@ -102,7 +102,7 @@ class ReplicaSync:
     def gradients(self) -> None:
         """After the inner gradient sync, before clipping."""
         if self.mode == "every_step":
-            average(self.cross, self.view.grads, "rep:grad", self.bucket_bytes)
+            average(self.cross, self.view.grads(), "rep:grad", self.bucket_bytes)
 
     def metric(self, value: torch.Tensor) -> torch.Tensor:
         """A per-group mean (the loss) as the live groups' mean, in place."""

@@ -18,8 +18,9 @@ KeyOf = Callable[[str], str]  # a parameter's single-process name -> a checkpoin
 @dataclass(frozen=True)
 class ReplicaView:
     # The gradients the optimizer step reads, after the inner sync (flat buffers or
-    # tensors; padding included: averaging zeros is harmless).
-    grads: list[torch.Tensor]
+    # tensors; padding included: averaging zeros is harmless). A call: ZeRO's reducer
+    # sets each step's gradient shards anew.
+    grads: Callable[[], list[torch.Tensor]]
     # The weights the optimizer updates (fp32 masters where the layout keeps them).
     weights: list[torch.Tensor]
     # After `weights` changed outside the optimizer: the compute copies, as the update does

@@ -26,7 +26,7 @@ def zero_view(model: Any) -> ReplicaView:
         model.gather_shards()
 
     return ReplicaView(
-        grads=[u.grad_shard for u in units], weights=masters, refresh=refresh,
+        grads=lambda: [u.grad_shard for u in units], weights=masters, refresh=refresh,
         pieces=lambda key_of, tensors: zero_like_pieces(shards, units, tensors, key_of),
         load=lambda reader, key_of, tensors: zero_like_load(shards, units, reader, key_of,
                                                             tensors))
