@@ -12,10 +12,12 @@ from dist import run_distributed
 from parity import (BF16_LOSS_RTOL, assert_parity, tiny, train_layout, train_layouts,
                     worst_loss_deviation)
 from shardtrain import config
+from shardtrain.ckpt.regions import Region
 from shardtrain.config import ConfigError
 from shardtrain.config.replicas import total_world
 from shardtrain.mesh import MeshShape, shape_for
 from shardtrain.parallel.replica.sync import ReplicaSync, fragments
+from shardtrain.parallel.replica.transfer import PiecesReader, pieces_state
 from shardtrain.parallel.replica.view import ReplicaView
 
 STEPS = "4"
@@ -181,3 +183,31 @@ def test_two_groups_equal_dp_for_inner_layouts(tmp_path):
                     BF16_LOSS_RTOL[False], label
             else:
                 assert_parity(ref, got, f"{label} rank {rank}")
+
+
+def test_a_rank_state_moves_through_pieces(tmp_path):
+    """What a rejoining group receives (parallel/replica/transfer.py): one trainer's pieces
+    (weights, AdamW moments, step count) loaded into another, fresh one; one process."""
+    trained = train_layout(0, 1, _text(tmp_path, "src", "--parallel.zero", "1", steps="2"),
+                           _state_of)
+    fresh = train_layout(0, 1, _text(tmp_path, "dst", "--parallel.zero", "1", steps="0"),
+                         lambda t: _loaded(t, trained["state"]))
+    for name, w in trained["weights"].items():
+        torch.testing.assert_close(fresh["weights"][name], w, rtol=0, atol=0)
+    got = PiecesReader(fresh["state"])
+    for key, value in zip(trained["state"]["regions"], trained["state"]["values"]):
+        torch.testing.assert_close(got.region(key[0], _region(key)), value, rtol=0, atol=0)
+    assert fresh["state"]["extra"]["optim_steps"] == 2
+
+
+def _state_of(trainer) -> dict:
+    return {"state": pieces_state(trainer.parallel)}
+
+
+def _loaded(trainer, state: dict) -> dict:
+    trainer.parallel.load_state(PiecesReader(state))
+    return {"weights": trainer.parallel.full_state_dict(), "state": pieces_state(trainer.parallel)}
+
+
+def _region(key) -> Region:
+    return Region(key[0], tuple(key[1]), tuple(key[2]), key[3], key[4])
