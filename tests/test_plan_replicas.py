@@ -18,7 +18,7 @@ from shardtrain.cost import hardware
 from shardtrain.plan.cli import main
 from shardtrain.plan.evaluate import evaluate
 from shardtrain.plan.goodput import replicas_goodput, restart_goodput, young_interval_s
-from shardtrain.plan.layout import Layout, PlanError, check, config_layout
+from shardtrain.plan.layout import Layout, PlanError, check, config_layout, layout_overrides
 from shardtrain.plan.memory import memory_per_gpu
 from shardtrain.plan.partition import rank_params
 from shardtrain.plan.replica_traffic import cross_replica_bytes
@@ -104,6 +104,8 @@ def test_config_round_trip_and_search_keeps_the_groups():
                         "--parallel.sync_every", "8"])
     lay = config_layout(cfg, 4)
     assert (lay.replicas, lay.sync, lay.sync_every, lay.nd) == (2, "diloco", 8, 2)
+    again = load("tiny", layout_overrides(lay, seq_len=cfg.train.seq_len))  # and back
+    assert config_layout(again, 4) == lay
     result = search(TINY, HW, gpus=8, global_batch=16, seq_len=SEQ, top=20,
                     replica={"replicas": 4})
     assert result.ranked and all(p.layout.replicas == 4 and p.layout.dp % 4 == 0

@@ -208,8 +208,9 @@ def _config_fields(layout: Layout, *, seq_len: int | None,
         **({("train", "grad_reduce_dtype"): lay.reduce_dtype} if lay.reduce_dtype else {}),
         ("parallel", "zero_quantized_weights"): lay.qwz, ("parallel", "zero_hpz"): lay.hpz,
         ("parallel", "zero_quantized_gradients"): lay.qgz, ("train", "fp8"): lay.fp8,
-        **{("parallel", k): getattr(lay, k) for k in REPLICA_FIELDS},
     }
+    if lay.replicas > 1:  # one group (the default) runs as without groups
+        pairs |= {("parallel", k): getattr(lay, k) for k in REPLICA_FIELDS}
     if lay.offload == "nvme":
         pairs["parallel", "offload_dir"] = offload_dir
     pairs |= optim_fields(lay.optim)
