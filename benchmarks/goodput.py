@@ -106,6 +106,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     kills = args.steps // args.kill_every + 2
     cmd = [sys.executable, "-m", "shardtrain", "train", "--config", args.config, "--nproc", "4",
            "--train.steps", str(args.steps), "--train.run_dir", str(run_dir),
+           "--train.micro_batch", str(args.micro_batch),
            "--checkpoint.every", str(args.checkpoint_every if mode == "restart" else 0),
            "--max-restarts", str(kills), *MODES[mode], *args.overrides]
     start = time.monotonic()
@@ -147,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="default", help="preset or TOML (default: default)")
     p.add_argument("--steps", type=int, default=200, help="train.steps (default 200)")
     p.add_argument("--kill-every", type=int, default=40, help="steps taken between kills")
+    p.add_argument("--micro-batch", type=int, default=4, help="train.micro_batch (default 4: "
+                   "the default model's global batch of 16 over dp = 4)")
     p.add_argument("--checkpoint-every", type=int, default=25,
                    help="checkpoint.every under restart (default 25)")
     p.add_argument("--modes", default="restart,replicas", help="restart,replicas")
@@ -156,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="more --section.field VALUE for both runs "
                    "(after --)")
     args = p.parse_args(argv)
-    if min(args.steps, args.kill_every, args.checkpoint_every) < 1:
-        p.error("--steps, --kill-every and --checkpoint-every must be >= 1")
+    if min(args.steps, args.kill_every, args.checkpoint_every, args.micro_batch) < 1:
+        p.error("--steps, --kill-every, --checkpoint-every and --micro-batch must be >= 1")
     results = [run_mode(mode, args) for mode in args.modes.split(",")]
     print(f"\n{'mode':9} {'exit':>4} {'steps':>5} {'taken':>5} {'kills':>5} {'wall s':>8} "
           f"{'useful':>7} {'useful/min':>10}")

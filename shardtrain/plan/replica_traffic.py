@@ -26,7 +26,8 @@ import math
 from dataclasses import replace
 
 from shardtrain.plan.layout import Layout
-from shardtrain.plan.memory import BUCKET_BYTES, STATE_BYTES, wire_grad_bytes
+from shardtrain.plan.memory import BUCKET_BYTES
+from shardtrain.plan.state_bytes import STATE_BYTES, wire_grad_bytes
 from shardtrain.plan.ops import FREE, CommOp, Placement, a2a
 from shardtrain.plan.partition import RankParams
 
