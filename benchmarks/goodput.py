@@ -12,6 +12,9 @@ the workers among the launcher's descendants (`victim`).
 - replicas: R=2 groups of 2 (ZeRO-2 inside), `--fault.mode replicas --parallel.replicas 2`:
   a kill takes out group 1 (the victim is one of its ranks, SHARDTRAIN_REPLICA=1), group
   0 keeps stepping on its half of the batch, and group 1 rejoins from it.
+With --kill-every at or below checkpoint.every, restart mode never gets past its first
+checkpoint interval: each attempt is killed before it saves, until torchrun's restarts run
+out (exit 1, the table's figure is then what the last attempt logged).
 "Steps taken" counts every step a worker finished, redone ones too, so failures come at a
 rate per unit of work, as they come per hour on a cluster. A useful step is one on the
 full global batch: a step with `live` of R groups counts live / R (the record's `LIVE`
@@ -20,7 +23,9 @@ steps / the wall time from launch to exit. Figures go to docs/faults.md with the
 machine and date.
 
     python benchmarks/goodput.py                           # both modes, 200 steps, a kill every 40
-    python benchmarks/goodput.py --modes restart --config tiny --steps 30 --kill-every 10
+    python benchmarks/goodput.py --modes restart --steps 60 --kill-every 30
+    python benchmarks/goodput.py --modes restart --config tiny --micro-batch 2 --steps 40 \
+        --kill-every 15 --checkpoint-every 10
 """
 
 from __future__ import annotations
@@ -107,6 +112,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, "-m", "shardtrain", "train", "--config", args.config, "--nproc", "4",
            "--train.steps", str(args.steps), "--train.run_dir", str(run_dir),
            "--train.micro_batch", str(args.micro_batch),
+           "--train.log_every", "1",  # rank 0 writes each step's record at once: kills land on time
            "--checkpoint.every", str(args.checkpoint_every if mode == "restart" else 0),
            "--max-restarts", str(kills), *MODES[mode], *args.overrides]
     start = time.monotonic()
