@@ -24,7 +24,7 @@ from shardtrain.parallel.pipeline.pipedream import BATCHES, pipedream_2bw, versi
 from shardtrain.parallel.pipeline.schedules import one_f_one_b
 from shardtrain.parallel.pipeline.simulate import simulate
 from shardtrain.parallel.pipeline.validate import validate
-from shardtrain.plan.layout import SCHEDULES as PLANNED
+from shardtrain.plan.layout_checks import SCHEDULES as PLANNED
 from shardtrain.plan.layout import Layout, PlanError, check
 from shardtrain.train.trainer import Trainer
 

@@ -17,8 +17,10 @@ from typing import Any, NoReturn
 from shardtrain.config import ConfigError, load, parse_overrides, read_toml, resolve_preset
 from shardtrain.cost import hardware
 from shardtrain.plan import report
-from shardtrain.plan.evaluate import CONVENTIONS, evaluate
-from shardtrain.plan.layout import PRECISIONS, PlanError, check, planned_attention, trainer_refusal
+from shardtrain.plan.evaluate import CONVENTIONS, Plan, evaluate
+from shardtrain.plan.goodput import goodput_text, plan_goodput
+from shardtrain.plan.layout import PlanError, check, planned_attention, trainer_refusal
+from shardtrain.plan.layout_checks import PRECISIONS, SYNCS
 from shardtrain.plan.layout_text import parse_layout
 from shardtrain.plan.search import advice, search, shortfall
 
@@ -63,6 +65,20 @@ def parser() -> argparse.ArgumentParser:
                         "whose accuracy cost the planner does not price)")
     p.add_argument("--calibration", help="cpu calibration JSON (default ~/.cache/shardtrain/"
                                          "cpu_calibration.json)")
+    p.add_argument("--replicas", type=int, help="replica groups dp splits into "
+                   "(parallel.replicas; the search's layouts too)")
+    p.add_argument("--sync", choices=SYNCS, help="what crosses the groups (parallel.sync)")
+    p.add_argument("--sync-every", type=int, help="H, steps between syncs (parallel.sync_every)")
+    p.add_argument("--sync-fragments", type=int, help="F (parallel.sync_fragments)")
+    p.add_argument("--mtbf-hours", type=float, help="one process's mean time between failures: "
+                   "report goodput under fault.mode restart and replicas")
+    p.add_argument("--restart-s", type=float, default=60.0,
+                   help="seconds from a failure to training again, before loading (default 60)")
+    p.add_argument("--checkpoint-every", type=int, help="steps between saves under restart "
+                   "(default: the preset's checkpoint.every, else Young's interval)")
+    p.add_argument("--save-s", type=float, help="seconds a save blocks training (default: one "
+                   "rank's state at the node's storage bandwidth)")
+    p.add_argument("--load-s", type=float, help="seconds a resume's load takes (same default)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     return p
 
@@ -109,8 +125,11 @@ def _run(argv: list[str]) -> int:
     precision = args.precision or hw.default_precision
     name = str(args.model)
     measured = args.step_time
-    if args.layout is not None:
-        layout = parse_layout(args.layout, gpus=gpus, global_batch=batch, precision=precision,
+    replica = {k: v for k, v in (("replicas", args.replicas), ("sync", args.sync),
+                                 ("sync_every", args.sync_every),
+                                 ("sync_fragments", args.sync_fragments)) if v is not None}
+    if args.layout is not None:  # the layout text's own replica keys win over the flags
+        layout = parse_layout(",".join(f"{k}={v}" for k, v in replica.items()) + "," + args.layout, gpus=gpus, global_batch=batch, precision=precision,
                               attention=planned_attention(cfg, precision))
         check(layout, cfg, gpus=gpus, node_size=hw.node_size(gpus), global_batch=batch,
               seq_len=seq)
@@ -126,12 +145,13 @@ def _run(argv: list[str]) -> int:
                                                              measured_step_s=measured)
         if refusal:
             text += f"\n\nthe trainer refuses this layout: {refusal}"
+        doc, text = _with_goodput(args, plan, doc, text, full.checkpoint.every or None)
         _emit(args.json, doc, text)
         if not plan.fits:  # reported above; the exit code and stderr say it too
             raise PlanError(reason)
         return 0
     result = search(cfg, hw, gpus=gpus, global_batch=batch, seq_len=seq, name=name, top=args.top,
-                    precision=precision, data=data, zeropp=args.zeropp)
+                    precision=precision, data=data, zeropp=args.zeropp, replica=replica)
     doc = {}
     if result.ranked or result.closest:
         best = result.ranked[0] if result.ranked else result.closest
@@ -152,10 +172,29 @@ def _run(argv: list[str]) -> int:
             report.header(best) if result.closest else "", report.ranking(result),
             "closest: " + report.details(best, tokens=args.tokens, measured_step_s=measured)
             if result.closest else "", "fits: no (why: below)"]))
+    if result.ranked or result.closest:
+        doc, text = _with_goodput(args, best, doc, text, full.checkpoint.every or None)
     _emit(args.json, doc, text)
     if not result.ranked:
         raise PlanError(result.reason)
     return 0
+
+
+def _with_goodput(args: argparse.Namespace, plan: Plan, doc: dict[str, Any], text: str,
+                  checkpoint_every: int | None) -> tuple[dict[str, Any], str]:
+    """With --mtbf-hours: the layout's goodput under both fault modes (plan/goodput.py)."""
+    if args.mtbf_hours is None:
+        return doc, text
+    for name in ("mtbf_hours", "restart_s", "save_s", "load_s", "checkpoint_every"):
+        value = getattr(args, name)
+        if value is not None and (value < 0 or name == "mtbf_hours" and value == 0):
+            raise PlanError(f"--{name.replace('_', '-')}={value:g} must be "
+                            f"{'positive' if name == 'mtbf_hours' else '>= 0'}")
+    # the run's own interval, else (None) Young's
+    every = args.checkpoint_every if args.checkpoint_every is not None else checkpoint_every
+    good = plan_goodput(plan, mtbf_hours=args.mtbf_hours, restart_s=args.restart_s,
+                        checkpoint_every=every, save_s=args.save_s, load_s=args.load_s)
+    return doc | {"goodput": good}, text + "\n\n" + goodput_text(good)
 
 
 def _emit(as_json: bool, doc: dict[str, Any], text: str) -> None:

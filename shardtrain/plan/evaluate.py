@@ -15,6 +15,7 @@ from shardtrain.plan.memory import (BUCKET_BYTES, STATE_BYTES, MemoryBreakdown, 
                                    memory_per_gpu)
 from shardtrain.plan.partition import rank_params
 from shardtrain.plan.ps import ps_summary
+from shardtrain.plan.replica_traffic import cross_replica_bytes
 from shardtrain.plan.roofline import RoofOp, roofline_ops
 from shardtrain.plan.timing import StepTime, exposed, step_time, utilization
 from shardtrain.plan.traffic import CommOp, bytes_per_step, step_ops
@@ -29,13 +30,16 @@ CONVENTIONS = {
     "memory": "per GPU on the busiest pipeline stage; bf16: params 2 + grads 2 + master 4 + "
               "optimizer (Adam m, v) 8 bytes per parameter (K = master + optimizer = 12); "
               "fp32: 4 + 4 + 0 + 8; bf16-true, fp16-true: 2 + 2 + 0 + 8 (kahan: +2 "
-              "optimizer); ZeRO shards over dp x cp; activations per Korthikanti "
+              "optimizer); ZeRO shards over dp x cp / replicas (one replica group); activations per Korthikanti "
               "Table 2 under bf16, what shardtrain's block keeps under fp32 and amp "
               "(docs/recompute.md), times in-flight micro-batches; offloaded bytes are "
               "not in total",
     "comm": "bytes sent per rank per step by group and op (ring all-reduce 2(n-1)/n S, "
             "all-gather / reduce-scatter (n-1)/n S); alpha-beta-gamma times from "
-            "shardtrain.cost.collectives",
+            "shardtrain.cost.collectives; group rep: across the replica groups, by ledger "
+            "tag in rep_by_tag (sync_every > 1: averaged over the steps)",
+    "goodput": "--mtbf-hours is one process's MTBF, the job failing at processes / MTBF; "
+               "useful steps carry the full global batch; first order (plan/goodput.py)",
     "time": "step = (compute + exposed pipeline comm) / (1 - bubble_fraction) + exposed dp "
             "comm + optimizer + offload; compute and optimizer: each op at max(FLOPs / "
             "(peak x efficiency), bytes / memory_bw) (roofline); bubble_fraction of the "
@@ -90,6 +94,7 @@ class Plan:
             "memory_per_gpu_bytes": self.memory.to_dict() | {
                 "usable": self.hw.usable_bytes, "fits": self.fits},
             "comm": {"bytes_per_step": bytes_per_step(list(self.ops)),
+                     "rep_by_tag": cross_replica_bytes(list(self.ops)),
                      "time_s": sum(op.time_s for op in self.ops),
                      "ops": [op.to_dict() for op in self.ops]},
             "time": self.time.to_dict(),
@@ -176,7 +181,7 @@ def _offload_seconds(cfg: ModelConfig, layout: Layout, hw: Hardware,
     if layout.offload == "none":
         return 0.0
     p_bytes, g_bytes = STATE_BYTES[layout.precision][:2]
-    shard = rank_params(cfg, layout).total / layout.replicas
+    shard = rank_params(cfg, layout).total / layout.nd
     seconds = shard * (p_bytes + g_bytes) / hw.host_bw
     if layout.offload == "nvme":
         seconds += 2 * memory.offloaded / (hw.nvme_bw / hw.node_size(layout.gpus))

@@ -90,8 +90,8 @@ def flat_sent_bytes(units: list[Unit], ranks: int, microbatches: int) -> dict[st
 def layer_states(cfg: ModelConfig, layout: Layout) -> ModelStates:
     """The busiest rank's model states under the layer partition: its units whole."""
     units = zero3_units(cfg, layout)
-    held = [0] * layout.replicas
-    for u, owner in zip(units, owners(units, layout.replicas)):
+    held = [0] * layout.nd
+    for u, owner in zip(units, owners(units, layout.nd)):
         held[owner] += u.elements
     p, g, m, o = (b * max(held) for b in STATE_BYTES[layout.precision])
     return ModelStates(params=p, grads=g, master=m, optimizer=o)
@@ -102,7 +102,7 @@ def layer_ops(cfg: ModelConfig, layout: Layout, where: Placement) -> list[CommOp
     broadcasts (per micro-batch, 2 of each unit it owns, 1 of the lookup tables) and its
     reduces (1 per micro-batch and unit it does not), each priced as the cost model's
     native collective of the mean size."""
-    lay, n, m = layout, layout.replicas, layout.microbatches
+    lay, n, m = layout, layout.nd, layout.microbatches
     units = zero3_units(cfg, lay)
     if n <= 1:
         return []
@@ -127,7 +127,7 @@ def compare_partitions(cfg: ModelConfig, layout: Layout) -> dict[str, dict[str, 
     """Model-state bytes of the busiest rank and bytes sent per step (the most any rank
     sends) under each partition of ZeRO-3: {"flat": {...}, "layer": {...}}."""
     lay, per = layout, sum(STATE_BYTES[layout.precision])  # bytes of state per element
-    units, n = zero3_units(cfg, lay), lay.replicas
+    units, n = zero3_units(cfg, lay), lay.nd
     held = [0] * n
     for u, owner in zip(units, owners(units, n)):
         held[owner] += per * u.elements

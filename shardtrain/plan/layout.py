@@ -16,24 +16,11 @@ from typing import Any
 
 from shardtrain.config import Config, ConfigError, DataConfig, ModelConfig
 from shardtrain.config.precision import TRUE16
-from shardtrain.model.sdpa_kernels import KERNELS, attention_kernel
-from shardtrain.plan.layout_checks import PlanError, check_context_parallel, check_layer_partition
-from shardtrain.plan.optim_states import OPTIM_STATES, config_optim, optim_fields
-
-# What parallel.schedule runs and the planner weighs: never pipedream-2bw, whose numbers
-# differ from synchronous training by design (docs/planner.md).
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
-RECOMPUTE = ("none", "selective", "full")
-OFFLOAD = ("none", "cpu", "nvme")
-ACTIVATION_OFFLOAD = ("none", "cpu")
-# amp: the runtime's bf16/fp16 policy; bf16-true, fp16-true: 16-bit parameters (memory.py)
-PRECISIONS = ("fp32", "bf16", "amp", *TRUE16)
-BF16_UPDATES = ("nearest", "stochastic", "kahan")  # optim.bf16_update (bf16-true only)
-CP_MODES = ("ring", "ulysses")  # parallel.cp_mode
-# SDPA's kernel for attention: what activations keep (plan/activations.py)
-ATTENTION = KERNELS
-ACCUMULATE = ("sharded", "unsharded")  # parallel.zero_accumulate (plan/accumulate.py)
-
+from shardtrain.model.sdpa_kernels import attention_kernel
+from shardtrain.plan.layout_checks import (REPLICA_FIELDS, PlanError, check_choices,
+                                           check_context_parallel, check_layer_partition,
+                                           check_replica_groups)
+from shardtrain.plan.optim_states import config_optim, optim_fields
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
@@ -77,10 +64,20 @@ class Layout:
     def gpus(self) -> int:
         return self.dp * self.tp * self.pp * self.cp + self.ps_servers
 
+    # Replica groups (parallel.replicas, docs/planner.md): dp splits into `replicas` groups,
+    # sharded inside (ZeRO over `nd`: HSDP); `sync` says what crosses them: the gradients
+    # every step, or the weights every `sync_every` steps in `sync_fragments` slices
+    # (plan/replica_traffic.py). dp stays the total over the groups.
+    replicas: int = 1
+    sync: str = "every_step"
+    sync_every: int = 1
+    sync_fragments: int = 1
+
     @property
-    def replicas(self) -> int:
-        """Ranks holding the same dense parameters: the gradient and ZeRO group (dp x cp)."""
-        return self.dp * self.cp
+    def nd(self) -> int:
+        """Ranks of one replica group holding the same dense parameters: the gradient and
+        ZeRO group (dp x cp / replicas; FORMULAS.md's Nd)."""
+        return self.dp * self.cp // self.replicas
 
     def describe(self) -> str:
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
@@ -103,6 +100,9 @@ class Layout:
         if self.offload != "none":
             parts.append(f"offload={self.offload}")
         parts += [f"fp8={self.fp8}"] if self.fp8 != "none" else []
+        if self.replicas > 1:
+            parts.append(f"replicas={self.replicas} sync={self.sync}" + (
+                f"(H={self.sync_every}, F={self.sync_fragments})" if self.sync_every > 1 else ""))
         if self.ps_servers:
             parts.append(f"ps_servers={self.ps_servers}")
         if self.attention != "flash":
@@ -121,19 +121,8 @@ def check(layout: Layout, cfg: ModelConfig, *, gpus: int, node_size: int, global
           seq_len: int) -> None:
     """Raise PlanError naming the field and the fix if the layout cannot run."""
     lay = layout
-    for name, choices in (("schedule", SCHEDULES), ("recompute", RECOMPUTE),
-                          ("offload", OFFLOAD), ("activation_offload", ACTIVATION_OFFLOAD),
-                          ("precision", PRECISIONS),
-                          ("cp_mode", CP_MODES), ("attention", ATTENTION),
-                          ("optim", tuple(OPTIM_STATES)), ("accumulate", ACCUMULATE),
-                          ("bf16_update", BF16_UPDATES)):
-        if getattr(lay, name) not in choices:
-            raise PlanError(f"layout {name}={getattr(lay, name)!r} is not one of "
-                            f"{', '.join(choices)}")
-    if lay.bf16_update != "nearest" and lay.precision != "bf16-true":
-        raise PlanError(f"layout bf16_update={lay.bf16_update} rounds bf16-true updates: set "
-                        "precision=bf16-true or bf16_update=nearest")
-    for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "microbatches", "v"):
+    check_choices(lay)
+    for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "microbatches", "v", "replicas"):
         if getattr(lay, name) < 1:
             raise PlanError(f"layout {name}={getattr(lay, name)} must be >= 1")
     if lay.gpus != gpus:
@@ -156,9 +145,10 @@ def check(layout: Layout, cfg: ModelConfig, *, gpus: int, node_size: int, global
     if lay.pp > cfg.n_layers:
         raise PlanError(f"layout pp={lay.pp} exceeds model.n_layers={cfg.n_layers}")
     check_context_parallel(lay, cfg, seq_len=seq_len)
-    if lay.ep > 1 and (not cfg.n_experts or cfg.n_experts % lay.ep or lay.replicas % lay.ep):
+    check_replica_groups(lay)
+    if lay.ep > 1 and (not cfg.n_experts or cfg.n_experts % lay.ep or lay.nd % lay.ep):
         raise PlanError(f"layout ep={lay.ep} needs a mixture-of-experts model whose "
-                        f"model.n_experts={cfg.n_experts} and dp x cp = {lay.replicas} it divides")
+                        f"model.n_experts={cfg.n_experts} and dp x cp = {lay.nd} it divides")
     if lay.dp * lay.micro_batch * lay.microbatches != global_batch:
         raise PlanError(f"layout dp={lay.dp} x micro_batch={lay.micro_batch} x microbatches="
                         f"{lay.microbatches} = {lay.dp * lay.micro_batch * lay.microbatches} does "
@@ -219,6 +209,8 @@ def _config_fields(layout: Layout, *, seq_len: int | None,
         ("parallel", "zero_quantized_weights"): lay.qwz, ("parallel", "zero_hpz"): lay.hpz,
         ("parallel", "zero_quantized_gradients"): lay.qgz, ("train", "fp8"): lay.fp8,
     }
+    if lay.replicas > 1:  # one group (the default) runs as without groups
+        pairs |= {("parallel", k): getattr(lay, k) for k in REPLICA_FIELDS}
     if lay.offload == "nvme":
         pairs["parallel", "offload_dir"] = offload_dir
     pairs |= optim_fields(lay.optim)
@@ -284,6 +276,7 @@ def config_layout(cfg: Config, world_size: int, device_type: str | None = None) 
                   schedule=p.schedule, v=p.virtual_stages, ps_servers=p.ps_servers,
                   qwz=p.zero_quantized_weights, hpz=p.zero_hpz,
                   qgz=p.zero_quantized_gradients, optim=config_optim(cfg.optim), fp8=t.fp8,
+                  **{k: getattr(p, k) for k in REPLICA_FIELDS},
                   attention=planned_attention(cfg.model, t.precision, device_type or (
                       "cuda" if t.device == "cuda" else "cpu")))
 

@@ -132,8 +132,8 @@ def zero3_widths(cfg: ModelConfig, layout: Layout, ranks: RankParams) -> dict[st
 
 
 def replicas_per_node(layout: Layout, node_size: int) -> int:
-    """The replica group's ranks on one node (tp innermost: they sit tp apart)."""
-    return max(1, min(layout.replicas, node_size // layout.tp))
+    """The ZeRO group's ranks (`Layout.nd`) on one node (tp innermost: they sit tp apart)."""
+    return max(1, min(layout.nd, node_size // layout.tp))
 
 
 def model_states(params: float, *, nd: int = 1, zero: int = 0,
@@ -196,9 +196,9 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
     lay = layout
     ranks = rank_params(cfg, lay)
     kahan = compensation_bytes(lay.bf16_update)
-    states = (model_states(ranks.dense, nd=lay.replicas, zero=lay.zero, precision=lay.precision,
+    states = (model_states(ranks.dense, nd=lay.nd, zero=lay.zero, precision=lay.precision,
                            optim=lay.optim, compensation=kahan)
-              + model_states(ranks.expert, nd=lay.replicas // lay.ep, zero=lay.zero,
+              + model_states(ranks.expert, nd=lay.nd // lay.ep, zero=lay.zero,
                              precision=lay.precision, optim=lay.optim, compensation=kahan))
     if lay.partition == "layer":  # the busiest rank's whole units (imports this module)
         from shardtrain.plan.layer_partition import layer_states
@@ -207,7 +207,7 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
         states = ModelStates(params=states.params, grads=states.grads, master=0, optimizer=0)
     host = states.grads if lay.zero >= 2 else 0.0  # nvme: the gradients' host buffers
     if lay.offload != "none":  # each rank's shard: the dense over N_d, experts over N_d / ep
-        shard = ranks.dense / lay.replicas + ranks.expert / (lay.replicas // lay.ep)
+        shard = ranks.dense / lay.nd + ranks.expert / (lay.nd // lay.ep)
         states = offload_states(states, shard_params=shard, zero=lay.zero)
     host = {"none": 0.0, "cpu": states.offloaded}.get(lay.offload, host) \
         + checkpoint_staging_bytes(states, staging_bytes)  # plan/checkpoint_io.py
@@ -240,19 +240,19 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, *, seq_len: int,
     if mine and lay.zero >= 2:  # full gradients only in the buckets
         buffers += zero_moments(cfg, lay, ranks, seq_len=seq_len, activations=activations,
                                 bucket_bytes=bucket_bytes, **zero3_widths(cfg, lay, ranks))
-        if lay.accumulate == "unsharded" and lay.replicas > 1:  # under every moment
+        if lay.accumulate == "unsharded" and lay.nd > 1:  # under every moment
             buffers += _kept(ranks, lay)
     else:
-        if lay.replicas > 1:  # the gradient buckets' copies
+        if lay.nd > 1:  # the gradient buckets' copies
             buffers += 2 * min(bucket_bytes, STATE_BYTES[lay.precision][1] * ranks.total)
         if mine:  # held at backward's end, the loss's gradients at its start; ZeRO-1
             # reduces once backward is over, its saved activations gone (zero/reducer.py)
             after = buffers - (activations if lay.zero == 1 else 0.0)
             buffers = max(after, loss_moment(cfg, lay, seq_len=seq_len))
         once = lay.pp > 1 or lay.accumulate == "unsharded"  # reduced once per step
-        if lay.replicas > 1 and lay.zero >= 2 and once:  # full copies held all step
+        if lay.nd > 1 and lay.zero >= 2 and once:  # full copies held all step
             buffers += _kept(ranks, lay)
-        elif lay.replicas > 1 and lay.zero == 3:  # the unit's kept share taken as the rank's
+        elif lay.nd > 1 and lay.zero == 3:  # the unit's kept share taken as the rank's
             units = block_units(ranks.layers, ranks.layer, lay.unit_blocks)
             both = gathered_units(units)  # the unit computing and the next
             kept = both * (ranks.kept + ranks.kept_expert) / ranks.total

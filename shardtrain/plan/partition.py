@@ -28,8 +28,8 @@ from shardtrain.plan.layout import Layout
 
 @dataclass(frozen=True, kw_only=True)
 class RankParams:
-    dense: float  # replicated across the dp x cp group
-    expert: float  # replicated across the dp x cp / ep group
+    dense: float  # replicated across a replica group's dp x cp (Layout.nd)
+    expert: float  # replicated across its dp x cp / ep
     layer: float  # one transformer layer on this rank (a ZeRO-3 gather unit)
     layers: int  # transformer layers on this rank's stage (all virtual chunks)
     kept: float = 0.0  # of `dense`: not rounded by autocast (ZeRO-3 gathers them in fp32)

@@ -198,24 +198,24 @@ def rank0_states(cfg: ModelConfig, layout: Layout, *, layers: int | None = None,
     tensors = rank0_tensors(cfg, lay, layers=layers)
     psi = sum(n for _, n in tensors)
     if lay.zero:
-        units = zero_units(tensors, nd=lay.replicas, tied=cfg.tie_embeddings,
+        units = zero_units(tensors, nd=lay.nd, tied=cfg.tie_embeddings,
                            n_layers=cfg.n_layers, align=block if lay.qwz else 1,
                            blocks=lay.unit_blocks,
                            rounded=lay.zero == 3 and lay.precision == "amp")
         padded = sum(units.values())
-        states = model_states(padded, nd=lay.replicas, zero=lay.zero, precision=lay.precision,
+        states = model_states(padded, nd=lay.nd, zero=lay.zero, precision=lay.precision,
                               optim=lay.optim, compensation=compensation_bytes(lay.bf16_update))
         if lay.qwz and lay.zero < 3:  # the dequantized gather lands in the shard: the fp32
             # master gets storage of its own (zero/model.py)
-            states = replace(states, master=PARAM_BYTES * padded / lay.replicas)
+            states = replace(states, master=PARAM_BYTES * padded / lay.nd)
         if lay.offload != "none":
-            states = offload_states(states, shard_params=padded // lay.replicas, zero=lay.zero)
+            states = offload_states(states, shard_params=padded // lay.nd, zero=lay.zero)
         secondary = hpz_secondary_bytes(units, local=local, precision=lay.precision) \
             if lay.hpz else 0  # on the device, offload or not
         return replace(states, params=states.params + secondary)
     width = STATE_BYTES[lay.precision][0]
-    padded = bucket_padded(tensors, nd=lay.replicas, bucket_mb=bucket_mb, width=width) \
-        if lay.replicas > 1 else psi  # one replica: no reducer, no buckets
+    padded = bucket_padded(tensors, nd=lay.nd, bucket_mb=bucket_mb, width=width) \
+        if lay.nd > 1 else psi  # one replica: no reducer, no buckets
     return runtime_adamw_fp32(psi, grad_padding=padded - psi, step_tensors=len(tensors),
                               optim=lay.optim, width=width,
                               compensation=compensation_bytes(lay.bf16_update))

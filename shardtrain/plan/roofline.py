@@ -132,7 +132,7 @@ def roofline_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, global_batch
             ops.append(price(name, elements * flops, elements * per_element, hw, lay.precision))
     if lay.offload == "none":
         p, g, master, state = STATE_BYTES[lay.precision]
-        shard = params.total / (lay.replicas if lay.zero >= 1 else 1)
+        shard = params.total / (lay.nd if lay.zero >= 1 else 1)
         weights = master or p  # what the step updates: the fp32 master, else the parameters
         per_param = g + 2 * weights + 2 * state + (p if master else 0)
         ops.append(price("optimizer", shard * _ADAM_FLOPS, shard * per_param, hw,

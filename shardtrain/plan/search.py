@@ -20,7 +20,9 @@ layouts whose replica group spans nodes and that could then rank in the top
 (variants.py), as is unsharded accumulation (parallel.zero_accumulate) on every fitting
 ZeRO-2/3 layout with micro-batches to accumulate that could then rank. The
 run's data section takes part (`data`: what it asks of a layout, through the trainer's
-validation). Offload
+validation). Replica groups
+(`replica`: parallel.replicas and the sync fields, fixed by the caller) go into every
+layout, and one whose dp (or a group's dp x cp for ep) they do not split is refused. Offload
 (cpu, nvme) is tried only when nothing fits without it. Ranked by predicted step time,
 then memory.
 """
@@ -31,12 +33,14 @@ import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from shardtrain.config import DataConfig, ModelConfig
 from shardtrain.cost.counts import param_counts
 from shardtrain.plan.evaluate import Plan, evaluate, fits
 from shardtrain.cost.hardware import Hardware
 from shardtrain.plan.layout import Layout, PlanError, check, planned_attention, trainer_refusal
+from shardtrain.plan.layout_checks import check_replica_groups
 from shardtrain.plan.memory import MemoryBreakdown, memory_per_gpu
 from shardtrain.plan.variants import (accumulate_variants, v_variants, with_variants,
                                      zeropp_variants)
@@ -142,9 +146,11 @@ def _partitions(cfg: ModelConfig, zero: int, dp: int, model_ranks: int,
 
 def search(cfg: ModelConfig, hw: Hardware, *, gpus: int, global_batch: int, seq_len: int,
            name: str = "", top: int = 5, precision: str | None = None,
-           data: DataConfig | None = None, zeropp: bool = False) -> SearchResult:
+           data: DataConfig | None = None, zeropp: bool = False,
+           replica: dict[str, Any] | None = None) -> SearchResult:
     """The `top` fastest layouts the trainer runs that fit (`zeropp`: ZeRO++'s quantized
-    variants too). When none fits, `ranked` is empty and `reason` says why (the missing
+    variants too; `replica`: the replica-group fields every layout takes, REPLICA_FIELDS,
+    a layout whose dp they do not split refused). When none fits, `ranked` is empty and `reason` says why (the missing
     memory and the knob that helps most), with the closest layout evaluated in `closest`
     (none when no layout splits batch and layers)."""
     precision = precision or hw.default_precision
@@ -156,7 +162,8 @@ def search(cfg: ModelConfig, hw: Hardware, *, gpus: int, global_batch: int, seq_
         for layout in enumerate_layouts(cfg, gpus=gpus, node_size=node,
                                         global_batch=global_batch, seq_len=seq_len,
                                         precision=precision, offload=offload):
-            if trainer_refusal(layout, cfg, seq_len=seq_len, data=data) is not None:
+            layout = dataclasses.replace(layout, **(replica or {}))
+            if _refused(layout, cfg, seq_len=seq_len, data=data):
                 refused += 1
                 continue
             considered += 1
@@ -193,6 +200,15 @@ def search(cfg: ModelConfig, hw: Hardware, *, gpus: int, global_batch: int, seq_
         counts["considered"] += ran
         counts["refused"] += refused_variants
     return SearchResult(ranked=tuple(plans[:top]), **counts)
+
+
+def _refused(layout: Layout, cfg: ModelConfig, *, seq_len: int, data: DataConfig | None) -> bool:
+    """The replica groups do not split the layout (layout_checks.py), or the trainer refuses it."""
+    try:
+        check_replica_groups(layout)
+    except PlanError:
+        return True
+    return trainer_refusal(layout, cfg, seq_len=seq_len, data=data) is not None
 
 
 def shortfall(memory: MemoryBreakdown, hw: Hardware) -> str:

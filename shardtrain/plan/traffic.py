@@ -2,7 +2,8 @@
 
 Groups and what they move (bytes sent by one rank per step; X = s b h activation bytes of
 one micro-batch, s = seq / cp; P, G = this rank's parameter and gradient bytes):
-- dp (dp x cp ranks; ZeRO, Rajbhandari et al. 2020): DP all-reduces G once per step,
+- dp (Nd = dp x cp / replicas ranks: one replica group's, plan/replica_traffic.py for what
+  crosses the groups; ZeRO, Rajbhandari et al. 2020): DP all-reduces G once per step,
   2 (n-1)/n G; ZeRO-1 reduce-scatters G once and all-gathers the updated P, the same
   bytes; ZeRO-2 reduce-scatters every micro-batch (it keeps no full gradient to
   accumulate into); ZeRO-3 all-gathers P twice (forward, backward) and reduce-scatters G
@@ -74,6 +75,7 @@ from shardtrain.plan.memory import (BUCKET_BYTES, STATE_BYTES, wire_grad_bytes,
 from shardtrain.plan.ops import (FREE, CommOp, Placement, a2a, bytes_per_step,  # noqa: F401
                                  collective, p2p, placement)
 from shardtrain.plan.partition import RankParams, rank_params
+from shardtrain.plan.replica_traffic import cross_replica_ops
 from shardtrain.plan.tensor_traffic import tensor_parallel_ops
 from shardtrain.plan.ps import ps_ops
 from shardtrain.plan.zeropp import any_zeropp, zeropp_ops
@@ -159,18 +161,21 @@ def step_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, seq_len: int,
     common = dict(zero=lay.zero, microbatches=m, precision=lay.precision, layers=units,
                   bucket_bytes=bucket_bytes, pipelined=lay.pp > 1, reduce_dtype=lay.reduce_dtype,
                   unsharded=lay.accumulate == "unsharded")
-    dp_where = placement(hw, node, lay.tp, lay.replicas)
+    dp_where = placement(hw, node, lay.tp, lay.nd)
     if any_zeropp(lay):  # quantized and node-local collectives (plan/zeropp.py)
         ops += zeropp_ops(cfg, lay, hw, bucket_bytes=bucket_bytes)
     else:
         ops += layer_ops(cfg, lay, dp_where) if lay.partition == "layer" else \
-            data_parallel_ops(group="dp", params=ranks.dense, size=lay.replicas, where=dp_where,
+            data_parallel_ops(group="dp", params=ranks.dense, size=lay.nd, where=dp_where,
                               kept=ranks.kept, lookup=ranks.lookup,
                               **fp8_gather_terms(cfg, lay, ranks), **common)
-        ops += data_parallel_ops(group="edp", params=ranks.expert, size=lay.replicas // lay.ep,
+        ops += data_parallel_ops(group="edp", params=ranks.expert, size=lay.nd // lay.ep,
                                  where=placement(hw, node, lay.tp * lay.ep,
-                                                 lay.replicas // lay.ep),
+                                                 lay.nd // lay.ep),
                                  kept=ranks.kept_expert, **common)
+    # across the replica groups, ranks tp x nd apart (plan/replica_traffic.py)
+    ops += cross_replica_ops(lay, ranks, where=placement(hw, node, lay.tp * lay.nd, lay.replicas),
+                             bucket_bytes=bucket_bytes)
     ops += tensor_parallel_ops(cfg, lay, seq_len=seq_len, where=placement(hw, node, 1, lay.tp))
     if lay.pp > 1:
         where = placement(hw, node, lay.tp * lay.cp * lay.dp, lay.pp)

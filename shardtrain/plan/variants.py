@@ -41,7 +41,7 @@ def zeropp_variants(plan: Plan, node_size: int) -> tuple[list[Layout], float, bo
     its bytes cross the slow links: qwZ + hpZ + qgZ, then qwZ + qgZ (no secondary shard's
     memory; the only one under a pipeline, where the trainer refuses hpZ)."""
     lay = plan.layout
-    if lay.zero != 3 or lay.qwz or lay.replicas <= replicas_per_node(lay, node_size):
+    if lay.zero != 3 or lay.qwz or lay.nd <= replicas_per_node(lay, node_size):
         return [], 0.0, True
     light = dataclasses.replace(lay, qwz=True, qgz=True)
     return ([dataclasses.replace(light, hpz=True)] if lay.pp == 1 else []) + [light], \
@@ -52,7 +52,7 @@ def accumulate_variants(plan: Plan, node_size: int) -> tuple[list[Layout], float
     """The unsharded-accumulation variant of a ZeRO-2/3 layout that accumulates over
     replicas without a pipeline (module docstring), or none."""
     lay = plan.layout
-    if (lay.zero < 2 or lay.pp > 1 or lay.microbatches < 2 or lay.replicas < 2
+    if (lay.zero < 2 or lay.pp > 1 or lay.microbatches < 2 or lay.nd < 2
             or lay.accumulate == "unsharded"):
         return [], 0.0, True
     return [dataclasses.replace(lay, accumulate="unsharded")], dp_exposed_s(plan), True

@@ -71,7 +71,7 @@ def dense_units(cfg: ModelConfig, layout: Layout, *, block: int = QUANT_BLOCK) -
     units for many layouts."""
     lay = layout
     rounded = lay.zero == 3 and lay.precision == "amp"
-    key = (repr(cfg), lay.tp, lay.pp, lay.v, lay.replicas, rounded, lay.precision,
+    key = (repr(cfg), lay.tp, lay.pp, lay.v, lay.nd, rounded, lay.precision,
            block if lay.qwz else 1, lay.unit_blocks)
     if key not in _UNITS:
         _UNITS[key] = _dense_units(cfg, lay, rounded=rounded, align=block if lay.qwz else 1)
@@ -83,7 +83,7 @@ _UNITS: dict[tuple, list[Unit]] = {}
 
 def _dense_units(cfg: ModelConfig, lay: Layout, *, rounded: bool, align: int) -> list[Unit]:
     tensors = rank0_tensors(cfg, lay)
-    sizes = zero_units(tensors, nd=lay.replicas, tied=cfg.tie_embeddings, n_layers=cfg.n_layers,
+    sizes = zero_units(tensors, nd=lay.nd, tied=cfg.tie_embeddings, n_layers=cfg.n_layers,
                        rounded=rounded, align=align, blocks=lay.unit_blocks)
     keys = list(sizes)  # forward order
     names: dict[tuple[int, int, int], list[str]] = {k: [] for k in keys}
@@ -192,13 +192,13 @@ def zeropp_ops(cfg: ModelConfig, layout: Layout, hw: Hardware, *, bucket_bytes: 
     common = dict(intra=intra, inter=inter, bucket_bytes=bucket_bytes, block=block,
                   memory_bw=hw.memory_bw)
     if not cfg.n_experts:
-        return zeropp_group_ops(dense_units(cfg, lay, block=block), lay, size=lay.replicas,
-                                local=local, where=placement(hw, node, lay.tp, lay.replicas),
+        return zeropp_group_ops(dense_units(cfg, lay, block=block), lay, size=lay.nd,
+                                local=local, where=placement(hw, node, lay.tp, lay.nd),
                                 **common)
-    edp = lay.replicas // lay.ep
+    edp = lay.nd // lay.ep
     return (zeropp_group_ops(even_units(ranks.dense, ranks.kept, ranks.layers, lay), lay,
-                             size=lay.replicas, local=local,
-                             where=placement(hw, node, lay.tp, lay.replicas), **common)
+                             size=lay.nd, local=local,
+                             where=placement(hw, node, lay.tp, lay.nd), **common)
             + zeropp_group_ops(even_units(ranks.expert, ranks.kept_expert, ranks.layers, lay),
                                lay, size=edp, local=max(1, local // lay.ep), group="edp",
                                where=placement(hw, node, lay.tp * lay.ep, edp), **common))
@@ -216,13 +216,13 @@ def zeropp_states(states: ModelStates, layout: Layout, ranks, *, node_size: int)
         if node_size < 1:
             raise PlanError("layout hpz=true: hpZ's secondary shard is 1/s of the parameters, "
                             "s the dp ranks per node; give the planner the node size")
-        groups = ((ranks.dense - ranks.lookup, ranks.kept - ranks.lookup, lay.replicas),
-                  (ranks.expert, ranks.kept_expert, lay.replicas // lay.ep))
+        groups = ((ranks.dense - ranks.lookup, ranks.kept - ranks.lookup, lay.nd),
+                  (ranks.expert, ranks.kept_expert, lay.nd // lay.ep))
         local = replicas_per_node(lay, node_size)
         out = replace(out, params=out.params + sum(
             zero3_gather_bytes(n, kept, lay.precision) / min(size, local)
             for n, kept, size in groups if n))
     if lay.qwz and lay.zero < 3 and not out.master and lay.offload == "none":
-        out = replace(out, master=4 * (ranks.dense / lay.replicas
-                                       + ranks.expert / (lay.replicas // lay.ep)))
+        out = replace(out, master=4 * (ranks.dense / lay.nd
+                                       + ranks.expert / (lay.nd // lay.ep)))
     return out
