@@ -15,10 +15,14 @@ from shardtrain import config
 from shardtrain.ckpt.regions import Region
 from shardtrain.config import ConfigError
 from shardtrain.config.replicas import total_world
+from shardtrain.cost import hardware
 from shardtrain.mesh import MeshShape, shape_for
 from shardtrain.parallel.replica.sync import ReplicaSync, fragments
 from shardtrain.parallel.replica.transfer import PiecesReader, pieces_state
 from shardtrain.parallel.replica.view import ReplicaView
+from shardtrain.plan.layout import config_layout
+from shardtrain.plan.replica_traffic import cross_replica_bytes
+from shardtrain.plan.traffic import step_ops
 
 STEPS = "4"
 R2 = ("--parallel.replicas", "2")
@@ -129,6 +133,18 @@ def test_two_groups_equal_dp(tmp_path):
                                                                         "rep:metric"}
     every_per_step, diloco_per_step = every["rep:grad"] / 4, diloco["rep:weights"] / 8
     assert diloco_per_step * 8 == every_per_step > 0
+    # the planner's rep group sends what the ledger recorded, per step, in both modes
+    assert _planned(tmp_path, *R2) == {"rep:grad": every_per_step, "rep:weights": 0}
+    assert _planned(tmp_path, *R2, "--parallel.sync", "diloco", "--parallel.sync_every",
+                    "8") == {"rep:grad": 0, "rep:weights": diloco_per_step}
+
+
+def _planned(tmp, *overrides: str) -> dict[str, float]:
+    """The planner's cross-replica bytes per step of one rank of a world-2 tiny run."""
+    cfg = tiny(tmp, "plan", *overrides)
+    ops = step_ops(cfg.model, config_layout(cfg, 2), hardware.get("a100"),
+                   seq_len=cfg.train.seq_len)
+    return cross_replica_bytes(ops)
 
 
 @pytest.mark.slow
