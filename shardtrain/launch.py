@@ -230,13 +230,13 @@ def _train(cfg, info: ProcessInfo, device: torch.device, group_timeout: float) -
     trainer) lives in this frame only, so it is freed when the frame returns, before
     run_worker leaves the group (`leave`)."""
     from shardtrain.comm import build_mesh
-    from shardtrain.mesh import MeshShape
+    from shardtrain.mesh import shape_for
     from shardtrain.train.checkpoint.agree import EXIT_CODE as SAVE_FAILED_EXIT, SaveFailed
     from shardtrain.train.checkpoint.interrupt import Interrupt
     from shardtrain.train.trainer import Trainer
 
     p = cfg.parallel
-    shape = MeshShape(pp=p.pp, dp=p.resolved_dp(info.world_size), cp=p.cp, tp=p.tp, ep=p.ep)
+    shape = shape_for(cfg, info.world_size)
     node_size = p.node_size or info.local_world_size
     if p.ps_servers:  # the servers take the last ranks: the workers' nodes may be uneven,
         node_size = math.gcd(node_size, shape.world_size)  # so count conservatively

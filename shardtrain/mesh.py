@@ -1,9 +1,15 @@
 """ParallelMesh: the one validated topology object that owns every process group.
 
-Ranks are laid out over the dims (pp, dp, cp, tp), tp innermost so a tensor-parallel
-group is a run of consecutive ranks (and so sits inside a node), pp outermost:
+Ranks are laid out over the dims (rep, pp, dp, cp, tp), tp innermost so a tensor-parallel
+group is a run of consecutive ranks (and so sits inside a node), the replica groups
+(parallel.replicas, parallel/replica/) outermost, so each group is a contiguous block of
+ranks, as it is its own torchrun world under fault.mode=replicas:
 
-    rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i
+    rank = rep_i * (world / rep) + ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i
+
+Every other dim stays inside a group: dp here is a group's data-parallel degree
+(parallel.dp / replicas), so ZeRO shards over it and the groups replicate (HSDP). `rep`
+groups the ranks with the same coordinates in every other dim, one per group.
 
 Expert parallelism is carved out of the flattened (dp, cp) index j = dp_i * cp + cp_i:
 ep_i = j % ep groups consecutive j's, and edp_i = j // ep indexes the replicas of each
@@ -54,6 +60,7 @@ CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 
 @dataclass(frozen=True, kw_only=True)
 class MeshShape:
+    rep: int = 1  # replica groups (outermost; parallel/replica/)
     pp: int = 1
     dp: int = 1
     cp: int = 1
@@ -62,15 +69,21 @@ class MeshShape:
 
     @property
     def world_size(self) -> int:
+        return self.rep * self.group_size
+
+    @property
+    def group_size(self) -> int:
+        """Ranks of one replica group."""
         return self.pp * self.dp * self.cp * self.tp
 
     def validate(self, world_size: int, node_size: int) -> None:
-        for name in (*DIMS, "ep"):
+        for name in ("rep", *DIMS, "ep"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel.{name}={getattr(self, name)} must be >= 1")
         if self.world_size != world_size:
             raise ConfigError(
-                f"pp={self.pp} x dp={self.dp} x cp={self.cp} x tp={self.tp} = {self.world_size} "
+                f"replicas={self.rep} x pp={self.pp} x dp={self.dp} x cp={self.cp} x tp={self.tp} "
+                f"= {self.world_size} "
                 f"does not equal the world size {world_size}; adjust the degrees or --nproc")
         if (self.dp * self.cp) % self.ep:
             raise ConfigError(f"parallel.ep={self.ep} must divide dp x cp = {self.dp * self.cp}")
@@ -79,15 +92,17 @@ class MeshShape:
                               f"{world_size} (parallel.node_size)")
 
     def coords(self, rank: int) -> dict[str, int]:
-        """rank -> {pp, dp, cp, tp, ep, edp} coordinates."""
+        """rank -> {rep, pp, dp, cp, tp, ep, edp} coordinates."""
+        rep, rank = divmod(rank, self.group_size)
         rest, tp = divmod(rank, self.tp)
         rest, cp = divmod(rest, self.cp)
         pp, dp = divmod(rest, self.dp)
         edp, ep = divmod(dp * self.cp + cp, self.ep)
-        return {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "ep": ep, "edp": edp}
+        return {"rep": rep, "pp": pp, "dp": dp, "cp": cp, "tp": tp, "ep": ep, "edp": edp}
 
-    def rank_of(self, *, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
-        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
+    def rank_of(self, *, rep: int = 0, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0
+                ) -> int:
+        return rep * self.group_size + ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     def groups(self, dim: str) -> list[list[int]]:
         """Every group of `dim` as sorted global ranks; the groups of a dim partition the
@@ -101,16 +116,31 @@ class MeshShape:
         return list(buckets.values())
 
 
+def shape_for(cfg: Any, world_size: int) -> MeshShape:
+    """The one place that decides this process's mesh from the config and the world it
+    sees: under fault.mode=restart one world holds every replica group (rep = replicas);
+    under fault.mode=replicas each group is its own world (rep = 1, torchft joins them).
+    Either way a group's dp is parallel.dp / replicas."""
+    from shardtrain.config.replicas import total_world
+
+    p = cfg.parallel
+    dp = p.resolved_dp(total_world(cfg, world_size))
+    rep = p.replicas if cfg.fault.mode == "restart" else 1
+    return MeshShape(rep=rep, pp=p.pp, dp=dp // p.replicas, cp=p.cp, tp=p.tp, ep=p.ep)
+
+
 # For each group kind, the coordinates its members share. dp_cp is the flattened data
-# dims (gradient averaging when cp > 1); ep/edp split dp_cp for experts.
+# dims (gradient averaging when cp > 1); ep/edp split dp_cp for experts. Every group but
+# rep's lies inside one replica group; rep's members agree on everything else.
 _FIXED: dict[str, tuple[str, ...]] = {
-    "pp": ("dp", "cp", "tp"),
-    "dp": ("pp", "cp", "tp"),
-    "cp": ("pp", "dp", "tp"),
-    "tp": ("pp", "dp", "cp"),
-    "dp_cp": ("pp", "tp"),
-    "ep": ("pp", "tp", "edp"),
-    "edp": ("pp", "tp", "ep"),
+    "pp": ("rep", "dp", "cp", "tp"),
+    "dp": ("rep", "pp", "cp", "tp"),
+    "cp": ("rep", "pp", "dp", "tp"),
+    "tp": ("rep", "pp", "dp", "cp"),
+    "dp_cp": ("rep", "pp", "tp"),
+    "ep": ("rep", "pp", "tp", "edp"),
+    "edp": ("rep", "pp", "tp", "ep"),
+    "rep": ("pp", "dp", "cp", "tp"),
 }
 
 
@@ -159,7 +189,7 @@ class ParallelMesh:
                 torch.device("cpu")
         self.device = torch.device(device)
         groups = {dim: self.sub_group(dim, lambda r: 0, dim)
-                  for dim in ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp")}
+                  for dim in ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp", "rep")}
         self._comms = {dim: communicator(g) for dim, g in groups.items() if g is not None}
 
     @property
@@ -240,6 +270,6 @@ class ParallelMesh:
         return runtime_link(self.device.type, gpu_name=name, across_nodes=across)
 
     def __repr__(self) -> str:
-        dims = " ".join(f"{d}={getattr(self.shape, d)}" for d in (*DIMS, "ep"))
+        dims = " ".join(f"{d}={getattr(self.shape, d)}" for d in ("rep", *DIMS, "ep"))
         return (f"ParallelMesh({dims}, rank={self.rank}, coords={self.coords}, "
                 f"node_size={self.node_size}, device={self.device})")

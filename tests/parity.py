@@ -17,7 +17,7 @@ from shardtrain import config
 from shardtrain.ckpt.files import Reader
 from shardtrain.config import Config
 from shardtrain.comm import build_mesh
-from shardtrain.mesh import MeshShape, ParallelMesh
+from shardtrain.mesh import ParallelMesh, shape_for
 from shardtrain.train.trainer import Trainer
 
 LOSS_RTOL = 1e-5
@@ -49,8 +49,7 @@ def tiny(tmp: Path, name: str, *overrides: str) -> Config:
 
 def make_mesh(cfg: Config, rank: int, world_size: int) -> ParallelMesh:
     p = cfg.parallel
-    shape = MeshShape(pp=p.pp, dp=p.resolved_dp(world_size), cp=p.cp, tp=p.tp, ep=p.ep)
-    return build_mesh(shape, rank=rank, node_size=p.node_size,
+    return build_mesh(shape_for(cfg, world_size), rank=rank, node_size=p.node_size,
                         algorithm=cfg.comm.algorithm, timeout_s=cfg.comm.timeout_s)
 
 

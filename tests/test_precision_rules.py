@@ -12,7 +12,8 @@ from parity import make_mesh, tiny
 from shardtrain.config import ConfigError
 from shardtrain.parallel.precision import LossScaler
 from shardtrain.train.observe.metrics import device_peak_flops
-from shardtrain.train.trainer import Trainer, format_record
+from shardtrain.train.observe.records import format_record
+from shardtrain.train.trainer import Trainer
 
 
 def test_loss_scaler_rules():

@@ -26,6 +26,18 @@ class FaultConfig:
     quorum_timeout_s: float = 60.0
 
 
+def total_world(cfg: Any, world_size: int) -> int:
+    """Processes over every replica group: under fault.mode=replicas a process sees its own
+    group's world (each group is one torchrun), under restart the whole job's."""
+    return world_size * cfg.parallel.replicas if cfg.fault.mode == "replicas" else world_size
+
+
+def data_parallel(cfg: Any, group_dp: int) -> int:
+    """The data-parallel degree over every group (what splits train.global_batch), from a
+    group's own (the mesh's dp)."""
+    return group_dp * cfg.parallel.replicas
+
+
 def check_replicas(cfg: Any, world_size: int) -> None:
     """parallel.replicas divides dp, the sync fields name a mode that uses them, and
     fault.mode=replicas has groups to fail over between; `world_size` counts every group's
@@ -40,6 +52,14 @@ def check_replicas(cfg: Any, world_size: int) -> None:
         raise ConfigError(f"parallel.replicas={p.replicas} splits data parallelism into groups, "
                           f"but parallel.ps_servers={p.ps_servers} replaces it with a parameter "
                           "server: set parallel.replicas=1 or parallel.ps_servers=0")
+    for name, value, fix in (("comm.compress", "topk" if cfg.comm.compress == "topk" else "",
+                              "none or int8"),
+                             ("data.streaming", cfg.data.streaming, "false")):
+        if p.replicas > 1 and value:  # top-k's state is per rank; a stream has no cursor
+            raise ConfigError(f"{name}={value} with parallel.replicas={p.replicas}: the "
+                              "replica groups need the update halves of dp and ZeRO and the "
+                              "cached sampler (a group's share of a step is by its cursor); "
+                              f"set {name}={fix} or parallel.replicas=1")
     if f.mode == "replicas" and p.replicas < 2:
         raise ConfigError("fault.mode=replicas keeps the live replica groups stepping when one "
                           f"fails, and parallel.replicas={p.replicas} gives one group: set "

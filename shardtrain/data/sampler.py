@@ -25,6 +25,15 @@ class TokenSampler:
     the positions alone (no communication): the loss is averaged over it
     (parallel/pipeline/runtime.py).
 
+    Replica groups (`groups` = parallel.replicas, parallel/replica/): the global batch is
+    `groups` shares of G / groups rows, one per live group, each split over the group's
+    dp ranks as above. `share(position, live)` sets the next step's: with `live` groups
+    the step takes the next live x G / groups positions (the global batch shrinks), the
+    group at `position` takes the position-th share. The state is the cursor (positions
+    consumed), so no position is repeated or skipped: the share a lost group would have
+    taken is the next step's first rows. With every group live this is the plain dp
+    split over groups x dp_size ranks.
+
     With several streams (a mixture, `weights` one per stream), each stream has its own
     per-epoch shuffle and data/mixture.py says which stream each global position draws
     from and its index there: still a function of the position alone.
@@ -33,11 +42,11 @@ class TokenSampler:
     def __init__(self, tokens: np.ndarray | ChatRows | Sequence[np.ndarray | ChatRows], *,
                  seq_len: int, global_batch: int, micro_batch: int, dp_rank: int,
                  dp_size: int, seed: int, weights: Sequence[float] | None = None,
-                 eos_id: int | None = None) -> None:
+                 eos_id: int | None = None, groups: int = 1) -> None:
         """`eos_id`: a text stream's document boundary, for data.document_mask."""
-        if global_batch % (micro_batch * dp_size):
+        if global_batch % (micro_batch * dp_size * groups):
             raise ValueError(f"global_batch={global_batch} is not divisible by micro_batch="
-                             f"{micro_batch} x dp_size={dp_size}")
+                             f"{micro_batch} x dp_size={dp_size} x groups={groups}")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size})")
         streams = [tokens] if isinstance(tokens, (np.ndarray, ChatRows)) else list(tokens)
@@ -57,13 +66,24 @@ class TokenSampler:
         self.dp_size = dp_size
         self.seed = seed
         self.step = 0  # global batches consumed
+        self.cursor = 0  # positions consumed (step x global_batch while every group lives)
+        self.groups, self.position, self.live = groups, 0, groups
         self.loss_tokens = 0  # counted targets of the last step's global batch
+
+    def share(self, position: int, live: int) -> None:
+        """The next step's live replica groups and this group's place among them."""
+        if not 0 <= position < live <= self.groups:
+            raise ValueError(f"replica position {position} of {live} live groups "
+                             f"(of {self.groups})")
+        self.position, self.live = position, live
 
     def next_step(self) -> list[Batch]:
         """This rank's micro-batches of the next optimizer step."""
-        g, per_rank = self.global_batch, self.global_batch // self.dp_size
-        first = self.step * g
+        per_group = self.global_batch // self.groups
+        g, per_rank = per_group * self.live, per_group // self.dp_size
+        first = self.cursor
         self.step += 1
+        self.cursor += g
         if self.mixture is None:
             source = np.zeros(g, dtype=np.int64)
             index = np.arange(first, first + g)
@@ -75,7 +95,8 @@ class TokenSampler:
             at = np.flatnonzero(source == s)
             ids[at] = order.ids(index[at])
             self.loss_tokens += store.counted(ids[at])
-        mine = slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
+        lo = self.position * per_group + self.dp_rank * per_rank
+        mine = slice(lo, lo + per_rank)
         rows = _gather(self.stores, source[mine], ids[mine])
         return [rows[i:i + self.micro_batch].batch() for i in range(0, per_rank, self.micro_batch)]
 
@@ -92,7 +113,7 @@ class TokenSampler:
         return "\n".join(lines)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "seed": self.seed, "seq_len": self.seq_len,
+        return {"step": self.step, "cursor": self.cursor, "seed": self.seed, "seq_len": self.seq_len,
                 "global_batch": self.global_batch, "n_windows": self.n_windows,
                 **({} if self.mixture is None else {"quota": self.mixture.quota.tolist()})}
 
@@ -107,6 +128,7 @@ class TokenSampler:
                     "quota with data.sources' weights); resume with the original data and "
                     "batch settings")
         self.step = int(state["step"])
+        self.cursor = int(state.get("cursor", self.step * self.global_batch))
 
 
 class _Order:

@@ -41,8 +41,11 @@ def make_sampler(cfg: DataConfig, data: Dataset, **geometry: int) -> TokenSample
 class StreamSampler:
     def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, *, seq_len: int,
                  global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
-                 seed: int, eos_id: int | None = None) -> None:
-        """`eos_id`: mark documents for data.document_mask (TokenSampler's)."""
+                 seed: int, eos_id: int | None = None, groups: int = 1) -> None:
+        """`eos_id`: mark documents for data.document_mask (TokenSampler's). `groups`:
+        replica groups, which need TokenSampler's cursor (config/replicas.py refuses)."""
+        if groups != 1:
+            raise ValueError("data.streaming has no per-group share: parallel.replicas=1")
         if global_batch % (micro_batch * dp_size):
             raise ValueError(f"global_batch={global_batch} is not divisible by micro_batch="
                              f"{micro_batch} x dp_size={dp_size}")

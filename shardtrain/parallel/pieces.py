@@ -207,6 +207,32 @@ def zero_load(shards: StageShards, units: list, reader: Reader, names: Iterable[
         optimizer.load_shard_state(k, state)
 
 
+def zero_like_pieces(shards: StageShards, units: list, tensors: list[torch.Tensor],
+                     key_of: Callable[[str], str]) -> list[Piece]:
+    """Pieces of per-unit tensors laid out like the master shards ([shard] each, fp32),
+    under key_of(parameter name): each parameter's run, as `zero_pieces` writes a master."""
+    out = []
+    for u, t in zip(units, tensors, strict=True):
+        lo = u.rank * u.shard_numel
+        for i, a, b in u.shard_runs(lambda i: True):
+            shape, box = box_of(shards, u.names[i], u.params[i].shape)
+            start = a + lo - u.offsets[i]
+            out.append(Piece(Region(key_of(u.names[i]), shape, box, start, start + b - a),
+                             torch.float32, lambda t=t, a=a, b=b: t[a:b]))
+    return out
+
+
+def zero_like_load(shards: StageShards, units: list, reader: Reader,
+                   key_of: Callable[[str], str], tensors: list[torch.Tensor]) -> bool:
+    """The inverse of `zero_like_pieces`; False (nothing changed) where the checkpoint has
+    none of these keys."""
+    if not any(reader.has(key_of(n)) for u in units for n in u.names):
+        return False
+    for u, t in zip(units, tensors, strict=True):
+        t.copy_(_shard_values(shards, reader, u, key_of))
+    return True
+
+
 def _shard_values(shards: StageShards, reader: Reader, u, key_of: Callable[[str], str]
                   ) -> torch.Tensor:
     """Unit u's shard [shard] (fp32) of the tensors `key_of(name)`: each parameter's run in

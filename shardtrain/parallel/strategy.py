@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from shardtrain.parallel.offload_activations import ActivationOffload
     from shardtrain.parallel.pipeline.runtime import Batch, Pipeline
     from shardtrain.parallel.pipeline.state import StageShards
+    from shardtrain.parallel.replica.sync import ReplicaSync
 
 
 class Update(Protocol):
@@ -95,6 +96,9 @@ class Strategy:
     activation_offload: ActivationOffload | None = None  # train.activation_offload = cpu
     # The last step's mean loss (replica-averaged): a non-finite one skips the step too.
     last_loss: torch.Tensor | None = field(default=None, init=False)
+    # parallel.replicas: what crosses the replica groups (parallel/replica/sync.py); set
+    # by the trainer (train/replicas.py), None for a single group.
+    replica: ReplicaSync | None = field(default=None, init=False)
 
     @property
     def module(self) -> nn.Module:
@@ -118,11 +122,16 @@ class Strategy:
         (pipeline/runtime.py; None: all of them). Returns the step's mean loss over them,
         the same on every rank (`average_loss`; else this rank's)."""
         loss = self.pipeline.train(micro_batches, no_sync=self.update.no_sync,
-                                   loss_scale=self.scaler.scale, loss_tokens=loss_tokens)
+                                   loss_scale=self.scaler.scale, loss_tokens=loss_tokens,
+                                   groups=self.replica.live if self.replica else 1)
         self.update.finish()
+        if self.replica:  # every_step: the groups' gradients averaged, before clipping
+            self.replica.gradients()
         if not self.average_loss:
             return loss  # this rank's own: its verdict would not be its peers' (no skip on it)
         self.last_loss = self.pipeline.average_over_replicas(loss)
+        if self.replica:
+            self.replica.metric(self.last_loss)
         return self.last_loss
 
     def forward_loss(self, batch: Batch) -> tuple[torch.Tensor, float]:
@@ -162,6 +171,8 @@ class Strategy:
         optimizer state changes (every rank agrees: the norm is the same everywhere)."""
         if not self.scaler.skipped:
             self.update.step(lr)
+        if self.replica:  # local_sgd / diloco: every group, skipped or not, in lockstep
+            self.replica.after_step()
 
     def memory(self) -> dict[str, int]:
         return self.update.memory()
@@ -183,7 +194,8 @@ class Strategy:
         extra = {"optim_steps": self.update.optim_steps()}
         if self.scaler.dynamic:
             extra["scaler"] = self.scaler.state_dict()
-        return self.update.state_pieces() + self._stash_pieces(), extra
+        replica = self.replica.pieces() if self.replica else []  # DiLoCo's outer state
+        return self.update.state_pieces() + self._stash_pieces() + replica, extra
 
     def _stash_pieces(self) -> list[Piece]:
         """PipeDream-2BW's second weight version (pipeline/pipedream.py), or none."""
@@ -205,6 +217,8 @@ class Strategy:
                         t.copy_(local_tensor(self.shards, reader, stash_key(n), n, t))
         if self.scaler.dynamic and "scaler" in reader.extra:
             self.scaler.load_state_dict(reader.extra["scaler"])
+        if self.replica:
+            self.replica.load(reader)
 
     def optimizer_files(self, is_main: bool) -> dict[str, dict]:
         return self.update.optimizer_files(is_main)

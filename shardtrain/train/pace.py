@@ -125,9 +125,9 @@ class Pace:
     def gather(self, mine: list[float]) -> torch.Tensor:
         """[world, 3]: every trainer rank's `mine`, in rank order (mine[0] is the rank)."""
         rows = torch.tensor([mine], dtype=torch.float32, device=self.mesh.device)  # [1, 3]
-        # dp x cp, then tp, then pp span the trainer ranks; no communicator spans them at
+        # dp x cp, then tp, pp and the replica groups span the trainer ranks; none spans them at
         # once, and making one would need every process, parameter servers included.
-        for dim in ("dp_cp", "tp", "pp"):
+        for dim in ("dp_cp", "tp", "pp", "rep"):
             comm = self.mesh.comm(dim)
             out = rows.new_empty((comm.size * rows.shape[0], rows.shape[1]))  # [size * n, 3]
             comm.all_gather(out, rows, tag=TAG)

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from shardtrain import config as config_mod
 from shardtrain.config import Config
 from shardtrain.config.ps import parse_slow_ranks
+from shardtrain.config.replicas import data_parallel
 from shardtrain.data import check_vocab, eval_batches, load_dataset, make_sampler
 from shardtrain.data.fsutil import write_atomic
 from shardtrain.mesh import ParallelMesh
@@ -35,10 +36,12 @@ from shardtrain.train.finetune.finetune import build_skeleton, nf4_bytes, resolv
 from shardtrain.train.observe.profile import StepProfiler
 from shardtrain.train.observe.tracking import open_trackers
 from shardtrain.train.checkpoint.interrupt import Interrupt
+from shardtrain.train.observe.records import format_record
 from shardtrain.train.observe.metrics import (MetricsWriter, device_peak_flops, moe_totals, step_fields,
                                       peak_memory, reset_peak_memory)
 from shardtrain.train.optim import build_optimizer, lr_at
 from shardtrain.train.pace import Pace, busy_seconds
+from shardtrain.train.replicas import TrainReplicas
 from shardtrain.train.pending import PendingRecords, StepTimer
 from shardtrain.train.start.device import device_defaults
 from shardtrain.train.finetune.sample import end_export, end_sample
@@ -65,7 +68,8 @@ class Trainer:
         self.is_main = mesh.rank == 0
         self.dp = mesh.comm("dp")
         resolve_init_from(cfg)  # model.init_from: the shape from its config.json (idempotent)
-        cfg.resolve_microbatches(self.dp.size)  # a no-op on a validated config
+        dp = data_parallel(cfg, self.dp.size)  # over every replica group
+        cfg.resolve_microbatches(dp)  # a no-op on a validated config
         device_defaults(cfg, device.type)  # train.precision=auto; TF32 (idempotent)
         self.data = load_dataset(cfg.data, seq_len=t.seq_len)
         check_vocab(self.data, cfg.model.vocab_size)
@@ -77,10 +81,12 @@ class Trainer:
         self.build_memory = {"build_base_bytes": before,
                              "build_peak_bytes": peak_memory(device)["peak_mem_bytes"]}
         slow_down(self.parallel.module, parse_slow_ranks(t.slow_ranks).get(mesh.rank, 1.0))
-        self.accum = t.accumulation_steps(self.dp.size)
+        self.accum = t.accumulation_steps(dp)
         self.sampler = make_sampler(cfg.data, self.data, seq_len=t.seq_len,
                                     global_batch=t.global_batch, micro_batch=t.micro_batch,
-                                    dp_rank=self.dp.rank, dp_size=self.dp.size, seed=t.seed)
+                                    dp_rank=self.dp.rank, dp_size=self.dp.size, seed=t.seed,
+                                    groups=cfg.parallel.replicas)
+        self.replicas = TrainReplicas(cfg, mesh, self.parallel, self.sampler)  # before resume
         if self.is_main and (mix := self.sampler.describe(self.data.names, t.steps)):
             print(mix, flush=True)  # a data.sources mixture as it will be sampled
         if self.is_main and self.data.summary:
@@ -101,6 +107,7 @@ class Trainer:
             self.parallel.load_optimizer_files(lambda name: ckpt.load_state(resume, name))
             self.step = meta["step"]
             self.sampler.load_state_dict(meta["sampler"])
+        self.replicas.attach(self)  # what a rejoining group receives from a live peer
         self.tokens_per_step = t.global_batch * t.seq_len
         self.flops_per_step = model_flops_per_token(cfg.model, t.seq_len) * self.tokens_per_step
         self.peak_flops = device_peak_flops(device, t.peak_flops, t.precision)  # None: unknown
@@ -127,6 +134,7 @@ class Trainer:
         and times wait in `pending` until a flush fills them in; the step's one read is
         the skip decision (parallel/precision.py, train/syncs.py)."""
         t, o = self.cfg.train, self.cfg.optim
+        self.replicas.begin(self)  # the quorum; torchft may load a peer's state (the step)
         lr = lr_at(self.step, base_lr=t.lr, warmup=o.warmup_steps, total=t.steps,
                    min_ratio=o.min_lr_ratio)
         start = self.timer.mark()
@@ -139,9 +147,11 @@ class Trainer:
             mean_loss = self.parallel.forward_backward(micro_batches, self.sampler.loss_tokens)
         mean_loss, *mtp = mean_loss if mean_loss.dim() else [mean_loss]  # MTP: main, depths
         grad_norm = self.parallel.clip_grad_norm(o.grad_clip or float("inf"))
-        self.parallel.step(lr)  # not applied if the loss or gradients were not finite
+        applied = self.replicas.commit()  # False: a group failed inside the step
+        if applied:
+            self.parallel.step(lr)  # not applied if the loss or gradients were not finite
         end = self.timer.mark()
-        self.step += 1
+        self.step += applied
         moe = [moe_totals(self.parallel.module, self.cfg.model, self.mesh, self.device)] \
             if self.cfg.model.n_experts else []
         compute = busy_seconds(self.parallel.timeline)  # after the decision: marks passed
@@ -152,7 +162,7 @@ class Trainer:
             "tokens_per_s": None, "step_time_s": None, "mfu": None, "loss_scale": self.parallel.loss_scale,
             "skipped": self.parallel.skipped, "bad_step": self.parallel.bad,
             "comm_bytes": comm["sent_bytes"], "comm_calls": comm["calls"],
-            **self.memory_ledger(),
+            **self.memory_ledger(), **self.replicas.record(applied),
         }
 
         def finish(record: dict[str, Any], read: list[float], elapsed: float) -> None:
@@ -188,6 +198,7 @@ class Trainer:
                 totals += torch.stack([loss * count, count])
         # Over dp x cp under context parallelism: each cp rank's loss covers its slice.
         self.mesh.comm(self.mesh.replica_dim).all_reduce(totals, "sum", tag="metric")
+        self.replicas.metric_sum(totals)  # and over the live replica groups
         return (totals[0] / totals[1]).item()
 
     # ------------------------------------------------------------------ the run
@@ -269,8 +280,9 @@ class Trainer:
         """Checkpoint this step (train/checkpoint/saver.py: sharded, synchronous or not)."""
         p = self.cfg.parallel
         self.saver.save(self.step, self.parallel, sampler_state=self.sampler.state_dict(),
-                        layout={"zero": p.zero, "pp": p.pp, "dp": self.dp.size, "tp": p.tp,
-                                "cp": p.cp, "ep": p.ep, "ps_servers": p.ps_servers},
+                        layout={"zero": p.zero, "pp": p.pp, "tp": p.tp, "cp": p.cp, "ep": p.ep,
+                                "dp": data_parallel(self.cfg, self.dp.size),
+                                "replicas": p.replicas, "ps_servers": p.ps_servers},
                         tokenizer_file=getattr(self.data.tokenizer, "path", None))
 
     def memory_ledger(self) -> dict[str, int]:
@@ -284,17 +296,3 @@ class Trainer:
         final checkpoint: never a gathered model (train/finetune/sample.py). Every rank calls it."""
         return end_sample(self, prompt, n_tokens)
 
-
-def format_record(r: dict[str, Any]) -> str:
-    line = (f"step {r['step']:>6}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  "
-            f"grad_norm {r['grad_norm']:.3f}  tok/s {r['tokens_per_s']:.0f}  mfu "
-            + ("n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"))
-    if r.get("bad_step"):
-        line += "  skipped (loss or gradients not finite)"
-    elif r.get("skipped"):
-        line += f"  skipped (gradients not finite at loss scale {r['loss_scale']:g})"
-    if "eval_loss" in r:
-        line += f"  eval_loss {r['eval_loss']:.4f}"
-        if "eval_perplexity" in r:
-            line += f"  eval_ppl {r['eval_perplexity']:.2f}"
-    return line

@@ -28,9 +28,11 @@ from torch import nn
 from shardtrain.comm import Communicator, Handle
 from shardtrain.ckpt.files import Piece, Reader
 from shardtrain.comm.compress import make_compressor
-from shardtrain.parallel.pieces import (load_torch_optimizer, local_model_state, module_pieces,
-                                       optimizer_steps, torch_optimizer_pieces)
+from shardtrain.parallel.pieces import (load_torch_optimizer, local_model_state, local_tensor,
+                                       module_pieces, optimizer_steps, tensor_piece,
+                                       torch_optimizer_pieces)
 from shardtrain.parallel.pipeline.state import StageShards
+from shardtrain.parallel.replica.view import KeyOf, ReplicaView
 from shardtrain.parallel.ready import ReadyInOrder
 from shardtrain.parallel.strategy import nbytes, optimizer_state_bytes
 
@@ -152,6 +154,28 @@ class ReplicatedUpdate:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+
+    def replica_view(self) -> ReplicaView:
+        """parallel/replica/view.py: the buckets' buffers hold every gradient the optimizer
+        reads (p.grad are views of them); the parameters it updates are their own masters."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        name_of = {p: n for n, p in self.shards.named.items()}
+
+        def load(reader: Reader, key_of: KeyOf, tensors: list[torch.Tensor]) -> bool:
+            if not any(reader.has(key_of(name_of[p])) for p in params):
+                return False
+            for p, t in zip(params, tensors, strict=True):
+                t.copy_(local_tensor(self.shards, reader, key_of(name_of[p]), name_of[p], p,
+                                     torch.float32))
+            return True
+
+        return ReplicaView(
+            grads=lambda: [b.buffer for b in self.reducer.buckets], weights=params,
+            refresh=lambda: None,
+            pieces=lambda key_of, tensors: [tensor_piece(self.shards, key_of(name_of[p]),
+                                                         name_of[p], t)
+                                            for p, t in zip(params, tensors, strict=True)],
+            load=load)
 
     def memory(self) -> dict[str, int]:
         """Parameters are the fp32 master weights (bf16 and fp16 compute under autocast)."""

@@ -17,6 +17,7 @@ from torch import nn
 
 from shardtrain.config import Config
 from shardtrain.config.data import IGNORE
+from shardtrain.config.replicas import data_parallel
 from shardtrain.mesh import ParallelMesh
 from shardtrain.model.mtp import depth_batch
 from shardtrain.model.positions import Documents
@@ -45,7 +46,7 @@ class Pipeline:
         self.pp, self.dp = mesh.comm("pp"), mesh.comm("dp")
         self.replicas = mesh.comm(mesh.replica_dim)
         self.split, self.cp_rank = split, mesh.comm("cp").rank
-        self.m = t.accumulation_steps(self.dp.size)
+        self.m = t.accumulation_steps(data_parallel(cfg, self.dp.size))  # dp over groups
         v = p.virtual_stages
         # PipeDream-2BW: each step's micro-batches on the stashed version (pipedream.py)
         self.versions = WeightVersions(chunks) if p.schedule == pipedream.NAME else None
@@ -79,19 +80,21 @@ class Pipeline:
 
     def train(self, micro_batches: list[Batch],
               no_sync: Callable[[], AbstractContextManager],
-              loss_scale: float = 1.0, loss_tokens: int | None = None) -> torch.Tensor:
+              loss_scale: float = 1.0, loss_tokens: int | None = None, groups: int = 1
+              ) -> torch.Tensor:
         """Forward and backward of this replica's m micro-batches, gradients accumulated
         (`no_sync` silences gradient communication but on each chunk's last backward) and
         multiplied by `loss_scale` (fp16). `loss_tokens`: the counted targets (not IGNORE)
         of the whole global batch, every replica's micro-batches (the sampler counts them:
-        data/sampler.py); None: every target counts. Returns the mean loss over those
+        data/sampler.py); None: every target counts. `groups`: the live replica groups
+        sharing that batch (parallel/replica/sync.py). Returns the mean loss over those
         tokens (unscaled), the same on every stage; with multi-token prediction [1 + D]:
         the main loss, then each depth's."""
         mine = [self._mine(b) for b in micro_batches]
         batches, mtp_tokens = [b for b, _ in mine], [t for _, t in mine] if self.depth else None
         inputs, targets = [b[0] for b in batches], [b[1] for b in batches]
         positions = [b[2] for b in batches] if len(batches[0]) > 2 else None
-        weights = None if loss_tokens is None else self._weights(targets, loss_tokens)
+        weights = None if loss_tokens is None else self._weights(targets, loss_tokens, groups)
         with self.versions.computing() if self.versions else nullcontext():
             total = self.executor.run(self.actions, inputs, targets, no_sync=no_sync,
                                       loss_scale=loss_scale, info={"schedule": self.schedule},
@@ -104,7 +107,8 @@ class Pipeline:
                 core.reset()
         return self._from_last_stage(total / self.m)
 
-    def _weights(self, targets: list[torch.Tensor], loss_tokens: int) -> list[float]:
+    def _weights(self, targets: list[torch.Tensor], loss_tokens: int, groups: int
+                 ) -> list[float]:
         """Each micro-batch's weight. Its loss is the mean over its own counted tokens, but
         the step's loss must be the sum of per-token losses over the global batch's count
         -- the same number whatever the layout, not a mean of means, which would weigh a
@@ -113,8 +117,9 @@ class Pipeline:
         micro-batches and the replicas' gradients are averaged over R (dp, x cp), so the
         step's gradient is that of sum(token losses) / loss_tokens. With every token
         counted, n_i = loss_tokens / (R m): every weight is exactly 1. A global batch with
-        no counted token weighs nothing."""
-        scale = self.replicas.size * self.m
+        no counted token weighs nothing. Replica groups multiply R by the live groups,
+        whose gradients are averaged too."""
+        scale = self.replicas.size * groups * self.m
         return [int(main_targets(t).ne(IGNORE).sum()) * scale / loss_tokens if loss_tokens
                 else 0.0 for t in targets]
 

@@ -70,6 +70,7 @@ from shardtrain.parallel.zero.gather import StepGatherer
 from shardtrain.parallel.zero.layer import layer_comms
 from shardtrain.parallel.zero.offload import build_shard_optimizer
 from shardtrain.parallel.zero.optim import ShardOptimizer, moment_names
+from shardtrain.parallel.zero.replica import zero_view
 from shardtrain.parallel.zero.accumulate import build_accumulation
 from shardtrain.parallel.zero.units import UnitComm, build_units, merge_units, partial_runs
 from shardtrain.quant.adam8bit import MIN_QUANTIZED_NUMEL
@@ -222,13 +223,16 @@ class ZeroModel:
         Offloaded ZeRO-3 parameters are updated where they live (their masters) only."""
         self.optimizer.step([u.grad_shard for u in self.units],
                             None if self.offload_params else [u.shard for u in self.units], lr)
+        self.gather_shards()
+
+    def gather_shards(self) -> None:  # stages 1-2: the full parameters (callers: no_grad)
         if self.stage == 3:
             return
-        handles = []
-        for u in self.units:  # the input must not alias the output: send a copy
-            handles.append(u.comm.gather_params(u, u.flat, u.shard.clone(), phase="step"))
-        for h in handles:
+        for h in [u.comm.gather_params(u, u.flat, u.shard.clone(), phase="step")  # a copy:
+                  for u in self.units]:  # the input must not alias the output
             h.wait()
+
+    replica_view = zero_view  # -> ReplicaView (parallel/replica/view.py)
 
     # ------------------------------------------------------------------ state
 

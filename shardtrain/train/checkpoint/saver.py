@@ -77,7 +77,7 @@ class Saver:
         self.wait()  # the previous asynchronous save first
         pieces, extra = parallel.state_pieces()
         staged = ckpt.staging_dir(self.cfg, step, create=False)  # made by stage_files
-        comms = [self.mesh.comm(d) for d in ("dp", "cp", "tp", "pp")]
+        comms = [self.mesh.comm(d) for d in ("dp", "cp", "tp", "pp", "rep")]
         planned = plan_save(staged, self.mesh.rank, pieces, partial(
             gather_plans, comms=comms, rank=self.mesh.rank, world_size=self.mesh.world_size),
             device=self.mesh.device, staging_bytes=self.cfg.checkpoint.staging_mb << 20,

@@ -131,11 +131,11 @@ def stage_layers(module: torch.nn.Module) -> int:
 def rank0_trainer(cfg: Config, world_size: int, device: torch.device) -> Iterator[Any]:
     """Rank 0's Trainer (built: its ledger holds the build's peak) in a fake world of
     `world_size`, for the duration of the `with` block."""
-    from shardtrain.mesh import MeshShape, ParallelMesh
+    from shardtrain.mesh import ParallelMesh, shape_for
     from shardtrain.train.trainer import Trainer
 
     p = cfg.parallel
-    shape = MeshShape(pp=p.pp, dp=p.resolved_dp(world_size), cp=p.cp, tp=p.tp, ep=p.ep)
+    shape = shape_for(cfg, world_size)
     if device.type == "cpu":
         from shardtrain.train.observe.metrics import fixed_mmap_threshold
 

@@ -1,0 +1,160 @@
+"""Replica groups under fault.mode=restart (parallel/replica/): R groups in one world equal
+plain data parallelism of the same global batch (every_step, and local_sgd / diloco at
+H = 1 with a linear optimizer); DiLoCo at H = 8 moves 1/8 of every_step's cross-replica
+bytes; DiLoCo's outer state survives a checkpoint; the config refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist import run_distributed
+from parity import (BF16_LOSS_RTOL, assert_parity, tiny, train_layout, train_layouts,
+                    worst_loss_deviation)
+from shardtrain import config
+from shardtrain.config import ConfigError
+from shardtrain.config.replicas import total_world
+from shardtrain.mesh import MeshShape, shape_for
+from shardtrain.parallel.replica.sync import fragments
+
+STEPS = "4"
+R2 = ("--parallel.replicas", "2")
+# local_sgd / diloco at H = 1 equal plain dp only where the optimizer's update is linear in
+# the gradient (the mean of the groups' updates is then the update of the mean gradient):
+# SGD with momentum (each group's buffer stays the mean's, by induction), no clipping
+# (a per-group clip would scale each group's own norm).
+SGD = ("--optim.name", "sgd", "--optim.momentum", "0.9", "--optim.grad_clip", "0",
+       "--train.lr", "0.05")
+H1 = ("--parallel.sync_every", "1")
+# DiLoCo with a checkpoint on a synchronised step and no inner optimizer state.
+DILOCO2 = ("--parallel.sync", "diloco", "--parallel.sync_every", "2", "--optim.name", "sgd",
+           "--optim.momentum", "0")
+DILOCO_PLAIN = ("--parallel.sync", "diloco", *H1, "--parallel.outer_lr", "1",
+                "--parallel.outer_momentum", "0")
+
+
+def _text(tmp, name: str, *overrides: str, steps: str = STEPS) -> str:
+    return config.to_toml(tiny(tmp, name, "--train.steps", steps, "--checkpoint.every", "0",
+                               *overrides))
+
+
+def _rep_state(trainer) -> dict:
+    """This rank's bytes sent across groups, by ledger tag (rep:grad, rep:weights, ...),
+    and DiLoCo's outer copy and momentum (empty for the other modes)."""
+    out: dict[str, int] = {}
+    for r in trainer.mesh.ledger.records:
+        if r.tag.startswith("rep:"):
+            out[r.tag] = out.get(r.tag, 0) + r.sent_bytes
+    sync = trainer.parallel.replica
+    return {"rep_bytes": out, "outer": [t.clone() for t in sync.outer + sync.buf]
+            if sync is not None else []}
+
+
+def _step(tmp, name: str, step: int) -> str:
+    return str(tmp / name / "checkpoints" / f"step_{step:08d}")
+
+
+def test_shape_puts_the_groups_outermost():
+    shape = MeshShape(rep=2, dp=2, tp=2)
+    assert shape.world_size == 8 and shape.group_size == 4
+    assert shape.groups("rep") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert shape.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert shape.groups("tp")[2] == [4, 5] and shape.coords(6)["rep"] == 1
+    assert shape.rank_of(rep=1, dp=1, tp=1) == 7
+    cfg = config.load("tiny", ["--parallel.replicas", "2", "--parallel.tp", "2"])
+    assert shape_for(cfg, 8) == shape
+    ft = config.load("tiny", ["--parallel.replicas", "2", "--parallel.dp", "4",
+                              "--fault.mode", "replicas"])
+    assert total_world(ft, 2) == 4 and shape_for(ft, 2) == MeshShape(dp=2)
+
+
+@pytest.mark.parametrize("overrides, world, field", [
+    (("--parallel.replicas", "3"), 4, "parallel.replicas=3"),
+    (("--parallel.replicas", "2", "--parallel.ps_servers", "1"), 3, "parallel.ps_servers"),
+    (("--parallel.sync", "local_sgd"), 2, "parallel.sync=local_sgd"),
+    (("--parallel.replicas", "2", "--comm.compress", "topk"), 2, "comm.compress=topk"),
+    (("--parallel.replicas", "2", "--parallel.sync", "diloco", "--parallel.sync_every", "8",
+      "--parallel.sync_fragments", "3"), 2, "parallel.sync_fragments=3"),
+])
+def test_refusals_name_the_field(overrides, world, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        config.load("tiny", list(overrides)).validate(world)
+
+
+def test_fragments_cut_the_tensors_into_equal_runs():
+    tensors = [torch.arange(5.0), torch.arange(4.0).view(2, 2), torch.arange(2.0)]
+    parts = fragments(tensors, 3)  # 11 elements: runs of 3, 4, 4
+    assert [sum(v.numel() for v in p) for p in parts] == [3, 4, 4]
+    assert torch.cat([v for p in parts for v in p]).tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3,
+                                                                 0, 1]
+    parts[1][0].fill_(-1)  # views: writes reach the tensors
+    assert tensors[0].tolist() == [0, 1, 2, -1, -1]
+
+
+def test_two_groups_equal_dp(tmp_path):
+    """World 2, one spawn: every_step R=2 (dp=1 per group) against dp=2 (fp32 rtol 1e-5,
+    weights 1e-4); local_sgd H=1 and diloco H=1 (outer lr 1, no momentum) against dp=2
+    with SGD; diloco H=8 sends 1/8 of every_step's cross-replica bytes, and with 2
+    fragments at H=4 (each synchronised twice in 8 steps) 1/4; DiLoCo resumes from its
+    checkpoint (outer copy, momentum) exactly, and in a single group (R=1)."""
+    texts = [_text(tmp_path, "dp2"), _text(tmp_path, "r2", *R2),
+             _text(tmp_path, "dp2-sgd", *SGD),
+             _text(tmp_path, "local1", *R2, *SGD, "--parallel.sync", "local_sgd", *H1),
+             _text(tmp_path, "diloco1", *R2, *SGD, *DILOCO_PLAIN),
+             _text(tmp_path, "every8", *R2, steps="8"),
+             _text(tmp_path, "diloco8", *R2, "--parallel.sync", "diloco",
+                   "--parallel.sync_every", "8", steps="8"),
+             _text(tmp_path, "stream4", *R2, "--parallel.sync", "diloco",
+                   "--parallel.sync_every", "4", "--parallel.sync_fragments", "2", steps="8"),
+             _text(tmp_path, "diloco2", *R2, *DILOCO2, "--checkpoint.every", "2"),
+             _text(tmp_path, "diloco2-resumed", *R2, *DILOCO2,
+                   "--checkpoint.resume", _step(tmp_path, "diloco2", 2))]
+    (dp2, r2, sgd, local1, diloco1, every8, diloco8, stream4, diloco2,
+     resumed) = run_distributed(train_layouts, 2, texts, _rep_state)[0]
+    assert_parity(dp2, r2, "replicas=2 every_step vs dp=2")
+    assert_parity(sgd, local1, "local_sgd H=1 vs dp=2")
+    assert_parity(sgd, diloco1, "diloco H=1 lr 1 momentum 0 vs dp=2")
+    every, diloco = every8["rep_bytes"], diloco8["rep_bytes"]
+    assert set(every) == {"rep:grad", "rep:metric"} and set(diloco) == {"rep:weights",
+                                                                        "rep:metric"}
+    assert diloco["rep:weights"] * 8 == every["rep:grad"] > 0
+    assert stream4["rep_bytes"]["rep:weights"] * 4 == every["rep:grad"]
+    # Weights synchronised at the saved step and SGD without momentum (no per-group
+    # optimizer state): the resumed run continues exactly.
+    assert_parity({**diloco2, "losses": diloco2["losses"][2:]}, resumed, "diloco resumed")
+    for a, b in zip(diloco2["outer"], resumed["outer"], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    # In one group: its first step is the two groups' third on the same weights and batch.
+    single = train_layout(0, 1, _text(tmp_path, "diloco2-in-one", "--optim.name", "sgd",
+                                      "--optim.momentum", "0", "--checkpoint.resume",
+                                      _step(tmp_path, "diloco2", 2), steps="3"))
+    torch.testing.assert_close(single["losses"][0], diloco2["losses"][2], rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
+def test_two_groups_equal_dp_for_inner_layouts(tmp_path):
+    """World 4, one spawn: R=2 with ZeRO-2 over dp=2 per group (HSDP) against dp=4 ZeRO-2,
+    and with tp=2 per group against dp=2 x tp=2 (fp32 rtol 1e-5, weights 1e-4); ZeRO-2
+    local_sgd H=1 against dp=4 ZeRO-2 with SGD (the fp32 masters averaged, then gathered);
+    in bf16 within the bf16 bound (parity.py), every_step and diloco H=1 (fp32 masters
+    apart from the bf16 shards: the refresh casts them)."""
+    zero2, tp2, bf16 = ("--parallel.zero", "2"), ("--parallel.tp", "2"), (
+        "--train.precision", "bf16")
+    pairs = {"zero2 dp2 x 2 groups": (zero2, (*zero2, *R2)),
+             "tp2 x 2 groups": (tp2, (*tp2, *R2)),
+             "zero2 local_sgd H=1": ((*zero2, *SGD), (*zero2, *SGD, *R2, "--parallel.sync",
+                                                      "local_sgd", *H1)),
+             "bf16 zero2 dp2 x 2 groups": ((*zero2, *bf16), (*zero2, *bf16, *R2)),
+             "bf16 zero2 diloco H=1": ((*zero2, *bf16, *SGD),
+                                       (*zero2, *bf16, *SGD, *R2, *DILOCO_PLAIN))}
+    texts = [_text(tmp_path, f"{i}-{j}", *o) for i, pair in enumerate(pairs.values())
+             for j, o in enumerate(pair)]
+    per_rank = run_distributed(train_layouts, 4, texts)
+    for rank, results in enumerate(per_rank):
+        for i, label in enumerate(pairs):
+            ref, got = results[2 * i], results[2 * i + 1]
+            if "bf16" in label:
+                assert worst_loss_deviation(ref["losses"], got["losses"]) < \
+                    BF16_LOSS_RTOL[False], label
+            else:
+                assert_parity(ref, got, f"{label} rank {rank}")
