@@ -84,6 +84,13 @@ def test_parameter_server_layouts_split_alike_on_every_rank(workers, servers):
     assert not problems(calls), problems(calls)
 
 
+@pytest.mark.parametrize("shape", [MeshShape(rep=2, dp=2, tp=2), MeshShape(rep=2, pp=2, dp=2),
+                                   MeshShape(rep=4, dp=2), MeshShape(rep=2, dp=2, ep=2)])
+def test_replica_group_layouts_split_alike_on_every_rank(shape):
+    """parallel.replicas: the rep groups (outermost) on top of the group's own."""
+    assert not problems(splits(GPUS, _build(shape, node_size=NODE)))
+
+
 def test_the_model_finds_the_hang_of_gloo_only_groups():
     """A Gloo group beside each NCCL group (the mesh before): the server's count differs."""
     import torch.distributed as dist

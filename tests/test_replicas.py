@@ -12,10 +12,13 @@ from dist import run_distributed
 from parity import (BF16_LOSS_RTOL, assert_parity, tiny, train_layout, train_layouts,
                     worst_loss_deviation)
 from shardtrain import config
+from shardtrain.ckpt.regions import Region
 from shardtrain.config import ConfigError
 from shardtrain.config.replicas import total_world
 from shardtrain.mesh import MeshShape, shape_for
-from shardtrain.parallel.replica.sync import fragments
+from shardtrain.parallel.replica.sync import ReplicaSync, fragments
+from shardtrain.parallel.replica.transfer import PiecesReader, pieces_state
+from shardtrain.parallel.replica.view import ReplicaView
 
 STEPS = "4"
 R2 = ("--parallel.replicas", "2")
@@ -91,34 +94,56 @@ def test_fragments_cut_the_tensors_into_equal_runs():
     assert tensors[0].tolist() == [0, 1, 2, -1, -1]
 
 
+def test_fragment_k_syncs_at_its_offset():
+    """H = 4, F = 2: fragment 0 after steps 4, 8, ..., fragment 1 after steps 2, 6, ..."""
+    cfg = config.load("tiny", [*R2, "--parallel.sync", "diloco", "--parallel.sync_every", "4",
+                               "--parallel.sync_fragments", "2"])
+    view = ReplicaView(grads=list, weights=[torch.zeros(7)], refresh=lambda: None,
+                       pieces=lambda *a: [], load=lambda *a: False)
+    sync = ReplicaSync(cfg, None, view)
+    due = {}
+    for step in range(1, 9):
+        sync.step = step
+        due[step] = sync.due()
+    assert due == {1: [], 2: [1], 3: [], 4: [0], 5: [], 6: [1], 7: [], 8: [0]}
+    assert [sum(v.numel() for v in p) for p in sync.parts] == [3, 4]
+
+
 def test_two_groups_equal_dp(tmp_path):
     """World 2, one spawn: every_step R=2 (dp=1 per group) against dp=2 (fp32 rtol 1e-5,
     weights 1e-4); local_sgd H=1 and diloco H=1 (outer lr 1, no momentum) against dp=2
-    with SGD; diloco H=8 sends 1/8 of every_step's cross-replica bytes, and with 2
-    fragments at H=4 (each synchronised twice in 8 steps) 1/4; DiLoCo resumes from its
-    checkpoint (outer copy, momentum) exactly, and in a single group (R=1)."""
+    with SGD; diloco H=8 sends 1/8 of every_step's cross-replica bytes per step."""
     texts = [_text(tmp_path, "dp2"), _text(tmp_path, "r2", *R2),
              _text(tmp_path, "dp2-sgd", *SGD),
              _text(tmp_path, "local1", *R2, *SGD, "--parallel.sync", "local_sgd", *H1),
              _text(tmp_path, "diloco1", *R2, *SGD, *DILOCO_PLAIN),
-             _text(tmp_path, "every8", *R2, steps="8"),
              _text(tmp_path, "diloco8", *R2, "--parallel.sync", "diloco",
-                   "--parallel.sync_every", "8", steps="8"),
+                   "--parallel.sync_every", "8", steps="8")]
+    dp2, r2, sgd, local1, diloco1, diloco8 = run_distributed(train_layouts, 2, texts,
+                                                             _rep_state)[0]
+    assert_parity(dp2, r2, "replicas=2 every_step vs dp=2")
+    assert_parity(sgd, local1, "local_sgd H=1 vs dp=2")
+    assert_parity(sgd, diloco1, "diloco H=1 lr 1 momentum 0 vs dp=2")
+    every, diloco = r2["rep_bytes"], diloco8["rep_bytes"]
+    assert set(every) == {"rep:grad", "rep:metric"} and set(diloco) == {"rep:weights",
+                                                                        "rep:metric"}
+    every_per_step, diloco_per_step = every["rep:grad"] / 4, diloco["rep:weights"] / 8
+    assert diloco_per_step * 8 == every_per_step > 0
+
+
+@pytest.mark.slow
+def test_diloco_resumes_and_streams(tmp_path):
+    """World 2: 2 fragments at H=4 move the bytes of F=1 at H=4 over 8 steps; DiLoCo
+    resumes from its checkpoint (outer copy, momentum) exactly, and in one group (R=1)."""
+    texts = [_text(tmp_path, "full4", *R2, "--parallel.sync", "diloco",
+                   "--parallel.sync_every", "4", steps="8"),
              _text(tmp_path, "stream4", *R2, "--parallel.sync", "diloco",
                    "--parallel.sync_every", "4", "--parallel.sync_fragments", "2", steps="8"),
              _text(tmp_path, "diloco2", *R2, *DILOCO2, "--checkpoint.every", "2"),
              _text(tmp_path, "diloco2-resumed", *R2, *DILOCO2,
                    "--checkpoint.resume", _step(tmp_path, "diloco2", 2))]
-    (dp2, r2, sgd, local1, diloco1, every8, diloco8, stream4, diloco2,
-     resumed) = run_distributed(train_layouts, 2, texts, _rep_state)[0]
-    assert_parity(dp2, r2, "replicas=2 every_step vs dp=2")
-    assert_parity(sgd, local1, "local_sgd H=1 vs dp=2")
-    assert_parity(sgd, diloco1, "diloco H=1 lr 1 momentum 0 vs dp=2")
-    every, diloco = every8["rep_bytes"], diloco8["rep_bytes"]
-    assert set(every) == {"rep:grad", "rep:metric"} and set(diloco) == {"rep:weights",
-                                                                        "rep:metric"}
-    assert diloco["rep:weights"] * 8 == every["rep:grad"] > 0
-    assert stream4["rep_bytes"]["rep:weights"] * 4 == every["rep:grad"]
+    full4, stream4, diloco2, resumed = run_distributed(train_layouts, 2, texts, _rep_state)[0]
+    assert stream4["rep_bytes"]["rep:weights"] == full4["rep_bytes"]["rep:weights"] > 0
     # Weights synchronised at the saved step and SGD without momentum (no per-group
     # optimizer state): the resumed run continues exactly.
     assert_parity({**diloco2, "losses": diloco2["losses"][2:]}, resumed, "diloco resumed")
@@ -158,3 +183,31 @@ def test_two_groups_equal_dp_for_inner_layouts(tmp_path):
                     BF16_LOSS_RTOL[False], label
             else:
                 assert_parity(ref, got, f"{label} rank {rank}")
+
+
+def test_a_rank_state_moves_through_pieces(tmp_path):
+    """What a rejoining group receives (parallel/replica/transfer.py): one trainer's pieces
+    (weights, AdamW moments, step count) loaded into another, fresh one; one process."""
+    trained = train_layout(0, 1, _text(tmp_path, "src", "--parallel.zero", "1", steps="2"),
+                           _state_of)
+    fresh = train_layout(0, 1, _text(tmp_path, "dst", "--parallel.zero", "1", steps="0"),
+                         lambda t: _loaded(t, trained["state"]))
+    for name, w in trained["weights"].items():
+        torch.testing.assert_close(fresh["weights"][name], w, rtol=0, atol=0)
+    got = PiecesReader(fresh["state"])
+    for key, value in zip(trained["state"]["regions"], trained["state"]["values"]):
+        torch.testing.assert_close(got.region(key[0], _region(key)), value, rtol=0, atol=0)
+    assert fresh["state"]["extra"]["optim_steps"] == 2
+
+
+def _state_of(trainer) -> dict:
+    return {"state": pieces_state(trainer.parallel)}
+
+
+def _loaded(trainer, state: dict) -> dict:
+    trainer.parallel.load_state(PiecesReader(state))
+    return {"weights": trainer.parallel.full_state_dict(), "state": pieces_state(trainer.parallel)}
+
+
+def _region(key) -> Region:
+    return Region(key[0], tuple(key[1]), tuple(key[2]), key[3], key[4])

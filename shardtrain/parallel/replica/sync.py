@@ -38,7 +38,8 @@ from shardtrain.parallel.replica.view import ReplicaView
 
 def fragments(tensors: list[torch.Tensor], n: int) -> list[list[torch.Tensor]]:
     """`tensors` (in order, flattened and concatenated) cut into `n` runs of equal length
-    (the first len % n one element longer): per run, 1-D views of the tensors it covers."""
+    (run k is [k total // n, (k + 1) total // n): lengths differ by at most one): per
+    run, 1-D views of the tensors it covers."""
     total = sum(t.numel() for t in tensors)
     bounds = [total * k // n for k in range(n + 1)]
     out: list[list[torch.Tensor]] = [[] for _ in range(n)]
