@@ -99,6 +99,11 @@ def cmd_train(argv: list[str]) -> int:
         # torchrun runs this command again for each restart: it resumes this job's run.
         if not replicas:  # fault.mode=replicas: a restarted group heals from a live peer
             cfg = resume_after_restart(cfg, restart_count())
+        else:  # one torchrun per group: this group's run dir and inject_kill
+            from shardtrain.launch_replicas import group_config
+            from shardtrain.parallel.replica.torchft_group import replica_from_env
+
+            cfg = group_config(cfg, replica_from_env(cfg), total_world(cfg, info.world_size))
         prepare_run(cfg, total_world(cfg, info.world_size), prepare_data=info.local_rank == 0,
                     local_ranks=info.local_world_size, main=info.rank == 0)
         return _exit_status(run_worker(config_mod.to_toml(cfg)))

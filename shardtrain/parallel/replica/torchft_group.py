@@ -59,6 +59,15 @@ def check_same_config(mine: dict[str, str], quorum: dict[str, str]) -> None:
                               "quorum's config")
 
 
+def replica_from_env(cfg: Any) -> int:
+    """This group's index from the launcher's SHARDTRAIN_REPLICA (one torchrun per group)."""
+    text = os.environ.get(REPLICA_ENV, "")
+    if not text.isdigit() or int(text) >= cfg.parallel.replicas:
+        raise ConfigError(f"fault.mode=replicas under torchrun: set {REPLICA_ENV} to this "
+                          f"group's index, 0..{cfg.parallel.replicas - 1} (it is {text!r})")
+    return int(text)
+
+
 def _members(base: type) -> type:
     """torchft's reconfigurable process group `base`, remembering the global ranks of each
     quorum it is configured for (torchft numbers them group * group_world + group_rank)."""
@@ -94,17 +103,13 @@ class TorchftReplicas:
                  lighthouse: str | None = None):
         import torchft
 
-        env = os.environ
-        self.replica = int(env.get(REPLICA_ENV, 0)) if replica is None else replica
+        self.replica = replica_from_env(cfg) if replica is None else replica
         self.replicas = cfg.parallel.replicas
-        lighthouse = lighthouse or cfg.fault.lighthouse or env.get(LIGHTHOUSE_ENV, "")
+        lighthouse = lighthouse or cfg.fault.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
         if not lighthouse:
             raise ConfigError("fault.mode=replicas needs torchft's lighthouse: set "
                               f"fault.lighthouse or {LIGHTHOUSE_ENV} (shardtrain train --nproc "
                               "starts one)")
-        if not 0 <= self.replica < self.replicas:
-            raise ConfigError(f"{REPLICA_ENV}={self.replica} must lie in 0..parallel.replicas-1"
-                              f" = {self.replicas - 1}")
         self._mesh, self._fingerprint = mesh, fingerprint(cfg)
         self._quorum_timeout_s = cfg.fault.quorum_timeout_s
         timeout = timedelta(seconds=cfg.comm.timeout_s)
