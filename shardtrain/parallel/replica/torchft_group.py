@@ -116,10 +116,10 @@ class TorchftReplicas:
         cuda = mesh.device.type == "cuda"
         self._pg = _members(torchft.ProcessGroupNCCL if cuda else torchft.ProcessGroupGloo)(
             timeout=timeout)
-        self._store = self._group_store(mesh, timeout)  # held: the server lives with it
-        host, port = self._store_addr
-        # The replica id's trailing digits are the group (torchft derives global ranks from
-        # them); zero-padded so the lighthouse's order by id is the groups' order.
+        # The store is held: its server lives with the object.
+        self._store, (host, port) = self._group_store(mesh, timeout)
+        # The replica id's trailing digits are the group: torchft numbers the cross-group
+        # ranks from them (group x group world + group rank), which `_groups` reads back.
         self._manager = torchft.Manager(
             pg=self._pg, load_state_dict=None, state_dict=None,
             min_replica_size=cfg.fault.min_replicas, use_async_quorum=False,
@@ -132,7 +132,9 @@ class TorchftReplicas:
         self._seen: list[int] = []  # ... of the previous step's
         self._events: dict[str, Any] = {}
 
-    def _group_store(self, mesh: Any, timeout: timedelta) -> dist.TCPStore | None:
+    @staticmethod
+    def _group_store(mesh: Any, timeout: timedelta
+                     ) -> tuple[dist.TCPStore | None, tuple[str, int]]:
         """A store for torchft's Manager, made by group rank 0 on a free port. Not the
         launcher's: that one outlives a failed attempt, and a restarted rank would read the
         dead manager's address from it. Its port reaches the group's other ranks through
@@ -147,10 +149,8 @@ class TorchftReplicas:
             if store is not None:
                 default.set(_STORE_KEY, f"{host}:{store.port}")
             host, port = default.get(_STORE_KEY).decode().rsplit(":", 1)
-            self._store_addr = (host, int(port))
-        else:
-            self._store_addr = (host, store.port)
-        return store
+            return store, (host, int(port))
+        return store, (host, store.port)
 
     # ------------------------------------------------------------------ CrossReplica
 
