@@ -110,11 +110,11 @@ def cmd_train(argv: list[str]) -> int:
     nproc = args.nproc or 1
     run_dir = Path(cfg.train.run_dir)
     fresh = not run_dir.exists()
-    prepare_run(cfg, nproc, prepare_data=True, local_ranks=nproc)
     if replicas:  # R groups of nproc / R, each its own launch, and a lighthouse
         from shardtrain.launch_replicas import launch_groups
 
         return launch_groups(cfg, nproc, max_restarts=args.max_restarts)
+    prepare_run(cfg, nproc, prepare_data=True, local_ranks=nproc)
     if nproc == 1 and not args.max_restarts:  # in this process; restarts need a launcher
         try:
             return _exit_status(run_worker(config_mod.to_toml(cfg)))

@@ -64,7 +64,12 @@ def check_groups(cfg: Config, nproc: int) -> None:
 def launch_groups(cfg: Config, nproc: int, *, max_restarts: int) -> int:
     """Start the lighthouse and the groups, wait for every group; the first nonzero exit
     status of a group (after its own restarts), else 0."""
+    from shardtrain.train.start.prepare import prepare_run
+
     check_groups(cfg, nproc)
+    configs = [group_config(cfg, r, nproc) for r in range(cfg.parallel.replicas)]
+    for r, group in enumerate(configs):  # checked against all N processes; each run dir
+        prepare_run(group, nproc, prepare_data=r == 0, local_ranks=nproc)  # claimed
     lighthouse, address = None, cfg.fault.lighthouse
     if not address:
         from torchft.coordination import LighthouseServer
@@ -79,8 +84,8 @@ def launch_groups(cfg: Config, nproc: int, *, max_restarts: int) -> int:
     from shardtrain.data.workers import hidden_main
 
     try:
-        for r in range(cfg.parallel.replicas):
-            text = config_mod.to_toml(group_config(cfg, r, nproc))
+        for r, group in enumerate(configs):
+            text = config_mod.to_toml(group)
             proc = ctx.Process(target=_group_main, name=f"replica-{r}",
                                args=(r, address, nproc // cfg.parallel.replicas, text,
                                      max_restarts))
