@@ -74,11 +74,12 @@ def _wait(what: str, done, proc: subprocess.Popen, timeout_s: float = 300) -> No
         time.sleep(0.2)
 
 
-def _reference(tmp: Path) -> list[dict]:
+def _reference(tmp: Path) -> tuple[list[dict], list[dict]]:
     """One group on group 0's solo samples: a no-failure R=2 run's step-5 checkpoint (the
     mesh's replica groups, fault.mode=restart), resumed by dp=2 with one group's batch. The
     sampler's cursor carries over; its batch size is rewritten to one group's, which is
-    what the failover's sampler reads while group 1 is out (data/sampler.py)."""
+    what the failover's sampler reads while group 1 is out (data/sampler.py). Returns the
+    no-failure run's records and the one group's."""
     run = subprocess.run([sys.executable, "-m", "shardtrain", "train", "--nproc", "4", *COMMON,
                           "--parallel.replicas", "2", "--checkpoint.every", "5",
                           "--checkpoint.keep", "10",
@@ -95,7 +96,7 @@ def _reference(tmp: Path) -> list[dict]:
                           "--train.run_dir", str(tmp / "one"), *tiny_data(tmp)],
                          env=_env(), cwd=tmp, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    return _records(tmp / "one")
+    return _records(tmp / "whole"), _records(tmp / "one")
 
 
 def test_group_lost_and_rejoined_from_a_live_peer(tmp_path):
@@ -137,8 +138,12 @@ def test_group_lost_and_rejoined_from_a_live_peer(tmp_path):
     assert alone[0]["step"] == 6 and alone[0]["lost"] == [1] and alone[0]["groups"] == [0]
     assert all(r["groups"] == [0, 1] for r in applied if r["step"] <= 5)
 
-    # The solo steps: one group's data, the losses of one group on those samples.
-    reference = {r["step"]: r["loss"] for r in _reference(tmp_path)}
+    # Both groups on torchft equal the mesh's replica groups (fault.mode=restart, the same
+    # global batch) while both live; the solo steps equal one group on its samples.
+    whole, one = _reference(tmp_path)
+    for r, w in zip(applied[:5], whole[:5]):
+        assert r["loss"] == pytest.approx(w["loss"], rel=1e-5), r["step"]
+    reference = {r["step"]: r["loss"] for r in one}
     for r in alone:
         assert r["loss"] == pytest.approx(reference[r["step"]], rel=1e-5), r["step"]
 
