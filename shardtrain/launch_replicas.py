@@ -70,6 +70,9 @@ def launch_groups(cfg: Config, nproc: int, *, max_restarts: int) -> int:
     configs = [group_config(cfg, r, nproc) for r in range(cfg.parallel.replicas)]
     for r, group in enumerate(configs):  # checked against all N processes; each run dir
         prepare_run(group, nproc, prepare_data=r == 0, local_ranks=nproc)  # claimed
+    # torchft's servers log every quorum and commit at INFO, several lines per step: warnings
+    # only, unless the user's RUST_LOG says otherwise (the groups inherit it).
+    os.environ.setdefault("RUST_LOG", "warn")
     lighthouse, address = None, cfg.fault.lighthouse
     if not address:
         from torchft.coordination import LighthouseServer
