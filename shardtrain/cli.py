@@ -79,7 +79,8 @@ def cmd_train(argv: list[str]) -> int:
 
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts {args.max_restarts} must be >= 0")
-    if args.max_restarts and cfg.checkpoint.keep < 2:
+    replicas = cfg.fault.mode == "replicas"  # a restarted group heals from a peer, not disk
+    if args.max_restarts and cfg.checkpoint.keep < 2 and not replicas:
         raise ConfigError(f"--max-restarts {args.max_restarts} needs checkpoint.keep >= 2 (it "
                           f"is {cfg.checkpoint.keep}): a restart falls back past a checkpoint "
                           "the crash left unusable only if an older one is kept")
@@ -91,17 +92,28 @@ def cmd_train(argv: list[str]) -> int:
         if args.nproc and args.nproc != info.local_world_size:
             raise ConfigError(f"--nproc {args.nproc} conflicts with the launcher's "
                               f"{info.local_world_size} processes per node; drop --nproc")
+        from shardtrain.config.replicas import total_world
         from shardtrain.train.checkpoint.checkpoint import resume_after_restart
         from shardtrain.train.guard import restart_count
 
         # torchrun runs this command again for each restart: it resumes this job's run.
-        cfg = resume_after_restart(cfg, restart_count())
-        prepare_run(cfg, info.world_size, prepare_data=info.local_rank == 0,
+        if not replicas:  # fault.mode=replicas: a restarted group heals from a live peer
+            cfg = resume_after_restart(cfg, restart_count())
+        else:  # one torchrun per group: this group's run dir and inject_kill
+            from shardtrain.launch_replicas import group_config
+            from shardtrain.parallel.replica.torchft_group import replica_from_env
+
+            cfg = group_config(cfg, replica_from_env(cfg), total_world(cfg, info.world_size))
+        prepare_run(cfg, total_world(cfg, info.world_size), prepare_data=info.local_rank == 0,
                     local_ranks=info.local_world_size, main=info.rank == 0)
         return _exit_status(run_worker(config_mod.to_toml(cfg)))
     nproc = args.nproc or 1
     run_dir = Path(cfg.train.run_dir)
     fresh = not run_dir.exists()
+    if replicas:  # R groups of nproc / R, each its own launch, and a lighthouse
+        from shardtrain.launch_replicas import launch_groups
+
+        return launch_groups(cfg, nproc, max_restarts=args.max_restarts)
     prepare_run(cfg, nproc, prepare_data=True, local_ranks=nproc)
     if nproc == 1 and not args.max_restarts:  # in this process; restarts need a launcher
         try:
@@ -119,7 +131,7 @@ def cmd_train(argv: list[str]) -> int:
     try:
         results = launch_local(nproc, run_worker, config_mod.to_toml(cfg),
                                max_restarts=args.max_restarts,
-                               shutdown_timeout_s=cfg.comm.timeout_s)
+                               shutdown_timeout_s=max(30.0, cfg.comm.timeout_s))
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
         if len(codes) == 1 and codes <= {*EXIT_CODES, SAVE_FAILED_EXIT}:

@@ -127,7 +127,7 @@ def launch_local(nproc: int, entrypoint, *args, max_restarts: int = 0,
                           rdzv_endpoint="localhost:0", max_restarts=max_restarts,
                           monitor_interval=0.1, start_method="forkserver")
     if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:  # torch >= 2.12
-        config.shutdown_timeout = max(30, int(shutdown_timeout_s))
+        config.shutdown_timeout = max(1, int(shutdown_timeout_s))
     _quiet_signal_warnings()
     # A forkserver child re-runs the entry script as spawn does: a console script without a
     # __main__ guard ran the CLI again in every rank (data/workers.py). An entrypoint the
@@ -181,6 +181,7 @@ def run_worker(config_text: str) -> dict:
     """One training process: join the group, build the mesh, train, leave. `config_text` is
     the resolved config as TOML (it travels to workers by value, not through files or env)."""
     from shardtrain import config as config_mod
+    from shardtrain.config.replicas import total_world
     from shardtrain.train.checkpoint.agree import EXIT_CODE as SAVE_FAILED_EXIT
     from shardtrain.train.checkpoint.checkpoint import resume_after_restart
     from shardtrain.train.checkpoint.interrupt import exit_code
@@ -188,12 +189,15 @@ def run_worker(config_text: str) -> dict:
 
     cfg = config_mod.loads(config_text)
     restarts = restart_count()
-    cfg = resume_after_restart(cfg, restarts)  # a restarted job picks up its last checkpoint
     info = ProcessInfo.from_env()
-    if restarts and info.rank == 0:
-        print(f"restart {restarts}: resuming from {cfg.checkpoint.resume or 'the start'}",
-              flush=True)
-    cfg.validate(info.world_size)
+    if cfg.fault.mode == "restart":  # a restarted job picks up its last checkpoint
+        cfg = resume_after_restart(cfg, restarts)
+        if restarts and info.rank == 0:
+            print(f"restart {restarts}: resuming from {cfg.checkpoint.resume or 'the start'}",
+                  flush=True)
+    elif restarts and info.rank == 0:  # fault.mode=replicas: from a live group's state
+        print(f"restart {restarts}: rejoining the live replica groups", flush=True)
+    cfg.validate(total_world(cfg, info.world_size))  # under replicas: every group's ranks
     device = pick_device(cfg.train.device, info)
     check_device(cfg, device)
     # NCCL's own timeout is a backstop behind the hang watchdog's (comm/watchdog.py).
@@ -249,7 +253,9 @@ def _train(cfg, info: ProcessInfo, device: torch.device, group_timeout: float) -
             from shardtrain.train.ps_server import run_server
 
             return {"server": run_server(cfg, mesh)}
-        with Interrupt(info.world_size) as interrupt:  # SIGINT/SIGTERM: save, then stop
+        # SIGINT/SIGTERM: save, then stop; under fault.mode=replicas: stop at once (a
+        # rank blocked in a quorum would keep its group alive in the lighthouse's eyes).
+        with Interrupt(info.world_size, catch=cfg.fault.mode == "restart") as interrupt:
             result = Trainer(cfg, mesh, device).run(interrupt)
         return {"result": result, "signum": interrupt.signum}
     except CommTimeout as e:

@@ -4,6 +4,7 @@ is applied, the state a rejoining group receives, and the record's fields."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ class TrainReplicas:
     def __init__(self, cfg: Config, mesh: ParallelMesh, parallel: Any, sampler: Any):
         self.parallel, self.sampler = parallel, sampler
         self.cross = make_cross_replica(cfg, mesh) if cfg.parallel.replicas > 1 else None
+        self.rejoins = cfg.fault.mode == "replicas"  # a restarted group takes a peer's state
         self.sync: ReplicaSync | None = None
         self._before: dict[str, Any] = {}  # the sampler's state at the step's start
         if self.cross is not None:
@@ -73,6 +75,16 @@ class TrainReplicas:
             trainer.step = int(state["step"])
 
         self.cross.attach(state, load)
+
+    def kept_records(self, resumed: bool, step: int) -> dict[str, Any]:
+        """MetricsWriter's resume and from_step: a checkpoint's step, or for a replica group
+        its launcher restarted (fault.mode=replicas: it rejoins from a peer, past every step
+        its previous attempt recorded) all of that attempt's records."""
+        from shardtrain.train.guard import restart_count
+
+        if self.rejoins and restart_count() and not resumed:
+            return {"resume": True, "from_step": sys.maxsize}
+        return {"resume": resumed, "from_step": step}
 
     def close(self) -> None:
         if self.cross is not None:

@@ -115,8 +115,8 @@ class Trainer:
         self.guard = BadStepGuard(t.max_bad_steps, t.precision,  # (no cycle through self)
                                   last_good=lambda saver=self.saver: saver.committed)
         self.pace = Pace(cfg, mesh)  # compute and wait per rank, stragglers named (pace.py)
-        self.metrics = MetricsWriter(t.run_dir, enabled=self.is_main, resume=resume is not None,
-                                     from_step=self.step,
+        self.metrics = MetricsWriter(t.run_dir, enabled=self.is_main,
+                                     **self.replicas.kept_records(resume is not None, self.step),
                                      trackers=open_trackers(cfg) if self.is_main else ())
         self.profiler = StepProfiler(t, mesh.rank, device)  # train.profile_steps (profile.py)
         self.timer = StepTimer(device)

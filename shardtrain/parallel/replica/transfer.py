@@ -13,11 +13,18 @@ from typing import Any
 import torch
 
 from shardtrain.ckpt.regions import Region, whole_box
+from shardtrain.parallel.pieces import module_pieces
 
 
 def pieces_state(strategy: Any) -> dict[str, Any]:
     """`strategy`: parallel/strategy.py's; its pieces' values, copied now."""
     pieces, extra = strategy.state_pieces()
+    # ZeRO-1/2 read every parameter whole (zero/model.py load_state), which a checkpoint
+    # has from all the group's ranks and one rank's pieces do not (its master shard only):
+    # the rank's whole local blocks travel too, where they are not already a piece.
+    sent = {p.region for p in pieces}
+    pieces += [p for p in module_pieces(strategy.shards) if p.region not in sent
+               and p.fetch().numel() == p.region.stop - p.region.start]
     return {"regions": [(p.region.key, p.region.shape, p.region.box, p.region.start,
                          p.region.stop) for p in pieces],
             "values": [p.fetch().detach().to(p.dtype, copy=True).reshape(-1) for p in pieces],

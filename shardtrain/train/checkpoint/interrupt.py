@@ -56,8 +56,10 @@ def signal_name(signum: int) -> str:
 class Interrupt:
     """Installed in a training process's main thread for the length of a run."""
 
-    def __init__(self, world_size: int):
-        self.world_size = world_size
+    def __init__(self, world_size: int, *, catch: bool = True):
+        """`catch` False: the signals keep their default action (fault.mode=replicas: a
+        group being torn down must go at once, launch_replicas.py GROUP_SHUTDOWN_S)."""
+        self.world_size, self._catch = world_size, catch
         self.signum = 0  # the first signal received (0: none)
         self._first_at = 0.0
         self._proposed = False
@@ -66,7 +68,7 @@ class Interrupt:
         self._previous = {}
 
     def __enter__(self) -> "Interrupt":
-        if threading.current_thread() is not threading.main_thread():
+        if not self._catch or threading.current_thread() is not threading.main_thread():
             return self  # Python delivers signals to the main thread only: nothing to catch
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)

@@ -33,6 +33,7 @@ from shardtrain.parallel.pipeline.schedules import COMPUTE, TRANSFERS
 from shardtrain.plan.timing import bubble_fraction
 from shardtrain.train.observe.charts import pyplot, save_png
 from shardtrain.train.observe.moe_balance import moe_lines, plot_moe_balance
+from shardtrain.train.observe.replica_chart import plot_replica_loss, replica_lines
 from shardtrain.train.observe.simulated import simulated_lines
 from shardtrain.train.pace import busy_seconds, pace_table
 
@@ -167,6 +168,12 @@ def report(run_dir: Path, out: TextIO | None = None) -> Path | None:
     nor bubble to measure (its one stage is busy the whole step): only the metrics line
     and the per-rank table, and None."""
     out = out or sys.stdout
+    groups = sorted(run_dir.glob("replica_*/"))  # fault.mode=replicas: one dir per group
+    if groups and not (run_dir / "metrics.jsonl").exists():
+        for group in groups:
+            print(f"== {group.name}", file=out)
+            report(group, out)
+        return None
     timelines = load_timelines(run_dir)
     first = timelines[0]
     if first["pp"] == 1:
@@ -212,3 +219,7 @@ def _print_metrics(run_dir: Path, out: TextIO) -> None:
         print(line, file=out)
     if plot_moe_balance(records, run_dir / "moe_balance.png"):
         print(f"expert balance: {run_dir / 'moe_balance.png'}", file=out)
+    for line in replica_lines(records):  # replica groups: quorum changes (replica_chart.py)
+        print(line, file=out)
+    if plot_replica_loss(records, run_dir / "replica_loss.png"):
+        print(f"loss and replica events: {run_dir / 'replica_loss.png'}", file=out)
