@@ -39,6 +39,10 @@ FACTORS: dict[str, dict[str, tuple[str, ...]]] = {
         "cp": ("--parallel.cp", "2"),
         "ep": ("--parallel.ep", "2"),
         "ps": ("--parallel.ps_servers", "1"),
+        # two replica groups of one rank (HSDP's outer dim), DiLoCo's outer Nesterov step
+        # every 2 steps: its outer copy and momentum save, resume and reshard
+        "diloco": ("--parallel.replicas", "2", "--parallel.sync", "diloco",
+                   "--parallel.sync_every", "2"),
     },
     "precision": {p: ("--train.precision", p)
                   for p in ("fp32", "bf16", "fp16", "bf16-true", "fp16-true")},
@@ -81,7 +85,8 @@ FACTORS: dict[str, dict[str, tuple[str, ...]]] = {
     "fp8": {"none": (), "tensorwise": ("--train.fp8", "tensorwise")},
 }
 # Where a row resumes: the next layout in this order that its other values allow (a
-# parameter server's checkpoint resumes only with servers: train/checkpoint/checkpoint.py).
+# parameter server's checkpoint resumes only with servers: train/checkpoint/checkpoint.py;
+# DiLoCo's in DiLoCo, as its steps are not dp's: into one group, tests/test_replicas.py).
 RESUME_ORDER = ("dp", "zero3", "tp+sp", "zero3-layer", "zero2", "pp", "pp-zb", "zero1", "cp",
                 "ep")
 
@@ -149,7 +154,7 @@ def excluded_pairs() -> list[tuple[tuple[str, str], ...]]:
 def resume_layout(row: Row) -> Row:
     """The row as it resumes: the next layout in RESUME_ORDER after its own that is valid
     with its other values; compile and offload dropped where that layout refuses them."""
-    if row["layout"] == "ps":
+    if row["layout"] in ("ps", "diloco"):
         return dict(row)
     start = RESUME_ORDER.index(row["layout"])
     for layout in RESUME_ORDER[start + 1:] + RESUME_ORDER[:start]:

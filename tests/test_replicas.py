@@ -36,6 +36,7 @@ H1 = ("--parallel.sync_every", "1")
 # DiLoCo with a checkpoint on a synchronised step and no inner optimizer state.
 DILOCO2 = ("--parallel.sync", "diloco", "--parallel.sync_every", "2", "--optim.name", "sgd",
            "--optim.momentum", "0")
+ADAM4 = ("--parallel.sync", "diloco", "--parallel.sync_every", "4")
 DILOCO_PLAIN = ("--parallel.sync", "diloco", *H1, "--parallel.outer_lr", "1",
                 "--parallel.outer_momentum", "0")
 
@@ -157,8 +158,17 @@ def test_diloco_resumes_and_streams(tmp_path):
                    "--parallel.sync_every", "4", "--parallel.sync_fragments", "2", steps="8"),
              _text(tmp_path, "diloco2", *R2, *DILOCO2, "--checkpoint.every", "2"),
              _text(tmp_path, "diloco2-resumed", *R2, *DILOCO2,
-                   "--checkpoint.resume", _step(tmp_path, "diloco2", 2))]
-    full4, stream4, diloco2, resumed = run_distributed(train_layouts, 2, texts, _rep_state)[0]
+                   "--checkpoint.resume", _step(tmp_path, "diloco2", 2)),
+             # AdamW (per-group moments) saved between syncs (per-group weights): each
+             # group resumes its own state from the one checkpoint
+             _text(tmp_path, "adam", *R2, *ADAM4, "--checkpoint.every", "2"),
+             _text(tmp_path, "adam-resumed", *R2, *ADAM4,
+                   "--checkpoint.resume", _step(tmp_path, "adam", 2))]
+    ranks = run_distributed(train_layouts, 2, texts, _rep_state)
+    full4, stream4, diloco2, resumed, *_ = ranks[0]
+    for rank in ranks:  # group 0 (plain keys) and group 1 (its own, "replica1/")
+        adam, adam_resumed = rank[4:]
+        assert_parity({**adam, "losses": adam["losses"][2:]}, adam_resumed, "adam resumed")
     assert stream4["rep_bytes"]["rep:weights"] == full4["rep_bytes"]["rep:weights"] > 0
     # Weights synchronised at the saved step and SGD without momentum (no per-group
     # optimizer state): the resumed run continues exactly.

@@ -194,8 +194,13 @@ class Strategy:
         extra = {"optim_steps": self.update.optim_steps()}
         if self.scaler.dynamic:
             extra["scaler"] = self.scaler.state_dict()
-        replica = self.replica.pieces() if self.replica else []  # DiLoCo's outer state
-        return self.update.state_pieces() + self._stash_pieces() + replica, extra
+        own = self.update.state_pieces() + self._stash_pieces()
+        if not self.replica:
+            return own, extra
+        # local_sgd / diloco in one checkpoint of every group: each group's own weights and
+        # inner optimizer state (they differ between syncs, and the moments always), and
+        # DiLoCo's outer state, the same in every group, once (parallel/replica/sync.py)
+        return self.replica.own_pieces(own) + self.replica.pieces(), extra
 
     def _stash_pieces(self) -> list[Piece]:
         """PipeDream-2BW's second weight version (pipeline/pipedream.py), or none."""
@@ -207,7 +212,14 @@ class Strategy:
 
     def load_state(self, reader: Reader) -> None:
         """A checkpoint of any layout. One written in another precision has no scaler
-        state: an fp16 run resumed from it starts at the initial scale."""
+        state: an fp16 run resumed from it starts at the initial scale. Under local_sgd /
+        diloco each group reads its own state where the checkpoint has it (sync.py)."""
+        if self.replica:
+            with self.replica.own_state(reader):
+                return self._load_state(reader)
+        self._load_state(reader)
+
+    def _load_state(self, reader: Reader) -> None:
         self.update.load_state(reader, int(reader.extra.get("optim_steps", 0)))
         if self.pipeline.versions is not None:  # W(t-1) where the checkpoint has it
             stashed = self.pipeline.versions.stashed(self.shards.named, set(self.shards.tied_to))

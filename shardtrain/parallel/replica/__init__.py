@@ -27,6 +27,9 @@ import torch
 class CrossReplica(Protocol):
     replica: int  # this group's index, 0..replicas-1 (its launch slot)
     replicas: int  # the configured number of groups, R
+    # True where every group's ranks write one checkpoint (the mesh's groups), False where
+    # each group writes its own run directory (torchft's)
+    shared_checkpoint: bool
 
     @property
     def live(self) -> int:

@@ -16,6 +16,8 @@ from shardtrain.mesh import ParallelMesh
 class MeshReplicas:
     """The replica dimension of a ParallelMesh built with rep = parallel.replicas."""
 
+    shared_checkpoint = True  # every group's ranks write one checkpoint (sync.py's prefix)
+
     def __init__(self, mesh: ParallelMesh):
         self.comm = mesh.comm("rep")  # this rank's peers: one per group, same coordinates
         self.replica, self.replicas = self.comm.rank, self.comm.size

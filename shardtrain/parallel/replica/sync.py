@@ -27,6 +27,8 @@ every target counted it is each group's own mean.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from typing import Any
 
 import torch
@@ -139,6 +141,44 @@ class ReplicaSync:
             self.view.refresh()
 
     # ------------------------------------------------------------------ state
+
+    @property
+    def prefix(self) -> str:
+        """The key prefix of this group's own pieces in a checkpoint every group writes
+        (restart mode, `cross.shared_checkpoint`): under local_sgd / diloco the groups'
+        weights differ between syncs and their inner optimizer states always, so group
+        r > 0 writes its own under "replica<r>/" and group 0 under the plain keys (what a
+        run of one group, an export or a sample reads). every_step: the groups are equal,
+        one copy. torchft's groups each write their own run directory: plain keys."""
+        if self.mode == "every_step" or not self.cross.shared_checkpoint \
+                or self.cross.replica == 0:
+            return ""
+        return f"replica{self.cross.replica}/"
+
+    def own_pieces(self, pieces: list[Piece]) -> list[Piece]:
+        """This group's weight and optimizer pieces under its keys (`prefix`)."""
+        if not self.prefix:
+            return pieces
+        return [dataclasses.replace(p, region=dataclasses.replace(
+            p.region, key=self.prefix + p.region.key)) for p in pieces]
+
+    @contextlib.contextmanager
+    def own_state(self, reader: Reader):
+        """While loading: `reader` resolves each plain key to this group's own copy where
+        the checkpoint has one (a checkpoint of as many groups), else the plain key: group
+        0's state (a checkpoint of fewer groups, or of another sync mode)."""
+        if not self.prefix:
+            yield
+            return
+        saved, n = reader.aliases, len(self.prefix)
+        own = {k[n:]: k for k in reader.tensors if k.startswith(self.prefix)}
+        # a tied alias points at the target's own copy when there is one
+        tied = {a: own.get(t, t) for a, t in saved.items()}
+        reader.aliases = {**tied, **own}
+        try:
+            yield
+        finally:
+            reader.aliases = saved
 
     @staticmethod
     def _key(state: str):

@@ -99,6 +99,8 @@ class TorchftReplicas:
     """CrossReplica over one torchft Manager per process (group rank = this rank of the
     group's mesh, group world = the mesh's world)."""
 
+    shared_checkpoint = False  # each group saves into its own run directory
+
     def __init__(self, cfg: Any, mesh: Any, *, replica: int | None = None,
                  lighthouse: str | None = None):
         import torchft
