@@ -25,7 +25,8 @@ A useful step is a sample of the global batch trained on, in steps: an applied s
 (`committed` not false) with `replicas_live` = L of R groups counts L / R (the samples it
 trained on; the lost group's share is read by the next step, docs/faults.md), a record
 without the field (restart) counts 1, an uncommitted one 0. Useful steps per minute = the
-final run's useful steps / the wall time from launch to exit.
+final run's useful steps / the wall time from launch to exit; "after start" divides by the
+wall time from the first step's record instead (the planner counts no start-up).
 After both modes the script prints the planner's estimate (plan/goodput.py) for the same
 settings, its inputs measured in this run: the step time T (the mean gap between two
 records), the save's extra time, each mode's recovery (kill to the first step after the
@@ -244,12 +245,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--steps, --kill-every, --checkpoint-every and --micro-batch must be >= 1")
     results = [run_mode(mode, args) for mode in args.modes.split(",")]
     print(f"\n{'mode':9} {'exit':>4} {'steps':>5} {'taken':>5} {'kills':>5} {'wall s':>7} "
-          f"{'useful':>7} {'useful/min':>10} {'planner/min':>11} {'T s':>6} {'save s':>6} "
-          f"{'alone s':>7} {'start s':>7}  recovery s")
+          f"{'useful':>7} {'useful/min':>10} {'after start':>11} {'planner/min':>11} {'T s':>6} "
+          f"{'save s':>6} {'alone s':>7} {'start s':>7}  recovery s")
     for r in results:
         alone = "-" if r["alone_s"] is None else f"{r['alone_s']:.3f}"
         print(f"{r['mode']:9} {r['exit']:>4} {r['steps']:>5} {r['taken']:>5} {r['kills']:>5} "
               f"{r['wall_s']:>7.1f} {r['useful_steps']:>7.1f} {r['useful_per_min']:>10.2f} "
+              f"{60 * r['useful_steps'] / (r['wall_s'] - r['first_s']):>11.2f} "
               f"{planner_estimate(r, args):>11.2f} {r['step_s']:>6.3f} {r['save_s']:>6.2f} "
               f"{alone:>7} {r['first_s']:>7.1f}  "
               f"{' '.join(f'{x:.1f}' for x in r['recovery_s'])}")
