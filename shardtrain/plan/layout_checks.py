@@ -8,7 +8,8 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from shardtrain.config import ConfigError, ModelConfig
-from shardtrain.config.parallel import ParallelConfig
+from shardtrain.config.data import DataConfig
+from shardtrain.config.parallel import CommConfig, ParallelConfig
 from shardtrain.config.precision import TRUE16
 from shardtrain.config.replicas import FaultConfig, check_replicas
 from shardtrain.model.sdpa_kernels import KERNELS
@@ -63,7 +64,9 @@ def check_replica_groups(lay: Layout) -> None:
     parallel = ParallelConfig(dp=lay.dp, ps_servers=lay.ps_servers,
                               **{k: getattr(lay, k) for k in REPLICA_FIELDS})
     try:
-        check_replicas(SimpleNamespace(parallel=parallel, fault=FaultConfig()), lay.gpus)
+        # the planner's layouts have no compression and no streamed data: their defaults
+        check_replicas(SimpleNamespace(parallel=parallel, fault=FaultConfig(),
+                                       comm=CommConfig(), data=DataConfig()), lay.gpus)
     except ConfigError as e:
         raise PlanError(f"layout: {e}") from None
     if lay.nd % lay.ep:
