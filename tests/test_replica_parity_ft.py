@@ -1,7 +1,8 @@
 """fault.mode = replicas with no failure equals plain data parallelism of the same global
 batch (fp32: losses rtol 1e-5, final weights 1e-4): R = 2 groups on torchft, launched as a
 user does (`shardtrain train --nproc N`: a lighthouse and one launch per group), for the
-inner layouts dp = 1, ZeRO-2 over dp = 2 and tp = 2 (docs/faults.md). Each group writes its
+inner layouts dp = 1, ZeRO-2 over dp = 2 and tp = 2 (docs/faults.md); and DiLoCo on torchft
+equals DiLoCo over the mesh's groups. Each group writes its
 own run dir (<run_dir>/replica_<r>); both groups' records and final weights are compared."""
 
 from __future__ import annotations
@@ -41,13 +42,18 @@ def _losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in lines]
 
 
-@pytest.mark.parametrize("nproc,inner", [(2, ()), (4, ("--parallel.zero", "2")),
-                                         (4, ("--parallel.tp", "2"))],
-                         ids=["dp1", "zero2-dp2", "tp2"])
-def test_replicas_without_failure_equal_dp(tmp_path, nproc, inner):
-    dp = _train(tmp_path, "dp", nproc, *inner)
-    ft = _train(tmp_path, "ft", nproc, *inner, "--fault.mode", "replicas",
-                "--parallel.replicas", "2")
+DILOCO = ("--parallel.replicas", "2", "--parallel.sync", "diloco", "--parallel.sync_every", "2")
+
+
+@pytest.mark.parametrize("nproc,inner,sync", [(2, (), ()), (4, ("--parallel.zero", "2"), ()),
+                                              (4, ("--parallel.tp", "2"), ()), (2, (), DILOCO)],
+                         ids=["dp1", "zero2-dp2", "tp2", "diloco-h2"])
+def test_replicas_without_failure_equal_dp(tmp_path, nproc, inner, sync):
+    """Against dp of the same global batch; DiLoCo against the mesh's replica groups
+    (fault.mode=restart) under the same sync (the last step a sync: one model)."""
+    dp = _train(tmp_path, "dp", nproc, *inner, *sync)
+    ft = _train(tmp_path, "ft", nproc, *inner, *(sync or ("--parallel.replicas", "2")),
+                "--fault.mode", "replicas")
     want = torch.tensor(_losses(dp))
     final = ckpt.list_checkpoints(dp / "checkpoints")[-1]
     weights = checkpoint_tensors(final)
