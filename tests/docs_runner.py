@@ -171,8 +171,11 @@ def classify(argv: tuple[str, ...], scratch: Path) -> tuple[str, str]:
         world = known.nnodes * known.nproc_per_node
         check_train(list(argv[m + 3:]), world)
         return "skip", f"a torchrun launch of {world} processes on {known.nnodes} node(s)"
-    if argv[0] == "examples/two_nodes.sh":  # PROCS_PER_NODE, then train's arguments
-        check_train(list(argv[2:]), 2 * int(argv[1]))
+    if argv[0] == "examples/two_nodes.sh":  # [--replicas] PROCS_PER_NODE, train's arguments
+        replicas = int(argv[1] == "--replicas")  # one group per node: what the script adds
+        added = ["--fault.mode", "replicas", "--parallel.replicas", "2",
+                 "--fault.advertise", "10.77.0.1"] if replicas else []
+        check_train([*argv[2 + replicas:], *added], 2 * int(argv[1 + replicas]))
         return "skip", "two network namespaces need root: tests/test_two_nodes.py runs it"
     args = shardtrain_argv(argv)
     if args is None:

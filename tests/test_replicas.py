@@ -81,6 +81,9 @@ def test_shape_puts_the_groups_outermost():
     (("--parallel.replicas", "2", "--parallel.ps_servers", "1"), 3, "parallel.ps_servers"),
     (("--parallel.sync", "local_sgd"), 2, "parallel.sync=local_sgd"),
     (("--parallel.replicas", "2", "--comm.compress", "topk"), 2, "comm.compress=topk"),
+    (("--fault.advertise", "10.0.0.2"), 1, "fault.advertise"),
+    (("--parallel.replicas", "2", "--fault.mode", "replicas", "--fault.advertise",
+      "http://node1:80"), 2, "fault.advertise"),
     (("--parallel.replicas", "2", "--parallel.sync", "diloco", "--parallel.sync_every", "8",
       "--parallel.sync_fragments", "3"), 2, "parallel.sync_fragments=3"),
 ])

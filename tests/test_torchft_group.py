@@ -83,8 +83,16 @@ def test_torchft_replicas_quorum_loss_rejoin_and_refusal():
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=200,
                                   heartbeat_timeout_ms=500)
     try:
+        # The first two groups advertise an address (fault.advertise), not the host's name:
+        # group 1's rejoin below fetches group 0's state from it.
+        advertised = _cfg()
+        advertised.fault.advertise = "127.0.0.1"
         with ThreadPoolExecutor(2) as pool:  # Manager construction blocks on the store
-            g0, g1 = pool.map(lambda r: _Group(r, lighthouse.address(), _cfg(), 10.0), (0, 1))
+            g0, g1 = pool.map(lambda r: _Group(r, lighthouse.address(), advertised, 10.0),
+                              (0, 1))
+        manager = g0.rep._manager
+        assert manager._checkpoint_transport.address().startswith("http://127.0.0.1:")
+        assert manager._manager.address().startswith("http://127.0.0.1:")
         # Two live groups: the mean of the gradients 1 and 2, bytes in the ledger.
         e0, e1 = _both([g0, g1])
         assert (e0["live"], e0["position"], e1["position"]) == (2, 0, 1)

@@ -24,6 +24,12 @@ class FaultConfig:
     min_replicas: int = 1
     # replicas: how long a quorum (and a rejoining group's state transfer) may take.
     quorum_timeout_s: float = 60.0
+    # replicas: the host name or IPv4 address the other groups reach this group's torchft
+    # servers at (its manager, its checkpoint transfer, its store): this node's own, given
+    # per node. "" advertises this host's name, right wherever that name resolves to an
+    # address the other nodes reach (one machine; a cluster's DNS), wrong where it does not
+    # (network namespaces sharing one hostname: examples/two_nodes.sh --replicas).
+    advertise: str = ""
 
 
 def total_world(cfg: Any, world_size: int) -> int:
@@ -86,6 +92,12 @@ def check_replicas(cfg: Any, world_size: int) -> None:
         raise ConfigError(f"fault.min_replicas={f.min_replicas} must lie in 1..parallel."
                           f"replicas={p.replicas} and fault.quorum_timeout_s="
                           f"{f.quorum_timeout_s:g} be > 0")
-    if f.mode == "restart" and f.lighthouse:
-        raise ConfigError(f"fault.lighthouse={f.lighthouse!r} is torchft's coordinator for "
-                          "fault.mode=replicas: set fault.mode=replicas or drop it")
+    for name, value in (("lighthouse", f.lighthouse), ("advertise", f.advertise)):
+        if f.mode == "restart" and value:
+            raise ConfigError(f"fault.{name}={value!r} applies to torchft's replica groups "
+                              "(fault.mode=replicas): set fault.mode=replicas or drop it")
+    if f.advertise and any(c in f.advertise for c in "/: \t"):
+        # torchft writes its servers' addresses as http://HOST:PORT, unbracketed: no IPv6.
+        raise ConfigError(f"fault.advertise={f.advertise!r} must be a bare host name or IPv4 "
+                          "address (no scheme, port or path; for IPv6, a host name that "
+                          "resolves to it), e.g. 10.0.0.2 or node7")

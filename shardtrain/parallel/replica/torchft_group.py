@@ -7,7 +7,8 @@ quorum, the reconfigurable cross-group process group (rebuilt on the quorum's st
 the membership changes), the commit protocol (should_commit: a step is applied only if no
 rank of the group saw an error), and the state transfer to a group that is behind (HTTP,
 rank to same rank, from a live peer). What this module adds: the group's own store for
-torchft (fresh per launch attempt), the ledger records, the live groups and this group's
+torchft (fresh per launch attempt), the address its servers advertise (fault.advertise:
+torchft's own is the host's name), the ledger records, the live groups and this group's
 position among them, the step's events, and the refusal of a group whose config differs.
 
 The launcher's contract (launch_replicas.py): SHARDTRAIN_REPLICA = this group's index
@@ -84,6 +85,20 @@ def _members(base: type) -> type:
     return Members
 
 
+def _transport(host: str, timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint transport (its default: whole state, unchunked), telling a
+    rejoining group's rank to fetch from `host` rather than from this host's name, which
+    torchft's own builds its address from."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class Advertised(HTTPTransport):
+        def address(self) -> str:
+            port = self._server.socket.getsockname()[1]
+            return f"http://{host}:{port}/checkpoint/"
+
+    return Advertised(timeout=timeout, num_chunks=0)
+
+
 def _state_bytes(obj: Any) -> int:
     """Bytes of the tensors inside a nested state dict (what the transfer moves)."""
     if isinstance(obj, torch.Tensor):
@@ -118,8 +133,10 @@ class TorchftReplicas:
         cuda = mesh.device.type == "cuda"
         self._pg = _members(torchft.ProcessGroupNCCL if cuda else torchft.ProcessGroupGloo)(
             timeout=timeout)
+        # The address the other groups reach this group's servers at (fault.advertise).
+        advertise = cfg.fault.advertise or socket.gethostname()
         # The store is held: its server lives with the object.
-        self._store, (host, port) = self._group_store(mesh, timeout)
+        self._store, (host, port) = self._group_store(mesh, timeout, advertise)
         # The replica id's trailing digits are the group: torchft numbers the cross-group
         # ranks from them (group x group world + group rank), which `_groups` reads back.
         self._manager = torchft.Manager(
@@ -129,19 +146,21 @@ class TorchftReplicas:
             init_sync=False, timeout=timeout,
             quorum_timeout=timedelta(seconds=cfg.fault.quorum_timeout_s),
             rank=mesh.rank, world_size=mesh.world_size, store_addr=host, store_port=port,
-            lighthouse_addr=lighthouse, replica_id=f"shardtrain_{self.replica:04d}")
+            lighthouse_addr=lighthouse, replica_id=f"shardtrain_{self.replica:04d}",
+            hostname=advertise, checkpoint_transport=_transport(advertise, timeout))
         self._groups: list[int] = []  # the live groups of the current quorum, ascending
         self._seen: list[int] = []  # ... of the previous step's
         self._events: dict[str, Any] = {}
 
     @staticmethod
-    def _group_store(mesh: Any, timeout: timedelta
+    def _group_store(mesh: Any, timeout: timedelta, host: str
                      ) -> tuple[dist.TCPStore | None, tuple[str, int]]:
-        """A store for torchft's Manager, made by group rank 0 on a free port. Not the
-        launcher's: that one outlives a failed attempt, and a restarted rank would read the
-        dead manager's address from it. Its port reaches the group's other ranks through
-        this attempt's own store (launch.py `_attempt_store`)."""
-        host = socket.gethostname()  # as torchft advertises its own servers
+        """A store for torchft's Manager, made by group rank 0 on a free port and reached at
+        `host` (rank 0's advertised address: a quorum's process group meets on one group's
+        store, so the other groups connect to it too). Not the launcher's: that one outlives
+        a failed attempt, and a restarted rank would read the dead manager's address from
+        it. Its address reaches the group's other ranks through this attempt's own store
+        (launch.py `_attempt_store`)."""
         store = None
         if mesh.rank == 0:
             store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
