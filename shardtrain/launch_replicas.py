@@ -23,7 +23,7 @@ from pathlib import Path
 from shardtrain import config as config_mod
 from shardtrain.config import Config, ConfigError
 from shardtrain.config.faults import parse_injection
-from shardtrain.parallel.replica.torchft_group import LIGHTHOUSE_ENV, REPLICA_ENV
+from shardtrain.config.replicas import LIGHTHOUSE_ENV, REPLICA_ENV
 
 # The lighthouse started here: a group that stopped heartbeating for 2 s is out of the
 # quorum, and a quorum waits at most 1 s for a heartbeating group that has not asked to

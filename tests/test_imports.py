@@ -30,9 +30,11 @@ ALLOWED: dict[str, set[str]] = {
     "train": {"parallel", "comm", "mesh", "model", "data", "config", "cost", "plan", "quant",
               "ckpt"},
     "launch": {"train", "mesh", "comm", "data", "config", "cost", "plan"},  # data: workers.py
+    # fault.mode=replicas on one machine: a lighthouse and one launch per group
+    "launch_replicas": {"launch", "train", "data", "config"},
     "bench": {"launch", "train", "comm", "mesh", "config", "cost", "plan"},
-    "cli": {"launch", "train", "parallel", "comm", "mesh", "model", "data", "config", "cost",
-            "plan", "bench", "quant", "ckpt"},
+    "cli": {"launch", "launch_replicas", "train", "parallel", "comm", "mesh", "model", "data",
+            "config", "cost", "plan", "bench", "quant", "ckpt"},
     "__main__": {"cli"},
 }
 NO_TORCH = {"config", "cost", "plan"}

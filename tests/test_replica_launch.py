@@ -10,7 +10,8 @@ import pytest
 
 from shardtrain.config import Config, ConfigError
 from shardtrain.launch_replicas import check_groups, group_config
-from shardtrain.parallel.replica.torchft_group import REPLICA_ENV, replica_from_env
+from shardtrain.config.replicas import REPLICA_ENV
+from shardtrain.parallel.replica.torchft_group import replica_from_env
 from shardtrain.train.observe.replica_chart import plot_replica_loss, replica_lines
 
 

@@ -10,6 +10,10 @@ from typing import Any, Literal
 
 from shardtrain.config.errors import ConfigError
 
+# The environment a replica group's processes get from their launcher (launch_replicas.py,
+# the cluster recipes, docs/launching.md): the group's index and the lighthouse's address.
+REPLICA_ENV, LIGHTHOUSE_ENV = "SHARDTRAIN_REPLICA", "TORCHFT_LIGHTHOUSE"
+
 
 @dataclass(kw_only=True)
 class FaultConfig:

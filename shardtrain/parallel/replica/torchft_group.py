@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from shardtrain.comm.ledger import add_record
 from shardtrain.config import ConfigError
+from shardtrain.config.replicas import LIGHTHOUSE_ENV, REPLICA_ENV
 
-REPLICA_ENV, LIGHTHOUSE_ENV = "SHARDTRAIN_REPLICA", "TORCHFT_LIGHTHOUSE"
 _STORE_KEY = "shardtrain/torchft_store"  # where group rank 0 publishes torchft's store port
 
 # The config a rejoining group must share with the quorum: everything that shapes the

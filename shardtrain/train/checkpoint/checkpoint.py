@@ -269,10 +269,10 @@ def check_layout(path: Path, cfg: Config, world_size: int) -> None:
             "optimizer state lives in its ps_server*.pt files, the other layouts' in the "
             "shards: resume with parallel.ps_servers > 0 if and only if the checkpoint had "
             "servers (their count may change)")
-    saved = {"zero": 0, "cp": 1, "ep": 1, **meta.get("layout", {}),
+    saved = {"zero": 0, "cp": 1, "ep": 1, "replicas": 1, **meta.get("layout", {}),
              "topk": checkpoint_config(path).comm.compress == "topk"}
     wanted = {"zero": p.zero, "pp": p.pp, "dp": p.resolved_dp(world_size), "tp": p.tp,
-              "cp": p.cp, "ep": p.ep, "topk": cfg.comm.compress == "topk"}
+              "cp": p.cp, "ep": p.ep, "replicas": p.replicas, "topk": cfg.comm.compress == "topk"}
     if not saved["topk"] and not wanted["topk"] or saved == wanted:
         return
     saved_text, wanted_text = map(_describe, (saved, wanted))
